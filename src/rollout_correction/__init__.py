@@ -1,0 +1,35 @@
+"""rollout-correction: keep LLM reinforcement learning correct when the tokens were sampled by a
+different engine than the one computing gradients.
+
+The public surface is small::
+
+    from rollout_correction import (RolloutCorrectionConfig, compute_rollout_correction,
+                                    compute_offpolicy_metrics, compute_policy_loss)
+"""
+
+from .config import SAFETY_BOUND, ConfigError, RolloutCorrectionConfig
+from .correction import CorrectionOutput, compute_rollout_correction
+from .losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
+from .metrics import (CorrectionAccumulator, OffPolicyAccumulator, compute_offpolicy_metrics,
+                      metrics_to_floats)
+from .packed import compute_rollout_correction_packed
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RolloutCorrectionConfig",
+    "ConfigError",
+    "compute_rollout_correction",
+    "compute_rollout_correction_packed",
+    "CorrectionOutput",
+    "compute_offpolicy_metrics",
+    "OffPolicyAccumulator",
+    "CorrectionAccumulator",
+    "compute_policy_loss",
+    "agg_loss",
+    "ppo_clip_loss",
+    "metrics_to_floats",
+    "LOSS_AGG_MODES",
+    "SAFETY_BOUND",
+    "__version__",
+]

@@ -1,0 +1,112 @@
+"""The correction pipeline: log-ratio → weights / rejection masks → statistics → metrics.
+
+One call makes one pass over its inputs to build the log-ratio and the per-row reductions the
+config needs, records every statistic locally, reduces them over the process group (≤ 2
+collectives), and derives the batch-normalisation factor and all metrics from the reduced values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .config import RolloutCorrectionConfig
+from .logratio import LogRatioBatch
+from .metrics import (add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics, offpolicy_metrics,
+                      prefixed)
+from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
+from .stats import SufficientStats
+from .weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
+
+__all__ = ["CorrectionOutput", "compute_rollout_correction", "local_correction", "correction_metrics"]
+
+
+@dataclass
+class CorrectionOutput:
+    """Result of :func:`compute_rollout_correction`.
+
+    weights: (B, T) float32 IS weights (detached, 0 at padding and at rows dropped for
+        non-finite input), or None when ``rollout_is`` is None.
+    response_mask: (B, T) input mask with rejected tokens set to 0, same dtype as the input.
+    metrics: ``rollout_corr/<name>`` → 0-d tensor.
+    """
+
+    weights: Optional[torch.Tensor]
+    response_mask: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def metrics_as_floats(self) -> dict[str, float]:
+        """All metrics as Python floats, with one device sync."""
+        return metrics_to_floats(self.metrics)
+
+
+def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig,
+                     stats: SufficientStats) -> tuple[Optional[ISWeights], RejectionResult]:
+    """Weights (before batch normalisation), keep masks, and every local statistic for ``config``."""
+    isw = None
+    if config.is_spec is not None:
+        isw = importance_weights(batch, config.is_spec)
+        add_is_statistics(stats, batch, config.is_spec, isw)
+    rej = rejection_keep(batch, config.rs_options, config.rollout_token_veto_threshold, stats)
+    add_offpolicy_statistics(stats, batch)
+    return isw, rej
+
+
+def correction_metrics(stats: SufficientStats, config: RolloutCorrectionConfig) -> dict[str, torch.Tensor]:
+    """Every metric of ``config`` from reduced statistics (unprefixed names)."""
+    m: dict[str, torch.Tensor] = {}
+    if config.is_spec is not None:
+        m.update(is_metrics(stats, config.is_spec))
+    m.update(rs_metrics(stats, config.rs_options))
+    if config.rollout_token_veto_threshold is not None:
+        m.update(veto_metrics(stats))
+    m.update(offpolicy_metrics(stats))
+    m.update(nonfinite_metrics(stats))
+    return m
+
+
+def compute_rollout_correction(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Optional[RolloutCorrectionConfig] = None,
+    process_group: Optional[object] = None,
+) -> CorrectionOutput:
+    """IS weights, rejection-adjusted response mask and diagnostics for one batch.
+
+    log ρ_t = old_log_prob − rollout_log_prob on valid tokens. Weights follow
+    ``config.rollout_is`` / ``rollout_is_threshold`` (see :mod:`rollout_correction.weights`),
+    rejection follows ``rollout_rs`` and the veto (see :mod:`rollout_correction.rejection`).
+
+    Args:
+        old_log_prob: (B, T) π_old log-probs (decoupled mode) or π_θ log-probs (bypass mode);
+            any float dtype, computed in float32.
+        rollout_log_prob: (B, T) log-probs of the sampling engine.
+        response_mask: (B, T) bool or 0/1 mask of valid tokens.
+        config: a :class:`RolloutCorrectionConfig`; None means metrics only.
+        process_group: a ``torch.distributed`` group over which the batch is split; batch
+            normalisation and every metric then cover the whole batch (exactly the
+            single-process result).
+    Returns:
+        :class:`CorrectionOutput`.
+    """
+    config = config or RolloutCorrectionConfig()
+    if not isinstance(config, RolloutCorrectionConfig):
+        config = RolloutCorrectionConfig.from_dict(config)
+    with torch.no_grad():
+        batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite)
+        stats = SufficientStats()
+        batch.add_counts(stats)
+        isw, rej = local_correction(batch, config, stats)
+        stats.all_reduce(process_group)
+        metrics = correction_metrics(stats, config)
+
+        weights = None
+        if isw is not None:
+            weights = isw.weights
+            if config.is_spec.batch_normalize:
+                weights = weights / batch_norm_factor(stats, config.is_spec).to(weights.dtype)
+        out_mask = torch.where(rej.keep_mask(batch), response_mask, torch.zeros_like(response_mask))
+    return CorrectionOutput(weights=weights, response_mask=out_mask, metrics=prefixed(metrics))

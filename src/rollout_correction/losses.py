@@ -1,0 +1,217 @@
+"""Policy losses: PPO clip (dual clip), decoupled IS weighting, bypass PPO-clip, REINFORCE.
+
+Notation: r_t = π_θ/π_prox (log clamped to ±20), A_t the advantage, ε_lo/ε_hi the clip range,
+c > 1 the dual-clip constant, w_t the (detached) IS weight.
+
+* PPO clip (Schulman et al. 2017) with dual clip (Ye et al. 2020) for A < 0:
+      ℓ_t = max(−A_t r_t, −A_t clip(r_t, 1−ε_lo, 1+ε_hi));   if A_t < 0: ℓ_t ← min(ℓ_t, −c A_t)
+* decoupled (Hilton et al. 2021; three policies): ℓ_t ← w_t · ℓ_t with π_prox = π_old and
+  w_t = π_old/π_rollout (bounded as configured)
+* bypass PPO-clip: π_prox = π_rollout; rejection masks apply; IS weights are diagnostics only
+* bypass REINFORCE (pure IS): ℓ_t = −sg(w_t) · A_t · log π_θ(y_t), w = π_θ/π_rollout bounded as
+  configured; with untruncated sequence weights its gradient is the on-policy gradient E_π[A ∇log π]
+
+Values at masked or rejected positions never reach the loss (they are replaced with ``where``,
+so a NaN there cannot propagate, not even into the gradient). When every token is masked the
+loss is exactly 0, still attached to the graph, with zero gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import torch
+
+from .config import SAFETY_BOUND, RolloutCorrectionConfig
+from .correction import compute_rollout_correction
+from .validation import check_same, first_nonfinite
+
+__all__ = ["LOSS_AGG_MODES", "agg_loss", "ppo_clip_loss", "compute_policy_loss"]
+
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
+Count = Union[int, float, torch.Tensor, None]
+
+
+def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
+    den = local if value is None else torch.as_tensor(value, dtype=local.dtype, device=local.device)
+    return den.clamp_min(1.0)
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+             global_num_tokens: Count = None, global_num_seqs: Count = None, dp_size: int = 1,
+             loss_scale_factor: Optional[float] = None) -> torch.Tensor:
+    """Aggregate a (B, T) per-token loss over the valid (non-zero mask) tokens.
+
+    * token-mean:              Σ_{i,t} ℓ / N_tok
+    * token-sum:               Σ_{i,t} ℓ
+    * seq-mean-token-sum:      Σ_i (Σ_t ℓ_it) / N_seq
+    * seq-mean-token-mean:     Σ_i (Σ_t ℓ_it / n_i) / N_seq
+    * seq-mean-token-sum-norm: Σ_i (Σ_t ℓ_it) / N_seq / S   (S = ``loss_scale_factor``, default T)
+
+    N_tok / N_seq (sequences with ≥ 1 valid token) are the local counts unless
+    ``global_num_tokens`` / ``global_num_seqs`` give the totals over all data-parallel ranks;
+    with global denominators under gradient averaging (DDP/FSDP) pass ``dp_size`` = world size
+    so the averaged gradient is that of the global loss. Denominators are at least 1, so an
+    all-masked batch gives exactly 0 (still attached to the graph).
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
+    check_same([("loss_mat", loss_mat), ("loss_mask", loss_mask)], float_names=("loss_mat",))
+    valid = loss_mask.bool()
+    lm = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
+    n_row = valid.sum(-1).to(lm.dtype)
+    if loss_agg_mode == "token-mean":
+        loss = lm.sum() / _count(global_num_tokens, n_row.sum())
+    elif loss_agg_mode == "token-sum":
+        loss = lm.sum()
+    else:
+        seq = lm.sum(-1)
+        if loss_agg_mode == "seq-mean-token-mean":
+            seq = seq / n_row.clamp_min(1.0)
+        loss = seq.sum() / _count(global_num_seqs, (n_row > 0).sum().to(lm.dtype))
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss = loss / (loss_scale_factor if loss_scale_factor is not None else loss_mat.shape[-1])
+    return loss * dp_size
+
+
+def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor,
+                  clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss with dual clip (see module docstring).
+
+    Returns (loss (B, T), clipped (B, T) bool — the clipped branch is active, clipped_lower
+    (B, T) bool — the dual clip is active).
+    """
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c} is invalid: the dual-clip constant must be > 1")
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise ValueError(f"clip ratios must be ≥ 0, got low={clip_ratio_low}, high={clip_ratio_high}")
+    ratio = (log_prob - prox_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
+    l1 = -advantages * ratio
+    l2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clip1 = torch.maximum(l1, l2)
+    l3 = -advantages * clip_ratio_c
+    negative = advantages < 0
+    loss = torch.where(negative, torch.minimum(l3, clip1), clip1)
+    return loss, l2 > l1, (clip1 > l3) & negative
+
+
+def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    x = x.detach().to(torch.float64)
+    return torch.where(valid, x, 0.0).sum() / valid.sum().clamp_min(1)
+
+
+def compute_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Optional[RolloutCorrectionConfig] = None,
+    rollout_log_prob: Optional[torch.Tensor] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Count = None,
+    global_num_seqs: Count = None,
+    dp_size: int = 1,
+    loss_scale_factor: Optional[float] = None,
+    process_group: Optional[object] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy loss with rollout correction, in the mode ``config`` selects.
+
+    Decoupled (``config.bypass_mode`` False): PPO clip against ``old_log_prob``; the per-token
+    loss is multiplied by ``rollout_is_weights`` if given, otherwise — when ``rollout_log_prob``
+    is given — the correction (weights and rejection mask) is computed here from
+    ``old_log_prob`` vs ``rollout_log_prob``. With neither, this is plain PPO.
+
+    Bypass (``config.bypass_mode`` True): π_old := π_rollout (``rollout_log_prob``, or
+    ``old_log_prob`` when the trainer already substituted it). The correction is computed from
+    π_θ (``log_prob``, without gradient) vs π_rollout; its rejection mask always applies.
+    ``loss_type="ppo_clip"`` clips against π_rollout and uses no IS weights;
+    ``loss_type="reinforce"`` is −sg(w)·A·log π_θ.
+
+    Args:
+        log_prob: (B, T) log π_θ, with gradient.
+        old_log_prob: (B, T) log π_old (may be None in bypass mode when rollout_log_prob is given).
+        advantages: (B, T) advantages.
+        response_mask: (B, T) bool or 0/1 mask of valid tokens.
+        config: :class:`RolloutCorrectionConfig` (None: plain decoupled PPO, metrics only).
+        rollout_log_prob: (B, T) log π_rollout.
+        rollout_is_weights: (B, T) precomputed IS weights (decoupled mode); detached here.
+        clip_ratio_low / clip_ratio_high / clip_ratio_c: PPO clip range and dual-clip constant.
+        loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see
+            :func:`agg_loss`; rejected tokens are not counted in local denominators.
+        process_group: reduce the correction statistics over this group.
+    Returns:
+        (loss, metrics): scalar loss; 0-d tensors ``actor/pg_clipfrac``, ``actor/ppo_kl``,
+        ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` and, when the
+        correction was computed here, every ``rollout_corr/*`` metric.
+    """
+    config = config if isinstance(config, RolloutCorrectionConfig) else RolloutCorrectionConfig.from_dict(config)
+    bypass = config.bypass_mode
+    if bypass:
+        rollout = rollout_log_prob if rollout_log_prob is not None else old_log_prob
+        if rollout is None:
+            raise ValueError("bypass mode needs rollout_log_prob (or old_log_prob set to the rollout log-probs)")
+        prox = rollout
+    else:
+        if old_log_prob is None:
+            raise ValueError("decoupled mode needs old_log_prob; set bypass_mode=True to clip against "
+                             "rollout_log_prob instead")
+        rollout, prox = rollout_log_prob, old_log_prob
+    check_same([("log_prob", log_prob), ("old_log_prob" if not bypass else "rollout_log_prob", prox),
+                ("advantages", advantages), ("response_mask", response_mask),
+                ("rollout_log_prob", rollout_log_prob), ("rollout_is_weights", rollout_is_weights)],
+               float_names=("log_prob", "old_log_prob", "rollout_log_prob", "advantages", "rollout_is_weights"))
+
+    # Drop (or refuse) rows with a non-finite value at a valid position; sanitise the rest.
+    input_valid = response_mask.bool()
+    finite = torch.isfinite(log_prob.detach()) & torch.isfinite(prox) & torch.isfinite(advantages)
+    if rollout_is_weights is not None:
+        finite &= torch.isfinite(rollout_is_weights)
+    bad = input_valid & ~finite
+    if config.on_nonfinite == "raise":
+        pos = first_nonfinite(bad)
+        if pos is not None:
+            raise ValueError(f"non-finite log_prob / {('old_log_prob', 'rollout_log_prob')[bypass]} / advantages"
+                             f"{' / rollout_is_weights' if rollout_is_weights is not None else ''} at valid "
+                             f"position (row {pos[0]}, column {pos[1]}); set on_nonfinite='reject' to drop such rows")
+    bad_rows = bad.any(-1)
+    valid = input_valid & ~bad_rows.unsqueeze(-1)
+    zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
+    lp = torch.where(valid, log_prob.float(), zero)
+    prox_s = torch.where(valid, prox.float(), zero)
+    adv = torch.where(valid, advantages.float(), zero)
+    metrics: dict[str, torch.Tensor] = {}
+    input_rows = input_valid.any(-1)
+    metrics["actor/nonfinite_seq_fraction"] = (
+        (bad_rows & input_rows).sum(dtype=torch.float64) / input_rows.sum().clamp_min(1))
+
+    weights = None
+    mask = valid
+    if rollout is not None and (bypass or rollout_is_weights is None):
+        train_side = lp.detach() if bypass else prox_s
+        corr = compute_rollout_correction(train_side, rollout, valid, config, process_group)
+        mask = corr.response_mask
+        weights = corr.weights
+        metrics.update(corr.metrics)
+    if rollout_is_weights is not None and not bypass:
+        weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
+
+    if bypass and config.loss_type == "reinforce":
+        pg = -adv * lp if weights is None else -(weights.detach() * adv) * lp
+        metrics["actor/ppo_kl"] = _masked_mean(prox_s - lp, mask)
+    else:
+        pg, clipped, clipped_lower = ppo_clip_loss(lp, prox_s, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+        if weights is not None and not bypass:
+            pg = pg * weights.detach()
+        metrics["actor/pg_clipfrac"] = _masked_mean(clipped.float(), mask)
+        metrics["actor/ppo_kl"] = _masked_mean(prox_s - lp, mask)
+        metrics["actor/pg_clipfrac_lower"] = _masked_mean(clipped_lower.float(), mask)
+    loss = agg_loss(pg, mask, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    return loss, metrics

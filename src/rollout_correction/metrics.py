@@ -1,0 +1,175 @@
+"""Off-policy diagnostics and the streaming accumulators.
+
+Off-policy metrics (π_train = π_old in decoupled mode, π_θ in bypass mode; ρ_t = π_train/π_rollout;
+sequence statistics over sequences with ≥ 1 valid token; exponents clamped to ±20 unless noted):
+
+* ``training_log_ppl`` = mean_seq(−mean_t log π_train),  ``training_ppl`` = mean_seq exp(−mean_t log π_train)
+* ``rollout_log_ppl``, ``rollout_ppl``: the same for π_rollout (PPL exponents clamped at 700 only)
+* ``kl``      = mean_tok(log π_rollout − log π_train)           — k1 estimate of KL(π_rollout ‖ π_train)
+* ``k3_kl``   = mean_tok(ρ_t − 1 − log ρ_t)                      — k3 estimate, ≥ 0
+* ``log_ppl_diff`` = mean_seq(d), d = mean_t log π_rollout − mean_t log π_train;
+  ``log_ppl_abs_diff`` = mean_seq |d|; ``log_ppl_diff_max`` / ``_min`` over sequences
+* ``ppl_ratio`` = mean_seq exp(d)                               — training PPL / rollout PPL per sequence
+* ``chi2_token`` = mean_tok(ρ_t²) − 1,  ``chi2_seq`` = mean_seq((∏_t ρ_t)²) − 1
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .config import SAFETY_BOUND, RolloutCorrectionConfig
+from .logratio import LogRatioBatch
+from .stats import SufficientStats
+from .weights import _div
+
+__all__ = ["PREFIX", "compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics",
+           "metrics_to_floats", "prefixed", "OffPolicyAccumulator", "CorrectionAccumulator"]
+
+PREFIX = "rollout_corr/"
+_PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
+
+
+def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
+    """Record the sufficient statistics of the off-policy metrics."""
+    x = batch.log_ratio_clamped
+    stats.add_sum("op.sum_lr", batch.token_sum(batch.log_ratio))
+    stats.add_sum("op.sum_k3", batch.token_sum((torch.expm1(x) - x).clamp_min(0.0)))
+    stats.add_sum("op.sum_rho2", batch.token_sum(torch.where(batch.valid, (2.0 * x).exp(), 0.0)))
+    old_nll = -batch.old_row_mean
+    roll_nll = -batch.rollout_row_mean
+    d = old_nll - roll_nll  # = mean log π_rollout − mean log π_train
+    stats.add_sum("op.train_log_ppl", batch.row_sum_of(old_nll))
+    stats.add_sum("op.train_ppl", batch.row_sum_of(old_nll.clamp(max=_PPL_EXP_MAX).exp()))
+    stats.add_sum("op.roll_log_ppl", batch.row_sum_of(roll_nll))
+    stats.add_sum("op.roll_ppl", batch.row_sum_of(roll_nll.clamp(max=_PPL_EXP_MAX).exp()))
+    stats.add_sum("op.d", batch.row_sum_of(d))
+    stats.add_sum("op.abs_d", batch.row_sum_of(d.abs()))
+    stats.add_max("op.d_max", batch.row_max(d))
+    stats.add_min("op.d_min", batch.row_min(d))
+    stats.add_sum("op.ppl_ratio", batch.row_sum_of(d.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()))
+    seq_log = batch.row_sum.double().clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    stats.add_sum("op.rho2_seq", batch.row_sum_of((2.0 * seq_log).exp()))
+
+
+def offpolicy_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
+    """The 13 off-policy metrics (see module docstring) from reduced statistics; 0 when empty."""
+    n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
+    zero = torch.zeros_like(n_tok)
+
+    def seq_mean(k: str) -> torch.Tensor:
+        return _div(stats.sum(k), n_rows)
+
+    has_rows = n_rows > 0
+    return {
+        "training_ppl": seq_mean("op.train_ppl"),
+        "training_log_ppl": seq_mean("op.train_log_ppl"),
+        "kl": -_div(stats.sum("op.sum_lr"), n_tok),
+        "k3_kl": _div(stats.sum("op.sum_k3"), n_tok),
+        "rollout_ppl": seq_mean("op.roll_ppl"),
+        "rollout_log_ppl": seq_mean("op.roll_log_ppl"),
+        "log_ppl_diff": seq_mean("op.d"),
+        "log_ppl_abs_diff": seq_mean("op.abs_d"),
+        "log_ppl_diff_max": torch.where(has_rows, stats.max("op.d_max"), zero),
+        "log_ppl_diff_min": torch.where(has_rows, stats.min("op.d_min"), zero),
+        "ppl_ratio": seq_mean("op.ppl_ratio"),
+        "chi2_token": torch.where(n_tok > 0, _div(stats.sum("op.sum_rho2"), n_tok) - 1.0, zero),
+        "chi2_seq": torch.where(has_rows, seq_mean("op.rho2_seq") - 1.0, zero),
+    }
+
+
+def nonfinite_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
+    """``nonfinite_seq_fraction``: share of sequences dropped for a NaN/±inf log-prob at a
+    valid position (denominator: sequences with ≥ 1 valid token in the input)."""
+    return {"nonfinite_seq_fraction": _div(stats.sum("nonfinite_rows"), stats.sum("n_rows_input"))}
+
+
+def prefixed(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {PREFIX + k: v for k, v in metrics.items()}
+
+
+def metrics_to_floats(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Convert a dict of 0-d tensors to Python floats with a single device sync."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys]).tolist()
+        out.update(zip(keys, values))
+    return {k: out[k] for k in metrics}
+
+
+def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                              response_mask: torch.Tensor, process_group: Optional[object] = None,
+                              on_nonfinite: str = "reject") -> dict[str, torch.Tensor]:
+    """Off-policy diagnostics of π_train vs π_rollout, keys ``rollout_corr/<name>``.
+
+    Args:
+        old_log_prob: (B, T) log-probs of the training-side policy.
+        rollout_log_prob: (B, T) log-probs of the sampling policy.
+        response_mask: (B, T) bool or 0/1, non-zero on valid tokens.
+        process_group: reduce the statistics over this ``torch.distributed`` group, so every
+            rank gets the metrics of the whole (split) batch.
+    Returns:
+        dict of 0-d float64 tensors (see the module docstring for the formulas).
+    """
+    acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite)
+    acc.update(old_log_prob, rollout_log_prob, response_mask)
+    return acc.compute(process_group)
+
+
+class _Accumulator:
+    """Streaming version of a statistic family: ``update`` per chunk of whole rows, then
+    ``compute`` gives exactly what one call on the concatenated batch would give."""
+
+    def __init__(self, on_nonfinite: str = "reject") -> None:
+        self.stats = SufficientStats()
+        self.on_nonfinite = on_nonfinite
+
+    def update(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+               response_mask: torch.Tensor) -> None:
+        batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, self.on_nonfinite)
+        local = SufficientStats()
+        batch.add_counts(local)
+        self._add(local, batch)
+        self.stats.merge(local)
+
+    def _add(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
+        raise NotImplementedError
+
+    def compute(self, process_group: Optional[object] = None) -> dict[str, torch.Tensor]:
+        if not self.stats.sums:
+            raise ValueError("no data: call update() with at least one batch before compute()")
+        stats = SufficientStats().merge(self.stats).all_reduce(process_group)
+        return prefixed(self._finalize(stats))
+
+    def _finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class OffPolicyAccumulator(_Accumulator):
+    """Streaming :func:`compute_offpolicy_metrics`."""
+
+    def _add(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
+        add_offpolicy_statistics(stats, batch)
+
+    def _finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
+        return {**offpolicy_metrics(stats), **nonfinite_metrics(stats)}
+
+
+class CorrectionAccumulator(_Accumulator):
+    """Streaming metrics of :func:`rollout_correction.compute_rollout_correction` for ``config``."""
+
+    def __init__(self, config: RolloutCorrectionConfig | None = None) -> None:
+        self.config = config or RolloutCorrectionConfig()
+        super().__init__(self.config.on_nonfinite)
+
+    def _add(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
+        from .correction import local_correction
+
+        local_correction(batch, self.config, stats)
+
+    def _finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
+        from .correction import correction_metrics
+
+        return correction_metrics(stats, self.config)

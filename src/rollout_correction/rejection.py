@@ -1,0 +1,220 @@
+"""Rejection sampling: divergence-based trust-region masks and the catastrophic-token veto.
+
+Per-token estimators of KL(π_rollout ‖ π_train) from log ρ_t (clamped to ±20):
+
+* k1 = −log ρ_t
+* k2 = ½ (log ρ_t)²
+* k3 = ρ_t − 1 − log ρ_t     (≥ 0; computed as expm1(log ρ) − log ρ for accuracy)
+
+Aggregations over a sequence's valid tokens: ``token`` (each token on its own), ``seq_sum``,
+``seq_mean``, ``seq_max``. A token/sequence is kept iff its statistic lies in the option's bounds;
+chained options must all accept (logical AND). k1 bounds are ratio bounds lo ≤ ρ_agg ≤ hi, where
+ρ_agg = exp(−k1_agg) — e.g. ``seq_mean_k1`` with "0.999_1.001" keeps sequences whose geometric-mean
+ratio lies within ±0.1% of 1.
+
+Veto (first-generation ``rollout_token_veto_threshold`` C): reject a sequence if any valid token
+has unclamped ρ_t < C.
+
+Rejection changes the response mask only: rejected tokens leave the loss and its denominator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import RSOption
+from .logratio import LogRatioBatch
+from .stats import SufficientStats
+from .weights import _div, seq_summary
+
+__all__ = ["token_divergence", "RejectionResult", "rejection_keep", "rs_metrics", "veto_metrics"]
+
+
+def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
+    """Per-token k1 / k2 / k3 (see module docstring); 0 at invalid positions. Shape (B, T)."""
+    x = batch.log_ratio_clamped
+    if estimator == "k1":
+        return -x
+    if estimator == "k2":
+        return 0.5 * x * x
+    if estimator == "k3":
+        return (torch.expm1(x) - x).clamp_min(0.0)
+    raise ValueError(f"unknown divergence estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
+
+
+@dataclass
+class RejectionResult:
+    """``token_keep`` (B, T) bool or None and ``row_keep`` (B,) bool: the AND of all criteria
+    (veto included). ``rs_token_keep`` / ``rs_row_keep`` exclude the veto."""
+
+    token_keep: Optional[torch.Tensor]
+    row_keep: torch.Tensor
+    rs_token_keep: Optional[torch.Tensor]
+    rs_row_keep: torch.Tensor
+
+    def keep_mask(self, batch: LogRatioBatch) -> torch.Tensor:
+        keep = batch.valid & self.row_keep.unsqueeze(-1)
+        return keep & self.token_keep if self.token_keep is not None else keep
+
+
+def _row_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> torch.Tensor:
+    if agg == "seq_sum":
+        return per_token.sum(-1)
+    if agg == "seq_mean":
+        return per_token.sum(-1) / batch.n_row.clamp_min(1.0)
+    return per_token.amax(-1) if per_token.shape[-1] else per_token.sum(-1)  # seq_max; 0 for empty rows
+
+
+def _within(x: torch.Tensor, opt: RSOption) -> torch.Tensor:
+    keep = x <= opt.stat_upper
+    return keep & (x >= opt.stat_lower) if opt.stat_lower is not None else keep
+
+
+def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_threshold: Optional[float],
+                   stats: Optional[SufficientStats] = None) -> RejectionResult:
+    """Keep masks for the chained ``options`` and the veto; records statistics when given ``stats``."""
+    B = batch.log_ratio.shape[0]
+    row_keep = torch.ones(B, dtype=torch.bool, device=batch.log_ratio.device)
+    token_keep: Optional[torch.Tensor] = None
+    cache: dict[str, torch.Tensor] = {}
+    for opt in options:
+        per_token = cache.get(opt.estimator)
+        if per_token is None:
+            per_token = cache[opt.estimator] = token_divergence(batch, opt.estimator)
+        if opt.agg == "token":
+            keep = _within(per_token, opt)
+            token_keep = keep if token_keep is None else token_keep & keep
+            if stats is not None:
+                _add_token_option_stats(stats, batch, opt, per_token, keep)
+        else:
+            s_row = _row_stat(batch, per_token, opt.agg)
+            keep = _within(s_row, opt)
+            row_keep = row_keep & keep
+            if stats is not None:
+                _add_row_option_stats(stats, batch, opt, s_row, keep)
+    rs_row_keep, rs_token_keep = row_keep, token_keep
+    if stats is not None and options:
+        rs_keep = batch.valid & row_keep.unsqueeze(-1)
+        if token_keep is not None:
+            rs_keep = rs_keep & token_keep
+        rejected = batch.valid & ~rs_keep
+        stats.add_sum("rs.masked", rejected.sum(dtype=torch.float64))
+        stats.add_sum("rs.seq_masked", batch.row_count(rejected.any(-1)))
+    if veto_threshold is not None:
+        catastrophic = batch.valid & (batch.log_ratio < math.log(veto_threshold))
+        vetoed = catastrophic.any(-1)
+        row_keep = row_keep & ~vetoed
+        if stats is not None:
+            stats.add_sum("veto.tok", catastrophic.sum(dtype=torch.float64))
+            stats.add_sum("veto.rows", batch.row_count(vetoed))
+    return RejectionResult(token_keep, row_keep, rs_token_keep, rs_row_keep)
+
+
+def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
+    lo = opt.stat_lower if opt.stat_lower is not None else 0.0
+    return x.clamp(min=lo, max=opt.stat_upper)
+
+
+def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
+                            x: torch.Tensor, keep: torch.Tensor) -> None:
+    p = f"rs.{opt.name}."
+    c = torch.where(batch.valid, _std_clamp(opt, x), 0.0)
+    stats.add_sum(p + "sum", batch.token_sum(x))
+    stats.add_sum(p + "c_sum", batch.token_sum(c))
+    stats.add_sum(p + "c_sum2", batch.token_sum(c * c))
+    stats.add_max(p + "max", batch.token_max(x))
+    stats.add_min(p + "min", batch.token_min(x))
+    stats.add_sum(p + "high", batch.token_count(x > opt.stat_upper))
+    if opt.stat_lower is not None:
+        stats.add_sum(p + "low", batch.token_count(x < opt.stat_lower))
+    seq = x.sum(-1) / batch.n_row.clamp_min(1.0)
+    _add_seq_values(stats, batch, opt, seq)
+    rejected = batch.valid & ~keep
+    stats.add_sum(p + "masked", rejected.sum(dtype=torch.float64))
+    stats.add_sum(p + "seq_masked", batch.row_count(rejected.any(-1)))
+
+
+def _add_row_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
+                          s: torch.Tensor, keep: torch.Tensor) -> None:
+    p = f"rs.{opt.name}."
+    c = _std_clamp(opt, s)
+    stats.add_sum(p + "sum", batch.tokens_weighted_row_sum(s))
+    stats.add_sum(p + "c_sum", batch.tokens_weighted_row_sum(c))
+    stats.add_sum(p + "c_sum2", batch.tokens_weighted_row_sum(c.double() ** 2))
+    stats.add_sum(p + "high", batch.row_count(s > opt.stat_upper))
+    if opt.stat_lower is not None:
+        stats.add_sum(p + "low", batch.row_count(s < opt.stat_lower))
+    _add_seq_values(stats, batch, opt, s)
+    stats.add_sum(p + "masked", batch.tokens_weighted_row_sum((~keep).double()))
+    stats.add_sum(p + "seq_masked", batch.row_count(~keep))
+
+
+def _add_seq_values(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, seq: torch.Tensor) -> None:
+    p = f"rs.{opt.name}.seq"
+    stats.add_sum(p + "_sum", batch.row_sum_of(seq))
+    stats.add_sum(p + "_sum2", batch.row_sum_of(seq.double() ** 2))
+    stats.add_max(p + "_max", batch.row_max(seq))
+    stats.add_min(p + "_min", batch.row_min(seq))
+    stats.add_sum(p + "_high", batch.row_count(seq > opt.stat_upper))
+    if opt.stat_lower is not None:
+        stats.add_sum(p + "_low", batch.row_count(seq < opt.stat_lower))
+
+
+def rs_metrics(stats: SufficientStats, options: tuple[RSOption, ...]) -> dict[str, torch.Tensor]:
+    """``rollout_rs_<option>_*`` and global ``rollout_rs_*`` metrics from reduced statistics.
+
+    For option o with statistic s (per token, or per sequence broadcast over its tokens):
+    mean = token mean of s; max/min over tokens (token options) or sequences (sequence options);
+    fraction_high/low = share above the upper / below the lower statistic bound (tokens or
+    sequences); std = token-weighted std of s clamped to the bounds; seq_* = statistics of the
+    per-sequence value (sequence mean of s for token options) over sequences with ≥ 1 valid token,
+    seq_max_deviation = max |value|; masked_fraction = share of valid tokens this option rejects;
+    seq_masked_fraction = share of sequences with at least one token it rejects.
+    """
+    if not options:
+        return {}
+    n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
+    zero = torch.zeros_like(n_tok)
+    m: dict[str, torch.Tensor] = {}
+    for opt in options:
+        p, out = f"rs.{opt.name}.", f"rollout_rs_{opt.name}_"
+        seq = seq_summary(stats, p + "seq", n_rows, center=0.0)
+        m[out + "mean"] = _div(stats.sum(p + "sum"), n_tok)
+        if opt.agg == "token":
+            m[out + "max"] = torch.where(n_tok > 0, stats.max(p + "max"), zero)
+            m[out + "min"] = torch.where(n_tok > 0, stats.min(p + "min"), zero)
+            den = n_tok
+        else:
+            m[out + "max"], m[out + "min"] = seq["max"], seq["min"]
+            den = n_rows
+        m[out + "fraction_high"] = _div(stats.sum(p + "high"), den)
+        m[out + "fraction_low"] = _div(stats.sum(p + "low"), den) if opt.stat_lower is not None else zero
+        cm = _div(stats.sum(p + "c_sum"), n_tok)
+        var = (_div(stats.sum(p + "c_sum2"), n_tok) - cm * cm).clamp_min(0)
+        m[out + "std"] = torch.where(n_tok > 1, var.sqrt(), zero)
+        for k, v in seq.items():
+            m[out + "seq_" + k] = v
+        m[out + "seq_fraction_high"] = _div(stats.sum(p + "seq_high"), n_rows)
+        if opt.stat_lower is not None:
+            m[out + "seq_fraction_low"] = _div(stats.sum(p + "seq_low"), n_rows)
+        m[out + "masked_fraction"] = _div(stats.sum(p + "masked"), n_tok)
+        m[out + "seq_masked_fraction"] = _div(stats.sum(p + "seq_masked"), n_rows)
+    m["rollout_rs_masked_fraction"] = _div(stats.sum("rs.masked"), n_tok)
+    m["rollout_rs_seq_masked_fraction"] = _div(stats.sum("rs.seq_masked"), n_rows)
+    if options[0].legacy is not None:  # first-generation names for the same quantities
+        m["rollout_is_masked_fraction"] = m["rollout_rs_masked_fraction"]
+        m["rollout_is_seq_masked_fraction"] = m["rollout_rs_seq_masked_fraction"]
+    return m
+
+
+def veto_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
+    """``rollout_is_veto_fraction`` (share of sequences vetoed) and
+    ``rollout_is_catastrophic_token_fraction`` (share of valid tokens with ρ_t < C)."""
+    return {
+        "rollout_is_veto_fraction": _div(stats.sum("veto.rows"), stats.sum("n_rows")),
+        "rollout_is_catastrophic_token_fraction": _div(stats.sum("veto.tok"), stats.sum("n_tok")),
+    }

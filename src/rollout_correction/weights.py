@@ -1,0 +1,185 @@
+"""Importance-sampling weights and their statistics.
+
+Levels (ρ_t = π_train(y_t) / π_rollout(y_t), all exponentials taken after clamping the log to ±20):
+
+* token:      w_t = ρ_t
+* sequence:   w   = ∏_t ρ_t          = exp(Σ_t log ρ_t)       (broadcast over the sequence)
+* geometric:  w   = (∏_t ρ_t)^(1/T)  = exp(mean_t log ρ_t)    (broadcast over the sequence)
+
+Bounding modes (U = upper, L = lower):
+
+* truncate (TIS, Ionides 2008; Yao et al. 2025):  w ← min(w, U)
+* clip (slime):                                   w ← clamp(w, L, U)
+* mask (IcePop):                                  w ← w · 1[L ≤ w ≤ U]   (response mask unchanged)
+
+Optional batch normalisation, after bounding: w ← w / mean(w), the mean taken over valid tokens
+(token level) or over sequences with ≥ 1 valid token (sequence / geometric level), applied only
+when the mean exceeds 1e-8. Weights are 0 at invalid positions and never carry gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import SAFETY_BOUND, ISSpec
+from .logratio import LogRatioBatch
+from .stats import SufficientStats
+
+__all__ = ["ISWeights", "importance_weights", "bound_weights", "add_is_statistics", "is_metrics",
+           "batch_norm_factor"]
+
+
+@dataclass
+class ISWeights:
+    """Weights before batch normalisation.
+
+    ``weights``: (B, T) bounded weights, 0 at invalid positions.
+    For sequence/geometric levels ``row_log`` (B,) is the unclamped log weight per row and
+    ``row_raw`` / ``row_weight`` (B,) the safety-bounded and bounded row weights.
+    For token level ``raw`` (B, T) holds the safety-bounded weights before bounding.
+    """
+
+    weights: torch.Tensor
+    raw: Optional[torch.Tensor] = None
+    row_log: Optional[torch.Tensor] = None
+    row_raw: Optional[torch.Tensor] = None
+    row_weight: Optional[torch.Tensor] = None
+
+
+def bound_weights(w: torch.Tensor, spec: ISSpec) -> torch.Tensor:
+    """Apply the truncate / clip / mask bound of ``spec`` to safety-bounded weights ``w``."""
+    if spec.mode == "truncate":
+        return w.clamp(max=spec.upper)
+    if spec.mode == "clip":
+        return w.clamp(min=spec.lower, max=spec.upper)
+    keep = (w >= spec.lower) & (w <= spec.upper)
+    return torch.where(keep, w, 0.0)
+
+
+def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
+    """Bounded IS weights at ``spec.level`` (see module docstring), before batch normalisation."""
+    if spec.level == "token":
+        raw = torch.where(batch.valid, batch.log_ratio_clamped.exp(), 0.0)
+        w = torch.where(batch.valid, bound_weights(raw, spec), 0.0)
+        return ISWeights(weights=w, raw=raw)
+    row_log = batch.row_sum if spec.level == "sequence" else batch.row_mean
+    row_raw = torch.where(batch.row_valid, row_log.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp(), 0.0)
+    row_w = torch.where(batch.row_valid, bound_weights(row_raw, spec), 0.0)
+    return ISWeights(weights=batch.expand_rows(row_w), row_log=row_log, row_raw=row_raw, row_weight=row_w)
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
+
+
+def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec, isw: ISWeights) -> None:
+    """Record the sufficient statistics of every ``rollout_is_*`` metric."""
+    U, L = spec.upper, spec.metric_lower
+    if spec.level == "token":
+        w, raw = isw.weights, isw.raw
+        stats.add_sum("is.sum_w", batch.token_sum(w))
+        stats.add_sum("is.sum_w2", batch.token_sum(w * w))
+        stats.add_sum("is.high", batch.token_count(raw > U))
+        stats.add_sum("is.low", batch.token_count(raw < L))
+        stats.add_max("is.max", batch.token_max(w))
+        stats.add_min("is.min", batch.token_min(w))
+        n = batch.n_row.clamp_min(1.0)
+        seq_w = w.sum(-1) / n
+        seq_raw = raw.sum(-1) / n
+        if spec.mode == "mask":
+            stats.add_sum("is.oob", batch.token_count((raw < spec.lower) | (raw > U)))
+    else:
+        rw, rlog, rraw = isw.row_weight, isw.row_log, isw.row_raw
+        stats.add_sum("is.sum_w", batch.tokens_weighted_row_sum(rw))
+        stats.add_sum("is.sum_w2", batch.tokens_weighted_row_sum(rw * rw))
+        stats.add_sum("is.high", batch.row_count(rlog > _log(U)))
+        stats.add_sum("is.low", batch.row_count(rlog < _log(L)))
+        stats.add_max("is.max_log", batch.row_max(rlog))
+        stats.add_min("is.min_log", batch.row_min(rlog))
+        seq_w, seq_raw = rw, rraw
+        if spec.mode == "mask":
+            oob = ((rraw < spec.lower) | (rraw > U)).double()
+            stats.add_sum("is.oob", batch.tokens_weighted_row_sum(oob))
+    stats.add_sum("is.seq_sum", batch.row_sum_of(seq_w))
+    stats.add_sum("is.seq_sum2", batch.row_sum_of(seq_w.double() ** 2))
+    stats.add_max("is.seq_max", batch.row_max(seq_w))
+    stats.add_min("is.seq_min", batch.row_min(seq_w))
+    stats.add_sum("is.seq_high", batch.row_count(seq_raw > U))
+    stats.add_sum("is.seq_low", batch.row_count(seq_raw < L))
+
+
+def _div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den, or 0 when den == 0 (a statistic over an empty set is reported as 0)."""
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def seq_summary(stats: SufficientStats, key: str, n_rows: torch.Tensor, center: float) -> dict[str, torch.Tensor]:
+    """mean, unbiased std, max, min and max |x − center| of per-row values recorded under ``key``."""
+    s, s2 = stats.sum(f"{key}_sum"), stats.sum(f"{key}_sum2")
+    mean = _div(s, n_rows)
+    var = _div(s2 - s * mean, n_rows - 1)
+    std = torch.where(n_rows > 1, var.clamp_min(0).sqrt(), torch.zeros_like(var))
+    mx, mn = stats.max(f"{key}_max"), stats.min(f"{key}_min")
+    has = n_rows > 0
+    zero = torch.zeros_like(mean)
+    mx_, mn_ = torch.where(has, mx, zero), torch.where(has, mn, zero)
+    dev = torch.where(has, torch.maximum((mx - center).abs(), (mn - center).abs()), zero)
+    return {"mean": mean, "std": std, "max": mx_, "min": mn_, "max_deviation": dev}
+
+
+def batch_norm_factor(stats: SufficientStats, spec: ISSpec) -> torch.Tensor:
+    """Mean bounded weight (over tokens, or over valid sequences); 1 when it is ≤ 1e-8."""
+    if spec.level == "token":
+        mean = _div(stats.sum("is.sum_w"), stats.sum("n_tok"))
+    else:
+        mean = _div(stats.sum("is.seq_sum"), stats.sum("n_rows"))
+    return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
+
+
+def is_metrics(stats: SufficientStats, spec: ISSpec) -> dict[str, torch.Tensor]:
+    """``rollout_is_*`` metrics from reduced statistics (values before batch normalisation).
+
+    mean / std / ESS are token-weighted over valid tokens (for every level):
+    std = sqrt(E[w²] − E[w]²), ESS = 1 / E[(w / (E[w] + 1e-8))²] = (E[w] + 1e-8)² / E[w²]
+    (0 when every weight is 0). max / min: over valid tokens at token level; for sequence and
+    geometric levels from the unclamped log weight (max safety-bounded at e^20).
+    fraction_high / fraction_low: share of raw (safety-bounded, unbounded) weights above U /
+    below L (tokens at token level, sequences otherwise). seq_*: statistics of the per-row mean
+    weight over sequences with ≥ 1 valid token; seq_fraction_* use the raw per-row mean.
+    """
+    n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
+    zero = torch.zeros_like(n_tok)
+    mean = _div(stats.sum("is.sum_w"), n_tok)
+    ew2 = _div(stats.sum("is.sum_w2"), n_tok)
+    var = (ew2 - mean * mean).clamp_min(0)
+    std = torch.where(n_tok > 1, var.sqrt(), zero)
+    ess = torch.where(ew2 > 0, (mean + 1e-8) ** 2 / ew2.clamp_min(1e-300), zero)
+    m: dict[str, torch.Tensor] = {"rollout_is_mean": mean, "rollout_is_std": std, "rollout_is_eff_sample_size": ess}
+    if spec.level == "token":
+        m["rollout_is_max"] = torch.where(n_tok > 0, stats.max("is.max"), zero)
+        m["rollout_is_min"] = torch.where(n_tok > 0, stats.min("is.min"), zero)
+        den = n_tok
+    else:
+        m["rollout_is_max"] = torch.where(n_rows > 0, stats.max("is.max_log").clamp(max=SAFETY_BOUND).exp(), zero)
+        m["rollout_is_min"] = torch.where(n_rows > 0, _finite_or_zero(stats.min("is.min_log")).exp(), zero)
+        den = n_rows
+    m["rollout_is_ratio_fraction_high"] = _div(stats.sum("is.high"), den)
+    m["rollout_is_ratio_fraction_low"] = _div(stats.sum("is.low"), den)
+    seq = seq_summary(stats, "is.seq", n_rows, center=1.0)
+    for k, v in seq.items():
+        m[f"rollout_is_seq_{k}"] = v
+    m["rollout_is_seq_fraction_high"] = _div(stats.sum("is.seq_high"), n_rows)
+    m["rollout_is_seq_fraction_low"] = _div(stats.sum("is.seq_low"), n_rows)
+    if spec.mode == "mask":
+        m["rollout_is_oob_ratio"] = _div(stats.sum("is.oob"), n_tok)
+    if spec.batch_normalize:
+        m["rollout_is_batch_norm_factor"] = batch_norm_factor(stats, spec)
+    return m
