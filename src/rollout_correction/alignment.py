@@ -1,0 +1,141 @@
+"""One-token misalignment detector for rollout vs trainer log-probs.
+
+If the rollout engine's log-probs are off by one position against the trainer's (the log-prob
+of the last prompt token kept, the first response token dropped, an off-by-one in a slice), the
+log-ratio is not a mismatch between policies but a comparison of unrelated tokens, and every
+correction built on it is wrong (ms-swift #8196). The symptom is distinctive: the two sequences
+agree far better after shifting one of them by a single position.
+
+Over the pairs of adjacent valid positions (t, t+1) of each row, with o = old_log_prob and
+r = rollout_log_prob (non-finite values left out):
+
+    D₀  = mean |o_t − r_t|            aligned
+    D₊₁ = mean |o_t − r_{t+1}|        rollout one position late  (r has an extra leading entry)
+    D₋₁ = mean |o_{t+1} − r_t|        rollout one position early (r lost its first entry)
+
+and the inputs are reported as misaligned by s ∈ {+1, −1} when
+
+    n_pairs ≥ min_pairs,   D₀ ≥ min_aligned_mae   and   D_s < shift_ratio · D₀.
+
+For aligned log-probs D₀ is the engine mismatch (typically 1e-3 – 1e-1 nats) while a shift
+compares neighbouring tokens (typically ≥ 0.5 nats), so the two cases are far apart.
+
+The statistics are four sums (:func:`alignment_statistics`), so they can be added across
+micro-batches or all-reduced across ranks before :func:`alignment_report` decides.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple, Optional
+
+import torch
+
+__all__ = ["MisalignmentWarning", "AlignmentReport", "alignment_statistics", "alignment_metrics",
+           "alignment_report", "check_alignment"]
+
+
+class MisalignmentWarning(UserWarning):
+    """Rollout log-probs look shifted by one token against the trainer's."""
+
+
+class AlignmentReport(NamedTuple):
+    """Result of :func:`alignment_report` / :func:`check_alignment`.
+
+    n_pairs: adjacent valid pairs compared. aligned_mae: D₀. late_mae: D₊₁ (rollout one
+    position late). early_mae: D₋₁ (rollout one position early). best_shift: 0, +1 or −1, the
+    offset with the smallest distance. misaligned: the decision rule above. message: a sentence
+    for logs ("" when aligned).
+    """
+
+    n_pairs: int
+    aligned_mae: float
+    late_mae: float
+    early_mae: float
+    best_shift: int
+    misaligned: bool
+    message: str
+
+
+def alignment_statistics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                         response_mask: torch.Tensor) -> torch.Tensor:
+    """Sufficient statistics [n_pairs, Σ|o_t − r_t|, Σ|o_t − r_{t+1}|, Σ|o_{t+1} − r_t|] (float64, (4,)).
+
+    Args:
+      old_log_prob, rollout_log_prob: (B, T) log-probs, any float dtype.
+      response_mask: (B, T) bool or 0/1 mask of valid tokens.
+    """
+    for name, t in (("old_log_prob", old_log_prob), ("rollout_log_prob", rollout_log_prob),
+                    ("response_mask", response_mask)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a (B, T) tensor; got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if not (old_log_prob.shape == rollout_log_prob.shape == response_mask.shape):
+        raise ValueError(f"shape mismatch: old_log_prob {tuple(old_log_prob.shape)}, rollout_log_prob "
+                         f"{tuple(rollout_log_prob.shape)}, response_mask {tuple(response_mask.shape)}")
+    o = old_log_prob.detach().double()
+    r = rollout_log_prob.detach().to(device=o.device, dtype=torch.float64)
+    ok = (response_mask.to(o.device) != 0) & torch.isfinite(o) & torch.isfinite(r)
+    pair = ok[:, :-1] & ok[:, 1:]
+    zero = torch.zeros((), dtype=torch.float64, device=o.device)
+
+    def total(d: torch.Tensor) -> torch.Tensor:
+        return torch.where(pair, d.abs(), zero).sum()
+
+    return torch.stack([pair.sum().double(), total(o[:, :-1] - r[:, :-1]),
+                        total(o[:, :-1] - r[:, 1:]), total(o[:, 1:] - r[:, :-1])])
+
+
+def alignment_metrics(stats: torch.Tensor, prefix: str = "rollout_corr/") -> dict[str, torch.Tensor]:
+    """0-d tensors (no device sync): ``alignment_mae`` (D₀), ``alignment_late_mae`` (D₊₁),
+    ``alignment_early_mae`` (D₋₁) and ``alignment_pairs``; the distances are 0 with no pair."""
+    n = stats[0].clamp(min=1)
+    return {f"{prefix}alignment_pairs": stats[0].float(),
+            f"{prefix}alignment_mae": (stats[1] / n).float(),
+            f"{prefix}alignment_late_mae": (stats[2] / n).float(),
+            f"{prefix}alignment_early_mae": (stats[3] / n).float()}
+
+
+def alignment_report(stats: torch.Tensor, *, shift_ratio: float = 0.5, min_pairs: int = 32,
+                     min_aligned_mae: float = 1e-2) -> AlignmentReport:
+    """Apply the decision rule of the module docstring to :func:`alignment_statistics` (one sync)."""
+    if not 0 < shift_ratio < 1:
+        raise ValueError(f"shift_ratio must be in (0, 1); got {shift_ratio!r}")
+    n, s0, sp, sm = (float(v) for v in stats.detach().cpu().tolist())
+    d0, dp, dm = (s / n if n > 0 else 0.0 for s in (s0, sp, sm))
+    best_shift, best = (1, dp) if dp <= dm else (-1, dm)
+    if not best < d0:
+        best_shift = 0
+    misaligned = n >= min_pairs and d0 >= min_aligned_mae and best_shift != 0 and best < shift_ratio * d0
+    message = ""
+    if misaligned:
+        where = "one position later" if best_shift == 1 else "one position earlier"
+        cause = ("it has an extra leading entry, e.g. the log-prob of the last prompt token"
+                 if best_shift == 1 else "its first response token is missing")
+        message = (f"rollout_log_prob looks shifted by {best_shift:+d} token against old_log_prob: "
+                   f"mean |old - rollout| is {d0:.4g} as given but {best:.4g} when rollout_log_prob is "
+                   f"read {where} ({int(n)} adjacent token pairs). Check how the rollout log-probs are "
+                   f"sliced: {cause}. The log-ratio, IS weights and rejection are meaningless until the "
+                   "two are aligned token by token.")
+    return AlignmentReport(int(n), d0, dp, dm, best_shift, misaligned, message)
+
+
+def check_alignment(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                    *, process_group: Optional[object] = None, warn: bool = True, shift_ratio: float = 0.5,
+                    min_pairs: int = 32, min_aligned_mae: float = 1e-2) -> AlignmentReport:
+    """Compare aligned vs ±1-shifted distances and warn (:class:`MisalignmentWarning`) on a shift.
+
+    Args:
+      old_log_prob, rollout_log_prob, response_mask: (B, T), as for the correction.
+      process_group: all-reduce the four sums over this ``torch.distributed`` group first.
+      warn: emit ``warnings.warn`` when misaligned.
+      shift_ratio, min_pairs, min_aligned_mae: the decision rule (module docstring).
+    """
+    stats = alignment_statistics(old_log_prob, rollout_log_prob, response_mask)
+    if process_group is not None:
+        import torch.distributed as dist
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=process_group)
+    report = alignment_report(stats, shift_ratio=shift_ratio, min_pairs=min_pairs, min_aligned_mae=min_aligned_mae)
+    if warn and report.misaligned:
+        warnings.warn(report.message, MisalignmentWarning, stacklevel=2)
+    return report
