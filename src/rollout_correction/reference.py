@@ -1,0 +1,187 @@
+"""The configuration keys, presets and metrics, documented once and rendered into the docs.
+
+``python -m rollout_correction.reference --readme README.md`` regenerates the reference block of
+the README (``python -m rollout_correction.reference`` prints it as a page); a test keeps the
+committed README in step with this module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .config import RolloutCorrectionConfig
+
+__all__ = ["CONFIG_KEYS", "LEGACY_KEYS", "METRICS", "preset_rows", "render_markdown"]
+
+#: key -> (allowed values, default, meaning)
+CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
+    "rollout_is": ("null, token, sequence, geometric", "null",
+                   "IS weight level: ρ_t per token; ∏ρ_t per sequence; exp(mean log ρ_t) per sequence. "
+                   "null computes no weights (metrics only)."),
+    "rollout_is_threshold": ("number C, or string \"lo_hi\"", "2.0",
+                             "C truncates weights above C (TIS); \"lo_hi\" is IcePop: weights outside "
+                             "[lo, hi] become 0, the response mask is unchanged."),
+    "rollout_is_threshold_lower": ("number ≥ 0 or null", "null (1/upper)",
+                                   "lower bound for rollout_is_mode clip / mask with a numeric threshold."),
+    "rollout_is_mode": ("null, truncate, clip, mask", "null (inferred)",
+                        "how the bound applies: truncate min(w, U); clip clamp(w, L, U); mask w·1[L≤w≤U]. "
+                        "Inferred from the threshold when null."),
+    "rollout_is_batch_normalize": ("true, false", "false",
+                                   "divide weights by their batch mean after bounding (tokens for token "
+                                   "level, sequences for sequence / geometric level)."),
+    "rollout_rs": ("null or comma-chained options", "null",
+                   "rejection criteria, all must accept: token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, "
+                   "seq_max_k2/k3; or one of the first-generation modes token, sequence, geometric."),
+    "rollout_rs_threshold": ("number or string, one per option or shared", "null",
+                             "k1: ratio bounds \"lo_hi\" (a single x means [1/x, x]) on ρ_agg = exp(−k1_agg); "
+                             "k2/k3: one upper bound. First-generation modes: the upper ratio bound "
+                             "(defaults to rollout_is_threshold)."),
+    "rollout_rs_threshold_lower": ("number ≥ 0 or null", "null (1/upper)",
+                                   "first-generation modes: lower ratio bound."),
+    "rollout_token_veto_threshold": ("positive number or null", "null",
+                                     "reject a sequence if any valid token has unclamped ρ_t < C."),
+    "bypass_mode": ("true, false", "false",
+                    "π_old := π_rollout (two policies); the loss clips against the rollout policy."),
+    "loss_type": ("ppo_clip, reinforce", "ppo_clip",
+                  "bypass-mode loss: PPO clip, or REINFORCE −sg(w)·A·log π_θ (pure IS)."),
+    "on_nonfinite": ("reject, raise", "reject",
+                     "NaN/±inf log-probs at valid positions: drop the sequence and count it, or raise."),
+}
+
+#: first-generation key -> how it maps
+LEGACY_KEYS: dict[str, str] = {
+    "bypass_old_logprob_for_rollout": "true → bypass_mode: true",
+    "use_pure_rollout_correction": "true → bypass_mode: true, loss_type: reinforce",
+    "use_policy_gradient": "true → bypass_mode: true, loss_type: reinforce",
+    "rollout_rs: token | sequence | geometric": "ratio band on ρ_t, ∏ρ_t, exp(mean log ρ_t) — the same "
+                                                "criteria as token_k1, seq_sum_k1, seq_mean_k1",
+    "_target_": "ignored (class path written by some config systems)",
+}
+
+#: metric name (without the rollout_corr/ prefix) -> meaning
+METRICS: dict[str, str] = {
+    "rollout_is_mean": "mean IS weight over valid tokens (bounded, before batch normalisation)",
+    "rollout_is_std": "std of the bounded weights over valid tokens, sqrt(E[w²] − E[w]²)",
+    "rollout_is_max": "largest weight: over tokens (token level) or exp of the largest unclamped "
+                      "log weight, capped at e^20 (sequence / geometric)",
+    "rollout_is_min": "smallest weight, likewise",
+    "rollout_is_eff_sample_size": "ESS fraction (E[w]+1e-8)²/E[w²] over valid tokens; 1 = uniform weights",
+    "rollout_is_ratio_fraction_high": "share of raw weights above the upper bound (tokens or sequences)",
+    "rollout_is_ratio_fraction_low": "share of raw weights below the lower bound (1/upper when none is set)",
+    "rollout_is_seq_mean": "mean over sequences of the per-sequence mean weight",
+    "rollout_is_seq_std": "unbiased std over sequences of the per-sequence mean weight",
+    "rollout_is_seq_max": "largest per-sequence mean weight",
+    "rollout_is_seq_min": "smallest per-sequence mean weight",
+    "rollout_is_seq_max_deviation": "max over sequences of |mean weight − 1|",
+    "rollout_is_seq_fraction_high": "share of sequences whose raw mean weight exceeds the upper bound",
+    "rollout_is_seq_fraction_low": "share of sequences whose raw mean weight is below the lower bound",
+    "rollout_is_oob_ratio": "IcePop: share of valid tokens whose weight was zeroed",
+    "rollout_is_batch_norm_factor": "the batch mean the weights were divided by (1 if ≤ 1e-8)",
+    "rollout_is_veto_fraction": "share of sequences rejected by the veto",
+    "rollout_is_catastrophic_token_fraction": "share of valid tokens with unclamped ρ_t below the veto threshold",
+    "rollout_is_masked_fraction": "first-generation name of rollout_rs_masked_fraction",
+    "rollout_is_seq_masked_fraction": "first-generation name of rollout_rs_seq_masked_fraction",
+    "rollout_rs_<option>_mean": "token mean of the option's statistic (sequence statistics broadcast over tokens)",
+    "rollout_rs_<option>_max / _min": "extremes over tokens (token options) or sequences (sequence options)",
+    "rollout_rs_<option>_fraction_high / _fraction_low": "share above / below the statistic bounds "
+                                                         "(fraction_low only for k1)",
+    "rollout_rs_<option>_std": "token-weighted std of the statistic clamped to its bounds",
+    "rollout_rs_<option>_seq_mean / _seq_std / _seq_max / _seq_min": "statistics of the per-sequence value",
+    "rollout_rs_<option>_seq_max_deviation": "max over sequences of |value|",
+    "rollout_rs_<option>_seq_fraction_high / _seq_fraction_low": "share of sequences above / below the bounds",
+    "rollout_rs_<option>_masked_fraction": "share of valid tokens this option rejects",
+    "rollout_rs_<option>_seq_masked_fraction": "share of sequences with at least one token this option rejects",
+    "rollout_rs_masked_fraction": "share of valid tokens rejected by the chained options",
+    "rollout_rs_seq_masked_fraction": "share of sequences with at least one rejected token",
+    "training_ppl": "mean over sequences of exp(−mean log π_train)",
+    "training_log_ppl": "mean over sequences of −mean log π_train",
+    "rollout_ppl": "mean over sequences of exp(−mean log π_rollout)",
+    "rollout_log_ppl": "mean over sequences of −mean log π_rollout",
+    "kl": "mean over tokens of log π_rollout − log π_train: k1 estimate of KL(π_rollout‖π_train)",
+    "k3_kl": "mean over tokens of ρ − 1 − log ρ: k3 estimate of the same KL, ≥ 0",
+    "log_ppl_diff": "mean over sequences of d = mean log π_rollout − mean log π_train",
+    "log_ppl_abs_diff": "mean over sequences of |d|",
+    "log_ppl_diff_max / log_ppl_diff_min": "extremes of d over sequences",
+    "ppl_ratio": "mean over sequences of exp(d) = training PPL / rollout PPL",
+    "chi2_token": "E_tok[ρ²] − 1: χ² divergence at token level (IS variance)",
+    "chi2_seq": "E_seq[(∏ρ_t)²] − 1: χ² divergence at sequence level",
+    "nonfinite_seq_fraction": "share of sequences dropped for a NaN/±inf log-prob at a valid position",
+}
+
+
+def preset_rows() -> list[tuple[str, str, str, str, str]]:
+    """(name, mode, IS, RS, loss) for every preset."""
+    rows = []
+    for name in RolloutCorrectionConfig.preset_names():
+        c = RolloutCorrectionConfig.from_preset(name)
+        mode = "bypass" if c.bypass_mode else "decoupled"
+        is_ = "—" if c.rollout_is is None else f"{c.rollout_is} {c.rollout_is_threshold}"
+        rs = "—" if c.rollout_rs is None else f"{c.rollout_rs} {c.rollout_rs_threshold}"
+        if c.rollout_rs_threshold_lower is not None:
+            rs += f" (lower {c.rollout_rs_threshold_lower})"
+        if c.rollout_token_veto_threshold is not None:
+            rs += f" + veto {c.rollout_token_veto_threshold:g}"
+        loss = c.loss_type if c.bypass_mode else "ppo_clip × IS"
+        rows.append((name, mode, is_, rs, loss))
+    return rows
+
+
+def _table(header: list[str], rows: list[tuple[str, ...]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def render_markdown() -> str:
+    parts = [
+        "# Reference: configuration keys, presets, metrics",
+        "",
+        "Generated by `python -m rollout_correction.reference --readme README.md`; do not edit by hand.",
+        "",
+        "## Configuration keys (`RolloutCorrectionConfig`)",
+        "",
+        _table(["key", "values", "default", "meaning"],
+               [(f"`{k}`", v, d, m) for k, (v, d, m) in CONFIG_KEYS.items()]),
+        "",
+        "### Accepted first-generation keys",
+        "",
+        _table(["key", "maps to"], [(f"`{k}`", v) for k, v in LEGACY_KEYS.items()]),
+        "",
+        "## Presets",
+        "",
+        "`RolloutCorrectionConfig.<name>()` or `RolloutCorrectionConfig.from_preset(\"<name>\")`.",
+        "",
+        _table(["preset", "mode", "IS weights", "rejection", "loss"],
+               [(f"`{r[0]}`",) + r[1:] for r in preset_rows()]),
+        "",
+        "## Metrics",
+        "",
+        "Every metric is logged as `rollout_corr/<name>`. Statistics over an empty set "
+        "(no valid token, no valid sequence) are reported as 0.",
+        "",
+        _table(["metric", "meaning"], [(f"`{k}`", v) for k, v in METRICS.items()]),
+        "",
+    ]
+    return "\n".join(parts)
+
+
+_START, _END = "<!-- reference:start -->", "<!-- reference:end -->"
+
+
+def update_readme(path: str) -> bool:
+    """Rewrite the generated block of ``path`` between the reference markers; True if changed."""
+    text = open(path, encoding="utf-8").read()
+    head, rest = text.split(_START, 1)
+    _, tail = rest.split(_END, 1)
+    body = render_markdown().split("\n", 3)[3]  # drop the page title and the generated-by line
+    new = f"{head}{_START}\n{body.strip()}\n{_END}{tail}"
+    if new != text:
+        open(path, "w", encoding="utf-8").write(new)
+    return new != text
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if len(sys.argv) > 1 and sys.argv[1] == "--readme":
+        update_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+    else:
+        sys.stdout.write(render_markdown())
