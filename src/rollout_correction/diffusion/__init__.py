@@ -1,0 +1,40 @@
+"""Rollout correction for FlowGRPO-style diffusion training (one log-prob per SDE step).
+
+Entry points::
+
+    from rollout_correction.diffusion import (apply_bypass_mode, apply_rollout_correction,
+                                              step_correction, flow_grpo_loss)
+
+    # decoupled: once per global batch, (B, S) tensors, S = SDE window
+    weights, metrics = apply_rollout_correction(old_log_probs, rollout_log_probs, config)
+    loss, loss_metrics = flow_grpo_loss(log_probs, old_log_probs, advantages, weights)
+
+    # bypass: old := rollout, then per SDE step inside the loss, (B, 1) tensors
+    apply_bypass_mode(batch)
+    keep, metrics = step_correction(log_prob_s, rollout_log_prob_s, config, step_index=s)
+    loss_s, _ = flow_grpo_loss(log_prob_s, rollout_log_prob_s, advantages, keep)
+
+See ``docs/diffusion.md``; a runnable toy is ``python -m rollout_correction.diffusion.example``.
+"""
+
+from .correction import (DiffusionCorrection, MissingLogProbsError, apply_bypass_mode, apply_rollout_correction,
+                         config_notes, correct_log_probs, per_step_metrics, step_correction)
+from .loss import flow_grpo_loss
+from .sde import gaussian_step_log_prob, ode_step, sde_sigma, sde_step_mean_std, time_grid
+
+__all__ = [
+    "apply_bypass_mode",
+    "apply_rollout_correction",
+    "step_correction",
+    "flow_grpo_loss",
+    "per_step_metrics",
+    "correct_log_probs",
+    "config_notes",
+    "DiffusionCorrection",
+    "MissingLogProbsError",
+    "gaussian_step_log_prob",
+    "sde_step_mean_std",
+    "sde_sigma",
+    "ode_step",
+    "time_grid",
+]

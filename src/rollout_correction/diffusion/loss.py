@@ -1,0 +1,149 @@
+"""The FlowGRPO clipped policy loss with per-element rollout-correction weights.
+
+Each SDE step of each sample is one element (there is no padding). For element (i, s):
+
+    Âᵢ    = clamp(Aᵢ, −A_max, A_max)
+    rᵢₛ   = exp(clamp(log π_θ − log π_old, −20, 20))
+    ℓᵢₛ   = max(−Âᵢ·rᵢₛ, −Âᵢ·clip(rᵢₛ, 1 − ε, 1 + ε))                (FlowGRPO; Liu et al., 2025)
+    L     = Σᵢₛ wᵢₛ·ℓᵢₛ / D
+
+with w the detached correction weights (IS weight × RS keep, 0 where rejected; 1 without
+correction) and the denominator
+
+    D = B·S                         denominator="all"  (FlowGRPO's mean over every element)
+    D = #{(i, s) kept}              denominator="kept" (rejected elements leave the mean)
+
+``"all"`` is what the verl diffusion port does: at a rejection fraction f the gradient shrinks by
+(1 − f) ("gradient dilution"). ``"kept"`` removes the rejected elements from the denominator, as
+the token-mean loss of the LLM path does when rejection edits the response mask.
+
+Rejected elements never reach the loss: the log-ratio is replaced by 0 there *before* the
+exponential, so NaN or ±inf log-probabilities at rejected positions cannot leak into the value or
+the gradient. When every element is rejected the loss is exactly 0, has zero gradient, and is still
+attached to the autograd graph (so a data-parallel rank with nothing to learn from joins backward).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+
+__all__ = ["flow_grpo_loss"]
+
+_LOG_RATIO_BOUND = 20.0
+
+Denominator = Literal["all", "kept"]
+
+
+def _as_2d(name: str, x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Broadcast a (B,), (B, 1) or (B, S) tensor to (B, S), or raise naming ``name``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    b, s = shape
+    if x.shape == shape:
+        return x
+    if x.dim() == 1 and x.shape[0] == b:
+        return x.unsqueeze(1).expand(b, s)
+    if x.dim() == 2 and x.shape == (b, 1):
+        return x.expand(b, s)
+    raise ValueError(f"{name} has shape {tuple(x.shape)}; expected ({b},), ({b}, 1) or ({b}, {s}) "
+                     f"to match log_prob {tuple(shape)}")
+
+
+def flow_grpo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    keep: Optional[torch.Tensor] = None,
+    clip_range: float = 1e-4,
+    adv_clip_max: float = 5.0,
+    denominator: Denominator = "all",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """FlowGRPO clipped surrogate with per-element correction weights (formula in the module doc).
+
+    Args:
+        log_prob: log π_θ per SDE step, (B, S) (S = 1 for a single step), with grad.
+        old_log_prob: log π_old, (B, S): the fp32 recompute (decoupled) or the rollout
+            log-probs (bypass). Treated as a constant.
+        advantages: (B,), (B, 1) or (B, S); one advantage per sample is broadcast over its steps.
+        weights: optional (B, S) or (B, 1) non-negative correction weights (from
+            :func:`apply_rollout_correction` or :func:`step_correction`); detached here. None = 1.
+        keep: optional boolean (B, S) mask of elements that survived rejection. Defaults to
+            ``weights > 0`` (all True without weights). Elements with keep = False contribute 0.
+            Pass it explicitly when an IcePop IS weight can be 0 on a kept element and such
+            elements should stay in the ``"kept"`` denominator.
+        clip_range: ε of the ratio clip (FlowGRPO recipes use 1e-4 … 0.2).
+        adv_clip_max: A_max, advantages are clamped to [−A_max, A_max].
+        denominator: ``"all"`` (B·S) or ``"kept"`` (number of kept elements, at least 1).
+    Returns:
+        (loss, metrics): a 0-d loss attached to ``log_prob``'s graph, and 0-d metric tensors
+        ``actor/ppo_kl``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_higher``,
+        ``actor/pg_clipfrac_lower``, ``actor/kept_fraction`` (ratios over kept elements).
+    """
+    if not isinstance(log_prob, torch.Tensor) or log_prob.dim() != 2:
+        raise ValueError("log_prob must be a (B, S) tensor (S = SDE steps; use (B, 1) for one step), got "
+                         f"{tuple(log_prob.shape) if isinstance(log_prob, torch.Tensor) else type(log_prob)}")
+    if not isinstance(old_log_prob, torch.Tensor) or old_log_prob.shape != log_prob.shape:
+        raise ValueError(f"old_log_prob must have the shape of log_prob {tuple(log_prob.shape)}, got "
+                         f"{tuple(old_log_prob.shape) if isinstance(old_log_prob, torch.Tensor) else old_log_prob}")
+    if denominator not in ("all", "kept"):
+        raise ValueError(f"denominator must be 'all' or 'kept', got {denominator!r}")
+    if not clip_range > 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range!r}")
+    if not adv_clip_max > 0:
+        raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max!r}")
+    shape = log_prob.shape
+    adv = _as_2d("advantages", advantages, shape).detach().float()
+
+    if weights is None:
+        w = torch.ones(shape, dtype=torch.float32, device=log_prob.device)
+    else:
+        w = _as_2d("weights", weights, shape).detach().float()
+    if keep is None:
+        keep_mask = w > 0 if weights is not None else torch.ones(shape, dtype=torch.bool, device=log_prob.device)
+    else:
+        keep_mask = _as_2d("keep", keep, shape).bool()
+    # A weight is used only where it is finite; a kept element with a non-finite weight is an error.
+    w = torch.where(keep_mask, w, torch.zeros_like(w))
+
+    old = old_log_prob.detach().float()
+    cur = log_prob.float()
+    bad = keep_mask & ~(torch.isfinite(cur.detach()) & torch.isfinite(old) & torch.isfinite(adv) & torch.isfinite(w))
+    if bool(bad.any()):
+        n = int(bad.sum())
+        raise ValueError(f"{n} kept element(s) have a non-finite log_prob, old_log_prob, advantage or weight; "
+                         "reject them (weight 0 / keep=False) or fix the inputs")
+
+    zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
+    # where() on the log-ratio, before exp: rejected elements cannot poison value or gradient.
+    log_ratio = torch.where(keep_mask, cur - old, zero)
+    log_ratio = log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(keep_mask, adv, zero).clamp(-adv_clip_max, adv_clip_max)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    per_element = torch.maximum(unclipped, clipped) * w
+
+    n_kept = keep_mask.sum()
+    if denominator == "all":
+        denom = torch.tensor(float(shape[0] * shape[1]), device=log_prob.device)
+    else:
+        denom = n_kept.clamp(min=1).float()
+    loss = per_element.sum() / denom
+
+    with torch.no_grad():
+        kept_f = keep_mask.float()
+        n = n_kept.clamp(min=1).float()
+        lr = log_ratio.detach()
+        r = ratio.detach()
+        metrics = {
+            "actor/ppo_kl": (-lr * kept_f).sum() / n,
+            "actor/pg_clipfrac": (((r - 1.0).abs() > clip_range).float() * kept_f).sum() / n,
+            "actor/pg_clipfrac_higher": ((r - 1.0 > clip_range).float() * kept_f).sum() / n,
+            "actor/pg_clipfrac_lower": ((1.0 - r > clip_range).float() * kept_f).sum() / n,
+            "actor/kept_fraction": kept_f.mean() if kept_f.numel() else zero,
+        }
+    return loss, metrics
