@@ -1,0 +1,208 @@
+"""OpenRLHF adapter, tested against OpenRLHF's real ``PolicyLoss`` (``pip install --no-deps openrlhf==0.10.4``).
+
+The full OpenRLHF install pulls DeepSpeed, vLLM, Ray and flash-attn, far too heavy for CI, so the
+wheel is installed without dependencies and the two files the tested path runs are loaded
+unmodified from it: ``openrlhf/models/loss.py`` (``PolicyLoss``, ``aggregate_loss``) and
+``openrlhf/models/utils.py`` (``masked_mean``). Light stand-ins are used only for what those files
+import but the tested path never touches: the package ``__init__`` files (they import the actor,
+DeepSpeed strategy and trainers) are replaced by bare package modules pointing at the real
+directories, and ``deepspeed`` (imported at the top of ``utils.py``, used only by a model-loading
+helper) by an empty module. All stand-ins are removed from ``sys.modules`` after loading.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import math
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollout_correction import RolloutCorrectionConfig
+from rollout_correction.integrations.openrlhf import (
+    RolloutCorrectionPolicyLoss,
+    config_from_openrlhf,
+    config_from_openrlhf_args,
+)
+
+torch.set_num_threads(1)
+
+OPENRLHF_VERSION = "0.10.4"
+
+
+def _load_openrlhf_loss() -> types.ModuleType:
+    version = importlib.metadata.version("openrlhf")  # raises if not installed: CI must install it
+    assert version == OPENRLHF_VERSION, f"tests pin openrlhf=={OPENRLHF_VERSION}, found {version}"
+    root = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0])
+    stand_ins = {"openrlhf": [root], "openrlhf.models": [root / "models"]}
+    inserted = []
+    try:
+        for name, path in stand_ins.items():
+            if name not in sys.modules:
+                pkg = types.ModuleType(name)
+                pkg.__path__ = [str(p) for p in path]
+                sys.modules[name] = pkg
+                inserted.append(name)
+        if importlib.util.find_spec("deepspeed") is None and "deepspeed" not in sys.modules:
+            sys.modules["deepspeed"] = types.ModuleType("deepspeed")
+            inserted.append("deepspeed")
+        loaded = {}
+        for sub in ("utils", "loss"):
+            name = f"openrlhf.models.{sub}"
+            spec = importlib.util.spec_from_file_location(name, root / "models" / f"{sub}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            inserted.append(name)
+            spec.loader.exec_module(module)
+            loaded[sub] = module
+        return loaded["loss"]
+    finally:
+        for name in inserted:
+            sys.modules.pop(name, None)
+
+
+LOSS = _load_openrlhf_loss()
+PolicyLoss = LOSS.PolicyLoss
+
+
+def _batch(B=5, T=6, seed=0, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(B, T, generator=g) - 0.1
+    old = rollout + scale * torch.randn(B, T, generator=g)
+    log_probs = (old + 0.1 * torch.randn(B, T, generator=g)).requires_grad_(True)
+    adv = torch.randn(B, 1, generator=g).expand(B, T).clone()
+    mask = torch.ones(B, T)
+    for i in range(B):
+        mask[i, T - i % 3:] = 0
+    return log_probs, old, rollout, adv, mask
+
+
+def _theirs(kind, lo, hi, **kw):
+    return PolicyLoss(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[lo, hi],
+                      vllm_is_correction_type=kind, **kw)
+
+
+def _ours(kind, lo, hi, **kw):
+    return RolloutCorrectionPolicyLoss(PolicyLoss(**kw), config_from_openrlhf(kind, [lo, hi]))
+
+
+def _run(fn, log_probs, old, rollout, adv, mask):
+    lp = log_probs.detach().clone().requires_grad_(True)
+    out = fn(lp, old, adv, action_mask=mask, rollout_log_probs=rollout)
+    out[0].backward()
+    return out, lp.grad
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop"])
+@pytest.mark.parametrize("kw", [{}, {"token_level_loss": False}, {"dual_clip": 3.0}])
+def test_token_corrections_match_openrlhf_policy_loss(kind, kw):
+    batch = _batch(scale=0.8)
+    (l_t, clip_t, kl_t, vkl_t), g_t = _run(_theirs(kind, 0.5, 1.5, **kw), *batch)
+    (l_o, clip_o, kl_o, vkl_o), g_o = _run(_ours(kind, 0.5, 1.5, **kw), *batch)
+    torch.testing.assert_close(l_o, l_t, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g_o, g_t, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(vkl_o, vkl_t, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(kl_o, kl_t)
+    # The band really bit: some ratios lie outside [0.5, 1.5].
+    ratio = torch.exp(batch[1] - batch[2])[batch[4].bool()]
+    assert ((ratio < 0.5) | (ratio > 1.5)).any()
+
+
+def test_seq_mask_tis_matches_openrlhf_when_nothing_is_out_of_band():
+    batch = _batch(scale=0.2)
+    ratio = torch.exp(batch[1] - batch[2])[batch[4].bool()]
+    assert ((ratio > 0.5) & (ratio < 5.0)).all()
+    (l_t, *_), g_t = _run(_theirs("seq-mask-tis", 0.5, 5.0), *batch)
+    (l_o, *_), g_o = _run(_ours("seq-mask-tis", 0.5, 5.0), *batch)
+    torch.testing.assert_close(l_o, l_t, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g_o, g_t, rtol=1e-5, atol=1e-7)
+
+
+def test_seq_mask_tis_rejected_rows_leave_the_denominator():
+    log_probs, old, rollout, adv, mask = _batch(scale=0.2)
+    old = old.clone()
+    old[1] = rollout[1] + 3.0  # every ratio e³ ≈ 20 > 5: the row's geometric mean is out of band
+    batch = (log_probs, old, rollout, adv, mask)
+    (l_t, *_), _ = _run(_theirs("seq-mask-tis", 0.5, 5.0), *batch)
+    loss = _ours("seq-mask-tis", 0.5, 5.0)
+    (l_o, *_), _ = _run(loss, *batch)
+    # OpenRLHF zeroes the row's loss but still divides by all tokens; we divide by the kept ones.
+    n_all, n_kept = mask.sum(), mask.sum() - mask[1].sum()
+    torch.testing.assert_close(l_o, l_t * n_all / n_kept, rtol=1e-5, atol=1e-7)
+    assert loss.last_metrics["rollout_corr/rollout_rs_seq_masked_fraction"].item() == pytest.approx(1 / 5)
+
+
+def test_seq_mask_tis_overflow_is_fixed():
+    log_probs, old, rollout, adv, mask = _batch(scale=0.0)
+    old = old.clone()
+    # Row 0: one token with log ρ = +100, the others compensate: geometric mean exactly 1 → the row
+    # is accepted, and OpenRLHF multiplies the loss by the unclamped exp(100) = inf in fp32.
+    n = int(mask[0].sum())
+    old[0, :n] = rollout[0, :n] + torch.tensor([100.0] + [-100.0 / (n - 1)] * (n - 1))
+    adv[0] = 1.0
+    batch = (log_probs, old, rollout, adv, mask)
+    (l_t, *_), g_t = _run(_theirs("seq-mask-tis", 0.5, 5.0), *batch)
+    assert not torch.isfinite(l_t) or not torch.isfinite(g_t).all()
+    (l_o, *_), g_o = _run(_ours("seq-mask-tis", 0.5, 5.0), *batch)
+    assert torch.isfinite(l_o) and torch.isfinite(g_o).all()
+    # The token's weight is clamped to OpenRLHF's TIS bound, 5.
+    cfg = config_from_openrlhf("seq-mask-tis", [0.5, 5.0])
+    from rollout_correction import compute_rollout_correction
+    w = compute_rollout_correction(old, rollout, mask, cfg).weights
+    assert w[0, 0].item() == pytest.approx(5.0)
+
+
+def test_openrlhf_0_11_options_map_like_the_named_types():
+    band = [0.5, 5.0]
+    assert config_from_openrlhf(None, band, is_correction_level="token", is_correction_mode="clip") == \
+        config_from_openrlhf("tis", band)
+    assert config_from_openrlhf(None, band, is_correction_level="token", is_correction_mode="mask") == \
+        config_from_openrlhf("icepop", band)
+    assert config_from_openrlhf(None, band, is_correction_level="seq", is_correction_mode="mask") == \
+        config_from_openrlhf("seq-mask-tis", band)
+    assert config_from_openrlhf(None, band, is_correction_level="off") == RolloutCorrectionConfig.disabled()
+    with pytest.raises(ValueError, match="is_correction_gating"):
+        config_from_openrlhf(None, [0.01], is_correction_level="seq", is_correction_gating="binary_kl")
+    with pytest.raises(ValueError, match="not a valid OpenRLHF combination"):
+        config_from_openrlhf(None, band, is_correction_level="seq", is_correction_mode="clip")
+    with pytest.raises(ValueError, match="is_correction_type"):
+        config_from_openrlhf("tls", band)
+    with pytest.raises(ValueError, match="LOW < HIGH"):
+        config_from_openrlhf("tis", [5.0, 0.5])
+    # A single value is an upper bound only (0.11): TIS then has lower bound 0.
+    spec = config_from_openrlhf("tis", [3.0]).is_spec
+    assert (spec.lower, spec.upper) == (0.0, 3.0)
+
+
+def test_from_args_builds_the_real_policy_loss_and_matches():
+    args = SimpleNamespace(
+        actor=SimpleNamespace(eps_clip_low_high=(0.2, 0.28), dual_clip=None, loss_agg_mode="token-mean",
+                              policy_loss_type="ppo"),
+        algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_enable=True, is_correction_type="icepop",
+                                                       is_correction_threshold=[0.5, 1.5])),
+    )
+    ours = RolloutCorrectionPolicyLoss.from_args(args, PolicyLoss)
+    assert isinstance(ours.policy_loss, PolicyLoss) and not ours.policy_loss.enable_vllm_is_correction
+    assert config_from_openrlhf_args(args) == config_from_openrlhf("icepop", [0.5, 1.5])
+    theirs = _theirs("icepop", 0.5, 1.5, clip_eps_low=0.2, clip_eps_high=0.28)
+    batch = _batch(scale=0.8, seed=3)
+    (l_t, *_), _ = _run(theirs, *batch)
+    (l_o, *_), _ = _run(ours, *batch)
+    torch.testing.assert_close(l_o, l_t, rtol=1e-5, atol=1e-7)
+    args.algo.advantage.is_correction_enable = False
+    assert config_from_openrlhf_args(args) == RolloutCorrectionConfig.disabled()
+
+
+def test_wrapping_a_correcting_loss_is_refused():
+    with pytest.raises(ValueError, match="correction would be applied twice"):
+        RolloutCorrectionPolicyLoss(_theirs("tis", 0.5, 5.0), config_from_openrlhf("tis", [0.5, 5.0]))
+    loss = _ours("tis", 0.5, 5.0)
+    lp, old, rollout, adv, mask = _batch()
+    with pytest.raises(ValueError, match="rollout_log_probs"):
+        loss(lp, old, adv, action_mask=mask)
+    assert math.isfinite(loss(lp, old, adv, action_mask=mask, rollout_log_probs=rollout)[0].item())
