@@ -1,0 +1,334 @@
+"""Property-based fuzzing of the public API (hypothesis).
+
+Random shapes (B = 0, T = 1, all-masked rows and batches), extreme and non-finite values at
+valid and at masked positions, float16 / bfloat16 / float32 / float64 inputs, every preset and
+random configuration dictionaries. The properties:
+
+* no NaN / ±inf in weights, masks, metrics, losses or gradients;
+* the only exceptions are ValueError / TypeError (ConfigError is a ValueError), and with
+  ``on_nonfinite="raise"`` a non-finite value at a valid position always raises;
+* values at masked positions, and rows dropped for non-finite input, never reach the loss:
+  their gradient is exactly 0;
+* rejection only removes tokens: the returned mask is a subset of the input mask, same dtype.
+
+Two profiles: the default one (about 200 examples per property, derandomised, part of CI) and
+``-m nightly`` (10,000 examples per property, random seeds).
+"""
+
+from __future__ import annotations
+
+import math
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, compute_offpolicy_metrics,
+                                compute_policy_loss, compute_rollout_correction, metrics_to_floats)
+from rollout_correction.advantages import group_advantages
+from rollout_correction.alignment import alignment_metrics, alignment_statistics
+
+try:  # log-ratios of magnitude ≥ this are treated as non-finite by the core
+    from rollout_correction.logratio import NONFINITE_SENTINEL
+except ImportError:
+    NONFINITE_SENTINEL = math.inf
+
+torch.set_num_threads(1)
+
+FAST = settings(max_examples=200, deadline=None, derandomize=True, print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+NIGHTLY = settings(max_examples=10_000, deadline=None, print_blob=True,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+PRESETS = RolloutCorrectionConfig.preset_names()
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+MASK_DTYPES = [torch.bool, torch.int64, torch.int32, torch.float32]
+NONFINITE = [math.nan, math.inf, -math.inf]
+# Log-probabilities: the ordinary range, the edges of every float format, impossible positive
+# values and huge magnitudes (they overflow when cast to float16 / bfloat16).
+LOGP_SPECIAL = [0.0, -0.0, -1e-12, -1e-3, 1e-3, 3.0, -20.0, -20.5, -88.7, -103.9, -1e4, -6.5e4,
+                -1e30, 1e30, -3e38, 1e-45, -1e-45]
+ADV_SPECIAL = [0.0, -0.0, 1e-30, -1e-30, 1e6, -1e6, 1e-3, -1e-3]
+WEIGHT_SPECIAL = [0.0, 1e-30, 1.0, 2.0, 4.85e8, 1e-9]
+
+
+def _elements(special, lo, hi, nonfinite):
+    options = [st.floats(lo, hi, allow_nan=False, allow_infinity=False), st.sampled_from(special)]
+    if nonfinite:
+        options.append(st.sampled_from(NONFINITE))
+    return st.one_of(*options)
+
+
+@st.composite
+def batches(draw, nonfinite=True):
+    """(B, T) old / rollout log-probs and a response mask, with the layout chosen at random."""
+    B = draw(st.integers(0, 5))
+    T = draw(st.integers(1, 7))
+    dtype = draw(st.sampled_from(DTYPES))
+    # Valid-position values: finite or not; masked positions: anything at all.
+    elem = _elements(LOGP_SPECIAL, -30.0, 0.0, nonfinite)
+    garbage = _elements(LOGP_SPECIAL, -1e38, 1e38, True)
+    old = draw(hnp.arrays(np.float64, (B, T), elements=elem))
+    close = draw(st.booleans())
+    if close and B * T:  # a realistic near-on-policy rollout
+        noise = draw(hnp.arrays(np.float64, (B, T), elements=st.floats(-0.05, 0.05)))
+        roll = np.where(np.isfinite(old), old + noise, old)
+    else:
+        roll = draw(hnp.arrays(np.float64, (B, T), elements=elem))
+    layout = draw(st.sampled_from(["random", "prefix", "all", "none"]))
+    if layout == "random":
+        mask = draw(hnp.arrays(np.bool_, (B, T)))
+    elif layout == "prefix":
+        lengths = draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
+        mask = np.arange(T)[None, :] < np.array(lengths, dtype=np.int64).reshape(B, 1)
+    else:
+        mask = np.full((B, T), layout == "all")
+    pad_old = draw(hnp.arrays(np.float64, (B, T), elements=garbage))
+    pad_roll = draw(hnp.arrays(np.float64, (B, T), elements=garbage))
+    old = np.where(mask, old, pad_old)
+    roll = np.where(mask, roll, pad_roll)
+    mask_dtype = draw(st.sampled_from(MASK_DTYPES))
+    with np.errstate(over="ignore"):
+        o = torch.from_numpy(old).to(dtype)
+        r = torch.from_numpy(roll).to(dtype)
+    return o, r, torch.from_numpy(mask).to(mask_dtype)
+
+
+@st.composite
+def configs(draw):
+    name = draw(st.sampled_from(PRESETS))
+    cfg = RolloutCorrectionConfig.from_preset(name)
+    if draw(st.booleans()):
+        cfg = cfg.replace(rollout_is_batch_normalize=True) if cfg.rollout_is else cfg
+    return cfg.replace(on_nonfinite=draw(st.sampled_from(["reject", "reject", "raise"])))
+
+
+def _finite(name, t):
+    assert isinstance(t, torch.Tensor), f"{name} is {type(t).__name__}, not a tensor"
+    assert bool(torch.isfinite(t).all()), f"{name} has non-finite values: {t}"
+
+
+def _check_metrics(metrics):
+    for k, v in metrics.items():
+        _finite(f"metric {k}", v)
+    for k, v in metrics_to_floats(metrics).items():
+        assert math.isfinite(v), f"metric {k} = {v}"
+
+
+def _nonfinite(x):
+    """NaN/±inf, or a log-ratio so large the core documents it as non-finite (|log ρ| ≥ 1e30)."""
+    return ~torch.isfinite(x) | (x.abs() >= NONFINITE_SENTINEL)
+
+
+def _bad_rows(old, roll, mask):
+    """Rows with a non-finite input (or an overflowing difference) at a valid position."""
+    return ((mask != 0) & _nonfinite(old.float() - roll.float())).any(-1)
+
+
+def check_correction(data):
+    old, roll, mask = data.draw(batches())
+    cfg = data.draw(configs())
+    bad = _bad_rows(old, roll, mask)
+    if cfg.on_nonfinite == "raise" and bool(bad.any()):
+        with pytest.raises(ValueError, match="non-finite"):
+            compute_rollout_correction(old, roll, mask, cfg)
+        return
+    out = compute_rollout_correction(old, roll, mask, cfg)
+    m = out.response_mask
+    assert m.shape == mask.shape and m.dtype == mask.dtype
+    assert not bool(((m != 0) & (mask == 0)).any()), "rejection added tokens"
+    assert not bool((m[bad] != 0).any()), "a row with non-finite input was kept"
+    if cfg.rollout_is is None:
+        assert out.weights is None
+    else:
+        w = out.weights
+        _finite("weights", w)
+        assert w.shape == mask.shape and not w.requires_grad
+        assert bool((w >= 0).all()), "negative IS weight"
+        assert bool((w[mask == 0] == 0).all()), "weight on padding"
+        assert bool((w[bad] == 0).all()), "weight on a row dropped for non-finite input"
+    _check_metrics(out.metrics)
+
+
+def check_offpolicy_metrics(data):
+    old, roll, mask = data.draw(batches())
+    _check_metrics(compute_offpolicy_metrics(old, roll, mask))
+
+
+def check_policy_loss(data):
+    old, roll, mask = data.draw(batches())
+    cfg = data.draw(configs())
+    B, T = mask.shape
+    dtype = old.dtype
+    lp_np = data.draw(hnp.arrays(np.float64, (B, T), elements=_elements(LOGP_SPECIAL, -30.0, 0.0, True)))
+    adv_np = data.draw(hnp.arrays(np.float64, (B, T), elements=_elements(ADV_SPECIAL, -10.0, 10.0, True)))
+    with np.errstate(over="ignore"):
+        log_prob = torch.from_numpy(lp_np).to(dtype).requires_grad_(True)
+        adv = torch.from_numpy(adv_np).to(dtype)
+    use_rollout = data.draw(st.booleans()) or cfg.bypass_mode
+    weights = None
+    if not cfg.bypass_mode and data.draw(st.booleans()):
+        w_np = data.draw(hnp.arrays(np.float64, (B, T), elements=_elements(WEIGHT_SPECIAL, 0.0, 10.0, True)))
+        weights = torch.from_numpy(w_np).to(dtype)
+    agg = data.draw(st.sampled_from(LOSS_AGG_MODES))
+    valid = mask != 0
+    train = log_prob.detach().float()
+    prox = roll if cfg.bypass_mode else old
+    bad = valid & ~(torch.isfinite(train) & torch.isfinite(adv.float()) & torch.isfinite(prox.float()))
+    if weights is not None:
+        bad |= valid & ~torch.isfinite(weights.float())
+    if cfg.bypass_mode:  # the correction compares π_θ with π_rollout
+        bad |= valid & _nonfinite(train - roll.float())
+    elif use_rollout and weights is None:  # the correction compares π_old with π_rollout
+        bad |= valid & _nonfinite(old.float() - roll.float())
+    bad_rows = bad.any(-1)
+    kwargs = dict(rollout_log_prob=roll if use_rollout else None, rollout_is_weights=weights,
+                  loss_agg_mode=agg)
+    if cfg.on_nonfinite == "raise" and bool(bad_rows.any()):
+        with pytest.raises(ValueError, match="non-finite"):
+            compute_policy_loss(log_prob, old, adv, mask, cfg, **kwargs)
+        return
+    loss, metrics = compute_policy_loss(log_prob, old, adv, mask, cfg, **kwargs)
+    _finite("loss", loss)
+    assert loss.dim() == 0 and loss.requires_grad, "the loss must stay attached to the graph"
+    _check_metrics(metrics)
+    loss.backward()
+    grad = log_prob.grad
+    assert grad is not None, "no gradient reached log_prob"
+    _finite("gradient", grad)
+    assert bool((grad[~valid] == 0).all()), "gradient at a masked position"
+    assert bool((grad[bad_rows] == 0).all()), "gradient on a row dropped for non-finite input"
+    if not bool((valid & ~bad_rows.unsqueeze(-1)).any()):
+        assert loss.item() == 0.0, "nothing to learn from, yet the loss is not 0"
+
+
+RANDOM_CONFIG_VALUES = {
+    "rollout_is": [None, "token", "sequence", "geometric", "tokens", 3, ""],
+    "rollout_is_threshold": [None, 2.0, 1.0, 0.5, 0.0, -1.0, 1e30, math.inf, math.nan, "0.5_5.0", "5.0_0.5",
+                             "2.0", "abc", "0_2", True],
+    "rollout_is_threshold_lower": [None, 0.5, 0.0, -1.0, 3.0, math.nan, "0.2"],
+    "rollout_is_mode": [None, "truncate", "clip", "mask", "cap"],
+    "rollout_is_batch_normalize": [False, True, "yes", 1],
+    "rollout_rs": [None, "token_k1", "seq_sum_k1", "seq_mean_k3", "seq_max_k2", "token_k1,seq_max_k3",
+                   "token", "sequence", "geometric", "token,sequence", "seq_max_k1", ",", 7],
+    "rollout_rs_threshold": [None, 2.0, 0.01, "0.5_2.0", "0.999_1.001", "2.0_0.5", 0.0, -1.0, math.inf,
+                             math.nan, "0.5_2.0,0.01", "x"],
+    "rollout_rs_threshold_lower": [None, 0.5, 0.0, 2.0, math.nan],
+    "rollout_token_veto_threshold": [None, 1e-4, 0.0, -1.0, math.nan, math.inf, "1e-4"],
+    "bypass_mode": [False, True, "false"],
+    "loss_type": ["ppo_clip", "reinforce", "pg"],
+    "on_nonfinite": ["reject", "raise", "ignore"],
+}
+
+
+def check_random_config(data):
+    d = {k: data.draw(st.sampled_from(v)) for k, v in RANDOM_CONFIG_VALUES.items() if data.draw(st.booleans())}
+    try:
+        cfg = RolloutCorrectionConfig.from_dict(d)
+    except (ValueError, TypeError) as exc:
+        assert str(exc), "an error without a message"
+        return
+    assert RolloutCorrectionConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+    old, roll, mask = data.draw(batches(nonfinite=False))
+    out = compute_rollout_correction(old, roll, mask, cfg)
+    if out.weights is not None:
+        _finite("weights", out.weights)
+    _check_metrics(out.metrics)
+
+
+def check_group_advantages(data):
+    old, _, mask = data.draw(batches())
+    B = mask.shape[0]
+    scores = torch.from_numpy(data.draw(hnp.arrays(np.float64, (B,), elements=_elements(
+        [0.0, 1.0, -1.0, 1e30, -1e30, 3e38], -5.0, 5.0, True)))).to(old.dtype)
+    ids = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=B, max_size=B)), dtype=torch.long)
+    out = group_advantages(scores, ids, estimator=data.draw(st.sampled_from(["grpo", "rloo"])),
+                           response_mask=mask, norm_by_std=data.draw(st.booleans()))
+    _finite("advantages", out.advantages)
+    _finite("token advantages", out.token_advantages)
+    assert bool((out.advantages[~out.accepted] == 0).all())
+    _check_metrics(out.metrics)
+
+
+def check_alignment_statistics(data):
+    old, roll, mask = data.draw(batches())
+    _check_metrics(alignment_metrics(alignment_statistics(old, roll, mask)))
+
+
+PROPERTIES = {
+    "correction": check_correction,
+    "offpolicy_metrics": check_offpolicy_metrics,
+    "policy_loss": check_policy_loss,
+    "random_config": check_random_config,
+    "group_advantages": check_group_advantages,
+    "alignment_statistics": check_alignment_statistics,
+}
+
+
+def _fast(fn):
+    return FAST(given(data=st.data())(fn))
+
+
+def _nightly(fn):
+    return pytest.mark.nightly(NIGHTLY(given(data=st.data())(fn)))
+
+
+test_fuzz_correction = _fast(check_correction)
+test_fuzz_offpolicy_metrics = _fast(check_offpolicy_metrics)
+test_fuzz_policy_loss = _fast(check_policy_loss)
+test_fuzz_random_config = _fast(check_random_config)
+test_fuzz_group_advantages = _fast(check_group_advantages)
+test_fuzz_alignment_statistics = _fast(check_alignment_statistics)
+
+test_fuzz_correction_nightly = _nightly(check_correction)
+test_fuzz_offpolicy_metrics_nightly = _nightly(check_offpolicy_metrics)
+test_fuzz_policy_loss_nightly = _nightly(check_policy_loss)
+test_fuzz_random_config_nightly = _nightly(check_random_config)
+test_fuzz_group_advantages_nightly = _nightly(check_group_advantages)
+test_fuzz_alignment_statistics_nightly = _nightly(check_alignment_statistics)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_on_degenerate_batches(name):
+    """B = 0, T = 1, an all-masked batch and NaN padding, for every preset, end to end with backward."""
+    cfg = RolloutCorrectionConfig.from_preset(name)
+    cases = [torch.zeros(0, 4), torch.full((3, 1), -0.5), torch.full((2, 5), float("nan"))]
+    masks = [torch.zeros(0, 4), torch.ones(3, 1), torch.zeros(2, 5)]
+    for x, mask in zip(cases, masks):
+        out = compute_rollout_correction(x, x.clone(), mask, cfg)
+        _check_metrics(out.metrics)
+        if out.weights is not None:
+            _finite("weights", out.weights)
+        lp = x.clone().requires_grad_(True)
+        loss, metrics = compute_policy_loss(lp, x, torch.ones_like(x), mask, cfg, rollout_log_prob=x.clone())
+        _finite("loss", loss)
+        _check_metrics(metrics)
+        loss.backward()
+        _finite("gradient", lp.grad)
+        if not bool(mask.any()):
+            assert loss.item() == 0.0 and bool((lp.grad == 0).all())
+
+
+# --- minimal inputs of failures the fuzz found (see docs/reliability.md) ---------------------------
+
+def test_regression_sequence_is_min_is_safety_bounded():
+    """Sequence-level ``rollout_is_min`` must be bounded like ``rollout_is_max`` (e^±20), never inf."""
+    cfg = RolloutCorrectionConfig.from_preset("pure_is")
+    mask = torch.tensor([[True]])
+    for old in (0.0, -9979.0):  # log ρ = 10000 (exp overflows) and 21 (just past the bound)
+        m = compute_rollout_correction(torch.tensor([[old]]), torch.tensor([[-10000.0]]), mask, cfg).metrics
+        _check_metrics(m)
+        assert m["rollout_corr/rollout_is_min"] <= m["rollout_corr/rollout_is_max"]
+
+
+def test_regression_raise_on_huge_finite_log_ratio_is_a_value_error():
+    cfg = RolloutCorrectionConfig.from_dict({"on_nonfinite": "raise", "rollout_is": "token"})
+    old, roll, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-0.1, -1e30]]), torch.tensor([[True, True]])
+    if NONFINITE_SENTINEL > 1e30:  # the core treats 1e30 as finite: then no error at all
+        _check_metrics(compute_rollout_correction(old, roll, mask, cfg).metrics)
+    else:
+        with pytest.raises(ValueError, match=r"row 0, column 1"):
+            compute_rollout_correction(old, roll, mask, cfg)
