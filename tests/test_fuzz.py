@@ -276,19 +276,9 @@ def _nightly(fn):
     return pytest.mark.nightly(NIGHTLY(given(data=st.data())(fn)))
 
 
-test_fuzz_correction = _fast(check_correction)
-test_fuzz_offpolicy_metrics = _fast(check_offpolicy_metrics)
-test_fuzz_policy_loss = _fast(check_policy_loss)
-test_fuzz_random_config = _fast(check_random_config)
-test_fuzz_group_advantages = _fast(check_group_advantages)
-test_fuzz_alignment_statistics = _fast(check_alignment_statistics)
-
-test_fuzz_correction_nightly = _nightly(check_correction)
-test_fuzz_offpolicy_metrics_nightly = _nightly(check_offpolicy_metrics)
-test_fuzz_policy_loss_nightly = _nightly(check_policy_loss)
-test_fuzz_random_config_nightly = _nightly(check_random_config)
-test_fuzz_group_advantages_nightly = _nightly(check_group_advantages)
-test_fuzz_alignment_statistics_nightly = _nightly(check_alignment_statistics)
+for _name, _check in PROPERTIES.items():  # test_fuzz_<name> (CI) and test_fuzz_<name>_nightly
+    globals()[f"test_fuzz_{_name}"] = _fast(_check)
+    globals()[f"test_fuzz_{_name}_nightly"] = _nightly(_check)
 
 
 @pytest.mark.parametrize("name", PRESETS)
