@@ -108,5 +108,5 @@ def compute_rollout_correction(
             weights = isw.weights
             if config.is_spec.batch_normalize:
                 weights = weights / batch_norm_factor(stats, config.is_spec).to(weights.dtype)
-        out_mask = torch.where(rej.keep_mask(batch), response_mask, torch.zeros_like(response_mask))
+        out_mask = rej.keep_mask(batch).to(response_mask.dtype)
     return CorrectionOutput(weights=weights, response_mask=out_mask, metrics=prefixed(metrics))

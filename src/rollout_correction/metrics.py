@@ -33,10 +33,9 @@ _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
 
 def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
     """Record the sufficient statistics of the off-policy metrics."""
-    x = batch.log_ratio_clamped
     stats.add_sum("op.sum_lr", batch.token_sum(batch.log_ratio))
-    stats.add_sum("op.sum_k3", batch.token_sum((torch.expm1(x) - x).clamp_min(0.0)))
-    stats.add_sum("op.sum_rho2", batch.token_sum(torch.where(batch.valid, (2.0 * x).exp(), 0.0)))
+    stats.add_sum("op.sum_k3", batch.token_sum(batch.k3))
+    stats.add_sum("op.sum_rho2", batch.token_sum(batch.ratio.square()))
     old_nll = -batch.old_row_mean
     roll_nll = -batch.rollout_row_mean
     d = old_nll - roll_nll  # = mean log π_rollout − mean log π_train

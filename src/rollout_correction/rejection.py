@@ -4,7 +4,7 @@ Per-token estimators of KL(π_rollout ‖ π_train) from log ρ_t (clamped to ±
 
 * k1 = −log ρ_t
 * k2 = ½ (log ρ_t)²
-* k3 = ρ_t − 1 − log ρ_t     (≥ 0; computed as expm1(log ρ) − log ρ for accuracy)
+* k3 = ρ_t − 1 − log ρ_t     (≥ 0)
 
 Aggregations over a sequence's valid tokens: ``token`` (each token on its own), ``seq_sum``,
 ``seq_mean``, ``seq_max``. A token/sequence is kept iff its statistic lies in the option's bounds;
@@ -40,9 +40,9 @@ def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
     if estimator == "k1":
         return -x
     if estimator == "k2":
-        return 0.5 * x * x
+        return 0.5 * x.square()
     if estimator == "k3":
-        return (torch.expm1(x) - x).clamp_min(0.0)
+        return batch.k3
     raise ValueError(f"unknown divergence estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
 
 
@@ -57,8 +57,9 @@ class RejectionResult:
     rs_row_keep: torch.Tensor
 
     def keep_mask(self, batch: LogRatioBatch) -> torch.Tensor:
-        keep = batch.valid & self.row_keep.unsqueeze(-1)
-        return keep & self.token_keep if self.token_keep is not None else keep
+        """(B, T) float32 0/1: valid and accepted by every criterion."""
+        keep = batch.mask * self.row_keep.to(torch.float32).unsqueeze(-1)
+        return keep.mul_(self.token_keep) if self.token_keep is not None else keep
 
 
 def _row_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> torch.Tensor:
@@ -102,14 +103,14 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         if token_keep is not None:
             rs_keep = rs_keep & token_keep
         rejected = batch.valid & ~rs_keep
-        stats.add_sum("rs.masked", rejected.sum(dtype=torch.float64))
+        stats.add_sum("rs.masked", rejected.sum(-1, dtype=torch.float32))
         stats.add_sum("rs.seq_masked", batch.row_count(rejected.any(-1)))
     if veto_threshold is not None:
         catastrophic = batch.valid & (batch.log_ratio < math.log(veto_threshold))
         vetoed = catastrophic.any(-1)
         row_keep = row_keep & ~vetoed
         if stats is not None:
-            stats.add_sum("veto.tok", catastrophic.sum(dtype=torch.float64))
+            stats.add_sum("veto.tok", catastrophic.sum(-1, dtype=torch.float32))
             stats.add_sum("veto.rows", batch.row_count(vetoed))
     return RejectionResult(token_keep, row_keep, rs_token_keep, rs_row_keep)
 
@@ -122,7 +123,7 @@ def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
 def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
                             x: torch.Tensor, keep: torch.Tensor) -> None:
     p = f"rs.{opt.name}."
-    c = torch.where(batch.valid, _std_clamp(opt, x), 0.0)
+    c = _std_clamp(opt, x).mul_(batch.mask)
     stats.add_sum(p + "sum", batch.token_sum(x))
     stats.add_sum(p + "c_sum", batch.token_sum(c))
     stats.add_sum(p + "c_sum2", batch.token_sum(c * c))
@@ -134,7 +135,7 @@ def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: R
     seq = x.sum(-1) / batch.n_row.clamp_min(1.0)
     _add_seq_values(stats, batch, opt, seq)
     rejected = batch.valid & ~keep
-    stats.add_sum(p + "masked", rejected.sum(dtype=torch.float64))
+    stats.add_sum(p + "masked", rejected.sum(-1, dtype=torch.float32))
     stats.add_sum(p + "seq_masked", batch.row_count(rejected.any(-1)))
 
 

@@ -7,12 +7,14 @@ so the derived numbers do not depend on how the batch was split. Reducing over a
 takes two collectives — one SUM of the packed sums, one MAX of the packed maxima — and turning
 all values into Python floats takes one device sync.
 
-Sums are kept in float64: per-row quantities are few (one per sequence) and the extra precision
-keeps E[x²] − E[x]² style formulas accurate.
+Recording is deferred: a part may be a per-row vector (B,) or a scalar; parts of the same shape
+are stacked and reduced together in float64 when the values are first needed, so a call with
+dozens of statistics costs a handful of kernel launches rather than one per statistic.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Optional
 
 import torch
@@ -20,31 +22,76 @@ import torch
 __all__ = ["SufficientStats"]
 
 
+def _reduce(parts: dict[str, list[torch.Tensor]], op: str) -> dict[str, torch.Tensor]:
+    """Reduce every part to a float64 scalar (sum or max over all its elements), batching parts
+    of equal shape into one stacked reduction; then combine the parts of each name."""
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    for name, ts in parts.items():
+        for t in ts:
+            groups[(tuple(t.shape), t.device)].append((name, t))
+    out: dict[str, torch.Tensor] = {}
+    for (shape, _), items in groups.items():
+        stacked = torch.stack([t.to(torch.float64) for _, t in items]).reshape(len(items), -1)
+        if op == "sum":
+            values = stacked.sum(1)
+        elif stacked.shape[1] == 0:
+            values = torch.full((len(items),), -torch.inf, dtype=torch.float64, device=stacked.device)
+        else:
+            values = stacked.amax(1)
+        for (name, _), v in zip(items, values.unbind()):
+            if name not in out:
+                out[name] = v
+            else:
+                out[name] = out[name] + v if op == "sum" else torch.maximum(out[name], v)
+    return out
+
+
 class SufficientStats:
     """Named float64 sums and maxima, with exact merge and all-reduce.
 
-    ``add_sum(name, x)`` / ``add_max(name, x)`` / ``add_min(name, x)`` record 0-d tensors;
-    adding to an existing name accumulates. An empty maximum is ``-inf`` (the identity of max);
-    the code that derives a metric checks the matching count before using it.
+    ``add_sum(name, x)`` / ``add_max(name, x)`` / ``add_min(name, x)`` record tensors of any shape
+    (their elements are summed / maxed); adding to an existing name accumulates. An empty maximum
+    is ``-inf`` or a large negative number; the code that derives a metric checks the matching
+    count before using it.
     """
 
     def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.maxes: dict[str, torch.Tensor] = {}
+        self._sum_parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self._max_parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self._sums: dict[str, torch.Tensor] = {}
+        self._maxes: dict[str, torch.Tensor] = {}
 
     # -- recording ---------------------------------------------------------------------
     def add_sum(self, name: str, value: torch.Tensor) -> None:
-        v = value.detach().to(torch.float64)
-        self.sums[name] = self.sums[name] + v if name in self.sums else v
+        self._sum_parts[name].append(value.detach())
 
     def add_max(self, name: str, value: torch.Tensor) -> None:
-        v = value.detach().to(torch.float64)
-        self.maxes[name] = torch.maximum(self.maxes[name], v) if name in self.maxes else v
+        self._max_parts[name].append(value.detach())
 
     def add_min(self, name: str, value: torch.Tensor) -> None:
-        self.add_max("-" + name, -value.detach().to(torch.float64))
+        self._max_parts["-" + name].append(-value.detach())
+
+    def _settle(self) -> None:
+        if self._sum_parts:
+            for k, v in _reduce(self._sum_parts, "sum").items():
+                self._sums[k] = self._sums[k] + v if k in self._sums else v
+            self._sum_parts.clear()
+        if self._max_parts:
+            for k, v in _reduce(self._max_parts, "max").items():
+                self._maxes[k] = torch.maximum(self._maxes[k], v) if k in self._maxes else v
+            self._max_parts.clear()
 
     # -- reading -----------------------------------------------------------------------
+    @property
+    def sums(self) -> dict[str, torch.Tensor]:
+        self._settle()
+        return self._sums
+
+    @property
+    def maxes(self) -> dict[str, torch.Tensor]:
+        self._settle()
+        return self._maxes
+
     def sum(self, name: str) -> torch.Tensor:
         return self.sums[name]
 
@@ -57,10 +104,11 @@ class SufficientStats:
     # -- combining ---------------------------------------------------------------------
     def merge(self, other: "SufficientStats") -> "SufficientStats":
         """Accumulate ``other`` into ``self`` (sums add, maxima take the max)."""
+        self._settle()
         for k, v in other.sums.items():
-            self.add_sum(k, v)
+            self._sums[k] = self._sums[k] + v if k in self._sums else v
         for k, v in other.maxes.items():
-            self.maxes[k] = torch.maximum(self.maxes[k], v) if k in self.maxes else v
+            self._maxes[k] = torch.maximum(self._maxes[k], v) if k in self._maxes else v
         return self
 
     def all_reduce(self, process_group: Optional[object] = None) -> "SufficientStats":
@@ -73,18 +121,19 @@ class SufficientStats:
 
         if process_group is None or not (dist.is_available() and dist.is_initialized()):
             return self
-        if self.sums:
-            keys = sorted(self.sums)
-            packed = torch.stack([self.sums[k].reshape(()) for k in keys])
+        self._settle()
+        if self._sums:
+            keys = sorted(self._sums)
+            packed = torch.stack([self._sums[k].reshape(()) for k in keys])
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=process_group)
-            self.sums = dict(zip(keys, packed.unbind()))
-        if self.maxes:
-            keys = sorted(self.maxes)
-            packed = torch.stack([self.maxes[k].reshape(()) for k in keys])
+            self._sums = dict(zip(keys, packed.unbind()))
+        if self._maxes:
+            keys = sorted(self._maxes)
+            packed = torch.stack([self._maxes[k].reshape(()) for k in keys])
             # -inf is not transported reliably by every backend; use the float64 lowest value.
             lowest = torch.finfo(torch.float64).min
             packed = packed.clamp_min(lowest)
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=process_group)
             packed = torch.where(packed <= lowest, torch.full_like(packed, -torch.inf), packed)
-            self.maxes = dict(zip(keys, packed.unbind()))
+            self._maxes = dict(zip(keys, packed.unbind()))
         return self

@@ -50,25 +50,25 @@ class ISWeights:
     row_weight: Optional[torch.Tensor] = None
 
 
-def bound_weights(w: torch.Tensor, spec: ISSpec) -> torch.Tensor:
-    """Apply the truncate / clip / mask bound of ``spec`` to safety-bounded weights ``w``."""
+def bound_weights(w: torch.Tensor, spec: ISSpec, mask: torch.Tensor) -> torch.Tensor:
+    """Apply the truncate / clip / mask bound of ``spec`` to safety-bounded weights ``w``
+    (0 where the 0/1 ``mask`` is 0; ``w`` must already be 0 there)."""
     if spec.mode == "truncate":
         return w.clamp(max=spec.upper)
     if spec.mode == "clip":
-        return w.clamp(min=spec.lower, max=spec.upper)
-    keep = (w >= spec.lower) & (w <= spec.upper)
-    return torch.where(keep, w, 0.0)
+        return w.clamp(min=spec.lower, max=spec.upper).mul_(mask)
+    return w * ((w >= spec.lower) & (w <= spec.upper))
 
 
 def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
     """Bounded IS weights at ``spec.level`` (see module docstring), before batch normalisation."""
     if spec.level == "token":
-        raw = torch.where(batch.valid, batch.log_ratio_clamped.exp(), 0.0)
-        w = torch.where(batch.valid, bound_weights(raw, spec), 0.0)
-        return ISWeights(weights=w, raw=raw)
+        raw = batch.ratio
+        return ISWeights(weights=bound_weights(raw, spec, batch.mask), raw=raw)
     row_log = batch.row_sum if spec.level == "sequence" else batch.row_mean
-    row_raw = torch.where(batch.row_valid, row_log.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp(), 0.0)
-    row_w = torch.where(batch.row_valid, bound_weights(row_raw, spec), 0.0)
+    row_ok = batch.row_valid.to(row_log.dtype)
+    row_raw = row_log.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() * row_ok
+    row_w = bound_weights(row_raw, spec, row_ok)
     return ISWeights(weights=batch.expand_rows(row_w), row_log=row_log, row_raw=row_raw, row_weight=row_w)
 
 
@@ -83,9 +83,9 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         w, raw = isw.weights, isw.raw
         stats.add_sum("is.sum_w", batch.token_sum(w))
         stats.add_sum("is.sum_w2", batch.token_sum(w * w))
-        stats.add_sum("is.high", batch.token_count(raw > U))
+        stats.add_sum("is.high", batch.token_count(raw > U, masked=U >= 0))
         stats.add_sum("is.low", batch.token_count(raw < L))
-        stats.add_max("is.max", batch.token_max(w))
+        stats.add_max("is.max", w.amax(-1) if w.shape[-1] else batch.token_max(w))  # w ≥ 0, 0 at padding
         stats.add_min("is.min", batch.token_min(w))
         n = batch.n_row.clamp_min(1.0)
         seq_w = w.sum(-1) / n
