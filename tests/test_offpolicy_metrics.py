@@ -1,0 +1,115 @@
+"""Off-policy diagnostics (the 13 metrics + nonfinite_seq_fraction) against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metrics,
+                                compute_rollout_correction, metrics_to_floats)
+
+P = "rollout_corr/"
+NAMES = ["training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+         "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq"]
+
+# Two real rows and one all-padding row holding values that would wreck every statistic.
+OLD = [[-1.0, -2.0, 7.0], [-0.5, -0.5, -0.5], [5.0, 5.0, 5.0]]
+ROLL = [[-1.5, -1.5, -9.0], [-1.0, -0.25, -0.5], [-50.0, -50.0, -50.0]]
+MASK = [[1, 1, 0], [1, 1, 1], [0, 0, 0]]
+
+
+def _inputs(rows=3):
+    return (torch.tensor(OLD[:rows]), torch.tensor(ROLL[:rows]), torch.tensor(MASK[:rows], dtype=torch.bool))
+
+
+def _expected():
+    # log ρ = old − rollout on valid tokens: row 0 [0.5, −0.5], row 1 [0.5, −0.25, 0].
+    lr = [0.5, -0.5, 0.5, -0.25, 0.0]
+    train_nll = [1.5, 0.5]  # −mean log π_train per row
+    roll_nll = [1.5, (1.0 + 0.25 + 0.5) / 3]
+    d = [r - t for r, t in zip([-1.5, -1.75 / 3], [-1.5, -0.5])]  # mean log π_rollout − mean log π_train
+    assert d[0] == 0.0 and d[1] == pytest.approx(-1 / 12)
+    return {
+        "training_ppl": (math.exp(1.5) + math.exp(0.5)) / 2,
+        "training_log_ppl": 1.0,
+        "kl": -0.05,  # mean over 5 tokens of (log π_rollout − log π_train): (−0.5+0.5−0.5+0.25+0)/5
+        "k3_kl": sum(math.exp(x) - 1 - x for x in lr) / 5,
+        "rollout_ppl": (math.exp(roll_nll[0]) + math.exp(roll_nll[1])) / 2,
+        "rollout_log_ppl": sum(roll_nll) / 2,
+        "log_ppl_diff": sum(d) / 2,
+        "log_ppl_abs_diff": (abs(d[0]) + abs(d[1])) / 2,
+        "log_ppl_diff_max": 0.0,
+        "log_ppl_diff_min": -1 / 12,
+        "ppl_ratio": (math.exp(d[0]) + math.exp(d[1])) / 2,
+        "chi2_token": sum(math.exp(2 * x) for x in lr) / 5 - 1,
+        "chi2_seq": (math.exp(2 * 0.0) + math.exp(2 * 0.25)) / 2 - 1,  # row sums of log ρ: 0 and 0.25
+        "nonfinite_seq_fraction": 0.0,
+    }
+
+
+def _check(got, expected):
+    for k, v in expected.items():
+        assert got[P + k] == pytest.approx(v, rel=1e-6, abs=1e-7), k
+
+
+def test_all_offpolicy_metrics_by_hand():
+    m = compute_offpolicy_metrics(*_inputs())
+    assert sorted(m) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction"])
+    assert all(v.dim() == 0 for v in m.values())
+    _check(metrics_to_floats(m), _expected())
+
+
+def test_correction_reports_the_same_offpolicy_metrics():
+    out = compute_rollout_correction(*_inputs(), RolloutCorrectionConfig.decoupled_token_is())
+    _check(out.metrics_as_floats(), _expected())
+
+
+def test_empty_rows_are_excluded_from_sequence_statistics():
+    with_empty = metrics_to_floats(compute_offpolicy_metrics(*_inputs(3)))
+    without = metrics_to_floats(compute_offpolicy_metrics(*_inputs(2)))
+    assert with_empty == pytest.approx(without, rel=1e-12)
+    # Counting the empty row as a sequence with mean 0 would give training_log_ppl 2/3, not 1.
+    assert with_empty[P + "training_log_ppl"] == pytest.approx(1.0)
+
+
+def test_float_mask_and_bool_mask_agree():
+    old, roll, mask = _inputs()
+    a = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask))
+    b = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask.float()))
+    assert a == b
+
+
+@pytest.mark.parametrize("old_v,roll_v", [(0.0, -1000.0), (-1000.0, 0.0), (-80.0, -1.0)])
+def test_extreme_inputs_give_finite_clamped_metrics(old_v, roll_v):
+    old = torch.tensor([[old_v, -1.0], [-1.0, -1.0]])
+    roll = torch.tensor([[roll_v, -1.0], [-1.0, -1.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask))
+    assert all(math.isfinite(v) for v in got.values()), got
+    x = old_v - roll_v  # the one non-zero log-ratio, in row 0
+    xc = max(-20.0, min(20.0, x))
+    # k3 exponent clamped to ±20: k3 = e^xc − 1 − xc on that token, 0 on the other three.
+    assert got[P + "k3_kl"] == pytest.approx((math.exp(xc) - 1 - xc) / 4, rel=1e-5)
+    # ppl_ratio: row 0 has d = −x/2 (clamped to ±20), row 1 has d = 0.
+    dc = max(-20.0, min(20.0, -x / 2))
+    assert got[P + "ppl_ratio"] == pytest.approx((math.exp(dc) + 1.0) / 2, rel=1e-5)
+    assert got[P + "chi2_token"] == pytest.approx((math.exp(2 * xc) + 3) / 4 - 1, rel=1e-5)
+    assert got[P + "chi2_seq"] == pytest.approx((math.exp(2 * xc) + 1) / 2 - 1, rel=1e-5)
+    assert got[P + "kl"] == pytest.approx(-x / 4, rel=1e-5)  # the k1 estimate itself is not clamped
+
+
+def test_nonfinite_row_is_dropped_and_counted():
+    old, roll, mask = _inputs()
+    old = torch.cat([old, torch.tensor([[float("nan"), -1.0, -1.0]])])
+    roll = torch.cat([roll, torch.tensor([[-1.0, -1.0, -1.0]])])
+    mask = torch.cat([mask, torch.tensor([[True, True, False]])])
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask))
+    exp = _expected()
+    exp["nonfinite_seq_fraction"] = 1 / 3  # 3 rows with valid tokens in the input, 1 dropped
+    _check(got, exp)
+
+
+def test_all_masked_batch_gives_zero_metrics():
+    old, roll, _ = _inputs()
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.zeros(3, 3, dtype=torch.bool)))
+    assert got == {k: 0.0 for k in got}
