@@ -9,7 +9,7 @@ Every derived (B, T) tensor is exactly 0 at invalid positions. Invalid positions
 arithmetically — non-finite values are first replaced by ±1e30, then multiplied by the 0/1
 mask — so a NaN or ±inf in padding can never leak into a sum, without the cost of ``where``
 (several times slower than arithmetic on CPU). A valid position holding a non-finite value (or a
-log-ratio of magnitude ≥ 1e30) is detected from the per-row sum, which the +1e30 sentinel dominates.
+log-ratio of magnitude ≥ 1e30) is detected from the per-row min and max.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 
 from .config import SAFETY_BOUND
 from .stats import SufficientStats
-from .validation import check_pair, first_nonfinite
+from .validation import check_pair
 
 __all__ = ["LogRatioBatch", "NONFINITE_SENTINEL"]
 
-#: Replacement for NaN / ±inf before masking; a valid log-ratio this large means "non-finite".
+#: Replacement for NaN / ±inf before masking; a valid |log-ratio| this large means "non-finite".
 NONFINITE_SENTINEL = 1e30
 
 
@@ -32,11 +32,15 @@ def _as_f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.to(torch.float32)
 
 
+def _sanitize_(x: torch.Tensor) -> torch.Tensor:
+    """In place: NaN → +1e30, ±inf → ±1e30, finite values clamped to [−1e30, 1e30]."""
+    torch.nan_to_num_(x, nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
+    return x.clamp_(-NONFINITE_SENTINEL, NONFINITE_SENTINEL)
+
+
 def _masked_finite(x: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
-    """fp32 copy of ``x`` with non-finite values replaced by ±1e30, multiplied by the 0/1 mask."""
-    out = x.to(torch.float32, copy=True)
-    torch.nan_to_num_(out, nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
-    return out.mul_(mask_f)
+    """fp32 copy of ``x``, sanitised (see :func:`_sanitize_`) and multiplied by the 0/1 mask."""
+    return _sanitize_(x.to(torch.float32, copy=True)).mul_(mask_f)
 
 
 class LogRatioBatch:
@@ -66,17 +70,20 @@ class LogRatioBatch:
         # Upcast in one step (no separate copies of both inputs), then sanitise and mask in place.
         lr = old_log_prob.to(torch.float32, copy=True)
         lr.sub_(rollout_log_prob)
-        torch.nan_to_num_(lr, nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=NONFINITE_SENTINEL)
+        _sanitize_(lr)
         lr.mul_(mask_in)
-        # A sentinel at a valid position dominates its row sum (all sentinels are +1e30).
-        row_sum = lr.sum(-1)
-        bad_rows = row_sum >= 0.5 * NONFINITE_SENTINEL
+        if lr.shape[-1] > 0:
+            lo, hi = torch.aminmax(lr, dim=-1)
+            bad_rows = (hi >= NONFINITE_SENTINEL) | (lo <= -NONFINITE_SENTINEL)
+        else:
+            bad_rows = torch.zeros(lr.shape[0], dtype=torch.bool, device=lr.device)
         if on_nonfinite == "raise" and bool(bad_rows.any()):
             b = int(bad_rows.nonzero()[0, 0])
             row = old_log_prob[b].float() - rollout_log_prob[b].float()
-            t = first_nonfinite(((mask_in[b] > 0) & ~torch.isfinite(row)).unsqueeze(0))[1]
+            bad = (mask_in[b] > 0) & ~(row.abs() < NONFINITE_SENTINEL)
+            t = int(bad.nonzero()[0, 0])
             raise ValueError(
-                f"non-finite log-prob at valid position (row {b}, column {t}): "
+                f"non-finite log-prob (or |log-ratio| ≥ 1e30) at valid position (row {b}, column {t}): "
                 f"old_log_prob={old_log_prob[b, t].item()}, rollout_log_prob={rollout_log_prob[b, t].item()}; "
                 "fix the producer, or set on_nonfinite='reject' to drop such sequences")
         keep_row = (~bad_rows).to(torch.float32).unsqueeze(-1)
@@ -84,7 +91,7 @@ class LogRatioBatch:
         self.bad_rows = bad_rows
         self.mask = mask_in * keep_row
         self.log_ratio = lr.mul_(keep_row)
-        self.row_sum = row_sum * keep_row.squeeze(-1)
+        self.row_sum = lr.sum(-1)
         self.n_row = self.mask.sum(-1)
         self.row_valid = self.n_row > 0
 

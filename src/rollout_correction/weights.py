@@ -117,10 +117,6 @@ def _div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
 
 
-def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-
-
 def seq_summary(stats: SufficientStats, key: str, n_rows: torch.Tensor, center: float) -> dict[str, torch.Tensor]:
     """mean, unbiased std, max, min and max |x − center| of per-row values recorded under ``key``."""
     s, s2 = stats.sum(f"{key}_sum"), stats.sum(f"{key}_sum2")
@@ -150,7 +146,7 @@ def is_metrics(stats: SufficientStats, spec: ISSpec) -> dict[str, torch.Tensor]:
     mean / std / ESS are token-weighted over valid tokens (for every level):
     std = sqrt(E[w²] − E[w]²), ESS = 1 / E[(w / (E[w] + 1e-8))²] = (E[w] + 1e-8)² / E[w²]
     (0 when every weight is 0). max / min: over valid tokens at token level; for sequence and
-    geometric levels from the unclamped log weight (max safety-bounded at e^20).
+    geometric levels exp of the extreme log weight clamped to ±20.
     fraction_high / fraction_low: share of raw (safety-bounded, unbounded) weights above U /
     below L (tokens at token level, sequences otherwise). seq_*: statistics of the per-row mean
     weight over sequences with ≥ 1 valid token; seq_fraction_* use the raw per-row mean.
@@ -168,8 +164,9 @@ def is_metrics(stats: SufficientStats, spec: ISSpec) -> dict[str, torch.Tensor]:
         m["rollout_is_min"] = torch.where(n_tok > 0, stats.min("is.min"), zero)
         den = n_tok
     else:
-        m["rollout_is_max"] = torch.where(n_rows > 0, stats.max("is.max_log").clamp(max=SAFETY_BOUND).exp(), zero)
-        m["rollout_is_min"] = torch.where(n_rows > 0, _finite_or_zero(stats.min("is.min_log")).exp(), zero)
+        bound = (-SAFETY_BOUND, SAFETY_BOUND)
+        m["rollout_is_max"] = torch.where(n_rows > 0, stats.max("is.max_log").clamp(*bound).exp(), zero)
+        m["rollout_is_min"] = torch.where(n_rows > 0, stats.min("is.min_log").clamp(*bound).exp(), zero)
         den = n_rows
     m["rollout_is_ratio_fraction_high"] = _div(stats.sum("is.high"), den)
     m["rollout_is_ratio_fraction_low"] = _div(stats.sum("is.low"), den)
