@@ -1,0 +1,255 @@
+"""verl: this library's policy loss, correction step and GRPO advantage inside verl 0.9.1.
+
+Importing this module registers, in verl's ``verl.trainer.ppo.core_algos`` registries:
+
+* the policy loss ``"rollout_correction"`` (:func:`policy_loss`), selected with
+  ``actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction``;
+* the advantage estimator ``"grpo_accepted"`` (:func:`grpo_accepted_advantage`), GRPO whose group
+  baselines use accepted rows only, selected with ``algorithm.adv_estimator=grpo_accepted``.
+
+and provides :func:`compute_rollout_correction_and_add_to_batch`, a replacement for verl's
+function of that name (decoupled mode, on a ``DataProto``), and :func:`wire_trainer_config`,
+which copies the ``algorithm.rollout_correction`` block into the actor's config before the
+workers are created.
+
+verl's configuration is accepted unchanged: the ``algorithm.rollout_correction`` YAML block (or
+verl's ``RolloutCorrectionConfig`` dataclass, or a plain dict) with any key either verl
+generation documents, and the actor's ``policy_loss`` / ``clip_ratio*`` / ``global_batch_info``.
+
+Wiring traps of verl that this path avoids:
+
+* **bypass settings never reaching the workers** (verl #4912, #4930). verl's trainer switches
+  to bypass by mutating ``actor.policy_loss`` on the driver (``apply_bypass_mode``) after the
+  workers already hold their copy of the config. :func:`wire_trainer_config` writes
+  ``loss_mode`` and the ``rollout_correction`` block into the actor config *before* the trainer
+  builds its workers, and turns on ``rollout.calculate_log_probs`` when bypass needs rollout
+  log-probs; the loss reads bypass mode from the worker's own config. Registration itself must
+  also happen in each worker process: install the package (its ``verl.plugins`` entry point makes
+  verl import this module in every process) or set
+  ``VERL_USE_EXTERNAL_MODULES=rollout_correction.integrations.verl`` in the workers' environment.
+* **rejected rows still entering GRPO group baselines** (verl #6375). verl computes GRPO means
+  and standard deviations over every row of a group, including rows that rejection sampling
+  removed from the loss. ``grpo_accepted`` uses only the rows with a valid token left in
+  ``response_mask``; rejected rows get advantage 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+
+from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
+from rollout_correction.advantages import group_advantages
+from rollout_correction.metrics import metrics_to_floats
+
+__all__ = [
+    "LOSS_NAME",
+    "ADV_ESTIMATOR_NAME",
+    "config_from_verl",
+    "compute_rollout_correction_and_add_to_batch",
+    "policy_loss",
+    "grpo_accepted_advantage",
+    "wire_trainer_config",
+    "register",
+]
+
+LOSS_NAME = "rollout_correction"
+ADV_ESTIMATOR_NAME = "grpo_accepted"
+
+
+def _as_mapping(cfg: Any) -> Optional[dict[str, Any]]:
+    """A plain dict from a dict, an OmegaConf node or a (verl) dataclass; None stays None."""
+    if cfg is None:
+        return None
+    if isinstance(cfg, RolloutCorrectionConfig):
+        return cfg.to_dict()
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if not f.name.startswith("_")}
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf comes with verl
+        DictConfig = ()  # type: ignore[assignment]
+    if DictConfig and isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    raise TypeError(f"cannot read a rollout-correction config from {type(cfg).__name__}")
+
+
+def config_from_verl(cfg: Any) -> Optional[RolloutCorrectionConfig]:
+    """Our config from verl's ``algorithm.rollout_correction`` block (dict, DictConfig or dataclass).
+
+    None (verl's "block absent") stays None. Unknown keys raise, naming the key.
+    """
+    if isinstance(cfg, RolloutCorrectionConfig):
+        return cfg
+    data = _as_mapping(cfg)
+    return None if data is None else RolloutCorrectionConfig.from_dict(data)
+
+
+def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any) -> tuple[Any, dict[str, float]]:
+    """Replacement for verl's function of this name (decoupled mode).
+
+    Reads ``old_log_probs``, ``rollout_log_probs`` and ``response_mask`` from ``batch.batch``;
+    always writes the rejection-adjusted ``response_mask`` back and, when IS is configured,
+    adds ``rollout_is_weights`` (float32, detached, 0 on padding and rejected-for-NaN rows).
+    Returns ``(batch, metrics)`` with ``rollout_corr/...`` floats, as verl's does.
+    """
+    cfg = config_from_verl(rollout_corr_config)
+    if cfg is None:
+        raise ValueError("rollout_corr_config is None: pass verl's algorithm.rollout_correction block")
+    tensors = batch.batch
+    for key in ("old_log_probs", "rollout_log_probs", "response_mask"):
+        if key not in tensors.keys():
+            raise KeyError(f"batch.batch has no {key!r}; the decoupled correction needs old_log_probs, "
+                           "rollout_log_probs (rollout.calculate_log_probs=true) and response_mask")
+    out = compute_rollout_correction(tensors["old_log_probs"], tensors["rollout_log_probs"],
+                                     tensors["response_mask"], cfg)
+    tensors["response_mask"] = out.response_mask
+    if out.weights is not None:
+        tensors["rollout_is_weights"] = out.weights
+    return batch, out.metrics_as_floats()
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    getter = getattr(cfg, "get", None)
+    if callable(getter):
+        try:
+            return getter(key, default)
+        except (KeyError, AttributeError, TypeError):
+            pass
+    return getattr(cfg, key, default)
+
+
+def policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl policy-loss function (``PolicyLossFn`` signature) backed by this library.
+
+    Decoupled (the actor's ``policy_loss.rollout_correction.bypass_mode`` false or absent):
+    ℓ_t = w_t · PPO-clip_t(π_θ/π_old) with verl's precomputed ``rollout_is_weights`` w (none: w=1),
+    aggregated with ``loss_agg_mode`` and verl's ``global_batch_info`` denominators — the numbers
+    of verl's ``compute_policy_loss_vanilla``.
+
+    Bypass (``bypass_mode`` true; verl's trainer has set ``old_log_prob`` to the rollout
+    log-probs): the correction is computed here from π_θ vs π_rollout; ``loss_type="ppo_clip"``
+    clips against π_rollout with the rejection mask applied, ``"reinforce"`` is −sg(w)·A·log π_θ.
+
+    Args follow verl: (B, T) tensors; ``config`` is the actor config (``clip_ratio``,
+    ``clip_ratio_low``/``_high``, ``clip_ratio_c``, ``policy_loss``, ``global_batch_info``).
+    Returns (loss, metrics as floats: ``actor/pg_clipfrac``, ``actor/ppo_kl``,
+    ``actor/pg_clipfrac_lower`` and, in bypass mode, the ``rollout_corr/...`` metrics).
+    """
+    if config is None:
+        raise ValueError("the rollout_correction policy loss needs verl's actor config (clip ratios)")
+    clip = _get(config, "clip_ratio", 0.2)
+    low = _get(config, "clip_ratio_low", None)
+    high = _get(config, "clip_ratio_high", None)
+    clip_c = _get(config, "clip_ratio_c", 3.0)
+    info = dict(_get(config, "global_batch_info", None) or {})
+    rc = config_from_verl(_get(_get(config, "policy_loss", None), "rollout_correction", None))
+    bypass = rc is not None and rc.bypass_mode
+    if not bypass:
+        # Decoupled: the driver already computed weights and rejection; the loss only weights PPO.
+        rc = RolloutCorrectionConfig.disabled()
+    loss, metrics = compute_policy_loss(
+        log_prob, None if bypass else old_log_prob, advantages, response_mask, rc,
+        rollout_log_prob=old_log_prob if bypass else None,
+        rollout_is_weights=None if bypass else rollout_is_weights,
+        clip_ratio_low=low if low is not None else clip,
+        clip_ratio_high=high if high is not None else clip,
+        clip_ratio_c=clip_c, loss_agg_mode=loss_agg_mode,
+        global_num_tokens=info.get("batch_num_tokens"), global_num_seqs=info.get("global_batch_size"),
+        dp_size=int(info.get("dp_size", 1) or 1), loss_scale_factor=info.get("loss_scale_factor"),
+    )
+    return loss, metrics_to_floats(metrics)
+
+
+def grpo_accepted_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: Optional[bool] = None,
+    config: Any = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO advantages whose group statistics use accepted rows only (fixes verl #6375).
+
+    Row i is accepted iff ``response_mask[i]`` still has a valid token (rejection sampling zeroes
+    a rejected row). With r_i = Σ_t token_level_rewards[i, t] and A_g the accepted rows of group g:
+    Â_i = (r_i − mean_{A_g} r) / (std_{A_g} r + ε)  (or without the division when
+    ``norm_adv_by_std_in_grpo`` is false; read from ``config`` when not given), broadcast over the
+    row's valid tokens. Rejected rows, and groups with fewer than two accepted rows, get 0 (verl
+    gives a lone row its raw score). Without rejection and with groups of ≥ 2 this equals verl's
+    ``compute_grpo_outcome_advantage``. Returns (advantages, returns), both (B, T), as verl's does.
+    """
+    if index is None:
+        raise ValueError("grpo_accepted needs the group index (verl passes non_tensor_batch['uid'])")
+    if norm_adv_by_std_in_grpo is None:
+        norm_adv_by_std_in_grpo = bool(_get(config, "norm_adv_by_std_in_grpo", True))
+    scores = token_level_rewards.sum(dim=-1)
+    result = group_advantages(scores, list(index), estimator="grpo", response_mask=response_mask,
+                              norm_by_std=norm_adv_by_std_in_grpo, epsilon=epsilon)
+    adv = result.token_advantages.to(token_level_rewards.dtype)
+    return adv, adv
+
+
+def wire_trainer_config(config: Any, *, grpo_accepted: bool = True) -> Any:
+    """Route verl's trainer config through this library, before the trainer creates its workers.
+
+    Reads ``config.algorithm.rollout_correction`` (unchanged verl block) and writes, in place:
+    ``actor_rollout_ref.actor.policy_loss.loss_mode = "rollout_correction"``,
+    ``actor_rollout_ref.actor.policy_loss.rollout_correction = <the block>``, and, in bypass mode,
+    ``actor_rollout_ref.rollout.calculate_log_probs = True``. With ``grpo_accepted`` and
+    ``algorithm.adv_estimator == "grpo"`` the estimator becomes ``"grpo_accepted"`` when
+    rejection sampling is configured. The block is validated here, so a bad key fails on the
+    driver before any worker starts. Returns ``config``.
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    block = _get(_get(config, "algorithm", None), "rollout_correction", None)
+    cfg = config_from_verl(block)
+    if cfg is None:
+        return config
+    actor = config.actor_rollout_ref.actor
+    with open_dict(config):
+        if _get(actor, "policy_loss", None) is None:
+            actor.policy_loss = OmegaConf.create({})
+        actor.policy_loss.loss_mode = LOSS_NAME
+        actor.policy_loss.rollout_correction = OmegaConf.create(_as_mapping(block))
+        if cfg.bypass_mode:
+            config.actor_rollout_ref.rollout.calculate_log_probs = True
+        if grpo_accepted and cfg.rs_enabled and str(_get(config.algorithm, "adv_estimator", "")) == "grpo":
+            config.algorithm.adv_estimator = ADV_ESTIMATOR_NAME
+    return config
+
+
+def register(core_algos: Any = None) -> None:
+    """Register the policy loss and the advantage estimator in verl's registries (idempotent)."""
+    if core_algos is None:
+        from verl.trainer.ppo import core_algos
+    if core_algos.POLICY_LOSS_REGISTRY.get(LOSS_NAME) is not policy_loss:
+        core_algos.register_policy_loss(LOSS_NAME)(policy_loss)
+    if core_algos.ADV_ESTIMATOR_REGISTRY.get(ADV_ESTIMATOR_NAME) is not grpo_accepted_advantage:
+        core_algos.ADV_ESTIMATOR_REGISTRY.pop(ADV_ESTIMATOR_NAME, None)  # a stale copy after a reload
+        core_algos.register_adv_est(ADV_ESTIMATOR_NAME)(grpo_accepted_advantage)
+
+
+try:  # register on import when verl is importable (in every verl process via the plugin entry point)
+    register()
+except ImportError:
+    pass
