@@ -6,9 +6,9 @@
   matching on the whole mixture, so before RL about 3/8 of the samples are rewarded; RL has to
   move the mass onto the rewarded modes.
 * Rollout engine: :class:`RolloutEngine` holds a copy of the weights in a reduced precision
-  (bf16 or fp16) and runs the whole sampler — network, SDE update, state, log-probabilities — in
-  that dtype, like a serving stack with low-precision kernels. It records the per-step
-  log-probabilities of the SDE window.
+  (bf16, fp16, or fp8-e4m3 weights with bf16 compute) and runs the whole sampler — network, SDE
+  update, state, log-probabilities — in the compute dtype, like a serving stack with
+  low-precision kernels. It records the per-step log-probabilities of the SDE window.
 * Trainer: :func:`window_log_probs` recomputes the same per-step log-probabilities in fp32 with
   gradients, from the states the engine recorded.
 """
@@ -25,8 +25,8 @@ from torch import nn
 from rollout_correction.diffusion.sde import (gaussian_step_log_prob, ode_step, sde_step_mean_std,
                                               time_grid)
 
-__all__ = ["RingTarget", "VelocityMLP", "pretrain_flow_matching", "RolloutEngine", "Trajectory",
-           "window_log_probs", "group_advantages"]
+__all__ = ["RingTarget", "VelocityMLP", "pretrain_flow_matching", "RolloutEngine", "Trajectory", "PRECISIONS",
+           "fp8_round_trip", "window_log_probs", "group_advantages"]
 
 
 @dataclass(frozen=True)
@@ -124,21 +124,42 @@ class Trajectory:
     final: torch.Tensor
 
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_round_trip(w: torch.Tensor) -> torch.Tensor:
+    """Per-tensor-scaled float8-e4m3 quantisation: s = max|w| / 448, w ← s·fp8(w / s)."""
+    scale = w.detach().abs().max().clamp(min=1e-12) / _FP8_MAX
+    return (w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
+
+
 class RolloutEngine:
     """Samples trajectories with a reduced-precision copy of the policy.
 
-    The weights are cast to ``dtype`` and every operation of the sampler (network, SDE mean,
-    noise, state update, log-probability) runs in ``dtype``: the sampled states are representable
-    in ``dtype`` and the recorded log-probabilities carry its rounding.
+    ``precision``: ``"bf16"`` / ``"fp16"`` (weights and compute in that dtype), ``"fp8"`` (weights
+    quantised to float8-e4m3 with a per-tensor scale, compute in bf16) or ``"fp32"`` (no gap).
+    Every operation of the sampler (network, SDE mean, noise, state update, log-probability) runs in
+    the compute dtype: the sampled states are representable in it and the recorded log-probabilities
+    carry its rounding.
     """
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16):
-        self.dtype = dtype
+    def __init__(self, precision: str = "bf16"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        self.precision = precision
+        self.dtype = PRECISIONS[precision]
         self.model: VelocityMLP | None = None
 
+    @torch.no_grad()
     def load_weights(self, model: VelocityMLP) -> None:
-        """Sync the engine with the trainer's weights (a cast copy)."""
-        self.model = copy.deepcopy(model).to(self.dtype).eval()
+        """Sync the engine with the trainer's weights (a quantised / cast copy)."""
+        engine_model = copy.deepcopy(model).float()
+        if self.precision == "fp8":
+            for p in engine_model.parameters():
+                p.copy_(fp8_round_trip(p))
+        self.model = engine_model.to(self.dtype).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
 
