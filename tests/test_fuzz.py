@@ -30,6 +30,7 @@ from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, compute
                                 compute_policy_loss, compute_rollout_correction, metrics_to_floats)
 from rollout_correction.advantages import group_advantages
 from rollout_correction.alignment import alignment_metrics, alignment_statistics
+from rollout_correction.staleness import compute_staleness_policy_loss
 
 try:  # log-ratios of magnitude ≥ this are treated as non-finite by the core
     from rollout_correction.logratio import NONFINITE_SENTINEL
@@ -258,6 +259,31 @@ def check_alignment_statistics(data):
     _check_metrics(alignment_metrics(alignment_statistics(old, roll, mask)))
 
 
+def check_staleness_loss(data):
+    old, roll, mask = data.draw(batches())
+    B, T = mask.shape
+    cfg = data.draw(configs())
+    if cfg.bypass_mode:
+        cfg = cfg.replace(bypass_mode=False, loss_type="ppo_clip")
+    per_token = data.draw(st.booleans())
+    shape = (B, T) if per_token else (B,)
+    versions = torch.from_numpy(data.draw(hnp.arrays(np.int64, shape, elements=st.integers(0, 6))))
+    log_prob = old.clone().requires_grad_(True)
+    adv = torch.from_numpy(data.draw(hnp.arrays(np.float64, (B, T), elements=st.floats(-5, 5)))).to(old.dtype)
+    kwargs = dict(proximal_method=data.draw(st.sampled_from(["loglinear", "linear", "behaviour"])),
+                  max_staleness=data.draw(st.sampled_from([None, 0, 2])))
+    try:
+        loss, metrics = compute_staleness_policy_loss(log_prob, roll, adv, mask, versions, 6, cfg, **kwargs)
+    except ValueError as exc:
+        assert cfg.on_nonfinite == "raise" and "non-finite" in str(exc), exc
+        return
+    _finite("loss", loss)
+    _check_metrics(metrics)
+    loss.backward()
+    _finite("gradient", log_prob.grad)
+    assert bool((log_prob.grad[mask == 0] == 0).all()), "gradient at a masked position"
+
+
 PROPERTIES = {
     "correction": check_correction,
     "offpolicy_metrics": check_offpolicy_metrics,
@@ -265,6 +291,7 @@ PROPERTIES = {
     "random_config": check_random_config,
     "group_advantages": check_group_advantages,
     "alignment_statistics": check_alignment_statistics,
+    "staleness_loss": check_staleness_loss,
 }
 
 
