@@ -81,14 +81,13 @@ def toy(request) -> Toy:
 
 
 def library_gradient(toy: Toy, cfg, log_prob_logits=None, old_logits=None, rollout_logits="mu",
-                     **kwargs) -> torch.Tensor:
-    """−∇_θ of the library's loss; advantages A(y)·μ(y)·B, ``seq-mean-token-sum``."""
+                     loss_agg_mode="seq-mean-token-sum", **kwargs) -> torch.Tensor:
+    """−∇_θ of the library's loss, with advantages A(y)·μ(y)·B."""
     theta = (toy.theta if log_prob_logits is None else log_prob_logits).clone().requires_grad_(True)
     rollout = toy.mu if rollout_logits == "mu" else rollout_logits
     loss, _ = compute_policy_loss(
         toy.lp(theta), None if old_logits is None else toy.lp(old_logits), toy.scaled_adv, toy.mask, cfg,
-        rollout_log_prob=None if rollout is None else toy.lp(rollout), loss_agg_mode="seq-mean-token-sum",
-        **kwargs)
+        rollout_log_prob=None if rollout is None else toy.lp(rollout), loss_agg_mode=loss_agg_mode, **kwargs)
     (grad,) = torch.autograd.grad(loss, theta)
     assert torch.isfinite(grad).all()
     return -grad
@@ -170,6 +169,37 @@ def test_untruncated_sequence_is_reinforce_is_the_on_policy_gradient(toy, thresh
     # Without the weights the same loss estimates E_μ[A ∇log π] instead: far from the target.
     plain = library_gradient(toy, RolloutCorrectionConfig(bypass_mode=True, loss_type="reinforce"))
     assert rel_err(plain, exact) > 1e-2
+    # A trainer that already put the rollout log-probs in old_log_prob gets the same gradient.
+    assert_grad(library_gradient(toy, cfg, old_logits=toy.mu, rollout_logits=None), exact)
+
+
+@pytest.mark.parametrize("mode", ["token-sum", "token-mean", "token-mean-global", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm", "seq-mean-token-sum-global"])
+def test_aggregation_modes_scale_the_on_policy_gradient_as_documented(toy, mode):
+    """Same untruncated sequence-IS REINFORCE; each aggregation mode divides row y's token sum by
+    its own denominator: B·E_π[A∇log π] for token-sum, (B/N_tok)·… for token-mean, Σ_y π A ∇(y)/n_y
+    for seq-mean-token-mean, 1/T of the on-policy gradient for seq-mean-token-sum-norm."""
+    cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=INF, bypass_mode=True,
+                                  loss_type="reinforce")
+    B, T = toy.space.batch_size, toy.space.horizon
+    n = toy.mask.sum(-1).double()
+    n_tok = float(n.sum())
+    pi_a = toy.seq_prob(toy.theta) * toy.adv
+    kwargs, row = {}, pi_a
+    if mode == "token-sum":
+        row = pi_a * B
+    elif mode == "token-mean":
+        row = pi_a * B / n_tok
+    elif mode == "token-mean-global":  # three ranks' worth of tokens in the global denominator
+        mode, kwargs, row = "token-mean", dict(global_num_tokens=3 * n_tok), pi_a * B / (3 * n_tok)
+    elif mode == "seq-mean-token-mean":
+        row = pi_a / n
+    elif mode == "seq-mean-token-sum-norm":
+        row = pi_a / T
+    else:  # global sequence count over two ranks, gradients averaged (dp_size=2): the local result
+        mode, kwargs = "seq-mean-token-sum", dict(global_num_seqs=2 * B, dp_size=2)
+    expected = from_coefficients(toy, per_row(row, toy))
+    assert_grad(library_gradient(toy, cfg, loss_agg_mode=mode, **kwargs), expected)
 
 
 # ---------------------------------------------------------------------------------------------
