@@ -1,0 +1,87 @@
+"""``rollout-correction diagnose``: measure the mismatch in a dump of log-probs, write a report.
+
+    rollout-correction diagnose FILE --out DIR      # Parquet / JSONL / .pt / .npz
+    rollout-correction diagnose --example [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .readers import FORMATS, Columns
+
+DEFAULT_OUT = "diagnose_report"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", nargs="?", help="dump of rollouts: .parquet, .jsonl, .pt or .npz")
+    parser.add_argument("--out", default=None, help=f"report directory (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--example", action="store_true",
+                        help="generate an example dump with a reduced-precision rollout engine and diagnose it")
+    parser.add_argument("--format", choices=FORMATS, default=None, help="input format (default: from the extension)")
+    d = Columns()
+    cols = parser.add_argument_group("columns")
+    cols.add_argument("--rollout-col", default=d.rollout_log_probs, help="rollout-engine log-probs")
+    cols.add_argument("--old-col", default=d.old_log_probs, help="trainer log-probs (π_old, or π_θ in bypass mode)")
+    cols.add_argument("--mask-col", default=d.response_mask,
+                      help="response mask (0/1); used when present; 'none' to ignore")
+    cols.add_argument("--lengths-col", default=d.lengths,
+                      help="response lengths (first N positions valid); used when present; 'none' to ignore")
+    cols.add_argument("--all-valid", action="store_true",
+                      help="padded arrays without mask or lengths: every position is a response token")
+    cols.add_argument("--rewards-col", default=d.rewards, help="per-row reward (optional)")
+    cols.add_argument("--version-col", default=d.policy_version, help="per-row policy version (optional)")
+    cols.add_argument("--token-ids-col", default=d.token_ids, help="response token ids (optional)")
+    parser.add_argument("--chunk-rows", type=int, default=2048, help="rows per streamed block (default 2048)")
+    parser.add_argument("--presets", default=None,
+                        help="comma-separated presets for the what-if table (default: all)")
+    parser.add_argument("--example-rows", type=int, default=512, help="rows of the --example dump (default 512)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--quiet", action="store_true", help="no terminal summary")
+
+
+def _none(x: str | None) -> str | None:
+    return None if x is None or x.lower() == "none" else x
+
+
+def run(args: argparse.Namespace) -> int:
+    from .diagnosis import diagnose_file
+    from .report import print_summary, write_report
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    out = args.out or DEFAULT_OUT
+    path = args.file
+    if args.example:
+        if path:
+            print("rollout-correction diagnose: give either FILE or --example, not both", file=sys.stderr)
+            return 2
+        from .example import write_example
+
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, "example_rollouts.parquet")
+        if not args.quiet:
+            print(f"generating {args.example_rows} responses with a bf16, int4-weight rollout engine "
+                  f"→ {path}", flush=True)
+        write_example(path, n_rows=args.example_rows)
+    elif not path:
+        print("rollout-correction diagnose: give a FILE to diagnose, or --example", file=sys.stderr)
+        return 2
+    columns = Columns(
+        rollout_log_probs=args.rollout_col, old_log_probs=args.old_col, response_mask=_none(args.mask_col),
+        lengths=_none(args.lengths_col), rewards=_none(args.rewards_col), policy_version=_none(args.version_col),
+        token_ids=_none(args.token_ids_col), all_valid=args.all_valid)
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
+    try:
+        diag = diagnose_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, presets=presets)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"rollout-correction diagnose: {exc}", file=sys.stderr)
+        return 2
+    write_report(diag, out)
+    if not args.quiet:
+        print_summary(diag, out)
+    return 0

@@ -1,0 +1,74 @@
+"""Diagnose a file (or tensors): read → profile → health checks → recommendation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .health import Check, health_checks
+from .profile import MismatchProfile, ProfileResult
+from .readers import Chunk, Columns, detect_format, iter_chunks
+from .recommend import Recommendation, recommend
+
+
+@dataclass
+class Diagnosis:
+    profile: ProfileResult
+    health: list[Check]
+    recommendation: Recommendation
+    source: dict = field(default_factory=dict)  # path, format, columns, elapsed seconds
+
+    @property
+    def worst_verdict(self) -> str:
+        order = {"ok": 0, "warn": 1, "fail": 2}
+        return max((c.verdict for c in self.health), key=order.__getitem__, default="ok")
+
+
+def _finish(profile: MismatchProfile, source: dict) -> Diagnosis:
+    if profile.counters.rows == 0:
+        raise ValueError(f"{source.get('path', 'input')}: no rows to diagnose")
+    if profile.counters.tokens == 0:
+        raise ValueError(
+            f"{source.get('path', 'input')}: no valid response token (every row is empty, masked out, or "
+            "holds a non-finite log-prob); check the mask / lengths columns")
+    res = profile.result()
+    return Diagnosis(profile=res, health=health_checks(res), recommendation=recommend(res), source=source)
+
+
+def diagnose_file(path: str, columns: Columns | None = None, chunk_rows: int = 2048, fmt: str | None = None,
+                  presets: list[str] | None = None) -> Diagnosis:
+    """Streams ``path`` in blocks of ``chunk_rows`` rows and diagnoses the mismatch.
+
+    presets: what-if presets (default every preset of ``RolloutCorrectionConfig``).
+    """
+    columns = columns or Columns()
+    t0 = time.perf_counter()
+    profile = MismatchProfile(presets=presets)
+    for chunk in iter_chunks(path, columns, chunk_rows=chunk_rows, fmt=fmt):
+        profile.update(chunk)
+    source = {"path": str(path), "format": detect_format(str(path), fmt), "columns": columns.__dict__.copy(),
+              "chunk_rows": chunk_rows}
+    diag = _finish(profile, source)
+    diag.source["elapsed_seconds"] = time.perf_counter() - t0
+    return diag
+
+
+def diagnose_tensors(old_log_prob, rollout_log_prob, response_mask, presets: list[str] | None = None,
+                     chunk_rows: int = 2048) -> Diagnosis:
+    """Diagnoses in-memory (B, T) tensors or arrays (``response_mask`` 0/1 or bool)."""
+    old = np.asarray(old_log_prob.detach().cpu() if hasattr(old_log_prob, "detach") else old_log_prob, np.float32)
+    roll = np.asarray(rollout_log_prob.detach().cpu() if hasattr(rollout_log_prob, "detach") else rollout_log_prob,
+                      np.float32)
+    mask = np.asarray(response_mask.detach().cpu() if hasattr(response_mask, "detach") else response_mask) != 0
+    if not (old.shape == roll.shape == mask.shape) or old.ndim != 2:
+        raise ValueError(f"expected three (B, T) arrays of one shape, got {old.shape}, {roll.shape}, {mask.shape}")
+    t0 = time.perf_counter()
+    profile = MismatchProfile(presets=presets)
+    for s in range(0, old.shape[0], chunk_rows):
+        sl = slice(s, s + chunk_rows)
+        profile.update(Chunk(np.where(mask[sl], old[sl], 0), np.where(mask[sl], roll[sl], 0), mask[sl]))
+    diag = _finish(profile, {"path": "<tensors>", "format": "tensors"})
+    diag.source["elapsed_seconds"] = time.perf_counter() - t0
+    return diag

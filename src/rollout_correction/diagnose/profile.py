@@ -1,0 +1,365 @@
+"""One pass over the rows: everything the report needs, accumulated chunk by chunk.
+
+:class:`MismatchProfile` feeds each chunk to
+
+* the core's ``OffPolicyAccumulator`` — the off-policy metric set, identical to
+  ``compute_offpolicy_metrics`` on the whole file;
+* one core ``CorrectionAccumulator`` per preset — the what-if table;
+* fixed-bin histograms and keyed sums of its own (log-ratio distributions, mismatch by position,
+  by response length, by policy version and by token id, raw importance-weight moments).
+
+Notation (per valid token t of row i): log ρₜ = old − rollout; ρₜ = exp(clamp(log ρₜ, ±20)).
+Sequence log-weight Sᵢ = Σₜ log ρₜ, geometric log-weight Gᵢ = Sᵢ / Lᵢ with Lᵢ the number of
+valid tokens; rows with Lᵢ = 0 enter no sequence statistic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rollout_correction.alignment import AlignmentReport, alignment_report, alignment_statistics
+
+from .histograms import AdaptiveLinearHistogram, Histogram, KeyedSums, symlog_edges
+from .readers import Chunk
+
+LOG_CLAMP = 20.0  # the core's safety bound on log-ratios before every exp
+VETO_THRESHOLD = 1e-4  # a token with ρ below this is "catastrophic" (seed 001's veto default)
+HEALTHY_BAND = (0.5, 2.0)  # the seeds' band for a single ratio / the mean weight
+LEVELS = ("token", "sequence", "geometric")
+LOG_RATIO_EDGES = symlog_edges(1e-6, 1e3, per_decade=16)
+
+
+@dataclass
+class LevelMoments:
+    """Raw (untruncated, safety-bounded) importance weights at one level.
+
+    Over n units (tokens for ``token``, rows for ``sequence``/``geometric``) with weights wᵤ:
+    mean = Σw/n, std = sqrt(Σw²/n − mean²), Kish ESS = (Σw)² / (n·Σw²) ∈ (0, 1],
+    outside = fraction of units with w ∉ [0.5, 2]; log_mean / log_std: moments of log w
+    (unclamped).
+    """
+
+    n: int = 0
+    sum_w: float = 0.0
+    sum_w2: float = 0.0
+    outside: int = 0
+    sum_log_w: float = 0.0
+    sum_log_w2: float = 0.0
+    min_log_w: float = math.inf
+    max_log_w: float = -math.inf
+
+    def update(self, log_w: torch.Tensor) -> None:
+        if log_w.numel() == 0:
+            return
+        w = torch.exp(log_w.clamp(-LOG_CLAMP, LOG_CLAMP))
+        self.n += int(log_w.numel())
+        self.sum_w += float(w.sum())
+        self.sum_w2 += float((w * w).sum())
+        lo, hi = math.log(HEALTHY_BAND[0]), math.log(HEALTHY_BAND[1])
+        self.outside += int(((log_w < lo) | (log_w > hi)).sum())
+        self.sum_log_w += float(log_w.sum())
+        self.sum_log_w2 += float((log_w * log_w).sum())
+        self.min_log_w = min(self.min_log_w, float(log_w.min()))
+        self.max_log_w = max(self.max_log_w, float(log_w.max()))
+
+    def as_dict(self) -> dict[str, float]:
+        if self.n == 0:
+            return {"n": 0, "mean": 1.0, "std": 0.0, "ess": 1.0, "fraction_outside": 0.0,
+                    "log_mean": 0.0, "log_std": 0.0, "min_log_w": 0.0, "max_log_w": 0.0}
+        mean = self.sum_w / self.n
+        var = max(self.sum_w2 / self.n - mean * mean, 0.0)
+        return {
+            "n": self.n,
+            "mean": mean,
+            "std": math.sqrt(var),
+            "ess": (self.sum_w * self.sum_w) / (self.n * self.sum_w2) if self.sum_w2 > 0 else 1.0,
+            "fraction_outside": self.outside / self.n,
+            "log_mean": self.sum_log_w / self.n,
+            "log_std": math.sqrt(max(self.sum_log_w2 / self.n - (self.sum_log_w / self.n) ** 2, 0.0)),
+            "min_log_w": self.min_log_w,
+            "max_log_w": self.max_log_w,
+        }
+
+
+@dataclass
+class Counters:
+    rows: int = 0  # rows read from the file
+    rows_used: int = 0  # rows with at least one valid token and finite log-probs
+    rows_empty: int = 0  # rows with no valid token
+    rows_nonfinite: int = 0  # rows excluded: NaN / ±inf log-prob at a valid position
+    tokens: int = 0  # valid tokens in the rows used
+    tokens_positive_log_prob: int = 0  # log-prob > 1e-3 (not a log-probability)
+    tokens_identical: int = 0  # log ρ exactly 0
+    rows_vetoed: int = 0  # rows with a token ρ < VETO_THRESHOLD (unclamped)
+    tokens_catastrophic: int = 0
+    max_length: int = 0
+    # reward vs. sequence log-weight (Pearson correlation from sums)
+    reward_rows: int = 0
+    sum_r: float = 0.0
+    sum_r2: float = 0.0
+    sum_s: float = 0.0
+    sum_s2: float = 0.0
+    sum_rs: float = 0.0
+
+
+@dataclass
+class ProfileResult:
+    """Everything measured, as plain Python / numpy values."""
+
+    metrics: dict[str, float]  # the core's off-policy metric set, 'rollout_corr/...'
+    what_if: list[dict]  # one entry per preset
+    levels: dict[str, dict[str, float]]  # LevelMoments.as_dict() per level
+    histograms: dict[str, Histogram]  # log-weights per level, symmetric-log bins (tails)
+    linear: dict[str, "AdaptiveLinearHistogram"]  # log-weights per level, linear bins (bulk)
+    alignment: AlignmentReport  # the core's one-token shift detector
+    position: KeyedSums  # keyed by token position
+    length: KeyedSums  # keyed by response length (rows)
+    version: dict[int, dict[str, float]]
+    token: KeyedSums | None  # keyed by token id
+    counters: Counters
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+def _final_weight_accumulator(config):
+    """A ``CorrectionAccumulator`` that also accumulates the moments of the final weights.
+
+    final weight per valid token = IS weight (1 when the config has none) × 1[kept by rejection];
+    ESS_final = (Σw)² / (n·Σw²) over the n valid tokens, 0 when everything is rejected.
+    """
+    from rollout_correction.correction import local_correction
+    from rollout_correction.metrics import CorrectionAccumulator
+
+    class _WhatIf(CorrectionAccumulator):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.final = [0.0, 0.0, 0.0]  # n, Σw, Σw²
+
+        def _add(self, stats, batch):
+            isw, rej = local_correction(batch, self.config, stats)
+            valid = batch.valid
+            keep = (rej.keep_mask(batch) != 0) & valid
+            w = isw.weights if isw is not None else valid.to(torch.float32)
+            wf = torch.where(keep, w, 0.0).double()
+            self.final[0] += float(valid.sum())
+            self.final[1] += float(wf.sum())
+            self.final[2] += float((wf * wf).sum())
+
+        def final_ess(self) -> float:
+            n, s, s2 = self.final
+            return (s * s) / (n * s2) if s2 > 0 and n > 0 else 0.0
+
+    return _WhatIf(config)
+
+
+def _what_if_entry(name: str, m: dict[str, float], ess_final: float) -> dict:
+    """The what-if row of one preset from the core's correction metrics.
+
+    truncated: fraction of valid tokens (sequences for sequence-level IS) whose weight the
+    threshold changes (TIS: raw ratio above the cap; IcePop: raw ratio outside the band);
+    rejected: fraction of valid tokens / rows removed by rejection sampling (and veto);
+    ess: Kish ESS of the final weights (IS weight × kept), see :func:`_final_weight_accumulator`;
+    is_ess: the core's ``rollout_is_eff_sample_size`` (IS weights only, before rejection).
+    """
+    p = "rollout_corr/"
+    has_is = f"{p}rollout_is_mean" in m
+    if not has_is:
+        truncated = 0.0
+    elif f"{p}rollout_is_oob_ratio" in m:
+        truncated = m[f"{p}rollout_is_oob_ratio"]
+    else:
+        truncated = m[f"{p}rollout_is_ratio_fraction_high"]
+    rejected = m.get(f"{p}rollout_rs_masked_fraction", 0.0)
+    rejected_seq = m.get(f"{p}rollout_rs_seq_masked_fraction", 0.0)
+    veto = m.get(f"{p}rollout_is_veto_fraction")
+    if veto is not None:
+        rejected_seq = max(rejected_seq, veto)
+    return {
+        "preset": name,
+        "is_weights": has_is,
+        "truncated_fraction": float(truncated),
+        "rejected_token_fraction": float(rejected),
+        "rejected_seq_fraction": float(rejected_seq),
+        "ess": float(ess_final),
+        "is_ess": float(m[f"{p}rollout_is_eff_sample_size"]) if has_is else None,
+        "mean_weight": float(m.get(f"{p}rollout_is_mean", 1.0)),
+        "metrics": {k: float(v) for k, v in m.items()},
+    }
+
+
+class MismatchProfile:
+    """Accumulates a :class:`ProfileResult` over chunks of rows.
+
+    presets: names for the what-if table (default: every preset of the core); ``[]`` skips it.
+    """
+
+    def __init__(self, presets: list[str] | None = None, track_tokens: bool = True):
+        from rollout_correction.config import RolloutCorrectionConfig
+        from rollout_correction.metrics import OffPolicyAccumulator
+
+        self._offpolicy = OffPolicyAccumulator()
+        names = list(RolloutCorrectionConfig.preset_names()) if presets is None else list(presets)
+        # Presets that differ only in the loss (bypass vs decoupled, PPO vs REINFORCE) have the same
+        # weights and masks: compute each distinct correction once.
+        self._preset_key: dict[str, tuple] = {}
+        self._what_if: dict[tuple, object] = {}
+        for n in names:
+            cfg = RolloutCorrectionConfig.from_preset(n)
+            key = (cfg.is_spec, cfg.rs_options, cfg.rollout_token_veto_threshold)
+            self._preset_key[n] = key
+            if key not in self._what_if:
+                self._what_if[key] = _final_weight_accumulator(cfg)
+        self.levels = {lvl: LevelMoments() for lvl in LEVELS}
+        self.histograms = {lvl: Histogram(LOG_RATIO_EDGES) for lvl in LEVELS}
+        self.position = KeyedSums(("log_ratio", "abs_log_ratio", "k3"))
+        self.length = KeyedSums(("k3_mean", "seq_log_ratio", "abs_seq_log_ratio", "seq_outside"))
+        self.version: dict[int, dict[str, float]] = {}
+        self.token = KeyedSums(("log_ratio", "abs_log_ratio", "k3")) if track_tokens else None
+        self.counters = Counters()
+        self.alignment = torch.zeros(4, dtype=torch.float64)
+        self.linear = {lvl: AdaptiveLinearHistogram() for lvl in LEVELS}
+
+    # ------------------------------------------------------------------ per chunk
+    def update(self, chunk: Chunk) -> None:
+        c = self.counters
+        mask = torch.from_numpy(chunk.response_mask)
+        old32 = torch.from_numpy(chunk.old_log_probs)
+        roll32 = torch.from_numpy(chunk.rollout_log_probs)
+        c.rows += chunk.num_rows
+        # The core's statistics see the rows exactly as read (it drops and counts rows with a
+        # non-finite log-prob itself); our own statistics below skip those rows too.
+        self._offpolicy.update(old32, roll32, mask)
+        for acc in self._what_if.values():
+            acc.update(old32, roll32, mask)
+        finite = torch.isfinite(old32) & torch.isfinite(roll32)
+        bad_row = (mask & ~finite).any(dim=1)
+        keep = ~bad_row
+        n_bad = int(bad_row.sum())
+        c.rows_nonfinite += n_bad
+        if n_bad:
+            mask, old32, roll32 = mask[keep], old32[keep], roll32[keep]
+        if mask.shape[0] == 0:
+            return
+        lengths = mask.sum(dim=1)
+        c.rows_empty += int((lengths == 0).sum())
+
+        old = old32.double()
+        roll = roll32.double()
+        zero = torch.zeros((), dtype=torch.float64)
+        lr = torch.where(mask, old - roll, zero)
+        lrc = lr.clamp(-LOG_CLAMP, LOG_CLAMP)
+        k3 = torch.where(mask, torch.expm1(lrc) - lrc, zero)
+        valid_lr = lr[mask]
+        n_tok = int(valid_lr.numel())
+        c.tokens += n_tok
+        c.max_length = max(c.max_length, int(lengths.max()))
+        c.tokens_positive_log_prob += int(((old > 1e-3) | (roll > 1e-3))[mask].sum())
+        c.tokens_identical += int((valid_lr == 0).sum())
+        catastrophic = mask & (lr < math.log(VETO_THRESHOLD))
+        c.tokens_catastrophic += int(catastrophic.sum())
+        c.rows_vetoed += int(catastrophic.any(dim=1).sum())
+
+        # token level
+        self.levels["token"].update(valid_lr)
+        self.histograms["token"].update(valid_lr.clamp(LOG_RATIO_EDGES[0], LOG_RATIO_EDGES[-1]))
+        self.linear["token"].update(valid_lr)
+        # sequence / geometric level (rows with ≥ 1 valid token)
+        has = lengths > 0
+        s = lr.sum(dim=1)[has]
+        g = s / lengths[has].double()
+        c.rows_used += int(has.sum())
+        self.levels["sequence"].update(s)
+        self.levels["geometric"].update(g)
+        self.histograms["sequence"].update(s.clamp(LOG_RATIO_EDGES[0], LOG_RATIO_EDGES[-1]))
+        self.histograms["geometric"].update(g.clamp(LOG_RATIO_EDGES[0], LOG_RATIO_EDGES[-1]))
+        self.linear["sequence"].update(s)
+        self.linear["geometric"].update(g)
+
+        # by token position
+        self.position.add_dense(
+            mask.sum(dim=0).double().numpy(),
+            log_ratio=lr.sum(dim=0).numpy(),
+            abs_log_ratio=lr.abs().sum(dim=0).numpy(),
+            k3=k3.sum(dim=0).numpy(),
+        )
+        # by response length (one entry per row)
+        L = lengths[has]
+        lo, hi = math.log(HEALTHY_BAND[0]), math.log(HEALTHY_BAND[1])
+        self.length.update(
+            L.numpy(),
+            k3_mean=(k3.sum(dim=1)[has] / L.double()).numpy(),
+            seq_log_ratio=s.numpy(),
+            abs_seq_log_ratio=s.abs().numpy(),
+            seq_outside=((s < lo) | (s > hi)).double().numpy(),
+        )
+        # one-position shift check (the core's detector; four sums)
+        self.alignment += alignment_statistics(old, roll, mask)
+
+        kept = keep.numpy()
+        if chunk.policy_version is not None:
+            ver = chunk.policy_version[kept][has.numpy()]
+            tok_per_row = L.double()
+            lr_row = s
+            k3_row = k3.sum(dim=1)[has]
+            for v in np.unique(ver):
+                sel = torch.from_numpy(ver == v)
+                e = self.version.setdefault(int(v), {"rows": 0.0, "tokens": 0.0, "log_ratio": 0.0, "k3": 0.0})
+                e["rows"] += float(sel.sum())
+                e["tokens"] += float(tok_per_row[sel].sum())
+                e["log_ratio"] += float(lr_row[sel].sum())
+                e["k3"] += float(k3_row[sel].sum())
+        if chunk.rewards is not None:
+            r = torch.from_numpy(chunk.rewards[kept][has.numpy()]).double()
+            ok = torch.isfinite(r)
+            r, sv = r[ok], s[ok]
+            c.reward_rows += int(r.numel())
+            c.sum_r += float(r.sum())
+            c.sum_r2 += float((r * r).sum())
+            c.sum_s += float(sv.sum())
+            c.sum_s2 += float((sv * sv).sum())
+            c.sum_rs += float((r * sv).sum())
+        if self.token is not None and chunk.token_ids is not None:
+            ids = torch.from_numpy(chunk.token_ids[kept])[mask]
+            if ids.numel() and int(ids.min()) < 0:
+                raise ValueError("token ids must be non-negative")
+            self.token.update(ids.numpy(), log_ratio=valid_lr.numpy(), abs_log_ratio=valid_lr.abs().numpy(),
+                              k3=k3[mask].numpy())
+
+    # ------------------------------------------------------------------ at the end
+    def result(self) -> ProfileResult:
+        from rollout_correction import metrics_to_floats
+
+        metrics = metrics_to_floats(self._offpolicy.compute())
+        computed = {key: (metrics_to_floats(acc.compute()), acc.final_ess()) for key, acc in self._what_if.items()}
+        what_if, first = [], {}
+        for n, key in self._preset_key.items():
+            entry = _what_if_entry(n, *computed[key])
+            entry["same_as"] = first.get(key)  # an earlier preset with the same weights and masks
+            first.setdefault(key, n)
+            what_if.append(entry)
+        c = self.counters
+        extras: dict[str, float] = {}
+        if c.reward_rows >= 2:
+            n = c.reward_rows
+            cov = c.sum_rs / n - (c.sum_r / n) * (c.sum_s / n)
+            vr = c.sum_r2 / n - (c.sum_r / n) ** 2
+            vs = c.sum_s2 / n - (c.sum_s / n) ** 2
+            if vr > 1e-12 and vs > 1e-12:
+                extras["reward_seq_log_ratio_corr"] = cov / math.sqrt(vr * vs)
+        return ProfileResult(
+            metrics=metrics,
+            what_if=what_if,
+            levels={k: v.as_dict() for k, v in self.levels.items()},
+            histograms=self.histograms,
+            linear={k: v.finish() for k, v in self.linear.items()},
+            alignment=alignment_report(self.alignment),
+            position=self.position,
+            length=self.length,
+            version=self.version,
+            token=self.token if (self.token is not None and self.token.count.size) else None,
+            counters=c,
+            extras=extras,
+        )

@@ -1,0 +1,105 @@
+"""Which preset to use, decided from the measured mismatch.
+
+The rule reads five numbers of the profile and stops at the first case that applies:
+
+======  =====================================================  ==============================
+case    condition                                              preset
+======  =====================================================  ==============================
+none    every rollout log-prob equals the trainer's            ``disabled``
+severe  KL > 0.1 (k1 or k3 estimate) or χ²_token > 1          ``decoupled_k3_rs_token_tis``
+tails   ≥ 1 % of tokens with ρ ∉ [0.5, 2], or ≥ 1 % of rows    ``decoupled_token_icepop``
+        with a token ρ < 1e-4
+tiny    k3 KL < 1e-5 and sequence-weight ESS ≥ 0.99            ``bypass_ppo_clip``
+seq     sequence-weight ESS ≥ 0.8                              ``decoupled_seq_is``
+seq+rs  sequence-weight ESS ≥ 0.5                              ``decoupled_seq_is_rs``
+token   otherwise                                              ``decoupled_token_is``
+======  =====================================================  ==============================
+
+Why: the sequence weight ∏ρₜ is the unbiased correction, but its log has variance ≈ L·Var(log ρ),
+so it degenerates when responses are long *and* the per-token gap is not tiny. Its Kish ESS
+((Σw)²/(n·Σw²) over rows, measured on the raw weights) tells directly whether it is usable: high
+ESS → sequence IS (with rejection of the outlying rows when ESS is only moderate); low ESS → the
+product is dominated by a few rows and the biased-but-bounded token-level TIS is the better
+trade. Heavy token tails are better handled by IcePop (dropping the out-of-band tokens' weight)
+than by truncating every ratio, and a large average gap needs sequence rejection (k3) on top of
+token TIS while the engine itself is fixed. When the gap is negligible the rollout policy is a
+good proximal policy and bypass mode saves the extra forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .profile import ProfileResult
+
+P = "rollout_corr/"
+
+#: Thresholds of the rule above (documented in docs/diagnose.md).
+SEVERE_KL = 0.1
+SEVERE_CHI2 = 1.0
+TAIL_TOKENS = 0.01
+TAIL_ROWS = 0.01
+TINY_K3 = 1e-5
+TINY_SEQ_ESS = 0.99
+SEQ_ESS = 0.8
+SEQ_RS_ESS = 0.5
+
+
+@dataclass
+class Recommendation:
+    preset: str
+    case: str
+    reason: str
+    inputs: dict[str, float]
+
+
+def recommend(res: ProfileResult) -> Recommendation:
+    m, lv, c = res.metrics, res.levels, res.counters
+    kl, k3, chi2 = m[f"{P}kl"], m[f"{P}k3_kl"], m[f"{P}chi2_token"]
+    seq_ess = lv["sequence"]["ess"]
+    tok_tail = lv["token"]["fraction_outside"]
+    veto = c.rows_vetoed / c.rows_used if c.rows_used else 0.0
+    mean_len = c.tokens / c.rows_used if c.rows_used else 0.0
+    inputs = {"kl": kl, "k3_kl": k3, "chi2_token": chi2, "seq_ess": seq_ess,
+              "token_fraction_outside": tok_tail, "veto_fraction": veto, "mean_length": mean_len}
+    spread = lv["sequence"]["std"]
+
+    if c.tokens and c.tokens_identical == c.tokens:
+        return Recommendation("disabled", "none",
+                              "rollout and trainer log-probs are identical, there is nothing to correct "
+                              "(check that the rollout column really comes from the inference engine)", inputs)
+    if max(abs(kl), k3) > SEVERE_KL or chi2 > SEVERE_CHI2:
+        return Recommendation(
+            "decoupled_k3_rs_token_tis", "severe",
+            f"the gap is large (kl = {kl:.3g}, k3 = {k3:.3g}, χ²_token = {chi2:.3g}): truncate token weights and reject "
+            "the sequences whose mean k3 exceeds 0.01; correction cannot make such data on-policy, so fix the "
+            "engine mismatch (precision, quantisation, sampling parameters, weight sync) as well", inputs)
+    if tok_tail >= TAIL_TOKENS or veto >= TAIL_ROWS:
+        return Recommendation(
+            "decoupled_token_icepop", "tails",
+            f"the average gap is moderate (k3 = {k3:.3g}) but the ratio has heavy tails "
+            f"({100 * tok_tail:.2g} % of tokens outside [0.5, 2], {100 * veto:.2g} % of rows with a token "
+            "below 1e-4): IcePop drops the weight of the out-of-band tokens and keeps the rest of each "
+            "response", inputs)
+    if k3 < TINY_K3 and seq_ess >= TINY_SEQ_ESS:
+        return Recommendation(
+            "bypass_ppo_clip", "tiny",
+            f"the gap is negligible (k3 = {k3:.2g}, sequence-weight ESS = {seq_ess:.3f}): the rollout policy "
+            "is a valid proximal policy, so PPO can clip against it and skip the old-log-prob pass", inputs)
+    if seq_ess >= SEQ_ESS:
+        return Recommendation(
+            "decoupled_seq_is", "seq",
+            f"per-token gap k3 = {k3:.2g} over {mean_len:.0f} tokens on average keeps sequence weights usable "
+            f"(ESS = {seq_ess:.3f}, std of log ∏ρ = {lv['sequence']['log_std']:.3g}): the unbiased sequence-level "
+            "weight, truncated at 2, is the right correction", inputs)
+    if seq_ess >= SEQ_RS_ESS:
+        return Recommendation(
+            "decoupled_seq_is_rs", "seq+rs",
+            f"sequence weights are usable but spread (ESS = {seq_ess:.3f}, weight std = {spread:.3g}): "
+            "sequence-level IS plus rejection of the rows whose ∏ρ falls outside [0.5, 2]", inputs)
+    return Recommendation(
+        "decoupled_token_is", "token",
+        f"sequence weights degenerate (ESS = {seq_ess:.3f}): {mean_len:.0f} tokens × per-token gap "
+        f"k3 = {k3:.2g} makes ∏ρ dominated by a few rows; token-level TIS (cap 2) trades a small bias "
+        "for bounded variance", inputs)
+
