@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_correction import RolloutCorrectionConfig
+from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from rollout_correction.integrations.openrlhf import (
     RolloutCorrectionPolicyLoss,
     config_from_openrlhf,
@@ -138,22 +138,23 @@ def test_seq_mask_tis_rejected_rows_leave_the_denominator():
 
 
 def test_seq_mask_tis_overflow_is_fixed():
-    log_probs, old, rollout, adv, mask = _batch(scale=0.0)
+    log_probs, old, rollout, adv, mask = _batch(B=3, T=200, scale=0.0)
+    mask = torch.ones_like(mask)
     old = old.clone()
-    # Row 0: one token with log ρ = +100, the others compensate: geometric mean exactly 1 → the row
-    # is accepted, and OpenRLHF multiplies the loss by the unclamped exp(100) = inf in fp32.
-    n = int(mask[0].sum())
-    old[0, :n] = rollout[0, :n] + torch.tensor([100.0] + [-100.0 / (n - 1)] * (n - 1))
+    # Row 0: one token with log ρ = +100 and 199 tokens at −99/199. The geometric-mean ratio lies in
+    # [0.5, 5] raw (OpenRLHF: e^(1/200)) and with per-token log-ratios clamped to ±20 (ours:
+    # e^(−79/200) ≈ 0.67), so both accept the row; OpenRLHF then multiplies by exp(100) = inf.
+    old[0] = rollout[0] + torch.tensor([100.0] + [-99.0 / 199] * 199)
     adv[0] = 1.0
     batch = (log_probs, old, rollout, adv, mask)
     (l_t, *_), g_t = _run(_theirs("seq-mask-tis", 0.5, 5.0), *batch)
     assert not torch.isfinite(l_t) or not torch.isfinite(g_t).all()
-    (l_o, *_), g_o = _run(_ours("seq-mask-tis", 0.5, 5.0), *batch)
+    loss = _ours("seq-mask-tis", 0.5, 5.0)
+    (l_o, *_), g_o = _run(loss, *batch)
     assert torch.isfinite(l_o) and torch.isfinite(g_o).all()
+    assert loss.last_metrics["rollout_corr/rollout_rs_seq_masked_fraction"].item() == 0.0  # row 0 kept
     # The token's weight is clamped to OpenRLHF's TIS bound, 5.
-    cfg = config_from_openrlhf("seq-mask-tis", [0.5, 5.0])
-    from rollout_correction import compute_rollout_correction
-    w = compute_rollout_correction(old, rollout, mask, cfg).weights
+    w = compute_rollout_correction(old, rollout, mask, config_from_openrlhf("seq-mask-tis", [0.5, 5.0])).weights
     assert w[0, 0].item() == pytest.approx(5.0)
 
 

@@ -186,7 +186,10 @@ def _worker_policy_loss_config(config):
     return _import("verl.utils.config").omega_conf_to_dataclass(section, dataclass_type=cls)
 
 
-def test_wire_trainer_config_puts_bypass_into_the_worker_config():
+def test_wire_trainer_config_puts_bypass_into_the_worker_config(monkeypatch):
+    # The wiring patches verl's driver-side helper; restore it after the test for other tests.
+    name = "compute_rollout_correction_and_add_to_batch"
+    monkeypatch.setattr(HELPER, name, getattr(HELPER, name))
     config = _verl_trainer_yaml()
     config.algorithm.adv_estimator = "grpo"
     config.algorithm.rollout_correction = OmegaConf.create(
@@ -196,6 +199,7 @@ def test_wire_trainer_config_puts_bypass_into_the_worker_config():
     rc_verl.wire_trainer_config(config)
     assert config.algorithm.adv_estimator == rc_verl.ADV_ESTIMATOR_NAME
     assert config.actor_rollout_ref.rollout.calculate_log_probs
+    assert getattr(HELPER, name) is rc_verl.compute_rollout_correction_and_add_to_batch
     # What a worker builds from its copy of the actor config (verl's own conversion):
     policy_loss = _worker_policy_loss_config(config)
     assert policy_loss.loss_mode == rc_verl.LOSS_NAME
@@ -210,4 +214,4 @@ def test_wire_rejects_bad_keys_on_the_driver():
     config = _verl_trainer_yaml()
     config.algorithm.rollout_correction.rollout_rss = "token_k1"
     with pytest.raises(ValueError, match="rollout_rss"):
-        rc_verl.wire_trainer_config(config)
+        rc_verl.wire_trainer_config(config, driver=False)

@@ -31,6 +31,9 @@ Two deliberate differences, both fixes:
 * a rejected sequence leaves the loss denominator (its tokens are removed from the action mask);
   OpenRLHF only zeroes their loss, so they still dilute the token mean.
 
+The geometric mean is taken over per-token log-ratios clamped to ±20 (OpenRLHF: unclamped), so a
+row whose band decision hinges on one log-ratio beyond ±20 can be decided differently.
+
 :class:`RolloutCorrectionPolicyLoss` is the drop-in: it wraps an OpenRLHF ``PolicyLoss`` built
 with its own correction off, computes our correction, and hands the wrapped loss the advantages
 scaled by the weights and the action mask with the rejections applied:

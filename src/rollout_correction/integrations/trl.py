@@ -31,6 +31,7 @@ untouched). Bypass configs (``bypass_mode=True`` with ``loss_type="ppo_clip"``) 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import Any, Mapping, Optional, Union
 
@@ -155,8 +156,15 @@ class SamplingLogProbRecorder(contextlib.AbstractContextManager):
         recorder = self
 
         def generate(*args: Any, **kwargs: Any):
-            kwargs["output_scores"] = True
-            kwargs["return_dict_in_generate"] = True
+            config = kwargs.get("generation_config")
+            if config is not None:  # ask through the config the caller passed, on a copy
+                config = copy.deepcopy(config)
+                config.output_scores = True
+                config.return_dict_in_generate = True
+                kwargs["generation_config"] = config
+            else:
+                kwargs["output_scores"] = True
+                kwargs["return_dict_in_generate"] = True
             ctx = contextlib.nullcontext()
             if recorder.autocast_dtype is not None:
                 device_type = next(model.parameters()).device.type

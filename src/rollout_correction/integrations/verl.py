@@ -10,7 +10,7 @@ Importing this module registers, in verl's ``verl.trainer.ppo.core_algos`` regis
 and provides :func:`compute_rollout_correction_and_add_to_batch`, a replacement for verl's
 function of that name (decoupled mode, on a ``DataProto``), and :func:`wire_trainer_config`,
 which copies the ``algorithm.rollout_correction`` block into the actor's config before the
-workers are created.
+workers are created and routes the driver's correction step here (:func:`patch_driver`).
 
 verl's configuration is accepted unchanged: the ``algorithm.rollout_correction`` YAML block (or
 verl's ``RolloutCorrectionConfig`` dataclass, or a plain dict) with any key either verl
@@ -53,6 +53,7 @@ __all__ = [
     "policy_loss",
     "grpo_accepted_advantage",
     "wire_trainer_config",
+    "patch_driver",
     "register",
 ]
 
@@ -208,7 +209,19 @@ def grpo_accepted_advantage(
     return adv, adv
 
 
-def wire_trainer_config(config: Any, *, grpo_accepted: bool = True) -> Any:
+def patch_driver() -> None:
+    """Make verl's driver call :func:`compute_rollout_correction_and_add_to_batch` of this module.
+
+    verl's ``RayPPOTrainer.fit`` imports ``compute_rollout_correction_and_add_to_batch`` from
+    ``verl.trainer.ppo.rollout_corr_helper`` at each step, so replacing the module attribute in
+    the driver process routes the decoupled correction step here.
+    """
+    from verl.trainer.ppo import rollout_corr_helper
+
+    rollout_corr_helper.compute_rollout_correction_and_add_to_batch = compute_rollout_correction_and_add_to_batch
+
+
+def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool = True) -> Any:
     """Route verl's trainer config through this library, before the trainer creates its workers.
 
     Reads ``config.algorithm.rollout_correction`` (unchanged verl block) and writes, in place:
@@ -216,8 +229,9 @@ def wire_trainer_config(config: Any, *, grpo_accepted: bool = True) -> Any:
     ``actor_rollout_ref.actor.policy_loss.rollout_correction = <the block>``, and, in bypass mode,
     ``actor_rollout_ref.rollout.calculate_log_probs = True``. With ``grpo_accepted`` and
     ``algorithm.adv_estimator == "grpo"`` the estimator becomes ``"grpo_accepted"`` when
-    rejection sampling is configured. The block is validated here, so a bad key fails on the
-    driver before any worker starts. Returns ``config``.
+    rejection sampling is configured. With ``driver`` the driver's decoupled correction step is
+    routed here too (:func:`patch_driver`). The block is validated here, so a bad key fails on
+    the driver before any worker starts. Returns ``config``.
     """
     from omegaconf import OmegaConf, open_dict
 
@@ -235,6 +249,8 @@ def wire_trainer_config(config: Any, *, grpo_accepted: bool = True) -> Any:
             config.actor_rollout_ref.rollout.calculate_log_probs = True
         if grpo_accepted and cfg.rs_enabled and str(_get(config.algorithm, "adv_estimator", "")) == "grpo":
             config.algorithm.adv_estimator = ADV_ESTIMATOR_NAME
+    if driver:
+        patch_driver()
     return config
 
 
