@@ -83,7 +83,7 @@ class LogRatioBatch:
             bad = (mask_in[b] > 0) & ~(row.abs() < NONFINITE_SENTINEL)
             t = int(bad.nonzero()[0, 0])
             raise ValueError(
-                f"non-finite log-prob (or |log-ratio| ≥ 1e30) at valid position (row {b}, column {t}): "
+                f"non-finite log-prob at valid position (row {b}, column {t}; |log-ratio| ≥ 1e30 counts as non-finite): "
                 f"old_log_prob={old_log_prob[b, t].item()}, rollout_log_prob={rollout_log_prob[b, t].item()}; "
                 "fix the producer, or set on_nonfinite='reject' to drop such sequences")
         keep_row = (~bad_rows).to(torch.float32).unsqueeze(-1)
