@@ -88,16 +88,21 @@ class ExampleConfig:
 
     @classmethod
     def quick(cls, **kw: Any) -> "ExampleConfig":
-        base = dict(iters=40, pretrain_steps=1500, seeds=(0,), eval_samples=1024, eval_every=20, groups=4)
+        base = dict(iters=30, pretrain_steps=800, seeds=(0,), eval_samples=1024, eval_every=15, groups=4)
         base.update(kw)
         return cls(**base)
 
 
 # ------------------------------------------------------------------------------------- one run
 @torch.no_grad()
-def evaluate(model: VelocityMLP, target: RingTarget, cfg: ExampleConfig, seed: int) -> dict[str, float]:
-    """Reward and in-mode rate of the fp32 policy on fixed noise (the model as trained, no engine gap)."""
-    engine = RolloutEngine("fp32")
+def evaluate(model: VelocityMLP, target: RingTarget, cfg: ExampleConfig, seed: int,
+             precision: str = "fp32") -> dict[str, float]:
+    """Reward and in-mode rate of the weights sampled at ``precision`` on fixed noise.
+
+    With fp32 this is the model as trained; with the engine's precision it is what the rollout
+    engine would serve from the same weights.
+    """
+    engine = RolloutEngine(precision)
     engine.load_weights(model)
     g = torch.Generator().manual_seed(10_000 + seed)
     traj = engine.sample(cfg.eval_samples, cfg.num_steps, 0, cfg.window, cfg.eta, g)
@@ -181,6 +186,7 @@ def run_variant(name: str, pretrained: dict[str, torch.Tensor], target: RingTarg
             hist["last_metrics"] = metrics_to_floats(metrics)
         if (it + 1) % cfg.eval_every == 0 or it == cfg.iters - 1:
             hist["eval"].append({"iter": it + 1, **evaluate(model, target, cfg, seed)})
+    hist["eval_engine"] = evaluate(model, target, cfg, seed, cfg.precision)
     return hist
 
 
@@ -208,6 +214,7 @@ def summarize(histories: dict[str, list[dict]], cfg: ExampleConfig) -> dict[str,
             "eval_reward_max": max(final_eval),
             "eval_reward_per_seed": final_eval,
             "train_reward_last10pct": statistics.fmean(train_reward),
+            "eval_reward_engine_precision": statistics.fmean(r["eval_engine"]["reward"] for r in runs),
             "in_mode_last10pct": statistics.fmean(_tail_mean(r["in_mode"]) for r in runs),
             "rejected_fraction_mean": statistics.fmean(statistics.fmean(r["rejected"]) for r in runs),
             "logprob_abs_diff_mean": statistics.fmean(statistics.fmean(r["gap"]) for r in runs),
@@ -245,6 +252,11 @@ def verdict(summary: dict[str, Any]) -> list[str]:
         lines.append(f"The fp32 recompute pass takes {100 * saved:.1f}% of a `naive` iteration here "
                      f"(median {1e3 * n['recompute_sec_median']:.2f} ms of {1e3 * n['sec_per_iter_median']:.2f} ms); "
                      f"bypass skips it ({1e3 * b['sec_per_iter_median']:.2f} ms per iteration).")
+    diffs = [s["eval_reward_engine_precision"] - s["eval_reward_mean"] for s in summary.values()]
+    if diffs:
+        lines.append(f"Sampling the final weights at the engine's precision instead of fp32 changes the eval reward "
+                     f"by {statistics.fmean(diffs):+.3f} on average over variants (range {min(diffs):+.3f} to "
+                     f"{max(diffs):+.3f}).")
     for name in ("bypass_rs", "decoupled_is_rs"):
         if name in summary:
             f = summary[name]["rejected_fraction_mean"]
@@ -254,6 +266,15 @@ def verdict(summary: dict[str, Any]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------- report
+def _save(fig: Any, out: Path, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def write_plots(histories: dict[str, list[dict]], summary: dict[str, Any], out: Path) -> list[str]:
     try:
         import matplotlib
@@ -276,10 +297,7 @@ def write_plots(histories: dict[str, list[dict]], summary: dict[str, Any], out: 
     axes[0].set(title="training reward (rollout engine samples, smoothed)", xlabel="iteration", ylabel="reward")
     axes[1].set(title="eval reward (fp32 policy, fixed noise)", xlabel="iteration", ylabel="reward")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "reward.png", dpi=110)
-    plt.close(fig)
-    files.append("reward.png")
+    files.append(_save(fig, out, "reward.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, s in summary.items():
@@ -290,10 +308,7 @@ def write_plots(histories: dict[str, list[dict]], summary: dict[str, Any], out: 
     ax.set(title="engine gap per denoising step", xlabel="denoising step index (0 = pure noise)",
            ylabel="mean |log π_fp32 − log π_rollout|")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "gap_per_step.png", dpi=110)
-    plt.close(fig)
-    files.append("gap_per_step.png")
+    files.append(_save(fig, out, "gap_per_step.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, runs in histories.items():
@@ -301,21 +316,18 @@ def write_plots(histories: dict[str, list[dict]], summary: dict[str, Any], out: 
         ax.plot(range(1, n + 1), [statistics.fmean(r["rejected"][i] for r in runs) for i in range(n)], label=name)
     ax.set(title="fraction of SDE-step elements rejected", xlabel="iteration", ylabel="rejected fraction")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "rejection.png", dpi=110)
-    plt.close(fig)
-    files.append("rejection.png")
+    files.append(_save(fig, out, "rejection.png"))
     return files
 
 
 def write_report(summary: dict[str, Any], cfg: ExampleConfig, plots: list[str], out: Path,
                  wall_seconds: float) -> None:
-    rows = ["| variant | eval reward (seed min–max) | train reward (last 10 %) | in-mode | "
-            "mean \\|Δlog π\\| | rejected | clip frac | ms / iter |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| variant | eval reward fp32 (seed min–max) | eval reward engine | train reward (last 10 %) | "
+            "in-mode | mean \\|Δlog π\\| | rejected | clip frac | ms / iter |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         rows.append(f"| `{name}` | {s['eval_reward_mean']:.3f} ({s['eval_reward_min']:.3f}–{s['eval_reward_max']:.3f}) "
-                    f"| {s['train_reward_last10pct']:.3f} | {s['in_mode_last10pct']:.3f} "
+                    f"| {s['eval_reward_engine_precision']:.3f} | {s['train_reward_last10pct']:.3f} | {s['in_mode_last10pct']:.3f} "
                     f"| {s['logprob_abs_diff_mean']:.4f} | {100 * s['rejected_fraction_mean']:.2f} % "
                     f"| {s['clipfrac_mean']:.3f} | {1e3 * s['sec_per_iter_median']:.2f} |")
     desc = [f"- `{n}`: {RUNS[n].description}" for n in summary]
@@ -328,9 +340,10 @@ def write_report(summary: dict[str, Any], cfg: ExampleConfig, plots: list[str], 
         f"Wall time {wall_seconds:.1f} s.", "",
         "## Variants", "", *desc, "",
         "## Results", "", *rows, "",
-        "Eval reward: fraction of 'rewarded' samples drawn by the fp32 policy with fixed noise after the last "
-        "iteration (mean over seeds, min–max in brackets). |Δlog π| is the per-step gap between the engine's "
-        "log-probs and the fp32 log-probs of the same samples.", "",
+        "Eval reward fp32: fraction of rewarded samples drawn from the final weights in fp32 with fixed noise "
+        "(mean over seeds, min–max in brackets); eval reward engine: the same weights and noise sampled at the "
+        "rollout engine's precision. |Δlog π| is the per-step gap between the engine's log-probs and the fp32 "
+        "log-probs of the same samples (SDE-window steps only).", "",
         "## What the numbers show", "", *[f"- {line}" for line in verdict(summary)], "",
     ]
     if len(cfg.seeds) < 3:
@@ -349,14 +362,14 @@ def print_table(summary: dict[str, Any]) -> None:
                   f"rejected {100 * s['rejected_fraction_mean']:.2f}%")
         return
     table = Table(title="toy FlowGRPO: rollout engine vs fp32 trainer")
-    for col in ("variant", "eval reward", "seed range", "train reward", "|Δlog π|", "rejected", "ms/iter"):
+    for col in ("variant", "eval fp32", "seed range", "eval engine", "train", "|Δlog π|", "rejected", "ms/iter"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for name, s in summary.items():
         table.add_row(name, f"{s['eval_reward_mean']:.3f}",
                       f"{s['eval_reward_min']:.3f}–{s['eval_reward_max']:.3f}",
-                      f"{s['train_reward_last10pct']:.3f}", f"{s['logprob_abs_diff_mean']:.4f}",
+                      f"{s['eval_reward_engine_precision']:.3f}", f"{s['train_reward_last10pct']:.3f}", f"{s['logprob_abs_diff_mean']:.4f}",
                       f"{100 * s['rejected_fraction_mean']:.2f}%", f"{1e3 * s['sec_per_iter_median']:.2f}")
-    Console().print(table)
+    Console(width=max(100, Console().width)).print(table)
 
 
 # ------------------------------------------------------------------------------------- driver
@@ -395,7 +408,9 @@ def run_example(cfg: ExampleConfig, *, verbose: bool = True) -> dict[str, Any]:
     cfg_dict["seeds"] = list(cfg.seeds)
     cfg_dict["runs"] = list(cfg.runs)
     payload = {"config": cfg_dict, "pretrain_final_loss": _tail_mean(pre_losses),
-               "pretrained_eval": evaluate(base, target, cfg, 0), "variants": summary,
+               "pretrained_eval": evaluate(base, target, cfg, 0),
+               "pretrained_eval_engine_precision": evaluate(base, target, cfg, 0, cfg.precision),
+               "variants": summary,
                "verdict": verdict(summary), "wall_seconds": wall}
     (out / "summary.json").write_text(json.dumps(payload, indent=2, allow_nan=False))
     if verbose:
@@ -406,7 +421,7 @@ def run_example(cfg: ExampleConfig, *, verbose: bool = True) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ExampleConfig()
-    parser.add_argument("--quick", action="store_true", help="CI-sized run (1 seed, 40 iterations)")
+    parser.add_argument("--quick", action="store_true", help="CI-sized run (1 seed, 30 iterations, short pretraining)")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                         help=f"rollout engine precision (default {d.precision})")
     parser.add_argument("--iters", type=int, default=None, help=f"RL iterations (default {d.iters})")
