@@ -203,8 +203,6 @@ def test_log_space_clamp_bounds_token_and_sequence_weights(make_batch):
     assert all(math.isfinite(v) for v in got.values())
 
 
-@pytest.mark.xfail(strict=True, reason="core: token weights via 1 + expm1 in fp32 lose small ratios "
-                   "(.notes/core-tests.md #1)")
 def test_small_token_weights_keep_relative_precision(make_batch):
     # ρ = 1e-6 and ρ = e^-30 (clamped to e^-20): weights must be 1e-6 and 2.06e-9, not 0.
     out = _run(make_batch, rows=[[1e-6, math.exp(-30.0)]], rollout_is="token", rollout_is_threshold=1e12)
