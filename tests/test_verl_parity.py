@@ -22,10 +22,12 @@ import pytest
 import torch
 
 from verl_reference import (
+    assert_metrics_match,
     load_verl_algorithm_config,
     load_verl_core_algos,
     load_verl_rollout_corr_helper,
     require_verl,
+    verl_equivalent_rs_threshold,
 )
 
 require_verl()
@@ -100,39 +102,6 @@ def batches():
         yield pytest.param(b, t, scale, i, id=f"{b}x{t}-s{scale}")
 
 
-# ----------------------------------------------------------------------------- k1 bounds
-
-
-def _k1_bounds(spec: str) -> tuple[float, float]:
-    if "_" in spec:
-        lo, hi = spec.split("_", 1)
-        return float(lo), float(hi)
-    hi = float(spec)
-    return 1.0 / hi, hi
-
-
-def verl_equivalent_rs_threshold(rollout_rs, threshold):
-    """verl spelling of our RS thresholds: k1 ratio bounds "lo_hi" become "(1/hi)_(1/lo)".
-
-    verl accepts a sequence iff log lo ≤ −log ρ_agg ≤ log hi, i.e. 1/hi ≤ ρ_agg ≤ 1/lo; giving
-    it the reciprocal-swapped band makes it accept exactly lo ≤ ρ_agg ≤ hi, our semantics.
-    """
-    if rollout_rs is None or threshold is None:
-        return threshold
-    options = [o.strip() for o in rollout_rs.split(",") if o.strip()]
-    specs = [s.strip() for s in str(threshold).split(",")] if isinstance(threshold, str) else [str(threshold)]
-    if len(specs) == 1:
-        specs = specs * len(options)
-    out = []
-    for option, spec in zip(options, specs):
-        if option.endswith("k1"):
-            lo, hi = _k1_bounds(spec)
-            out.append(f"{1.0 / hi!r}_{1.0 / lo!r}")
-        else:
-            out.append(spec)
-    return ",".join(out)
-
-
 # ----------------------------------------------------------------------------- comparison
 
 
@@ -149,17 +118,6 @@ def run_verl(old, rollout, mask, settings: dict):
 def run_ours(old, rollout, mask, cfg):
     out = compute_rollout_correction(old, rollout, mask, cfg)
     return out.weights, out.response_mask, out.metrics_as_floats()
-
-
-def assert_metrics_match(verl_metrics: dict, our_metrics: dict, rtol=RTOL, atol=ATOL, context=""):
-    missing = sorted(set(verl_metrics) - set(our_metrics))
-    assert not missing, f"{context}: metrics verl reports but we do not: {missing}"
-    bad = []
-    for key, expected in verl_metrics.items():
-        got = our_metrics[key]
-        if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
-            bad.append(f"{key}: verl={expected!r} ours={got!r}")
-    assert not bad, f"{context}: metric mismatches:\n  " + "\n  ".join(bad)
 
 
 def assert_same_correction(verl_result, our_result, context=""):

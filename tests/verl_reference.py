@@ -27,11 +27,16 @@ Use::
 
 Test modules that compare against verl call :func:`require_verl` at import time so a
 missing install fails loudly in CI instead of silently skipping.
+
+Comparison helpers shared by those tests and ``benchmarks/bench_vs_verl.py``:
+:func:`verl_equivalent_rs_threshold` (our k1 ratio bounds spelled in verl's sign convention)
+and :func:`assert_metrics_match`.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import importlib
 import importlib.metadata
 import sys
@@ -136,3 +141,48 @@ def require_verl() -> None:
     reason = verl_unavailable_reason()
     if reason is not None:
         raise VerlUnavailable(reason)
+
+
+# ----------------------------------------------------------------------------- comparison helpers
+
+
+def _k1_bounds(spec: str) -> tuple[float, float]:
+    if "_" in spec:
+        lo, hi = spec.split("_", 1)
+        return float(lo), float(hi)
+    hi = float(spec)
+    return 1.0 / hi, hi
+
+
+def verl_equivalent_rs_threshold(rollout_rs, threshold):
+    """verl spelling of our RS thresholds: k1 ratio bounds "lo_hi" become "(1/hi)_(1/lo)".
+
+    verl accepts a sequence iff log lo ≤ −log ρ_agg ≤ log hi, i.e. 1/hi ≤ ρ_agg ≤ 1/lo; giving
+    it the reciprocal-swapped band makes it accept exactly lo ≤ ρ_agg ≤ hi, our semantics.
+    """
+    if rollout_rs is None or threshold is None:
+        return threshold
+    options = [o.strip() for o in rollout_rs.split(",") if o.strip()]
+    specs = [s.strip() for s in str(threshold).split(",")] if isinstance(threshold, str) else [str(threshold)]
+    if len(specs) == 1:
+        specs = specs * len(options)
+    out = []
+    for option, spec in zip(options, specs):
+        if option.endswith("k1"):
+            lo, hi = _k1_bounds(spec)
+            out.append(f"{1.0 / hi!r}_{1.0 / lo!r}")
+        else:
+            out.append(spec)
+    return ",".join(out)
+
+
+def assert_metrics_match(verl_metrics: dict, our_metrics: dict, rtol=2e-5, atol=1e-6, context=""):
+    """Every metric verl reports exists in ours and agrees to the tolerance (all listed on failure)."""
+    missing = sorted(set(verl_metrics) - set(our_metrics))
+    assert not missing, f"{context}: metrics verl reports but we do not: {missing}"
+    bad = []
+    for key, expected in verl_metrics.items():
+        got = our_metrics[key]
+        if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
+            bad.append(f"{key}: verl={expected!r} ours={got!r}")
+    assert not bad, f"{context}: metric mismatches:\n  " + "\n  ".join(bad)
