@@ -181,6 +181,8 @@ def test_veto_metrics_and_batch_normalisation():
     # original loss masks (rejection not applied) is 1 (pg_loss was ones, so out_loss = weights).
     valid = torch.cat(masks).bool()
     assert out_loss[valid].mean().item() == pytest.approx(1.0, abs=1e-5)
+    factor = metrics["mis_batch_norm_factor"]
+    assert torch.all(factor == factor[0]) and factor[0].item() > 0
 
 
 def test_legacy_mis_names_and_errors():

@@ -187,3 +187,35 @@ def test_default_maps_trls_own_settings(tmp_path):
     assert resolve_config(None, args) == config_from_trl_args("token_truncate", None, 2.5)
     args.vllm_importance_sampling_correction = False
     assert resolve_config(None, args) == RolloutCorrectionConfig.disabled()
+
+
+class _BypassTrainer(RolloutCorrectionGRPOTrainer):
+    seen: list
+
+    def _compute_loss(self, model, inputs):
+        self.seen.append({k: inputs[k].detach().clone() for k in
+                          ("old_per_token_logps", "sampling_per_token_logps", "completion_mask", "tool_mask",
+                           "advantages")})
+        return super()._compute_loss(model, inputs)
+
+
+def test_bypass_preset_clips_against_the_sampling_log_probs(tmp_path):
+    model, tokenizer = _tiny_lm(seed=1)
+    data = Dataset.from_dict({"prompt": ["abc", "def", "ghi", "jkl"]})
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=6, max_steps=1, logging_steps=1, report_to=[], use_cpu=True,
+                          save_strategy="no", loss_type="grpo", disable_tqdm=True, seed=0, bf16=False)
+    trainer = _BypassTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                             args=args, train_dataset=data, processing_class=tokenizer,
+                             rollout_correction=RolloutCorrectionConfig.bypass_ppo_clip_k3_rs(1e-7),
+                             rollout_autocast_dtype=torch.bfloat16)
+    trainer.seen = []
+    trainer.train()
+    (inputs,) = trainer.seen
+    kept = inputs["tool_mask"].bool() & inputs["completion_mask"].bool()
+    # π_old := π_rollout on every kept token; advantages stay per sequence (no IS weights in bypass).
+    torch.testing.assert_close(inputs["old_per_token_logps"][kept], inputs["sampling_per_token_logps"][kept])
+    assert inputs["advantages"].dim() == 1
+    # k3 at 1e-7 per sequence is tight enough for the bf16 sampler to get some sequences rejected.
+    rejected = inputs["completion_mask"].bool().any(-1) & ~kept.any(-1)
+    assert rejected.any() and kept.any()
