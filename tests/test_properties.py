@@ -1,0 +1,196 @@
+"""Property tests (hypothesis) of the core: weights, truncation bounds, AND-composition of rejection
+options, reciprocal-bound symmetry, the REINFORCE gradient, and chunk-independence of metrics."""
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
+from rollout_correction.metrics import CorrectionAccumulator, OffPolicyAccumulator, compute_offpolicy_metrics
+
+FAST = settings(max_examples=150, deadline=None)
+LEVELS = ["token", "sequence", "geometric"]
+K1_OPTIONS = ["token_k1", "seq_sum_k1", "seq_mean_k1"]
+ALL_OPTIONS = K1_OPTIONS + ["token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3",
+                            "seq_max_k2", "seq_max_k3"]
+
+log_ratio_values = st.one_of(
+    st.floats(-3.0, 3.0, allow_nan=False, width=32),
+    st.sampled_from([-30.0, -21.0, 0.0, 21.0, 30.0]),  # beyond the ±20 safety clamp
+)
+
+
+@st.composite
+def batches(draw, max_b=5, max_t=6, min_b=1):
+    """(old, rollout, mask) with arbitrary log-ratios, some empty rows and garbage padding."""
+    B = draw(st.integers(min_b, max_b))
+    T = draw(st.integers(1, max_t))
+    lr = torch.tensor(draw(st.lists(log_ratio_values, min_size=B * T, max_size=B * T))).view(B, T)
+    rollout = torch.tensor(draw(st.lists(st.floats(-6.0, 0.0, width=32), min_size=B * T, max_size=B * T))).view(B, T)
+    mask = torch.tensor(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T))).view(B, T)
+    old = torch.where(mask, rollout + lr, torch.tensor(float("nan")))  # NaN at padding must never matter
+    return old, rollout, mask
+
+
+@st.composite
+def is_configs(draw):
+    level = draw(st.sampled_from(LEVELS))
+    kind = draw(st.sampled_from(["truncate", "icepop", "clip"]))
+    hi = draw(st.floats(1.05, 5.0))
+    lo = draw(st.floats(0.05, 0.95))
+    if kind == "truncate":
+        return RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=hi), (None, hi)
+    if kind == "icepop":
+        return RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=f"{lo}_{hi}"), (lo, hi)
+    return RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=hi, rollout_is_mode="clip",
+                                   rollout_is_threshold_lower=lo), (lo, hi)
+
+
+def _threshold(draw, option):
+    if option.endswith("k1"):
+        return f"{draw(st.floats(0.1, 0.99)):.3f}_{draw(st.floats(1.01, 8.0)):.3f}"
+    return f"{draw(st.floats(0.001, 2.0)):.4f}"
+
+
+@FAST
+@given(batches(), is_configs())
+def test_weights_nonnegative_zero_on_padding_and_within_bounds(batch, cfg_bounds):
+    old, rollout, mask = batch
+    cfg, (lo, hi) = cfg_bounds
+    w = compute_rollout_correction(old, rollout, mask, cfg).weights
+    assert torch.isfinite(w).all() and (w >= 0).all()
+    assert torch.all(w[~mask] == 0)
+    valid = w[mask]
+    tol = 1e-6 * hi
+    if cfg.is_spec.mode == "truncate":
+        assert (valid <= hi + tol).all()
+        assert (valid >= math.exp(-20) * (1 - 1e-4)).all()
+    elif cfg.is_spec.mode == "mask":  # IcePop: w ∈ {0} ∪ [lo, hi]
+        assert ((valid == 0) | ((valid >= lo * (1 - 1e-6)) & (valid <= hi + tol))).all()
+    else:
+        assert ((valid >= lo * (1 - 1e-6)) & (valid <= hi + tol)).all()
+
+
+def _mean_weight(w, mask, level):
+    """Mean over valid tokens (token level) or over rows with ≥ 1 valid token (one weight per row)."""
+    if level == "token":
+        return w[mask].mean().item()
+    rows = mask.any(-1)
+    return (w.sum(-1)[rows] / mask.sum(-1)[rows]).mean().item()
+
+
+@FAST
+@given(batches(), st.sampled_from(LEVELS), st.floats(1.05, 5.0))
+def test_batch_normalised_weights_have_mean_one(batch, level, cap):
+    old, rollout, mask = batch
+    cfg = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=cap)
+    raw = compute_rollout_correction(old, rollout, mask, cfg).weights.double()
+    out = compute_rollout_correction(old, rollout, mask, cfg.replace(rollout_is_batch_normalize=True))
+    w = out.weights.double()
+    if not mask.any():
+        assert torch.all(w == 0)
+        return
+    raw_mean = _mean_weight(raw, mask, level)
+    factor = out.metrics_as_floats()["rollout_corr/rollout_is_batch_norm_factor"]
+    if raw_mean > 1e-8:  # documented: normalise only when the mean exceeds 1e-8
+        assert abs(_mean_weight(w, mask, level) - 1.0) < 1e-5
+        assert abs(factor - raw_mean) <= 1e-5 * raw_mean
+    else:
+        assert torch.equal(w, raw) and factor == 1.0
+
+
+@FAST
+@given(batches(), st.data())
+def test_rejection_options_compose_as_and(batch, data):
+    old, rollout, mask = batch
+    a, b = data.draw(st.lists(st.sampled_from(ALL_OPTIONS), min_size=2, max_size=2, unique=True))
+    ta, tb = _threshold(data.draw, a), _threshold(data.draw, b)
+
+    def keep(rs, thr):
+        return compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig(
+            rollout_rs=rs, rollout_rs_threshold=thr)).response_mask
+
+    assert torch.equal(keep(f"{a},{b}", f"{ta},{tb}"), keep(a, ta) & keep(b, tb))
+    assert torch.equal(keep(a, ta) & ~mask, torch.zeros_like(mask))  # rejection never adds tokens
+
+
+@FAST
+@given(batches(), st.sampled_from(K1_OPTIONS), st.integers(10, 99), st.integers(101, 800))
+def test_reciprocal_bounds_mirror_acceptance_when_swapping_policies(batch, option, lo_pct, hi_pct):
+    # Accepting ρ in [lo, hi] is the same event as accepting 1/ρ in [1/hi, 1/lo].
+    old, rollout, mask = batch
+    lo, hi = lo_pct / 100, hi_pct / 100
+    fwd = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig(
+        rollout_rs=option, rollout_rs_threshold=f"{lo}_{hi}")).response_mask
+    new_old = torch.where(mask, rollout, old)  # swapped on valid tokens; padding keeps its NaN
+    new_rollout = torch.where(mask, old, rollout)
+    bwd = compute_rollout_correction(new_old, new_rollout, mask, RolloutCorrectionConfig(
+        rollout_rs=option, rollout_rs_threshold=f"{1 / hi!r}_{1 / lo!r}")).response_mask
+    assert torch.equal(fwd, bwd)
+
+
+@FAST
+@given(batches(max_b=4, max_t=5), st.sampled_from(LEVELS), st.floats(1.05, 10.0), st.integers(0, 2 ** 16))
+def test_reinforce_gradient_is_minus_weight_times_advantage_times_score(batch, level, cap, seed):
+    old, rollout, mask = batch
+    B, T = mask.shape
+    V = 3
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64).requires_grad_(True)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    log_prob = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    rollout = rollout.double().clamp(max=-0.01)
+    cfg = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=cap, bypass_mode=True,
+                                  loss_type="reinforce")
+    loss, _ = compute_policy_loss(log_prob, None, adv, mask, cfg, rollout_log_prob=rollout)
+    loss.backward()
+    # Closed form: ∇ = −Σ_t sg(w_t) A_t (onehot(y_t) − softmax_t) / N_tok.
+    w = compute_rollout_correction(log_prob.detach(), rollout, mask, cfg).weights.double()
+    probs = torch.softmax(logits.detach(), -1)
+    score = torch.nn.functional.one_hot(tokens, V).double() - probs
+    coef = torch.where(mask, -w * adv, 0.0) / max(int(mask.sum()), 1)
+    torch.testing.assert_close(logits.grad, coef.unsqueeze(-1) * score, rtol=1e-5, atol=1e-6)
+
+
+@st.composite
+def any_config(draw):
+    cfg, _ = draw(is_configs())
+    extra = {"rollout_is_batch_normalize": draw(st.booleans())}
+    if draw(st.booleans()):
+        opts = draw(st.lists(st.sampled_from(ALL_OPTIONS), min_size=1, max_size=2, unique=True))
+        extra["rollout_rs"] = ",".join(opts)
+        extra["rollout_rs_threshold"] = ",".join(_threshold(draw, o) for o in opts)
+    if draw(st.booleans()):
+        extra["rollout_token_veto_threshold"] = draw(st.sampled_from([1e-3, 0.1, 0.5]))
+    return cfg.replace(**extra)
+
+
+@FAST
+@given(batches(min_b=2, max_b=6), any_config(), st.data())
+def test_chunked_accumulation_equals_one_call(batch, cfg, data):
+    old, rollout, mask = batch
+    cut = data.draw(st.integers(1, mask.shape[0] - 1))
+    one = compute_rollout_correction(old, rollout, mask, cfg).metrics_as_floats()
+    acc = CorrectionAccumulator(cfg)
+    acc.update(old[:cut], rollout[:cut], mask[:cut])
+    acc.update(old[cut:], rollout[cut:], mask[cut:])
+    chunked = {k: float(v) for k, v in acc.compute().items()}
+    assert chunked.keys() == one.keys()
+    for k, v in one.items():
+        assert math.isfinite(v), k
+        assert chunked[k] == _approx(v), k
+    off = OffPolicyAccumulator()
+    off.update(old[:cut], rollout[:cut], mask[:cut])
+    off.update(old[cut:], rollout[cut:], mask[cut:])
+    whole = compute_offpolicy_metrics(old, rollout, mask)
+    for k, v in off.compute().items():
+        assert float(v) == _approx(float(whole[k])), k
+
+
+def _approx(v):
+    import pytest
+
+    return pytest.approx(v, rel=1e-6, abs=1e-9)
