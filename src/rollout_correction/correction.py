@@ -7,8 +7,9 @@ collectives), and derives the batch-normalisation factor and all metrics from th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -54,6 +55,27 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig,
     return isw, rej
 
 
+def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                config: RolloutCorrectionConfig):
+    """Everything that touches (B, T) data: weights before normalisation, the 0/1 keep mask,
+    and the reduced local statistics. Pure tensor code, so torch.compile can fuse it."""
+    batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite)
+    stats = SufficientStats()
+    batch.add_counts(stats)
+    isw, rej = local_correction(batch, config, stats)
+    return (isw.weights if isw is not None else None), rej.keep_mask(batch), stats.sums, stats.maxes
+
+
+_COMPILED: dict[RolloutCorrectionConfig, Callable] = {}
+
+
+def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
+    fn = _COMPILED.get(config)
+    if fn is None:
+        fn = _COMPILED[config] = torch.compile(functools.partial(_local_pass, config=config))
+    return fn
+
+
 def correction_metrics(stats: SufficientStats, config: RolloutCorrectionConfig) -> dict[str, torch.Tensor]:
     """Every metric of ``config`` from reduced statistics (unprefixed names)."""
     m: dict[str, torch.Tensor] = {}
@@ -73,6 +95,8 @@ def compute_rollout_correction(
     response_mask: torch.Tensor,
     config: Optional[RolloutCorrectionConfig] = None,
     process_group: Optional[object] = None,
+    *,
+    compile: bool = False,
 ) -> CorrectionOutput:
     """IS weights, rejection-adjusted response mask and diagnostics for one batch.
 
@@ -89,6 +113,8 @@ def compute_rollout_correction(
         process_group: a ``torch.distributed`` group over which the batch is split; batch
             normalisation and every metric then cover the whole batch (exactly the
             single-process result).
+        compile: run the per-token pass through ``torch.compile`` (one fused kernel per config;
+            the first call per config compiles, later calls reuse it). Same results as eager.
     Returns:
         :class:`CorrectionOutput`.
     """
@@ -96,17 +122,11 @@ def compute_rollout_correction(
     if not isinstance(config, RolloutCorrectionConfig):
         config = RolloutCorrectionConfig.from_dict(config)
     with torch.no_grad():
-        batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite)
-        stats = SufficientStats()
-        batch.add_counts(stats)
-        isw, rej = local_correction(batch, config, stats)
-        stats.all_reduce(process_group)
+        local = _compiled_local_pass(config) if compile else functools.partial(_local_pass, config=config)
+        weights, keep, sums, maxes = local(old_log_prob, rollout_log_prob, response_mask)
+        stats = SufficientStats.from_values(sums, maxes).all_reduce(process_group)
         metrics = correction_metrics(stats, config)
-
-        weights = None
-        if isw is not None:
-            weights = isw.weights
-            if config.is_spec.batch_normalize:
-                weights = weights / batch_norm_factor(stats, config.is_spec).to(weights.dtype)
-        out_mask = rej.keep_mask(batch).to(response_mask.dtype)
+        if weights is not None and config.is_spec.batch_normalize:
+            weights = weights / batch_norm_factor(stats, config.is_spec).to(weights.dtype)
+        out_mask = keep.to(response_mask.dtype)
     return CorrectionOutput(weights=weights, response_mask=out_mask, metrics=prefixed(metrics))

@@ -14,7 +14,7 @@ log-ratio of magnitude ≥ 1e30) is detected from the per-row min and max.
 
 from __future__ import annotations
 
-from functools import cached_property
+import functools
 
 import torch
 
@@ -26,6 +26,22 @@ __all__ = ["LogRatioBatch", "NONFINITE_SENTINEL"]
 
 #: Replacement for NaN / ±inf before masking; a valid |log-ratio| this large means "non-finite".
 NONFINITE_SENTINEL = 1e30
+
+
+def cached(fn):
+    """A lazily computed attribute (like functools.cached_property, without its lock, so that
+    torch.compile can trace through it)."""
+    slot = "_cached_" + fn.__name__
+
+    @functools.wraps(fn)
+    def get(self):
+        value = self.__dict__.get(slot)
+        if value is None:
+            value = fn(self)
+            self.__dict__[slot] = value
+        return value
+
+    return property(get)
 
 
 def _as_f32(x: torch.Tensor) -> torch.Tensor:
@@ -96,44 +112,44 @@ class LogRatioBatch:
         self.row_valid = self.n_row > 0
 
     # -- token level -------------------------------------------------------------------
-    @cached_property
+    @cached
     def valid(self) -> torch.Tensor:
         """(B, T) bool mask of the tokens used."""
         return self.mask > 0
 
-    @cached_property
+    @cached
     def log_ratio_clamped(self) -> torch.Tensor:
         """clamp(log ρ_t, ±20); 0 at invalid positions."""
         return self.log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
 
-    @cached_property
+    @cached
     def ratio(self) -> torch.Tensor:
         """Safety-bounded ρ_t = exp(clamp(log ρ_t, ±20)) on valid tokens, 0 elsewhere."""
         return self.log_ratio_clamped.exp().mul_(self.mask)
 
-    @cached_property
+    @cached
     def k3(self) -> torch.Tensor:
         """ρ_t − 1 − log ρ_t ≥ 0 on valid tokens, 0 elsewhere."""
         return (self.ratio - self.mask).sub_(self.log_ratio_clamped).clamp_min_(0.0)
 
-    @cached_property
+    @cached
     def _pad_offset(self) -> torch.Tensor:
         """−1e30 at invalid positions, 0 at valid ones: x + this excludes padding from a max."""
         return (self.mask - 1.0).mul_(NONFINITE_SENTINEL)
 
     # -- sequence level ----------------------------------------------------------------
-    @cached_property
+    @cached
     def row_mean(self) -> torch.Tensor:
         """mean_t log ρ_t per row (0 for empty rows), shape (B,)."""
         return self.row_sum / self.n_row.clamp_min(1.0)
 
-    @cached_property
+    @cached
     def old_row_mean(self) -> torch.Tensor:
         """mean_t log π_train per row, float64, shape (B,)."""
         s = _masked_finite(self.old_log_prob, self.mask).sum(-1).double()
         return s / self.n_row.double().clamp_min(1.0)
 
-    @cached_property
+    @cached
     def rollout_row_mean(self) -> torch.Tensor:
         """mean_t log π_rollout per row, float64, from old and the log-ratio (no extra pass)."""
         return self.old_row_mean - self.row_sum.double() / self.n_row.double().clamp_min(1.0)

@@ -61,6 +61,13 @@ class SufficientStats:
         self._sums: dict[str, torch.Tensor] = {}
         self._maxes: dict[str, torch.Tensor] = {}
 
+    @classmethod
+    def from_values(cls, sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor]) -> "SufficientStats":
+        """Statistics whose values are already reduced (e.g. returned by a compiled pass)."""
+        out = cls()
+        out._sums, out._maxes = dict(sums), dict(maxes)
+        return out
+
     # -- recording ---------------------------------------------------------------------
     def add_sum(self, name: str, value: torch.Tensor) -> None:
         self._sum_parts[name].append(value.detach())
