@@ -219,3 +219,32 @@ def test_bypass_preset_clips_against_the_sampling_log_probs(tmp_path):
     # k3 at 1e-7 per sequence is tight enough for the bf16 sampler to get some sequences rejected.
     rejected = inputs["completion_mask"].bool().any(-1) & ~kept.any(-1)
     assert rejected.any() and kept.any()
+
+
+def test_with_vllm_the_weights_go_where_trl_multiplies_them(tmp_path):
+    """The vLLM route (no vLLM here): TRL multiplies its loss by inputs["importance_sampling_ratio"]
+    itself when use_vllm and its correction are on, so our weights must go there and the
+    advantages must stay untouched."""
+    model, tokenizer = _tiny_lm()
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                          report_to=[], use_cpu=True, bf16=False)
+    trainer = RolloutCorrectionGRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                           args=args, train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}),
+                                           processing_class=tokenizer, rollout_correction="decoupled_token_is")
+    old, rollout, mask = _log_probs(B=4, T=5)
+    adv = torch.tensor([1.0, -1.0, 0.5, 0.0])
+    out = {"completion_mask": mask.long(), "old_per_token_logps": old, "sampling_per_token_logps": rollout,
+           "advantages": adv.clone(), "importance_sampling_ratio": torch.full((4, 1), 7.0)}
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    out = trainer._apply_rollout_correction(out, "train")
+    expected = torch.exp(old - rollout).clamp(max=2.0) * mask
+    torch.testing.assert_close(out["importance_sampling_ratio"], expected)
+    assert torch.equal(out["advantages"], adv)
+    assert "rollout_corr/rollout_is_mean" in trainer._metrics["train"]
+    # Without vLLM the same weights are folded into the advantages instead.
+    trainer.use_vllm = False
+    out = trainer._apply_rollout_correction(
+        {"completion_mask": mask.long(), "old_per_token_logps": old, "sampling_per_token_logps": rollout,
+         "advantages": adv.clone()}, "train")
+    torch.testing.assert_close(out["advantages"], adv[:, None] * expected)
+    assert "importance_sampling_ratio" not in out
