@@ -215,3 +215,27 @@ def test_wire_rejects_bad_keys_on_the_driver():
     config.algorithm.rollout_correction.rollout_rss = "token_k1"
     with pytest.raises(ValueError, match="rollout_rss"):
         rc_verl.wire_trainer_config(config, driver=False)
+
+
+def test_verl_imports_the_adapter_in_a_fresh_process_and_registers_it():
+    """What a Ray worker does with VERL_USE_EXTERNAL_MODULES: a fresh interpreter imports verl,
+    verl imports this adapter, and the loss and estimator are in verl's registries."""
+    import subprocess
+    import sys
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        "import sys, importlib.util\n"
+        f"sys.path.insert(0, {tests_dir!r})\n"
+        "import verl_reference\n"
+        "if importlib.util.find_spec('ray') is None:\n"
+        "    sys.modules['ray'] = verl_reference._ray_stand_in()\n"
+        "import verl\n"
+        "from verl.trainer.ppo import core_algos\n"
+        "print(core_algos.get_policy_loss_fn('rollout_correction').__module__,"
+        " core_algos.get_adv_estimator_fn('grpo_accepted').__module__)\n"
+    )
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "rollout_correction.integrations.verl"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["rollout_correction.integrations.verl"] * 2

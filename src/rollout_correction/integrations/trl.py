@@ -248,8 +248,9 @@ if _GRPOTrainer is not None:
             rollout = out.get("sampling_per_token_logps")
             if rollout is None:
                 raise RuntimeError(
-                    "no sampling log-probs reached the trainer: a custom rollout_func must return the "
-                    "sampled tokens' log-probs under the key 'logprobs'"
+                    "no sampling log-probs reached the trainer: use vLLM or plain transformers "
+                    "generate (paged generation returns no scores), and a custom rollout_func must "
+                    "return the sampled tokens' log-probs under the key 'logprobs'"
                 )
             completion_mask = out["completion_mask"]
             mask = completion_mask if "tool_mask" not in out else completion_mask * out["tool_mask"]
@@ -259,9 +260,9 @@ if _GRPOTrainer is not None:
             cfg = self.rollout_correction
             result = compute_rollout_correction(old, rollout.to(old.dtype), mask, cfg)
 
+            # Rejected tokens (rejection sampling, veto, non-finite rows) leave the loss mask only.
             new_mask = result.response_mask.to(completion_mask.dtype)
-            if cfg.rs_enabled:
-                out["tool_mask"] = new_mask
+            out["tool_mask"] = new_mask
             weights = result.weights
             trl_applies_ratio = self.use_vllm and self.vllm_importance_sampling_correction
             if cfg.bypass_mode:
