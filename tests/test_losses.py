@@ -245,3 +245,45 @@ def test_nan_at_masked_positions_never_reaches_loss_or_gradient(name):
     assert torch.all(log_prob.grad[~mask] == 0)
     assert torch.any(log_prob.grad[mask] != 0)
     assert all(torch.isfinite(v).all() for v in metrics.values())
+
+
+def test_bypass_reinforce_rejected_rows_leave_the_denominator():
+    # Geometric-mean ratios: row 0 ≈ 1.0002 (inside ±0.1 %), row 1 ≈ 1.34 (rejected).
+    rollout = torch.tensor([[-1.0, -2.0], [-1.5, -1.0]])
+    log_prob = (rollout + torch.tensor([[1.0005, 0.9999], [1.5, 1.2]]).log()).requires_grad_(True)
+    adv = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 2), RolloutCorrectionConfig.bypass_pg_geo_rs(),
+                                  rollout_log_prob=rollout)
+    lp = log_prob.tolist()
+    assert loss.item() == pytest.approx(-(1 * lp[0][0] + 2 * lp[0][1]) / 2, rel=1e-6)
+    loss.backward()
+    torch.testing.assert_close(log_prob.grad, torch.tensor([[-0.5, -1.0], [0.0, 0.0]]))
+
+
+def test_decoupled_uses_batch_normalised_weights():
+    rollout = torch.tensor([[-1.0, -2.0], [-1.5, -1.0]])
+    old = rollout + torch.tensor([[1.5, 0.8], [3.0, 1.0]]).log()
+    adv = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    loss, m = compute_policy_loss(old.clone().requires_grad_(True), old, adv, torch.ones(2, 2), cfg,
+                                  rollout_log_prob=rollout)
+    w = [1.5, 0.8, 2.0, 1.0]  # truncated at 2, then divided by their mean 1.325
+    expected = -sum(wi / (sum(w) / 4) * a for wi, a in zip(w, [1.0, 2.0, 3.0, 4.0])) / 4
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert m["rollout_corr/rollout_is_batch_norm_factor"].item() == pytest.approx(sum(w) / 4)
+
+
+def test_no_config_is_plain_ppo_and_dict_config_is_accepted():
+    log_prob, old, adv = _ppo_batch()
+    loss, m = compute_policy_loss(log_prob, old, adv, torch.ones(2, 4), None)
+    assert loss.item() == pytest.approx(sum(map(sum, LOSS)) / 8, rel=1e-6)
+    assert sorted(m) == ["actor/nonfinite_seq_fraction", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+                         "actor/ppo_kl"]
+    rollout = old - torch.tensor(R).log()  # so that ρ = π_old/π_rollout = r
+    as_dict, _ = compute_policy_loss(log_prob, old, adv, torch.ones(2, 4), {"rollout_is": "token"},
+                                     rollout_log_prob=rollout)
+    typed, _ = compute_policy_loss(log_prob, old, adv, torch.ones(2, 4), RolloutCorrectionConfig.token_is(),
+                                   rollout_log_prob=rollout)
+    assert as_dict.item() == typed.item()
+    w = [min(x, 2.0) for row in R for x in row]
+    assert typed.item() == pytest.approx(sum(wi * li for wi, li in zip(w, sum(LOSS, []))) / 8, rel=1e-6)
