@@ -248,3 +248,25 @@ def test_with_vllm_the_weights_go_where_trl_multiplies_them(tmp_path):
          "advantages": adv.clone()}, "train")
     torch.testing.assert_close(out["advantages"], adv[:, None] * expected)
     assert "importance_sampling_ratio" not in out
+
+
+def test_nan_sampling_log_prob_rejects_the_row_instead_of_poisoning_the_loss(tmp_path):
+    """vLLM can return NaN log-probs (TRL #6166); TRL turns such a token's ratio into 1. Here the
+    row is rejected: it leaves the loss mask and every tensor handed to TRL's loss stays finite."""
+    model, tokenizer = _tiny_lm()
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                          report_to=[], use_cpu=True, bf16=False)
+    for preset in ("decoupled_seq_is", "bypass_ppo_clip"):
+        trainer = RolloutCorrectionGRPOTrainer(
+            model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}), processing_class=tokenizer,
+            rollout_correction=preset)
+        old, rollout, mask = _log_probs(B=4, T=5)
+        rollout = rollout.clone()
+        rollout[2, 1] = float("nan")
+        out = trainer._apply_rollout_correction(
+            {"completion_mask": mask.long(), "old_per_token_logps": old, "sampling_per_token_logps": rollout,
+             "advantages": torch.tensor([1.0, -1.0, 0.5, 2.0])}, "train")
+        assert out["tool_mask"][2].sum() == 0 and torch.equal(out["tool_mask"][[0, 1, 3]], mask[[0, 1, 3]].long())
+        assert torch.isfinite(out["advantages"]).all() and torch.isfinite(out["old_per_token_logps"]).all()
+        assert trainer._metrics["train"]["rollout_corr/nonfinite_seq_fraction"] == [0.25]
