@@ -24,7 +24,7 @@ def _plt():
 
 def _png(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=100)
     _plt().close(fig)
     return buf.getvalue()
 
@@ -77,7 +77,7 @@ def _linear_axes(ax, lh, color: str, lines: dict[str, float]) -> None:
 def plot_log_ratio(res: ProfileResult) -> bytes:
     """Per-token log ρ = old − rollout: the bulk on a linear axis, the tails on a symmetric-log axis."""
     plt = _plt()
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 3.4))
+    fig, (ax0, ax1) = plt.subplots(1, 2, layout="constrained", figsize=(12, 3.4))
     lo, hi = math.log(HEALTHY_BAND[0]), math.log(HEALTHY_BAND[1])
     _linear_axes(ax0, res.linear["token"], _BLUE, {"ρ=0.5": lo, "ρ=2": hi})
     ax0.set_xlabel("log ρₜ = log π_train − log π_rollout")
@@ -89,14 +89,13 @@ def plot_log_ratio(res: ProfileResult) -> bytes:
     t = res.levels["token"]
     fig.suptitle(f"Per-token log-ratio · {t['n']:,} tokens · k3 KL = {res.metrics['rollout_corr/k3_kl']:.3g}",
                  fontsize=10)
-    fig.tight_layout()
     return _png(fig)
 
 
 def plot_weights(res: ProfileResult) -> bytes:
     """log w at token / sequence / geometric level, with the [0.5, 2] band and the ±20 clamp."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), sharey=False)
+    fig, axes = plt.subplots(1, 3, layout="constrained", figsize=(12, 3.4), sharey=False)
     lo, hi = math.log(HEALTHY_BAND[0]), math.log(HEALTHY_BAND[1])
     titles = {"token": "token  w = ρₜ", "sequence": "sequence  w = ∏ρₜ", "geometric": "geometric  w = (∏ρₜ)^(1/L)"}
     for ax, (level, color) in zip(axes, (("token", _BLUE), ("sequence", _ORANGE), ("geometric", _GREEN))):
@@ -105,7 +104,6 @@ def plot_weights(res: ProfileResult) -> bytes:
         ax.set_xlabel("log w")
         ax.set_title(f"{titles[level]}\nESS {d['ess']:.3f} · mean {d['mean']:.3g} · std {d['std']:.3g} · "
                      f"{100 * d['fraction_outside']:.2g}% ∉ [0.5, 2]", fontsize=9)
-    fig.tight_layout()
     return _png(fig)
 
 
@@ -135,7 +133,7 @@ def _binned_profile(prof: KeyedSums, names: tuple[str, ...], start: int = 0):
 def plot_position(res: ProfileResult) -> bytes:
     """Mismatch by token position: mean |log ρ| and mean k3 per position bin, token count below."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    fig, ax = plt.subplots(layout="constrained", figsize=(7.5, 3.4))
     d = _binned_profile(res.position, ("abs_log_ratio", "k3", "log_ratio"), start=1)
     if d is not None:
         ax.plot(d["x"], d["abs_log_ratio"], "o-", ms=3, color=_BLUE, label="mean |log ρ|")
@@ -159,7 +157,7 @@ def plot_position(res: ProfileResult) -> bytes:
 def plot_length(res: ProfileResult) -> bytes:
     """Mismatch by response length: per-token k3, |log ∏ρ| and the share of rows with ∏ρ ∉ [0.5, 2]."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.4))
+    fig, axes = plt.subplots(1, 2, layout="constrained", figsize=(12, 3.4))
     d = _binned_profile(res.length, ("k3_mean", "abs_seq_log_ratio", "seq_outside"))
     if d is not None:
         ax = axes[0]
@@ -183,16 +181,19 @@ def plot_length(res: ProfileResult) -> bytes:
         ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
     axes[0].set_title("Per-token mismatch by response length", fontsize=10)
     axes[1].set_title("Sequence weight by response length", fontsize=10)
-    fig.tight_layout()
     return _png(fig)
 
 
 def plot_what_if(what_if: list[dict], recommended: str) -> bytes:
-    """Horizontal bars per preset: ESS after correction, truncated and rejected token fractions."""
+    """Horizontal bars per distinct correction: ESS after correction, truncated and rejected fractions.
+
+    Presets whose weights and masks equal an earlier preset's (they differ only in the loss) are
+    left out, except the recommended one.
+    """
     plt = _plt()
-    rows = what_if
+    rows = [r for r in what_if if r.get("same_as") is None or r["preset"] == recommended]
     n = len(rows)
-    fig, ax = plt.subplots(figsize=(7.5, 0.28 * n + 1.2))
+    fig, ax = plt.subplots(layout="constrained", figsize=(7.5, 0.3 * n + 1.5))
     y = np.arange(n)
     ess = [r["ess"] for r in rows]
     trunc = [r["truncated_fraction"] for r in rows]
@@ -205,9 +206,9 @@ def plot_what_if(what_if: list[dict], recommended: str) -> bytes:
     ax.invert_yaxis()
     ax.set_xlim(0, 1.0)
     ax.set_xlabel("fraction")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
     ax.grid(alpha=0.25, axis="x")
-    ax.set_title("What-if: each preset on this data", fontsize=10)
+    ax.set_title("What-if: each distinct correction on this data", fontsize=10)
     return _png(fig)
 
 
@@ -218,7 +219,7 @@ def plot_version(res: ProfileResult) -> bytes | None:
     plt = _plt()
     vers = sorted(res.version)
     k3 = [res.version[v]["k3"] / max(res.version[v]["tokens"], 1) for v in vers]
-    fig, ax = plt.subplots(figsize=(7.5, 3.0))
+    fig, ax = plt.subplots(layout="constrained", figsize=(7.5, 3.0))
     ax.bar([str(v) for v in vers], k3, color=_BLUE)
     ax.set_yscale("log")
     ax.set_xlabel("policy version")

@@ -80,6 +80,15 @@ class Chunk:
     def num_rows(self) -> int:
         return int(self.response_mask.shape[0])
 
+    def take(self, rows: np.ndarray, width: int) -> "Chunk":
+        """The chunk of the given rows, cut to the first ``width`` positions (which must hold every
+        valid position of those rows)."""
+        def sel(a):
+            return None if a is None else np.ascontiguousarray(a[rows][:, :width] if a.ndim == 2 else a[rows])
+
+        return Chunk(sel(self.old_log_probs), sel(self.rollout_log_probs), sel(self.response_mask),
+                     sel(self.rewards), sel(self.policy_version), sel(self.token_ids))
+
 
 # --------------------------------------------------------------------------------------------
 # Column pieces: what one column looks like inside one block of rows.
