@@ -155,8 +155,9 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
 
     ``forward`` takes OpenRLHF's arguments and returns what the wrapped loss returns, with
     ``vllm_kl`` = mean over valid tokens of (log π_rollout − log π_old) and, for the 0.11.x
-    five-tuple, ``is_filter_ratio`` = fraction of valid tokens rejected. Our metrics of the last
-    call (``rollout_corr/...``, 0-d tensors) are in ``self.last_metrics``.
+    five-tuple, ``is_filter_ratio`` = the fraction of valid tokens whose ratio lies outside the
+    band (tis / icepop) or of sequences rejected (seq-mask-tis). Our metrics of the last call
+    (``rollout_corr/...``, 0-d tensors) are in ``self.last_metrics``.
     """
 
     def __init__(self, policy_loss: torch.nn.Module, config: RolloutCorrectionConfig):
@@ -222,6 +223,10 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         vllm_kl = diff.sum() / n_valid
         out = list(out)
         out[3] = vllm_kl
-        if len(out) >= 5:
-            out[4] = (valid & ~mask.bool()).sum() / n_valid
+        if len(out) >= 5:  # 0.11.x: the fraction of gated units, at the gate's own granularity
+            m = result.metrics
+            if self.config.rs_options:
+                out[4] = m["rollout_corr/rollout_rs_seq_masked_fraction"]
+            else:
+                out[4] = m["rollout_corr/rollout_is_ratio_fraction_high"] + m["rollout_corr/rollout_is_ratio_fraction_low"]
         return tuple(out)
