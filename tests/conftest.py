@@ -8,7 +8,8 @@ import torch
 torch.set_num_threads(1)
 
 
-def batch_from_ratios(rows, T=None, pad_ratio=100.0, empty_rows=0, dtype=torch.float32, mask_dtype=torch.bool):
+def batch_from_ratios(rows, T=None, pad_ratio=100.0, empty_rows=0, dtype=torch.float32,
+                      mask_dtype=torch.bool):
     """(old_log_prob, rollout_log_prob, response_mask) whose valid log-ratios are log ρ.
 
     ``rows`` lists the ratios ρ_t of each row's valid tokens (left-aligned); the rest of the row

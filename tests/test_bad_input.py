@@ -35,9 +35,11 @@ def _all_finite(out):
 # ---------------------------------------------------------------------------- shapes, devices, dtypes
 def test_shape_mismatch_names_both_tensors():
     old, rollout, mask = _clean()
-    with pytest.raises(ValueError, match=r"old_log_prob \(shape \(3, 4\).* vs rollout_log_prob \(shape \(3, 5\)"):
+    both = r"old_log_prob \(shape \(3, 4\).* vs rollout_log_prob \(shape \(3, 5\)"
+    with pytest.raises(ValueError, match=both):
         compute_rollout_correction(old, torch.zeros(3, 5), mask)
-    with pytest.raises(ValueError, match=r"old_log_prob \(shape \(3, 4\).* vs response_mask \(shape \(4, 3\)"):
+    both = r"old_log_prob \(shape \(3, 4\).* vs response_mask \(shape \(4, 3\)"
+    with pytest.raises(ValueError, match=both):
         compute_rollout_correction(old, rollout, mask.T)
     with pytest.raises(ValueError, match=r"must be 2-D \(batch, response_length\)"):
         compute_rollout_correction(old[0], rollout[0], mask[0])
@@ -64,7 +66,8 @@ def test_policy_loss_shape_mismatch_names_both_tensors():
     with pytest.raises(ValueError, match="bypass mode needs rollout_log_prob"):
         compute_policy_loss(old, None, torch.ones(3, 4), mask, RolloutCorrectionConfig.bypass_ppo_clip())
     with pytest.raises(ValueError, match="decoupled mode needs old_log_prob"):
-        compute_policy_loss(old, None, torch.ones(3, 4), mask, RolloutCorrectionConfig(), rollout_log_prob=rollout)
+        compute_policy_loss(old, None, torch.ones(3, 4), mask, RolloutCorrectionConfig(),
+                            rollout_log_prob=rollout)
 
 
 # ---------------------------------------------------------------------------- non-finite values
@@ -138,7 +141,8 @@ def test_garbage_at_masked_positions_changes_nothing(preset):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_empty_batches_give_zero_metrics(preset, shape):
     cfg = RolloutCorrectionConfig.from_preset(preset)
-    out = compute_rollout_correction(torch.zeros(shape), torch.zeros(shape), torch.zeros(shape, dtype=torch.bool), cfg)
+    zeros = torch.zeros(shape)
+    out = compute_rollout_correction(zeros, zeros, torch.zeros(shape, dtype=torch.bool), cfg)
     floats = _all_finite(out)
     assert out.response_mask.shape == shape
     if out.weights is not None:

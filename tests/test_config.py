@@ -11,7 +11,8 @@ from rollout_correction import ConfigError, RolloutCorrectionConfig
 C = RolloutCorrectionConfig
 
 DEFAULTS = {
-    "rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_threshold_lower": None, "rollout_is_mode": None,
+    "rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_threshold_lower": None,
+    "rollout_is_mode": None,
     "rollout_is_batch_normalize": False, "rollout_rs": None, "rollout_rs_threshold": None,
     "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None, "bypass_mode": False,
     "loss_type": "ppo_clip", "on_nonfinite": "reject",
@@ -24,6 +25,9 @@ PG = {"bypass_mode": True, "loss_type": "reinforce"}
 TOK = {"rollout_is": "token"}
 SEQ = {"rollout_is": "sequence"}
 ICEPOP = {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}
+SEQ_TIS, TOK_TIS = ("sequence", "truncate", None, 2.0), ("token", "truncate", None, 2.0)
+GEO_RS, K3_RS = ("seq_mean_k1", 0.999, 1.001), ("seq_mean_k3", None, 0.01)
+VETO = {"rollout_token_veto_threshold": 1e-4}
 
 # preset -> (keys that differ from the defaults, resolved IS (level, mode, lower, upper) or None,
 #            resolved RS [(option, ratio lower or None, upper)] — ratio bounds for k1, one bound for k2/k3)
@@ -35,11 +39,11 @@ PRESETS = {
     "decoupled_seq_is_rs": ({**SEQ, "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_2.0"},
                             ("sequence", "truncate", None, 2.0), [("seq_sum_k1", 0.5, 2.0)]),
     "decoupled_geo_rs": (GEO, None, [("seq_mean_k1", 0.999, 1.001)]),
-    "decoupled_geo_rs_seq_tis": ({**SEQ, **GEO}, ("sequence", "truncate", None, 2.0), [("seq_mean_k1", 0.999, 1.001)]),
-    "decoupled_geo_rs_token_tis": ({**TOK, **GEO}, ("token", "truncate", None, 2.0), [("seq_mean_k1", 0.999, 1.001)]),
+    "decoupled_geo_rs_seq_tis": ({**SEQ, **GEO}, SEQ_TIS, [GEO_RS]),
+    "decoupled_geo_rs_token_tis": ({**TOK, **GEO}, TOK_TIS, [GEO_RS]),
     "decoupled_k3_rs": (K3, None, [("seq_mean_k3", None, 0.01)]),
-    "decoupled_k3_rs_seq_tis": ({**SEQ, **K3}, ("sequence", "truncate", None, 2.0), [("seq_mean_k3", None, 0.01)]),
-    "decoupled_k3_rs_token_tis": ({**TOK, **K3}, ("token", "truncate", None, 2.0), [("seq_mean_k3", None, 0.01)]),
+    "decoupled_k3_rs_seq_tis": ({**SEQ, **K3}, SEQ_TIS, [K3_RS]),
+    "decoupled_k3_rs_token_tis": ({**TOK, **K3}, TOK_TIS, [K3_RS]),
     "bypass_ppo_clip": (BYPASS, None, []),
     "bypass_ppo_clip_geo_rs": ({**BYPASS, **GEO}, None, [("seq_mean_k1", 0.999, 1.001)]),
     "bypass_ppo_clip_k3_rs": ({**BYPASS, **K3}, None, [("seq_mean_k3", None, 0.01)]),
@@ -56,17 +60,18 @@ PRESETS = {
     "seq_is": (SEQ, ("sequence", "truncate", None, 2.0), []),
     "seq_is_rs": ({**SEQ, "rollout_rs": "sequence", "rollout_rs_threshold": 2.0},
                   ("sequence", "truncate", None, 2.0), [("seq_sum_k1", 0.5, 2.0)]),  # lower = 1/upper
-    "seq_mis": ({**SEQ, "rollout_rs": "sequence", "rollout_rs_threshold": 2.0, "rollout_rs_threshold_lower": 0.0},
+    "seq_mis": ({**SEQ, "rollout_rs": "sequence", "rollout_rs_threshold": 2.0,
+                 "rollout_rs_threshold_lower": 0.0},
                 ("sequence", "truncate", None, 2.0), [("seq_sum_k1", 0.0, 2.0)]),
-    "geo_rs": ({"rollout_rs": "geometric", "rollout_rs_threshold": 1.001, "rollout_token_veto_threshold": 1e-4},
+    "geo_rs": ({"rollout_rs": "geometric", "rollout_rs_threshold": 1.001, **VETO},
                None, [("seq_mean_k1", 1 / 1.001, 1.001)]),
     "geo_mis": ({"rollout_is": "geometric", "rollout_rs": "geometric", "rollout_rs_threshold": 1.001,
-                 "rollout_token_veto_threshold": 1e-4}, ("geometric", "truncate", None, 2.0),
+                 **VETO}, ("geometric", "truncate", None, 2.0),
                 [("seq_mean_k1", 1 / 1.001, 1.001)]),
     "ppo_is_bypass": ({**TOK, **BYPASS}, ("token", "truncate", None, 2.0), []),
     "pure_is": ({**PG, **SEQ}, ("sequence", "truncate", None, 2.0), []),
     "pg_is": ({**PG, **SEQ}, ("sequence", "truncate", None, 2.0), []),
-    "pg_rs": ({**PG, "rollout_rs": "geometric", "rollout_rs_threshold": 1.001, "rollout_token_veto_threshold": 1e-4},
+    "pg_rs": ({**PG, "rollout_rs": "geometric", "rollout_rs_threshold": 1.001, **VETO},
               None, [("seq_mean_k1", 1 / 1.001, 1.001)]),
 }
 
@@ -126,7 +131,8 @@ def test_unknown_preset_names_the_closest():
     ({"use_pure_rollout_correction": True}, {"bypass_mode": True, "loss_type": "reinforce"}),
     ({"bypass_mode": True, "use_policy_gradient": True}, {"bypass_mode": True, "loss_type": "reinforce"}),
     ({"bypass_mode": True, "loss_type": "reinforce"}, {"bypass_mode": True, "loss_type": "reinforce"}),
-    ({"_target_": "verl.trainer.config.RolloutCorrectionConfig", "rollout_is": "token"}, {"rollout_is": "token"}),
+    ({"_target_": "verl.trainer.config.RolloutCorrectionConfig", "rollout_is": "token"},
+     {"rollout_is": "token"}),
     ({"rollout_rs": "geometric", "rollout_rs_threshold": 1.001, "rollout_rs_threshold_lower": "0.999",
       "rollout_token_veto_threshold": "1e-4"},
      {"rollout_rs": "geometric", "rollout_rs_threshold": 1.001, "rollout_rs_threshold_lower": 0.999,
@@ -141,7 +147,8 @@ def test_from_dict_none_is_the_default_config():
 
 
 def test_unknown_key_is_named_with_a_suggestion():
-    with pytest.raises(ConfigError, match="'rollout_is_treshold' \\(did you mean 'rollout_is_threshold'\\?\\)"):
+    hint = r"'rollout_is_treshold' \(did you mean 'rollout_is_threshold'\?\)"
+    with pytest.raises(ConfigError, match=hint):
         C.from_dict({"rollout_is": "token", "rollout_is_treshold": 2.0})
     with pytest.raises(ValueError, match="unknown RolloutCorrectionConfig key.*'foo'"):
         C.from_dict({"foo": 1})
@@ -160,7 +167,8 @@ INVALID = [
     (dict(rollout_is="token", rollout_is_threshold="abc"), r"rollout_is_threshold='abc'.*number"),
     (dict(rollout_is="token", rollout_is_threshold=True), r"rollout_is_threshold=True.*not a boolean"),
     (dict(rollout_is="token", rollout_is_threshold=float("nan")), r"rollout_is_threshold.*NaN"),
-    (dict(rollout_is="token", rollout_is_threshold="2.0_0.5"), r"rollout_is_threshold.*2.0 exceeds upper bound 0.5"),
+    (dict(rollout_is="token", rollout_is_threshold="2.0_0.5"),
+     r"rollout_is_threshold.*2.0 exceeds upper bound 0.5"),
     (dict(rollout_is="token", rollout_is_threshold="0.5_2.0", rollout_is_mode="truncate"),
      r"rollout_is_mode='truncate'.*'mask'.*'clip'"),
     (dict(rollout_is="token", rollout_is_mode="clip", rollout_is_threshold_lower=3.0),
@@ -172,15 +180,20 @@ INVALID = [
     (dict(rollout_rs=3), r"rollout_rs=3.*comma-separated string"),
     (dict(rollout_rs=" , "), r"rollout_rs=.*at least one option"),
     (dict(rollout_rs="token_k1"), r"rollout_rs_threshold=None.*required when rollout_rs='token_k1'"),
-    (dict(rollout_rs="token_k2", rollout_rs_threshold="0.5_2.0"), r"rollout_rs_threshold\[token_k2\]='0.5_2.0'.*single upper"),
+    (dict(rollout_rs="token_k2", rollout_rs_threshold="0.5_2.0"),
+     r"rollout_rs_threshold\[token_k2\]='0.5_2.0'.*single upper"),
     (dict(rollout_rs="token_k3", rollout_rs_threshold=0.0), r"rollout_rs_threshold\[token_k3\]=0.0.*> 0"),
-    (dict(rollout_rs="token_k1", rollout_rs_threshold="-2.0"), r"rollout_rs_threshold\[token_k1\]='-2.0'.*\[1/x, x\]"),
-    (dict(rollout_rs="token_k1", rollout_rs_threshold="2_1"), r"rollout_rs_threshold\[token_k1\]='2_1'.*exceeds"),
-    (dict(rollout_rs="token_k1", rollout_rs_threshold="0_2"), r"rollout_rs_threshold\[token_k1\]='0_2'.*positive"),
+    (dict(rollout_rs="token_k1", rollout_rs_threshold="-2.0"),
+     r"rollout_rs_threshold\[token_k1\]='-2.0'.*\[1/x, x\]"),
+    (dict(rollout_rs="token_k1", rollout_rs_threshold="2_1"),
+     r"rollout_rs_threshold\[token_k1\]='2_1'.*exceeds"),
+    (dict(rollout_rs="token_k1", rollout_rs_threshold="0_2"),
+     r"rollout_rs_threshold\[token_k1\]='0_2'.*positive"),
     (dict(rollout_rs="token,seq_sum_k1", rollout_rs_threshold=2.0), r"rollout_rs=.*cannot be chained"),
     (dict(rollout_rs="token_k1", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5),
      r"rollout_rs_threshold_lower=0.5.*'lo_hi'"),
-    (dict(rollout_rs_threshold_lower=0.5), r"rollout_rs_threshold_lower=0.5.*'token'\|'sequence'\|'geometric'"),
+    (dict(rollout_rs_threshold_lower=0.5),
+     r"rollout_rs_threshold_lower=0.5.*'token'\|'sequence'\|'geometric'"),
     (dict(rollout_rs="sequence", rollout_rs_threshold="0.5_2.0"), r"rollout_rs_threshold='0.5_2.0'.*numeric"),
     (dict(rollout_rs="sequence", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=3.0),
      r"rollout_rs_threshold_lower=3.0.*\[0, upper=2.0\]"),

@@ -38,7 +38,8 @@ def test_ppo_clip_asymmetric_range_and_dual_constant():
     prox = torch.zeros(1, 3)
     log_prob = torch.tensor([[math.log(1.25), math.log(0.5), math.log(10.0)]])
     adv = torch.tensor([[1.0, -1.0, -1.0]])
-    loss, _, dual = ppo_clip_loss(log_prob, prox, adv, clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=5.0)
+    loss, _, dual = ppo_clip_loss(log_prob, prox, adv, clip_ratio_low=0.1, clip_ratio_high=0.3,
+                                  clip_ratio_c=5.0)
     # 1.25 lies inside [0.9, 1.3]; 0.5 → max(0.5, 0.9) = 0.9; 10 → min(5, max(10, 1.3)) = 5.
     torch.testing.assert_close(loss, torch.tensor([[-1.25, 0.9, 5.0]]))
     assert dual.tolist() == [[False, False, True]]
@@ -133,13 +134,13 @@ def test_decoupled_computes_weights_and_rejection_from_rollout_log_prob():
 def test_bypass_ppo_clip_clips_against_rollout_and_ignores_is_weights():
     log_prob, rollout, adv = _ppo_batch()
     garbage_old = rollout + 5.0  # must not be used: π_old := π_rollout
-    loss, m = compute_policy_loss(log_prob, garbage_old, adv, torch.ones(2, 4), RolloutCorrectionConfig.ppo_is_bypass(),
-                                  rollout_log_prob=rollout)
+    cfg = RolloutCorrectionConfig.ppo_is_bypass()
+    loss, m = compute_policy_loss(log_prob, garbage_old, adv, torch.ones(2, 4), cfg, rollout_log_prob=rollout)
     assert loss.item() == pytest.approx(sum(map(sum, LOSS)) / 8, rel=1e-6)  # token weights would change it
     assert m["actor/pg_clipfrac"].item() == pytest.approx(3 / 8)
     assert "rollout_corr/rollout_is_mean" in m  # IS is reported as a diagnostic only
     # Same result when the trainer already put the rollout log-probs into old_log_prob.
-    loss2, _ = compute_policy_loss(log_prob, rollout, adv, torch.ones(2, 4), RolloutCorrectionConfig.ppo_is_bypass())
+    loss2, _ = compute_policy_loss(log_prob, rollout, adv, torch.ones(2, 4), cfg)
     assert loss2.item() == pytest.approx(loss.item())
 
 
@@ -164,8 +165,9 @@ def _reinforce_batch():
 def test_bypass_reinforce_value_and_exact_gradient(mode, den):
     log_prob, rollout, adv = _reinforce_batch()
     w = [min(0.75, 2.0), min(6.0, 2.0)]  # sequence TIS at C = 2
-    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 3), RolloutCorrectionConfig.bypass_pg_is(),
-                                  rollout_log_prob=rollout, loss_agg_mode=mode)
+    cfg = RolloutCorrectionConfig.bypass_pg_is()
+    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 3), cfg, rollout_log_prob=rollout,
+                                  loss_agg_mode=mode)
     lp = log_prob.tolist()
     expected = sum(-w[i] * adv[i, t].item() * lp[i][t] / den[i] for i in range(2) for t in range(3))
     assert loss.item() == pytest.approx(expected, rel=1e-5)
@@ -187,7 +189,8 @@ CONFIGS = {
     "plain": (RolloutCorrectionConfig(), {}),
     "decoupled_weights": (RolloutCorrectionConfig(), {"rollout_is_weights": True}),
     "decoupled_computed": (RolloutCorrectionConfig.decoupled_seq_is_rs(), {"rollout_log_prob": True}),
-    "bypass_ppo": (RolloutCorrectionConfig.bypass_ppo_clip_k3_rs(rs_threshold=10.0), {"rollout_log_prob": True}),
+    "bypass_ppo": (RolloutCorrectionConfig.bypass_ppo_clip_k3_rs(rs_threshold=10.0),
+                   {"rollout_log_prob": True}),
     "bypass_reinforce": (RolloutCorrectionConfig.bypass_pg_is(), {"rollout_log_prob": True}),
 }
 
@@ -252,8 +255,8 @@ def test_bypass_reinforce_rejected_rows_leave_the_denominator():
     rollout = torch.tensor([[-1.0, -2.0], [-1.5, -1.0]])
     log_prob = (rollout + torch.tensor([[1.0005, 0.9999], [1.5, 1.2]]).log()).requires_grad_(True)
     adv = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 2), RolloutCorrectionConfig.bypass_pg_geo_rs(),
-                                  rollout_log_prob=rollout)
+    cfg = RolloutCorrectionConfig.bypass_pg_geo_rs()
+    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 2), cfg, rollout_log_prob=rollout)
     lp = log_prob.tolist()
     assert loss.item() == pytest.approx(-(1 * lp[0][0] + 2 * lp[0][1]) / 2, rel=1e-6)
     loss.backward()
@@ -264,7 +267,7 @@ def test_decoupled_uses_batch_normalised_weights():
     rollout = torch.tensor([[-1.0, -2.0], [-1.5, -1.0]])
     old = rollout + torch.tensor([[1.5, 0.8], [3.0, 1.0]]).log()
     adv = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    cfg = RolloutCorrectionConfig.token_is().replace(rollout_is_batch_normalize=True)
     loss, m = compute_policy_loss(old.clone().requires_grad_(True), old, adv, torch.ones(2, 2), cfg,
                                   rollout_log_prob=rollout)
     w = [1.5, 0.8, 2.0, 1.0]  # truncated at 2, then divided by their mean 1.325

@@ -58,8 +58,8 @@ def test_packed_without_mask_treats_every_token_as_valid():
     old, rollout, _ = _flat(1)
     cfg = RolloutCorrectionConfig.decoupled_seq_is_rs(rs_threshold="0.5_2.0")
     packed = compute_rollout_correction_packed(old, rollout, cfg, lengths=torch.tensor(LENGTHS))
-    padded = compute_rollout_correction(_padded(old), _padded(rollout), _padded(torch.ones(9, dtype=torch.bool),
-                                                                                    False), cfg)
+    all_valid = _padded(torch.ones(9, dtype=torch.bool), False)
+    padded = compute_rollout_correction(_padded(old), _padded(rollout), all_valid, cfg)
     assert packed.metrics_as_floats() == padded.metrics_as_floats()
     assert packed.weights.shape == (9,)
 
@@ -76,4 +76,5 @@ def test_packed_input_errors():
     with pytest.raises(ValueError, match="1-D"):
         compute_rollout_correction_packed(old.view(3, 3), rollout.view(3, 3), lengths=torch.tensor([3, 3, 3]))
     with pytest.raises(ValueError, match="response_mask shape \\(8,\\)"):
-        compute_rollout_correction_packed(old, rollout, lengths=torch.tensor(LENGTHS), response_mask=valid[:8])
+        compute_rollout_correction_packed(old, rollout, lengths=torch.tensor(LENGTHS),
+                                          response_mask=valid[:8])

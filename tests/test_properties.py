@@ -28,7 +28,8 @@ def batches(draw, max_b=5, max_t=6, min_b=1):
     B = draw(st.integers(min_b, max_b))
     T = draw(st.integers(1, max_t))
     lr = torch.tensor(draw(st.lists(log_ratio_values, min_size=B * T, max_size=B * T))).view(B, T)
-    rollout = torch.tensor(draw(st.lists(st.floats(-6.0, 0.0, width=32), min_size=B * T, max_size=B * T))).view(B, T)
+    logp = st.floats(-6.0, 0.0, width=32)
+    rollout = torch.tensor(draw(st.lists(logp, min_size=B * T, max_size=B * T))).view(B, T)
     mask = torch.tensor(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T))).view(B, T)
     old = torch.where(mask, rollout + lr, torch.tensor(float("nan")))  # NaN at padding must never matter
     return old, rollout, mask
