@@ -325,3 +325,14 @@ def test_per_step_metrics_skip_non_finite_pairs():
     m = per_step_metrics(old, torch.zeros(2, 2), step_offset=4)
     assert m["rollout_corr/step_4/logprob_abs_diff"].item() == pytest.approx(0.5)
     assert m["rollout_corr/step_5/logprob_abs_diff"].item() == pytest.approx(0.5)
+
+
+def test_config_from_omegaconf_node_and_bad_config_type():
+    omegaconf = pytest.importorskip("omegaconf")
+    node = omegaconf.OmegaConf.create(SEED003)
+    keep, _ = step_correction(torch.tensor([[0.1], [1.0]]), torch.zeros(2, 1), node)
+    assert torch.equal(keep, torch.tensor([[1.0], [0.0]]))
+    with pytest.raises(TypeError, match="RolloutCorrectionConfig or a mapping"):
+        step_correction(torch.zeros(2, 1), torch.zeros(2, 1), "seq_mean_k1")
+    with pytest.raises(ValueError, match="path must be"):
+        config_notes(SEED003, window_size=1, path="bypass")
