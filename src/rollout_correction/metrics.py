@@ -33,7 +33,7 @@ _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
 
 def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
     """Record the sufficient statistics of the off-policy metrics."""
-    stats.add_sum("op.sum_lr", batch.token_sum(batch.log_ratio))
+    stats.add_sum("op.sum_lr", batch.row_sum)
     stats.add_sum("op.sum_k3", batch.token_sum(batch.k3))
     stats.add_sum("op.sum_rho2", batch.token_sum(batch.ratio.square()))
     old_nll = -batch.old_row_mean

@@ -48,13 +48,11 @@ def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
 
 @dataclass
 class RejectionResult:
-    """``token_keep`` (B, T) bool or None and ``row_keep`` (B,) bool: the AND of all criteria
-    (veto included). ``rs_token_keep`` / ``rs_row_keep`` exclude the veto."""
+    """``token_keep`` (B, T) float 0/1 or None and ``row_keep`` (B,) bool: the AND of all
+    criteria (veto included)."""
 
     token_keep: Optional[torch.Tensor]
     row_keep: torch.Tensor
-    rs_token_keep: Optional[torch.Tensor]
-    rs_row_keep: torch.Tensor
 
     def keep_mask(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B, T) float32 0/1: valid and accepted by every criterion."""
@@ -87,32 +85,33 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         if per_token is None:
             per_token = cache[opt.estimator] = token_divergence(batch, opt.estimator)
         if opt.agg == "token":
-            keep = _within(per_token, opt)
-            token_keep = keep if token_keep is None else token_keep & keep
+            high = batch.above(per_token, opt.stat_upper)
+            low = batch.below(per_token, opt.stat_lower) if opt.stat_lower is not None else None
+            keep = 1.0 - high if low is None else (1.0 - high).sub_(low)
+            token_keep = keep if token_keep is None else token_keep.mul_(keep)
             if stats is not None:
-                _add_token_option_stats(stats, batch, opt, per_token, keep)
+                _add_token_option_stats(stats, batch, opt, per_token, high, low)
         else:
             s_row = _row_stat(batch, per_token, opt.agg)
             keep = _within(s_row, opt)
             row_keep = row_keep & keep
             if stats is not None:
                 _add_row_option_stats(stats, batch, opt, s_row, keep)
-    rs_row_keep, rs_token_keep = row_keep, token_keep
     if stats is not None and options:
-        rs_keep = batch.valid & row_keep.unsqueeze(-1)
+        kept = batch.n_row * row_keep
         if token_keep is not None:
-            rs_keep = rs_keep & token_keep
-        rejected = batch.valid & ~rs_keep
-        stats.add_sum("rs.masked", rejected.sum(-1, dtype=torch.float32))
-        stats.add_sum("rs.seq_masked", batch.row_count(rejected.any(-1)))
+            kept = (token_keep * batch.mask).sum(-1) * row_keep
+        rejected = batch.n_row - kept  # valid tokens rejected by the chained options, per row
+        stats.add_sum("rs.masked", rejected)
+        stats.add_sum("rs.seq_masked", batch.row_count(rejected > 0))
     if veto_threshold is not None:
-        catastrophic = batch.valid & (batch.log_ratio < math.log(veto_threshold))
-        vetoed = catastrophic.any(-1)
+        catastrophic = batch.below(batch.log_ratio, math.log(veto_threshold)).sum(-1)
+        vetoed = catastrophic > 0
         row_keep = row_keep & ~vetoed
         if stats is not None:
-            stats.add_sum("veto.tok", catastrophic.sum(-1, dtype=torch.float32))
+            stats.add_sum("veto.tok", catastrophic)
             stats.add_sum("veto.rows", batch.row_count(vetoed))
-    return RejectionResult(token_keep, row_keep, rs_token_keep, rs_row_keep)
+    return RejectionResult(token_keep, row_keep)
 
 
 def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
@@ -121,22 +120,25 @@ def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
 
 
 def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
-                            x: torch.Tensor, keep: torch.Tensor) -> None:
+                            x: torch.Tensor, high: torch.Tensor, low: Optional[torch.Tensor]) -> None:
     p = f"rs.{opt.name}."
     c = _std_clamp(opt, x).mul_(batch.mask)
     stats.add_sum(p + "sum", batch.token_sum(x))
     stats.add_sum(p + "c_sum", batch.token_sum(c))
-    stats.add_sum(p + "c_sum2", batch.token_sum(c * c))
+    stats.add_sum(p + "c_sum2", batch.token_sum(c.square_()))
     stats.add_max(p + "max", batch.token_max(x))
     stats.add_min(p + "min", batch.token_min(x))
-    stats.add_sum(p + "high", batch.token_count(x > opt.stat_upper))
-    if opt.stat_lower is not None:
-        stats.add_sum(p + "low", batch.token_count(x < opt.stat_lower))
+    n_high = high.sum(-1)
+    stats.add_sum(p + "high", n_high)
+    rejected = n_high
+    if low is not None:
+        n_low = low.sum(-1)
+        stats.add_sum(p + "low", n_low)
+        rejected = n_high + n_low  # disjoint: a token cannot be both above and below
     seq = x.sum(-1) / batch.n_row.clamp_min(1.0)
     _add_seq_values(stats, batch, opt, seq)
-    rejected = batch.valid & ~keep
-    stats.add_sum(p + "masked", rejected.sum(-1, dtype=torch.float32))
-    stats.add_sum(p + "seq_masked", batch.row_count(rejected.any(-1)))
+    stats.add_sum(p + "masked", rejected)
+    stats.add_sum(p + "seq_masked", batch.row_count(rejected > 0))
 
 
 def _add_row_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
