@@ -7,8 +7,8 @@ when generation runs on vLLM. :class:`RolloutCorrectionGRPOTrainer` replaces tha
 * any :class:`~rollout_correction.RolloutCorrectionConfig` (preset name, dict or config) — or,
   when none is given, TRL's own four modes mapped onto ours;
 * the correction is computed once per generation batch (batch-level statistics over the whole
-  batch, not per micro-batch), its IS weights reach the loss and its rejection mask removes the
-  rejected tokens from the loss denominator;
+  batch — across all processes under ``torch.distributed`` — not per micro-batch), its IS weights
+  reach the loss and its rejection mask removes the rejected tokens from the loss denominator;
 * every ``rollout_corr/...`` metric is logged through TRL's logger (``trainer._metrics`` → the
   ``log`` call → W&B / TensorBoard / ``trainer.state.log_history``);
 * when generation is plain ``transformers`` ``generate`` (no vLLM), the per-token sampling
@@ -126,6 +126,11 @@ def resolve_config(
         trl_args.vllm_importance_sampling_clip_min,
         trl_args.vllm_importance_sampling_clip_max,
     )
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
 
 
 class SamplingLogProbRecorder(contextlib.AbstractContextManager):
@@ -258,7 +263,10 @@ if _GRPOTrainer is not None:
             if old is None:
                 old = self._trainer_log_probs(out, mode)
             cfg = self.rollout_correction
-            result = compute_rollout_correction(old, rollout.to(old.dtype), mask, cfg)
+            # Each process holds its slice of the generation batch; batch statistics (normalisation,
+            # ESS, every metric) are reduced over all of them.
+            group = torch.distributed.group.WORLD if _distributed() else None
+            result = compute_rollout_correction(old, rollout.to(old.dtype), mask, cfg, process_group=group)
 
             # Rejected tokens (rejection sampling, veto, non-finite rows) leave the loss mask only.
             new_mask = result.response_mask.to(completion_mask.dtype)
