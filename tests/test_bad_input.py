@@ -12,7 +12,14 @@ NAN, INF = float("nan"), float("inf")
 P = "rollout_corr/"
 
 PRESETS = ["decoupled_token_is", "decoupled_seq_is_rs", "geo_mis", "decoupled_token_icepop", "bypass_pg_is",
-           "decoupled_k3_rs_token_tis"]
+           "decoupled_k3_rs_token_tis", "seq_is+batch_norm", "token_is+batch_norm"]
+
+
+def _cfg(name):
+    """A preset by name; "<preset>+batch_norm" adds batch normalisation of the weights."""
+    base, _, extra = name.partition("+")
+    cfg = RolloutCorrectionConfig.from_preset(base)
+    return cfg.replace(rollout_is_batch_normalize=True) if extra else cfg
 
 
 def _clean(B=3, T=4, seed=0):
@@ -75,7 +82,7 @@ def test_policy_loss_shape_mismatch_names_both_tensors():
                                          ("old", INF)])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_nonfinite_at_valid_position_rejects_the_row(preset, where, value):
-    cfg = RolloutCorrectionConfig.from_preset(preset)
+    cfg = _cfg(preset)
     old, rollout, mask = _clean()
     ref = compute_rollout_correction(old[[0, 2]], rollout[[0, 2]], mask[[0, 2]], cfg)  # without row 1
     (old if where == "old" else rollout)[1, 2] = value
@@ -122,7 +129,7 @@ def test_nonfinite_in_policy_loss_inputs_drops_the_row():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_garbage_at_masked_positions_changes_nothing(preset):
-    cfg = RolloutCorrectionConfig.from_preset(preset)
+    cfg = _cfg(preset)
     old, rollout, mask = _clean()
     mask[1, 1:] = False
     ref = compute_rollout_correction(old, rollout, mask, cfg)
@@ -140,7 +147,7 @@ def test_garbage_at_masked_positions_changes_nothing(preset):
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_empty_batches_give_zero_metrics(preset, shape):
-    cfg = RolloutCorrectionConfig.from_preset(preset)
+    cfg = _cfg(preset)
     zeros = torch.zeros(shape)
     out = compute_rollout_correction(zeros, zeros, torch.zeros(shape, dtype=torch.bool), cfg)
     floats = _all_finite(out)
@@ -152,7 +159,7 @@ def test_empty_batches_give_zero_metrics(preset, shape):
 
 @pytest.mark.parametrize("preset", PRESETS + ["geo_rs", "seq_mis"])
 def test_all_masked_batch_is_safe(preset):
-    cfg = RolloutCorrectionConfig.from_preset(preset)
+    cfg = _cfg(preset)
     cfg = cfg.replace(rollout_is_batch_normalize=True) if cfg.is_enabled else cfg
     old, rollout, _ = _clean()
     mask = torch.zeros(3, 4, dtype=torch.long)
@@ -169,7 +176,7 @@ def test_all_masked_batch_is_safe(preset):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_half_precision_inputs_match_fp32_on_the_same_values(preset, dtype):
-    cfg = RolloutCorrectionConfig.from_preset(preset)
+    cfg = _cfg(preset)
     old, rollout, mask = _clean(B=4, T=6, seed=3)
     old_h, rollout_h = old.to(dtype), rollout.to(dtype)
     low = compute_rollout_correction(old_h, rollout_h, mask, cfg)

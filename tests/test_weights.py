@@ -105,6 +105,8 @@ def test_token_truncate_weights_and_every_metric(make_batch):
     assert exp["rollout_is_seq_fraction_low"] == 1 / 3  # row 1 raw mean 0.525
     _close(exp["rollout_is_mean"], 9.0 / 9)
     _check_metrics(out, exp)
+    # An all-padding row (holding ratio 100) changes no metric: it is not a sequence.
+    _check_metrics(_run(make_batch, empty_rows=2, rollout_is="token", rollout_is_threshold=1.6), exp)
     assert P + "rollout_is_oob_ratio" not in out.metrics
     assert P + "rollout_is_batch_norm_factor" not in out.metrics
     # The response mask is never touched by IS weighting.
@@ -153,6 +155,7 @@ def test_sequence_truncate_weights_and_every_metric(make_batch):
     _close(exp["rollout_is_max"], 2.7)  # the untruncated product
     _close(exp["rollout_is_seq_max_deviation"], 0.8)  # |0.2 - 1|
     _check_metrics(out, exp)
+    _check_metrics(_run(make_batch, empty_rows=1, rollout_is="sequence", rollout_is_threshold=1.6), exp)
 
 
 def test_geometric_truncate_weights_and_metrics(make_batch):
