@@ -226,3 +226,21 @@ def test_mask_values_other_than_zero_one_are_refused_or_mean_valid(bad):
     _all_finite(out)
     torch.testing.assert_close(out.weights, ref.weights)
     assert out.metrics_as_floats() == ref.metrics_as_floats()
+
+
+def test_nonfinite_precomputed_weights_drop_the_row_and_masked_ones_do_not_matter():
+    old, rollout, mask = _clean()
+    lp = (old + 0.05).requires_grad_(True)
+    adv = torch.ones(3, 4)
+    w = torch.full((3, 4), 1.5)
+    w[0, 3] = NAN  # masked position: ignored
+    cfg = RolloutCorrectionConfig().replace(on_nonfinite="raise")
+    loss_ok, _ = compute_policy_loss(lp, old, adv, mask, cfg, rollout_is_weights=w)
+    assert math.isfinite(loss_ok.item())
+    w[2, 0] = INF  # valid position
+    with pytest.raises(ValueError, match=r"rollout_is_weights.*row 2, column 0"):
+        compute_policy_loss(lp, old, adv, mask, cfg, rollout_is_weights=w)
+    loss, m = compute_policy_loss(lp, old, adv, mask, RolloutCorrectionConfig(), rollout_is_weights=w)
+    loss.backward()
+    assert torch.isfinite(lp.grad).all() and torch.all(lp.grad[2] == 0) and torch.all(lp.grad[1] != 0)
+    assert m["actor/nonfinite_seq_fraction"].item() == pytest.approx(1 / 3)

@@ -195,3 +195,15 @@ def _approx(v):
     import pytest
 
     return pytest.approx(v, rel=1e-6, abs=1e-9)
+
+
+@FAST
+@given(batches(), st.sampled_from(RolloutCorrectionConfig.preset_names()))
+def test_every_preset_gives_finite_outputs(batch, preset):
+    old, rollout, mask = batch
+    out = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig.from_preset(preset))
+    assert all(math.isfinite(v) for v in out.metrics_as_floats().values())
+    assert torch.equal(out.response_mask & ~mask, torch.zeros_like(mask))
+    if out.weights is not None:
+        assert torch.isfinite(out.weights).all() and (out.weights >= 0).all()
+        assert torch.all(out.weights[~mask] == 0)
