@@ -270,3 +270,61 @@ def test_nan_sampling_log_prob_rejects_the_row_instead_of_poisoning_the_loss(tmp
         assert out["tool_mask"][2].sum() == 0 and torch.equal(out["tool_mask"][[0, 1, 3]], mask[[0, 1, 3]].long())
         assert torch.isfinite(out["advantages"]).all() and torch.isfinite(out["old_per_token_logps"]).all()
         assert trainer._metrics["train"]["rollout_corr/nonfinite_seq_fraction"] == [0.25]
+
+
+def _apply_on_rank(rank, world, port, old, rollout, mask, adv, results):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        rows = slice(rank * old.shape[0] // world, (rank + 1) * old.shape[0] // world)
+        from collections import defaultdict
+        from types import SimpleNamespace
+
+        host = SimpleNamespace(rollout_correction=RolloutCorrectionConfig.decoupled_seq_is_rs(), use_vllm=False,
+                               vllm_importance_sampling_correction=True,
+                               _metrics={"train": defaultdict(list)})
+        out = {"completion_mask": mask[rows].long(), "old_per_token_logps": old[rows],
+               "sampling_per_token_logps": rollout[rows], "advantages": adv[rows].clone()}
+        # The trainer's own method, on a light host object (no model is needed on this path).
+        RolloutCorrectionGRPOTrainer._apply_rollout_correction(host, out, "train")
+        results[rank] = ({k: v[0] for k, v in host._metrics["train"].items()}, out["advantages"])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes re-import trl/transformers: ~30-60 s on a shared box
+def test_statistics_cover_all_processes():
+    """Two gloo processes, each with half of a generation batch, log the metrics of the whole batch."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    old, rollout, mask = _log_probs(B=8, T=6, scale=0.5)
+    adv = torch.linspace(-1, 1, 8)
+    single = {k: v[0] for k, v in _single_process_metrics(old, rollout, mask, adv).items()}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_apply_on_rank, args=(2, port, old, rollout, mask, adv, results), nprocs=2, join=True)
+    for rank in (0, 1):
+        metrics, _ = results[rank]
+        for key in ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/kl",
+                    "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/chi2_seq"):
+            assert metrics[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key
+    both = torch.cat([results[0][1], results[1][1]])
+    assert both.shape == (8, 6)
+
+
+def _single_process_metrics(old, rollout, mask, adv):
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    host = SimpleNamespace(rollout_correction=RolloutCorrectionConfig.decoupled_seq_is_rs(), use_vllm=False,
+                           vllm_importance_sampling_correction=True, _metrics={"train": defaultdict(list)})
+    RolloutCorrectionGRPOTrainer._apply_rollout_correction(
+        host, {"completion_mask": mask.long(), "old_per_token_logps": old, "sampling_per_token_logps": rollout,
+               "advantages": adv.clone()}, "train")
+    return host._metrics["train"]
