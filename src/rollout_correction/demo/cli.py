@@ -1,0 +1,114 @@
+"""``rollout-correction demo``: flags, then SFT → GRPO for every method × seed → report."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from rollout_correction.demo.config import METHODS, QUICK, SCENARIOS, DemoConfig
+from rollout_correction.demo.engine import PRECISIONS, QUANTS
+from rollout_correction.demo.model import MODEL_SIZES
+from rollout_correction.demo.task import TASKS
+
+# flag -> (type, help); the default of every flag comes from the scenario (then --quick).
+_FLAGS: dict[str, tuple[type, str]] = {
+    "task": (str, f"synthetic task: {', '.join(TASKS)}"),
+    "digits": (int, "digits per prompt (= response length)"),
+    "reward": (str, "training reward: exact (all digits right) or partial (fraction of digits right)"),
+    "model": (str, f"model size: {', '.join(MODEL_SIZES)}"),
+    "precision": (str, f"rollout engine precision: {', '.join(PRECISIONS)}"),
+    "quant": (str, f"rollout engine weight fake-quantisation: {', '.join(QUANTS)}"),
+    "granularity": (str, "quantisation scale per output channel or per tensor: channel, tensor"),
+    "lag": (int, "rollout engine weights lag this many optimizer steps behind the trainer"),
+    "steps": (int, "GRPO steps per run"),
+    "prompts": (int, "prompts per GRPO step"),
+    "samples": (int, "samples per prompt (GRPO group size)"),
+    "lr": (float, "GRPO learning rate (Adam)"),
+    "minibatches": (int, "PPO mini-batches per step (>1 makes π_θ move away from π_old within a step)"),
+    "clip_eps": (float, "PPO clip range ε"),
+    "sft_steps": (int, "supervised warm-start steps"),
+    "sft_lr": (float, "supervised warm-start learning rate"),
+    "eval_every": (int, "evaluate every this many steps"),
+    "eval_prompts": (int, "held-out prompts for greedy exact match"),
+    "workers": (int, "parallel worker processes"),
+    "threads": (int, "torch threads per process"),
+}
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _method_list(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="quantized",
+                        help="named defaults: quantized (3-bit engine, short answers; default), stale "
+                             "(fp32 engine 4 steps behind), bf16-long (bf16 engine, long answers)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run (1 seed, 3 methods, few steps) for a first look and CI")
+    parser.add_argument("--methods", type=_method_list, default=None,
+                        help=f"comma-separated, from: {', '.join(METHODS)}")
+    parser.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--out", default="demo-report", help="report folder (default: demo-report)")
+    parser.add_argument("--no-progress", action="store_true", help="do not draw progress bars")
+    parser.add_argument("--list-methods", action="store_true", help="print the methods and exit")
+    for name, (typ, text) in _FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=text)
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    """Scenario defaults, then ``--quick``, then every flag given explicitly."""
+    values = dict(SCENARIOS[args.scenario])
+    if args.quick:
+        values.update(QUICK)
+    for name in _FLAGS:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.methods is not None:
+        values["methods"] = args.methods
+    if args.seeds is not None:
+        values["seeds"] = args.seeds
+    return DemoConfig(scenario=args.scenario, out=args.out, **values)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rollout_correction.demo.report import print_table, write_report
+    from rollout_correction.demo.runner import run_experiment
+
+    console = Console()
+    if args.list_methods:
+        for m in METHODS.values():
+            console.print(f"[bold]{m.name}[/bold] ({m.preset or 'no correction'}): {m.description}")
+        return 0
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        console.print(f"[red]rollout-correction demo: {exc}[/red]")
+        return 2
+    command = "rollout-correction demo " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
+        if len(sys.argv) > 1 and sys.argv[1] == "demo" else "rollout-correction demo (called from Python)"
+    n_runs = len(cfg.methods) * len(cfg.seeds)
+    console.print(f"[bold]rollout-correction demo[/bold] — scenario {cfg.scenario}: {n_runs} runs "
+                  f"({len(cfg.methods)} methods × {len(cfg.seeds)} seeds), {cfg.steps} GRPO steps each, "
+                  f"engine {cfg.precision}/{cfg.quant}/lag {cfg.lag}, {cfg.workers} worker(s)")
+    t0 = time.perf_counter()
+    raw = run_experiment(cfg, show_progress=not args.no_progress)
+    summary = write_report(cfg, raw, Path(cfg.out), command)
+    print_table(summary, console)
+    console.print(f"report: {Path(cfg.out) / 'report.md'}  ({time.perf_counter() - t0:.0f} s)")
+    return 0

@@ -1,0 +1,127 @@
+"""Demo settings: the methods compared, the scenarios offered, and one config for a run.
+
+A *method* is a rollout engine choice plus a loss; every corrected method names a
+``RolloutCorrectionConfig`` preset of the library. A *scenario* is a named set of defaults
+(task, engine numerics, budget); every field can be overridden by a command-line flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from rollout_correction.demo.engine import GRANULARITIES, PRECISIONS, QUANTS
+from rollout_correction.demo.model import MODEL_SIZES
+from rollout_correction.demo.task import REWARDS, TASKS
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    label: str
+    preset: str | None      # library preset, or None for the uncorrected PPO loss
+    mismatched: bool        # sample from the mismatched engine (False: engine = trainer)
+    description: str
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("on_policy", "on-policy reference", None, False,
+           "engine = trainer (fp32, current weights): the target every correction aims at"),
+    Method("naive", "naive PPO", None, True,
+           "π_old recomputed by the trainer and treated as the behaviour policy; no correction"),
+    Method("bypass_ppo", "bypass PPO-clip", "bypass_ppo_clip", True,
+           "π_old := π_rollout; PPO ratio π_θ/π_rollout clipped to [1-ε, 1+ε]"),
+    Method("token_tis", "decoupled token TIS", "decoupled_token_is", True,
+           "ρₜ = min(π_old/π_rollout, 2) per token times the PPO-clip term"),
+    Method("seq_is_rs", "decoupled seq IS + RS", "decoupled_seq_is_rs", True,
+           "sequence ratio ∏ρₜ truncated at 2, sequences outside the RS band rejected"),
+    Method("geo_rs", "geometric RS", "decoupled_geo_rs", True,
+           "reject sequences whose geometric-mean ratio leaves the band (plus veto); no IS weights"),
+    Method("pure_is", "pure IS (REINFORCE)", "bypass_pg_is", True,
+           "−sg(w)·A·log π_θ with sequence-level w = π_θ/π_rollout, no clipping"),
+)}
+
+DEFAULT_METHODS = tuple(METHODS)
+
+
+@dataclass
+class DemoConfig:
+    """Everything one invocation of ``rollout-correction demo`` needs."""
+
+    scenario: str = "quantized"
+    # task and model
+    task: str = "sort"
+    digits: int = 6
+    reward: str = "partial"
+    model: str = "tiny"
+    # rollout engine (for the mismatched methods)
+    precision: str = "fp32"
+    quant: str = "int3"
+    granularity: str = "tensor"
+    lag: int = 0
+    # supervised warm start
+    sft_steps: int = 60
+    sft_batch: int = 64
+    sft_lr: float = 1e-3
+    # GRPO
+    steps: int = 500
+    prompts: int = 32
+    samples: int = 8
+    lr: float = 3e-4
+    minibatches: int = 1
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    # evaluation
+    eval_every: int = 25
+    eval_prompts: int = 512
+    # experiment
+    seeds: tuple[int, ...] = (0, 1, 2)
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    workers: int = 2
+    threads: int = 1
+    out: str = "demo-report"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("task", TASKS), ("model", tuple(MODEL_SIZES)), ("precision", tuple(PRECISIONS)),
+                              ("quant", QUANTS), ("reward", REWARDS),
+                              ("granularity", GRANULARITIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+        if not self.methods:
+            raise ValueError("at least one method is required")
+        if not self.seeds:
+            raise ValueError("at least one seed is required")
+        for name in ("steps", "prompts", "samples", "eval_every", "eval_prompts", "workers", "threads",
+                     "minibatches", "sft_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sft_steps < 0 or self.lag < 0:
+            raise ValueError("sft_steps and lag must be >= 0")
+        if self.samples < 2:
+            raise ValueError(f"samples per prompt must be >= 2 for group advantages, got {self.samples}")
+        if (self.prompts * self.samples) % self.minibatches:
+            raise ValueError(f"minibatches ({self.minibatches}) must divide prompts × samples "
+                             f"({self.prompts * self.samples})")
+
+    def replace(self, **changes) -> "DemoConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["seeds"], d["methods"] = list(self.seeds), list(self.methods)
+        return d
+
+
+# Named defaults. ``quantized`` is the default: short responses, a large per-token gap.
+SCENARIOS: dict[str, dict] = {
+    "quantized": dict(task="sort", digits=6, precision="fp32", quant="int3", granularity="tensor", lag=0),
+    "stale": dict(task="sort", digits=6, precision="fp32", quant="none", lag=4),
+    "bf16-long": dict(task="sort", digits=16, precision="bf16", quant="none", lag=0, model="small"),
+}
+
+# ``--quick``: a first look and the CI smoke run.
+QUICK = dict(steps=40, seeds=(0,), eval_every=20, eval_prompts=256, prompts=16,
+             methods=("on_policy", "naive", "token_tis"))

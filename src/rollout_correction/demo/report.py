@@ -1,0 +1,311 @@
+"""The report: ``summary.json``, plots (PNG) and ``report.md`` from the raw run results.
+
+Per method and seed the summary keeps the trainer's final and best greedy exact match, the
+rollout engine's, the mismatch KL(π_rollout‖π_old) at the start and the end, and whether the run
+collapsed. A run *collapsed* when its final exact match is below half of its best.
+The *checks* are the demonstration's claims, each with its numbers:
+
+* naive PPO ends ≥ 0.3 below the on-policy reference (or collapses on most seeds);
+* its mismatch KL rises ≥ 5× from the first to the last tenth of training;
+* the best correction beats naive by ≥ 0.2 and ends within 0.1 of on-policy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from rollout_correction.demo.config import METHODS, DemoConfig
+
+COLLAPSE_FRACTION = 0.5
+
+PLOTS = {  # file stem -> (history key or eval key, title, y label, log scale)
+    "trainer_reward": ("evals:trainer", "fp32 trainer policy: greedy exact match", "exact match", False),
+    "engine_reward": ("evals:engine", "rollout engine: greedy exact match", "exact match", False),
+    "train_reward": ("reward", "training reward (rollout-engine samples)", "mean reward", False),
+    "mismatch_kl": ("kl", "mismatch KL(π_rollout ‖ π_old) per token", "KL (k1)", True),
+    "chi2": ("chi2_token", "χ² divergence per token", "χ²", True),
+    "ess": ("ess", "effective sample size of the IS weights", "ESS / N", False),
+    "rejected": ("rejected", "fraction rejected by RS", "fraction", False),
+    "grad_norm": ("grad_norm", "gradient norm (before clipping)", "‖g‖", True),
+}
+OVERVIEW = ("trainer_reward", "engine_reward", "mismatch_kl", "grad_norm")
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _tenth(xs, last: bool) -> float:
+    k = max(1, len(xs) // 10)
+    return _mean(xs[-k:] if last else xs[:k])
+
+
+def summarize_run(r: dict, sft_reward: float) -> dict:
+    trainer, engine, kl = r["evals"]["trainer"], r["evals"]["engine"], r["history"].get("kl", [])
+    best = max(trainer)
+    return {
+        "method": r["method"],
+        "seed": r["seed"],
+        "sft_reward": sft_reward,
+        "final_reward": trainer[-1],
+        "best_reward": best,
+        "final_engine_reward": engine[-1],
+        "best_engine_reward": max(engine),
+        "initial_mismatch_kl": _tenth(kl, last=False),
+        "final_mismatch_kl": _tenth(kl, last=True),
+        "initial_grad_norm": _tenth(r["history"]["grad_norm"], last=False),
+        "final_grad_norm": _tenth(r["history"]["grad_norm"], last=True),
+        "collapsed": bool(trainer[-1] < COLLAPSE_FRACTION * best),
+        "seconds": r["seconds"],
+    }
+
+
+def _stats(xs):
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return {"mean": float("nan"), "std": float("nan")}
+    return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs) if len(xs) > 1 else 0.0}
+
+
+def summarize(cfg: DemoConfig, raw: dict) -> dict:
+    runs = [summarize_run(r, raw["sft_reward"][r["seed"]]) for r in raw["results"]]
+    per_method = {}
+    for m in cfg.methods:
+        rs = [r for r in runs if r["method"] == m]
+        kl0, kl1 = _mean([r["initial_mismatch_kl"] for r in rs]), _mean([r["final_mismatch_kl"] for r in rs])
+        per_method[m] = {
+            "label": METHODS[m].label,
+            "preset": METHODS[m].preset,
+            "final_reward": _stats([r["final_reward"] for r in rs]),
+            "best_reward": _stats([r["best_reward"] for r in rs]),
+            "final_engine_reward": _stats([r["final_engine_reward"] for r in rs]),
+            "initial_mismatch_kl": kl0,
+            "final_mismatch_kl": kl1,
+            "kl_growth": kl1 / kl0 if kl0 > 0 else float("nan"),
+            "collapsed": sum(r["collapsed"] for r in rs),
+            "runs": len(rs),
+        }
+    return {
+        "config": cfg.to_dict(),
+        "sft_reward": {str(k): v for k, v in raw["sft_reward"].items()},
+        "seconds": raw["seconds"],
+        "runs": runs,
+        "methods": per_method,
+        "checks": checks(per_method),
+    }
+
+
+def checks(per_method: dict) -> dict:
+    """The demonstration's claims, evaluated on the mean over seeds (None: a method is missing)."""
+    if "on_policy" not in per_method or "naive" not in per_method:
+        return {"available": False, "reason": "needs the on_policy and naive methods"}
+    on = per_method["on_policy"]["final_reward"]["mean"]
+    nv = per_method["naive"]
+    gap = on - nv["final_reward"]["mean"]
+    naive_collapsed = nv["collapsed"] * 2 > nv["runs"]
+    out = {
+        "available": True,
+        "on_policy_final": on,
+        "naive_final": nv["final_reward"]["mean"],
+        "naive_gap": gap,
+        "naive_degrades": bool(gap >= 0.3 or naive_collapsed),
+        "naive_kl_growth": nv["kl_growth"],
+        "naive_kl_rises_5x": bool(nv["kl_growth"] >= 5.0),
+    }
+    corrections = [m for m in per_method if METHODS[m].preset is not None]
+    if corrections:
+        best = max(corrections, key=lambda m: per_method[m]["final_reward"]["mean"])
+        b = per_method[best]["final_reward"]["mean"]
+        out.update({
+            "best_correction": best,
+            "best_correction_final": b,
+            "best_minus_naive": b - nv["final_reward"]["mean"],
+            "best_beats_naive_by_0.2": bool(b - nv["final_reward"]["mean"] >= 0.2),
+            "best_within_0.1_of_on_policy": bool(on - b <= 0.1),
+        })
+    keys = ["naive_degrades", "naive_kl_rises_5x", "best_beats_naive_by_0.2", "best_within_0.1_of_on_policy"]
+    out["all_hold"] = all(out.get(k, False) for k in keys)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+
+
+def _series(raw: dict, method: str, key: str):
+    """(x, per-seed y lists) for a history key or an ``evals:<key>``."""
+    rows = [r for r in raw["results"] if r["method"] == method]
+    if key.startswith("evals:"):
+        k = key.split(":", 1)[1]
+        return rows[0]["evals"]["step"], [r["evals"][k] for r in rows]
+    ys = [r["history"][key] for r in rows if key in r["history"]]
+    return list(range(1, len(ys[0]) + 1)) if ys else [], ys
+
+
+def _smooth(ys, window: int):
+    if window <= 1:
+        return ys
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _draw(ax, cfg: DemoConfig, raw: dict, stem: str) -> None:
+    key, title, ylabel, log = PLOTS[stem]
+    window = 1 if key.startswith("evals:") else max(1, cfg.steps // 30)
+    for i, m in enumerate(cfg.methods):
+        x, ys = _series(raw, m, key)
+        if not ys:
+            continue
+        ys = [_smooth(y, window) for y in ys]
+        mean = [_mean(col) for col in zip(*ys)]
+        color = f"C{i}"
+        ax.plot(x, mean, color=color, label=METHODS[m].label, lw=1.6)
+        if len(ys) > 1:
+            lo, hi = [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)]
+            ax.fill_between(x, lo, hi, color=color, alpha=0.15, lw=0)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(ylabel)
+    if log:  # symlog: the on-policy gap is ~0 (and may be slightly negative)
+        ax.set_yscale("symlog", linthresh=1e-3 if key != "grad_norm" else 1e-2)
+    ax.grid(alpha=0.3)
+
+
+def plot_all(cfg: DemoConfig, raw: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for stem in PLOTS:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        _draw(ax, cfg, raw, stem)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no method in this run reports this metric", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=9, color="0.4")
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{stem}.png", dpi=110)
+        plt.close(fig)
+        files.append(f"{stem}.png")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, stem in zip(axes.flat, OVERVIEW):
+        _draw(ax, cfg, raw, stem)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.suptitle(_scenario_line(cfg), fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+    fig.savefig(out_dir / "overview.png", dpi=110)
+    plt.close(fig)
+    files.append("overview.png")
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown and terminal table
+
+
+def _scenario_line(cfg: DemoConfig) -> str:
+    return (f"scenario {cfg.scenario}: {cfg.task} {cfg.digits} digits, model {cfg.model}, engine "
+            f"{cfg.precision}/{cfg.quant}/lag {cfg.lag}; {cfg.steps} steps × {cfg.prompts}×{cfg.samples}; "
+            f"seeds {list(cfg.seeds)}")
+
+
+def _pm(s: dict) -> str:
+    return f"{s['mean']:.2f} ± {s['std']:.2f}"
+
+
+def table_rows(summary: dict) -> list[list[str]]:
+    rows = []
+    for m, s in summary["methods"].items():
+        rows.append([
+            s["label"], s["preset"] or "—", _pm(s["final_reward"]), _pm(s["best_reward"]),
+            _pm(s["final_engine_reward"]), f"{s['initial_mismatch_kl']:.4f} → {s['final_mismatch_kl']:.4f}",
+            f"{s['collapsed']}/{s['runs']}",
+        ])
+    return rows
+
+
+TABLE_HEADER = ["method", "preset", "trainer final", "trainer best", "engine final", "mismatch KL first → last",
+                "collapsed"]
+_TERMINAL_COLUMNS = (0, 2, 3, 4, 5, 6)
+
+
+def checks_text(c: dict) -> list[str]:
+    if not c.get("available"):
+        return [f"Checks not evaluated: {c.get('reason')}."]
+
+    def yn(b):
+        return "yes" if b else "**no**"
+
+    lines = [
+        f"- Naive PPO ends ≥ 0.3 below on-policy (or collapses): {yn(c['naive_degrades'])} — on-policy "
+        f"{c['on_policy_final']:.2f}, naive {c['naive_final']:.2f}, gap {c['naive_gap']:.2f}.",
+        f"- Naive mismatch KL rises ≥ 5×: {yn(c['naive_kl_rises_5x'])} — ×{c['naive_kl_growth']:.1f}.",
+    ]
+    if "best_correction" in c:
+        lines += [
+            f"- Best correction ({METHODS[c['best_correction']].label}, {c['best_correction_final']:.2f}) beats "
+            f"naive by ≥ 0.2: {yn(c['best_beats_naive_by_0.2'])} — by {c['best_minus_naive']:.2f}.",
+            f"- …and ends within 0.1 of on-policy: {yn(c['best_within_0.1_of_on_policy'])} — "
+            f"{c['on_policy_final'] - c['best_correction_final']:+.2f} below.",
+        ]
+    lines.append("All claims hold." if c["all_hold"] else "**Not every claim holds in this run; see above.**")
+    return lines
+
+
+def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Path, command: str) -> None:
+    lines = [
+        "# Rollout-correction demo report", "",
+        _scenario_line(cfg) + ".", "",
+        f"Command: `{command}`", "",
+        f"Wall time {summary['seconds']['total']:.0f} s (SFT {summary['seconds']['sft']:.0f} s), "
+        f"{cfg.workers} worker(s) × {cfg.threads} thread(s). SFT exact match per seed: "
+        + ", ".join(f"{k}: {v:.2f}" for k, v in summary["sft_reward"].items()) + ".", "",
+        "Rewards are greedy exact match on a fixed set of "
+        f"{cfg.eval_prompts} held-out prompts, mean ± std over seeds; *trainer* is the fp32 policy being "
+        "trained, *engine* its rollout copy. Mismatch KL is the k1 estimate of KL(π_rollout ‖ π_old) per "
+        "token over the first and last tenth of training. A run collapsed if its final exact match is below "
+        "half of its best.", "",
+        "| " + " | ".join(TABLE_HEADER) + " |",
+        "|" + "---|" * len(TABLE_HEADER),
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in table_rows(summary)]
+    lines += ["", "## Checks", ""] + checks_text(summary["checks"]) + ["", "## Plots", ""]
+    lines += [f"![{f[:-4]}]({f})" for f in files]
+    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def print_table(summary: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="greedy exact match, mean ± std over seeds")
+    for i in _TERMINAL_COLUMNS:
+        table.add_column(TABLE_HEADER[i], justify="left" if i == 0 else "right")
+    for r in table_rows(summary):
+        table.add_row(*(r[i] for i in _TERMINAL_COLUMNS))
+    console.print(table)
+    for line in checks_text(summary["checks"]):
+        console.print(line.replace("**", ""))
+
+
+def write_report(cfg: DemoConfig, raw: dict, out_dir: Path, command: str) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(cfg, raw)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True))
+    files = plot_all(cfg, raw, out_dir)
+    write_markdown(cfg, summary, files, out_dir, command)
+    return summary

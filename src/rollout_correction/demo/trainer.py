@@ -1,0 +1,219 @@
+"""The trainer: supervised warm start, then GRPO with the rollout engine in the loop.
+
+One GRPO step, top to bottom (``grpo_step``):
+
+1. the engine loads the trainer's weights (its precision, quantisation and lag apply);
+2. it samples G responses for each of P prompts and returns π_rollout log-probs;
+3. rewards are scored exactly; group advantages Âᵢ = (rᵢ − mean_g r) / (std_g r + 1e-6);
+4. the trainer recomputes log π_θ in fp32 (π_old is its detached value before the update);
+5. ``compute_rollout_correction`` measures the gap (and, for corrected methods, gives IS weights
+   and the RS mask); ``compute_policy_loss`` builds the loss for the method's preset;
+6. backward, gradient-norm clipping, Adam step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout_correction.demo.config import METHODS, DemoConfig, Method
+from rollout_correction.demo.engine import RolloutEngine, sample
+from rollout_correction.demo.model import build_model, response_log_probs
+from rollout_correction.demo.task import Task
+
+EVAL_SEED = 1_000_003  # every run is evaluated on the same prompts
+
+# Diagnostics recorded every step, from the library's metric names.
+DIAGNOSTICS = {
+    "kl": "rollout_corr/kl",
+    "k3_kl": "rollout_corr/k3_kl",
+    "chi2_token": "rollout_corr/chi2_token",
+    "chi2_seq": "rollout_corr/chi2_seq",
+    "ess": "rollout_corr/rollout_is_eff_sample_size",
+    "rejected": "rollout_corr/rollout_rs_masked_fraction",
+    "clipfrac": "actor/pg_clipfrac",
+}
+
+
+def setup_torch(threads: int) -> None:
+    """CPU settings for every process: a fixed thread count and flush-to-zero.
+
+    Fake-quantised weights produce denormal activations; without flush-to-zero the CPU kernels
+    run 10–30× slower on them.
+    """
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO advantages Âᵢ = (rᵢ − mean_g r) / (std_g r + 1e-6) for consecutive groups of ``group_size``."""
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be (P·G,) with G={group_size}, got {tuple(rewards.shape)}")
+    r = rewards.view(-1, group_size)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + 1e-6)
+    return adv.view(-1)
+
+
+@torch.no_grad()
+def exact_match(model: torch.nn.Module, task: Task, digits: torch.Tensor, batch: int = 512) -> float:
+    """Greedy exact-match accuracy of ``model`` on the given digit strings."""
+    was_training = model.training
+    model.eval()
+    hits = 0.0
+    for i in range(0, digits.shape[0], batch):
+        d = digits[i:i + batch]
+        responses, _ = sample(model, task.prompts(d), task.response_len, greedy=True)
+        hits += task.reward(responses, d, kind="exact").sum().item()
+    model.train(was_training)
+    return hits / digits.shape[0]
+
+
+def sft(cfg: DemoConfig, seed: int, task: Task) -> tuple[dict[str, torch.Tensor], float]:
+    """Supervised warm start: cross-entropy on correct responses for ``cfg.sft_steps`` steps.
+
+    Returns the state dict and the greedy exact match on the evaluation prompts.
+    """
+    model = build_model(cfg.model, max_len=task.seq_len + 1, seed=seed)
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    for _ in range(cfg.sft_steps):
+        d = task.sample_digits(cfg.sft_batch, gen)
+        tokens = torch.cat([task.prompts(d), task.answers(d)], dim=1)
+        loss = -response_log_probs(model, tokens, task.prompt_len).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    eval_digits = task.sample_digits(cfg.eval_prompts, torch.Generator().manual_seed(EVAL_SEED))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, exact_match(model, task, eval_digits)
+
+
+# ---------------------------------------------------------------------------------------------
+# The correction call. Every corrected method names a library preset.
+
+
+def correction_config(method: Method):
+    """The library config for ``method``, chosen by preset name (``None``: plain PPO)."""
+    from rollout_correction import RolloutCorrectionConfig
+
+    return RolloutCorrectionConfig.from_preset(method.preset) if method.preset else None
+
+
+def policy_loss(method: Method, rc_cfg, log_prob, old_log_prob, rollout_log_prob, advantages, mask,
+                clip_eps: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss and gap metrics for one (mini-)batch, via the library.
+
+    Uncorrected methods (on-policy, naive) call ``compute_policy_loss`` without rollout
+    log-probs — the PPO ratio is π_θ/π_old and π_rollout never enters the gradient — and measure
+    the gap with ``compute_offpolicy_metrics`` for the plots only. Corrected methods pass
+    ``rollout_log_prob`` and the preset decides: decoupled IS weights / RS mask, bypass PPO-clip,
+    or bypass REINFORCE; the loss then also returns the correction's metrics.
+    """
+    from rollout_correction import compute_offpolicy_metrics, compute_policy_loss, metrics_to_floats
+
+    loss, metrics = compute_policy_loss(
+        log_prob, old_log_prob, advantages, mask, rc_cfg,
+        rollout_log_prob=rollout_log_prob if method.preset else None,
+        clip_ratio_low=clip_eps, clip_ratio_high=clip_eps, loss_agg_mode="token-mean",
+    )
+    if not method.preset:
+        metrics = {**metrics, **compute_offpolicy_metrics(old_log_prob, rollout_log_prob, mask)}
+    return loss, metrics_to_floats(metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    method: str
+    seed: int
+    history: dict[str, list[float]] = field(default_factory=dict)   # per GRPO step
+    evals: dict[str, list[float]] = field(default_factory=dict)     # per evaluation
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "seed": self.seed, "history": self.history, "evals": self.evals,
+                "seconds": self.seconds}
+
+
+def train(cfg: DemoConfig, method_name: str, seed: int, sft_state: dict[str, torch.Tensor],
+          progress=None) -> RunResult:
+    """GRPO from the SFT weights with ``method_name``; ``progress(n)`` is called once per step."""
+    t0 = time.perf_counter()
+    method = METHODS[method_name]
+    task = Task(cfg.task, cfg.digits, cfg.reward)
+    torch.manual_seed(seed)
+    model = build_model(cfg.model, max_len=task.seq_len + 1)
+    model.load_state_dict(sft_state)
+    if method.mismatched:
+        engine = RolloutEngine(model, cfg.precision, cfg.quant, cfg.lag, cfg.granularity)
+    else:
+        engine = RolloutEngine(model, "fp32", "none", 0)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    rc_cfg = correction_config(method)
+    gen = torch.Generator().manual_seed(20_000 + seed)
+    eval_digits = task.sample_digits(cfg.eval_prompts, torch.Generator().manual_seed(EVAL_SEED))
+    result = RunResult(method_name, seed)
+    hist, evals = result.history, result.evals
+
+    def log(store, key, value):
+        store.setdefault(key, []).append(float(value))
+
+    for step in range(cfg.steps + 1):
+        engine.sync(model)
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            log(evals, "step", step)
+            log(evals, "trainer", exact_match(model, task, eval_digits))
+            log(evals, "engine", exact_match(engine.model, task, eval_digits))
+        if step == cfg.steps:
+            break
+        stats = grpo_step(cfg, method, rc_cfg, task, model, engine, opt, gen)
+        for k, v in stats.items():
+            log(hist, k, v)
+        if progress is not None:
+            progress(1)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine: RolloutEngine, opt,
+              gen: torch.Generator) -> dict[str, float]:
+    """One GRPO update (engine already synced); returns the step's statistics."""
+    digits = task.sample_digits(cfg.prompts, gen).repeat_interleave(cfg.samples, dim=0)
+    prompts = task.prompts(digits)
+    responses, rollout_log_prob = engine.generate(prompts, task.response_len, generator=gen)
+    rewards = task.reward(responses, digits)
+    advantages = group_advantages(rewards, cfg.samples).unsqueeze(1).expand_as(rollout_log_prob)
+    tokens = torch.cat([prompts, responses], dim=1)
+    mask = torch.ones_like(rollout_log_prob)
+
+    n = tokens.shape[0]
+    mb = n // cfg.minibatches
+    if cfg.minibatches > 1:
+        with torch.no_grad():
+            old_all = response_log_probs(model, tokens, task.prompt_len)
+    metrics: dict[str, list[float]] = {}
+    grad_norms = []
+    for i in range(0, n, mb):
+        sl = slice(i, i + mb)
+        log_prob = response_log_probs(model, tokens[sl], task.prompt_len)
+        # With one update per batch π_old is π_θ before the step: its detached value.
+        old_log_prob = old_all[sl] if cfg.minibatches > 1 else log_prob.detach()
+        loss, m = policy_loss(method, rc_cfg, log_prob, old_log_prob, rollout_log_prob[sl], advantages[sl],
+                              mask[sl], cfg.clip_eps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        grad_norms.append(float(gn))
+        for key, name in DIAGNOSTICS.items():
+            if name in m:
+                metrics.setdefault(key, []).append(m[name])
+    stats = {k: sum(v) / len(v) for k, v in metrics.items()}
+    stats["reward"] = rewards.mean().item()
+    stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    stats["loss"] = float(loss.detach())
+    return {k: (v if math.isfinite(v) else float("nan")) for k, v in stats.items()}

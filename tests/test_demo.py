@@ -1,0 +1,159 @@
+"""Tests of the demo trainer: its pieces against hand-computed values, and ``--quick`` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rollout_correction.demo.config import METHODS, DemoConfig  # noqa: E402
+from rollout_correction.demo.engine import RolloutEngine, fake_quantize, sample  # noqa: E402
+from rollout_correction.demo.model import build_model, response_log_probs  # noqa: E402
+from rollout_correction.demo.task import BOS, SEP, Task  # noqa: E402
+from rollout_correction.demo.trainer import group_advantages  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def test_task_prompts_answers_and_reward():
+    task = Task("sort", 4)
+    digits = torch.tensor([[3, 1, 2, 0], [9, 9, 0, 5]])
+    assert task.prompts(digits).tolist() == [[BOS, 3, 1, 2, 0, SEP], [BOS, 9, 9, 0, 5, SEP]]
+    assert task.answers(digits).tolist() == [[0, 1, 2, 3], [0, 5, 9, 9]]
+    responses = torch.tensor([[0, 1, 2, 3], [0, 5, 9, 8]])
+    assert task.reward(responses, digits).tolist() == [1.0, 0.0]
+    assert Task("reverse", 4).answers(digits).tolist() == [[0, 2, 1, 3], [5, 0, 9, 9]]
+    with pytest.raises(ValueError, match="responses must have shape"):
+        task.reward(responses[:, :3], digits)
+    with pytest.raises(ValueError, match="task must be one of"):
+        Task("add", 4)
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(rewards, 4)
+    # group 1: mean 0.25, std sqrt(0.1875) = 0.4330; group 2: constant -> 0
+    s = 0.1875 ** 0.5
+    expected = [0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s, 0, 0, 0, 0]
+    assert adv.tolist() == pytest.approx(expected, abs=1e-4)
+    with pytest.raises(ValueError):
+        group_advantages(rewards, 3)
+
+
+@pytest.mark.parametrize("quant,bits", [("int3", 3), ("int4", 4), ("int8", 8)])
+def test_fake_quantize_integer_grid(quant, bits):
+    w = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
+    q = fake_quantize(w, quant)
+    qmax = 2 ** (bits - 1) - 1
+    scale = w.abs().amax(dim=1, keepdim=True) / qmax
+    levels = q / scale
+    assert torch.allclose(levels, levels.round(), atol=1e-4)          # on the grid
+    assert levels.abs().max() <= qmax + 1e-4                           # within range
+    assert (q - w).abs().max() <= scale.max() / 2 + 1e-6               # round to nearest
+    assert torch.allclose(q.abs().amax(dim=1), w.abs().amax(dim=1))    # the row max is exact
+
+
+def test_fake_quantize_fp8_and_none():
+    w = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(fake_quantize(w, "none"), w)
+    q = fake_quantize(w, "fp8")
+    rel = ((q - w).abs() / w.abs().clamp_min(1e-3)).max()
+    assert 0 < rel <= 2 ** -4 + 1e-6  # e4m3 has 3 mantissa bits: relative error ≤ 2^-4
+    with pytest.raises(ValueError, match="quant must be one of"):
+        fake_quantize(w, "int2")
+
+
+def _model_and_prompts(n=16):
+    task = Task("sort", 4)
+    model = build_model("tiny", max_len=task.seq_len + 1, seed=0)
+    digits = task.sample_digits(n, torch.Generator().manual_seed(0))
+    return task, model, task.prompts(digits)
+
+
+def test_exact_engine_matches_trainer_log_probs():
+    task, model, prompts = _model_and_prompts()
+    engine = RolloutEngine(model, "fp32", "none", 0)
+    engine.sync(model)
+    responses, rollout_lp = engine.generate(prompts, task.response_len, torch.Generator().manual_seed(1))
+    trainer_lp = response_log_probs(model, torch.cat([prompts, responses], 1), task.prompt_len)
+    assert torch.allclose(rollout_lp, trainer_lp.detach(), atol=1e-5)
+
+
+def test_mismatched_engine_differs_for_real():
+    task, model, prompts = _model_and_prompts()
+    for precision, quant in [("bf16", "none"), ("fp32", "int3")]:
+        engine = RolloutEngine(model, precision, quant, 0)
+        engine.sync(model)
+        responses, rollout_lp = engine.generate(prompts, task.response_len, torch.Generator().manual_seed(1))
+        trainer_lp = response_log_probs(model, torch.cat([prompts, responses], 1), task.prompt_len).detach()
+        gap = (rollout_lp - trainer_lp).abs().max().item()
+        assert 1e-4 < gap < 1.0, (precision, quant, gap)
+        assert rollout_lp.dtype == torch.float32
+
+
+def test_engine_lag_uses_weights_from_k_syncs_ago():
+    task, model, prompts = _model_and_prompts(4)
+    engine = RolloutEngine(model, "fp32", "none", lag=2)
+    snapshots = []
+    for k in range(4):
+        with torch.no_grad():
+            model.model.embed_tokens.weight.add_(0.1)
+        snapshots.append(model.model.embed_tokens.weight.detach().clone())
+        engine.sync(model)
+        expected = snapshots[max(0, k - 2)]
+        assert torch.equal(engine.model.model.embed_tokens.weight, expected)
+
+
+def test_greedy_sampling_is_argmax_of_teacher_forced_logits():
+    task, model, prompts = _model_and_prompts(8)
+    responses, lp = sample(model, prompts, task.response_len, greedy=True)
+    with torch.no_grad():
+        logits = model(torch.cat([prompts, responses], 1)[:, :-1]).logits[:, task.prompt_len - 1:]
+    assert torch.equal(logits.argmax(-1), responses)
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(ValueError, match="unknown method"):
+        DemoConfig(methods=("naive", "magic"))
+    with pytest.raises(ValueError, match="quant must be one of"):
+        DemoConfig(quant="int2")
+    with pytest.raises(ValueError, match="samples per prompt"):
+        DemoConfig(samples=1)
+
+
+def test_every_corrected_method_names_a_library_preset():
+    from rollout_correction import RolloutCorrectionConfig
+
+    for m in METHODS.values():
+        if m.preset:
+            RolloutCorrectionConfig.from_preset(m.preset)
+
+
+def test_quick_end_to_end(tmp_path):
+    from rollout_correction.cli import main
+
+    out = tmp_path / "report"
+    code = main(["demo", "--quick", "--out", str(out), "--workers", "1", "--no-progress"])
+    assert code == 0
+    for name in ("summary.json", "report.md", "overview.png", "trainer_reward.png", "engine_reward.png",
+                 "mismatch_kl.png", "chi2.png", "ess.png", "rejected.png", "grad_norm.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    summary = json.loads((out / "summary.json").read_text())
+    methods = summary["config"]["methods"]
+    seeds = summary["config"]["seeds"]
+    runs = summary["runs"]
+    assert sorted((r["method"], r["seed"]) for r in runs) == sorted((m, s) for m in methods for s in seeds)
+    for r in runs:
+        assert 0.0 <= r["final_reward"] <= r["best_reward"] <= 1.0
+        assert isinstance(r["collapsed"], bool)
+        assert r["collapsed"] == (r["final_reward"] < 0.5 * r["best_reward"])
+        assert r["final_mismatch_kl"] == r["final_mismatch_kl"]  # not NaN
+        if r["method"] == "on_policy":
+            assert abs(r["final_mismatch_kl"]) < 1e-4   # engine = trainer
+        else:
+            assert r["final_mismatch_kl"] > 1e-3        # a real gap
+    assert "| method |" in (out / "report.md").read_text()
+    assert set(summary["checks"]) >= {"naive_gap", "naive_kl_growth", "all_hold"}
