@@ -77,6 +77,11 @@ def test_decoupled_loss_equals_verls_vanilla_with_weights(agg, info):
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-8)
     for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
         assert ours[2][key] == pytest.approx(theirs[2][key], rel=1e-5, abs=1e-7), key
+    # And verl's agg_loss over the weighted dual-clip PPO terms written out by hand.
+    r = torch.exp(log_prob.detach() - old)
+    clipped = torch.maximum(-adv * r, -adv * r.clamp(1 - 0.2, 1 + 0.28))
+    per_token = torch.where(adv < 0, torch.minimum(clipped, -adv * 3.0), clipped) * weights
+    torch.testing.assert_close(ours[0], CORE.agg_loss(per_token, mask, agg, **info), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("rc", [
