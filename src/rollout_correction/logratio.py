@@ -44,10 +44,6 @@ def cached(fn):
     return property(get)
 
 
-def _as_f32(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.float32 else x.to(torch.float32)
-
-
 class LogRatioBatch:
     """log ρ_t = log π_train(y_t) − log π_rollout(y_t) on valid tokens, 0 elsewhere.
 
@@ -71,7 +67,8 @@ class LogRatioBatch:
         self.old_log_prob = old_log_prob
         self.rollout_log_prob = rollout_log_prob
         self.response_mask = response_mask
-        mask_in = _as_f32(response_mask) if response_mask.dtype != torch.bool else response_mask.to(torch.float32)
+        # Non-zero marks a valid token, whatever the mask's dtype or values.
+        mask_in = (response_mask if response_mask.dtype == torch.bool else response_mask != 0).to(torch.float32)
         # Upcast in one step (no separate copies of both inputs), then sanitise and mask in place.
         lr = old_log_prob.to(torch.float32, copy=True)
         lr.sub_(rollout_log_prob)

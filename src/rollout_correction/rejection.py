@@ -31,7 +31,7 @@ from .logratio import LogRatioBatch
 from .stats import SufficientStats
 from .weights import _div, seq_summary
 
-__all__ = ["token_divergence", "RejectionResult", "rejection_keep", "rs_metrics", "veto_metrics"]
+__all__ = ["token_divergence", "RejectionResult", "option_keep", "rejection_keep", "rs_metrics", "veto_metrics"]
 
 
 def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
@@ -73,6 +73,24 @@ def _within(x: torch.Tensor, opt: RSOption) -> torch.Tensor:
     return keep & (x >= opt.stat_lower) if opt.stat_lower is not None else keep
 
 
+def option_keep(batch: LogRatioBatch, opt: RSOption, statistic: torch.Tensor,
+                stats: Optional[SufficientStats] = None) -> torch.Tensor:
+    """Keep indicator of one option for its statistic — (B, T) float 0/1 for token options
+    (statistic (B, T), 0 at invalid positions), (B,) bool for sequence options (statistic
+    (B,)) — recording the option's statistics when given ``stats``."""
+    if opt.agg != "token":
+        keep = _within(statistic, opt)
+        if stats is not None:
+            _add_row_option_stats(stats, batch, opt, statistic, keep)
+        return keep
+    high = batch.above(statistic, opt.stat_upper)
+    low = batch.below(statistic, opt.stat_lower) if opt.stat_lower is not None else None
+    keep = 1.0 - high if low is None else (1.0 - high).sub_(low)
+    if stats is not None:
+        _add_token_option_stats(stats, batch, opt, statistic, high, low)
+    return keep
+
+
 def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_threshold: Optional[float],
                    stats: Optional[SufficientStats] = None) -> RejectionResult:
     """Keep masks for the chained ``options`` and the veto; records statistics when given ``stats``."""
@@ -85,18 +103,10 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         if per_token is None:
             per_token = cache[opt.estimator] = token_divergence(batch, opt.estimator)
         if opt.agg == "token":
-            high = batch.above(per_token, opt.stat_upper)
-            low = batch.below(per_token, opt.stat_lower) if opt.stat_lower is not None else None
-            keep = 1.0 - high if low is None else (1.0 - high).sub_(low)
+            keep = option_keep(batch, opt, per_token, stats)
             token_keep = keep if token_keep is None else token_keep.mul_(keep)
-            if stats is not None:
-                _add_token_option_stats(stats, batch, opt, per_token, high, low)
         else:
-            s_row = _row_stat(batch, per_token, opt.agg)
-            keep = _within(s_row, opt)
-            row_keep = row_keep & keep
-            if stats is not None:
-                _add_row_option_stats(stats, batch, opt, s_row, keep)
+            row_keep = row_keep & option_keep(batch, opt, _row_stat(batch, per_token, opt.agg), stats)
     if stats is not None and options:
         kept = batch.n_row * row_keep
         if token_keep is not None:

@@ -40,7 +40,7 @@ from ..correction import compute_rollout_correction
 from ..logratio import LogRatioBatch
 from ..metrics import compute_offpolicy_metrics as _offpolicy_metrics
 from ..metrics import metrics_to_floats
-from ..rejection import _add_row_option_stats, _add_token_option_stats, _within, rejection_keep, rs_metrics
+from ..rejection import option_keep, rejection_keep, rs_metrics
 from ..stats import SufficientStats
 from ..weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
@@ -322,8 +322,7 @@ def compute_rs_metrics(
             statistic = torch.where(batch.row_valid, statistic, 0.0)
         stats = SufficientStats()
         batch.add_counts(stats)
-        record = _add_token_option_stats if agg == "token" else _add_row_option_stats
-        record(stats, batch, opt, statistic, _within(statistic, opt))
+        option_keep(batch, opt, statistic, stats)
         for name in ("rs.masked", "rs.seq_masked"):  # chain-level totals, not reported here
             stats.add_sum(name, torch.zeros(()))
         out = metrics_to_floats(rs_metrics(stats, (opt,)))
