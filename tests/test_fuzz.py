@@ -31,6 +31,7 @@ from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, compute
 from rollout_correction.advantages import group_advantages
 from rollout_correction.alignment import alignment_metrics, alignment_statistics
 from rollout_correction.staleness import compute_staleness_policy_loss
+from rollout_correction.supports import renormalized_log_probs
 
 try:  # log-ratios of magnitude ≥ this are treated as non-finite by the core
     from rollout_correction.logratio import NONFINITE_SENTINEL
@@ -293,6 +294,39 @@ def check_staleness_loss(data):
     assert bool((log_prob.grad[mask == 0] == 0).all()), "gradient at a masked position"
 
 
+def check_supports(data):
+    B, T, V = data.draw(st.integers(0, 3)), data.draw(st.integers(1, 4)), data.draw(st.integers(1, 9))
+    dtype = data.draw(st.sampled_from(DTYPES))
+    logit = st.one_of(st.floats(-20, 20), st.sampled_from([0.0, -1e4, 1e4, -math.inf, math.inf, math.nan]))
+    with np.errstate(over="ignore"):
+        logits = torch.from_numpy(data.draw(hnp.arrays(np.float64, (B, T, V), elements=logit))).to(dtype)
+    tokens = torch.from_numpy(data.draw(hnp.arrays(np.int64, (B, T), elements=st.integers(0, V - 1))))
+    mask = torch.from_numpy(data.draw(hnp.arrays(np.bool_, (B, T))))
+    settings_ = dict(temperature=data.draw(st.sampled_from([1.0, 0.7, 1e-3, 5.0])),
+                     top_k=data.draw(st.sampled_from([None, -1, 1, 2, 5, 100])),
+                     top_p=data.draw(st.sampled_from([None, 1.0, 0.9, 0.5, 1e-6])),
+                     min_p=data.draw(st.sampled_from([None, 0.0, 0.05, 0.5, 1.0])),
+                     order=data.draw(st.sampled_from(["vllm", "hf", "sglang"])))
+    if data.draw(st.booleans()):
+        kept = torch.from_numpy(data.draw(hnp.arrays(np.bool_, (B, T, V))))
+        settings_ = dict(kept_mask=kept, temperature=settings_["temperature"])
+    out = renormalized_log_probs(logits, tokens, response_mask=mask, **settings_)
+    z = logits.float()
+    broken = (torch.isnan(z) | (z == math.inf)).any(-1) | (z == -math.inf).all(-1)
+    y_logit = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    impossible = ~broken & (y_logit == -math.inf)
+    fine = mask & ~broken & ~impossible
+    for name, x in (("log_prob", out.log_prob), ("full_log_prob", out.full_log_prob)):
+        _finite(name, x[fine])
+        assert bool((x[fine] <= 1e-5).all()), f"{name} above 0"
+        assert bool((x[mask & impossible] == -math.inf).all())
+        assert bool(torch.isnan(x[mask & broken]).all())
+        assert bool((x[~mask] == 0).all())
+    assert bool((out.log_prob[fine] >= out.full_log_prob[fine] - 1e-5).all()), "renormalising lowered a log-prob"
+    kept_mass = out.kept_log_mass[fine]
+    assert bool((kept_mass <= 1e-5).all()) and not bool(torch.isnan(kept_mass).any())
+
+
 PROPERTIES = {
     "correction": check_correction,
     "offpolicy_metrics": check_offpolicy_metrics,
@@ -301,6 +335,7 @@ PROPERTIES = {
     "group_advantages": check_group_advantages,
     "alignment_statistics": check_alignment_statistics,
     "staleness_loss": check_staleness_loss,
+    "supports": check_supports,
 }
 
 
