@@ -92,5 +92,5 @@ def test_example_quick_form_end_to_end(tmp_path):
     assert "rollout_corr/rollout_is_mean" in variants["decoupled_is_rs"]["last_correction_metrics_seed0"]
     report = (tmp_path / "report.md").read_text()
     assert "| `bypass_rs` |" in report and "What the numbers show" in report
-    for png in ("reward.png", "gap_per_step.png", "rejection.png"):
+    for png in ("reward.png", "gap_per_step.png", "mismatch.png"):
         assert (tmp_path / png).stat().st_size > 1000

@@ -17,7 +17,7 @@ same seeds:
                    (per-step step_correction inside the loss)
 
 Outputs in ``--out``: ``summary.json``, ``report.md``, ``reward.png``, ``gap_per_step.png``,
-``rejection.png``, and a table on the console.
+``mismatch.png``, and a table on the console.
 """
 
 from __future__ import annotations
@@ -235,6 +235,13 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
     return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0)
 
 
+def mean_curves(histories: dict[str, list[dict]]) -> dict[str, dict[str, list[float]]]:
+    """Per variant, the per-iteration training reward, window gap and rejected fraction (mean over seeds)."""
+    return {name: {key: [statistics.fmean(r[key][i] for r in runs) for i in range(len(runs[0][key]))]
+                   for key in ("reward", "gap", "rejected")}
+            for name, runs in histories.items()}
+
+
 def verdict(summary: dict[str, Any]) -> list[str]:
     """Plain statements read off the numbers: means ± standard errors over seeds, no more."""
     lines = []
@@ -311,16 +318,24 @@ def write_plots(histories: dict[str, list[dict]], summary: dict[str, Any], out: 
         ax.plot(steps, [s["logprob_abs_diff_per_step"][str(k)] for k in steps], marker="o", label=name)
     ax.set(title="engine gap per denoising step", xlabel="denoising step index (0 = pure noise)",
            ylabel="mean |log π_fp32 − log π_rollout|")
+    if any(v > 0 for s in summary.values() for v in s["logprob_abs_diff_per_step"].values()):
+        ax.set_yscale("log")
     ax.legend(fontsize=8)
     files.append(_save(fig, out, "gap_per_step.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, runs in histories.items():
         n = len(runs[0]["rejected"])
-        ax.plot(range(1, n + 1), [statistics.fmean(r["rejected"][i] for r in runs) for i in range(n)], label=name)
-    ax.set(title="fraction of SDE-step elements rejected", xlabel="iteration", ylabel="rejected fraction")
-    ax.legend(fontsize=8)
-    files.append(_save(fig, out, "rejection.png"))
+        its = range(1, n + 1)
+        if name != "fp32_reference":
+            axes[0].plot(its, [statistics.fmean(r["gap"][i] for r in runs) for i in range(n)], label=name)
+        axes[1].plot(its, [statistics.fmean(r["rejected"][i] for r in runs) for i in range(n)], label=name)
+    axes[0].set(title="engine gap during training", xlabel="iteration", ylabel="mean |Δ log π| over the window")
+    if axes[0].lines and any(min(line.get_ydata()) > 0 for line in axes[0].lines):
+        axes[0].set_yscale("log")
+    axes[1].set(title="fraction of SDE-step elements rejected", xlabel="iteration", ylabel="rejected fraction")
+    axes[1].legend(fontsize=8)
+    files.append(_save(fig, out, "mismatch.png"))
     return files
 
 
@@ -419,7 +434,7 @@ def run_example(cfg: ExampleConfig, *, verbose: bool = True) -> dict[str, Any]:
                "pretrained_eval": evaluate(base, target, cfg, 0),
                "pretrained_eval_engine_precision": evaluate(base, target, cfg, 0, cfg.precision),
                "variants": summary,
-               "verdict": verdict(summary), "wall_seconds": wall}
+               "verdict": verdict(summary), "curves": mean_curves(histories), "wall_seconds": wall}
     (out / "summary.json").write_text(json.dumps(payload, indent=2, allow_nan=False))
     if verbose:
         print_table(summary)
