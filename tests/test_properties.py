@@ -3,6 +3,7 @@ options, reciprocal-bound symmetry, the REINFORCE gradient, and chunk-independen
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -192,8 +193,6 @@ def test_chunked_accumulation_equals_one_call(batch, cfg, data):
 
 
 def _approx(v):
-    import pytest
-
     return pytest.approx(v, rel=1e-6, abs=1e-9)
 
 
@@ -207,3 +206,23 @@ def test_every_preset_gives_finite_outputs(batch, preset):
     if out.weights is not None:
         assert torch.isfinite(out.weights).all() and (out.weights >= 0).all()
         assert torch.all(out.weights[~mask] == 0)
+
+
+@pytest.mark.slow
+def test_compiled_pass_equals_eager():
+    # torch.compile of the per-token pass (compute_rollout_correction(..., compile=True)) must give
+    # the eager results; compilation takes tens of seconds on CPU, hence the slow marker.
+    cfg = RolloutCorrectionConfig.decoupled_seq_is_rs().replace(
+        rollout_is_batch_normalize=True, rollout_token_veto_threshold=0.5)
+    for seed, (B, T) in enumerate([(4, 7), (3, 7), (5, 2)]):
+        g = torch.Generator().manual_seed(seed)
+        rollout = -torch.rand(B, T, generator=g) * 3
+        old = rollout + torch.randn(B, T, generator=g) * 0.3
+        mask = torch.rand(B, T, generator=g) > 0.2
+        old[0, 0] = float("nan")  # one non-finite row
+        fast = compute_rollout_correction(old, rollout, mask, cfg, compile=True)
+        eager = compute_rollout_correction(old, rollout, mask, cfg)
+        assert torch.equal(fast.response_mask, eager.response_mask)
+        torch.testing.assert_close(fast.weights, eager.weights, rtol=1e-6, atol=1e-7)
+        # fp32 kernels fused differently: chi2_token = mean(ρ²) − 1 differs by ~1e-7 absolute.
+        assert fast.metrics_as_floats() == pytest.approx(eager.metrics_as_floats(), rel=1e-5, abs=1e-6)
