@@ -161,3 +161,60 @@ def test_loss_guards():
     loss.backward()
     assert loss.item() == 0.0 and lp.grad.abs().max() == 0
     assert all(torch.isfinite(v) for v in metrics.values())
+
+
+# --- split across ranks: the same numbers as one process on the whole batch ---------------------
+
+def _split_batch():
+    g = torch.Generator().manual_seed(5)
+    old = -torch.rand(7, 6, generator=g) * 3
+    roll = old + 0.2 * torch.randn(7, 6, generator=g)
+    mask = (torch.rand(7, 6, generator=g) < 0.8).long()
+    mask[3] = 0
+    versions = torch.randint(0, 6, (7, 6), generator=g)
+    return old, roll, mask, versions
+
+
+def _split_worker(rank, world_size, port, result_dir):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from rollout_correction.alignment import check_alignment
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        old, roll, mask, versions = _split_batch()
+        lo, hi = [(0, 2), (2, 7)][rank]
+        part = (old[lo:hi], roll[lo:hi], mask[lo:hi])
+        m = staleness_metrics(*part, versions[lo:hi], 5, process_group=dist.group.WORLD)
+        rep = check_alignment(*part, process_group=dist.group.WORLD, warn=False)
+        torch.save(({k: float(v) for k, v in m.items()}, rep), os.path.join(result_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_metrics_split_across_ranks_equal_the_whole_batch(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from rollout_correction.alignment import check_alignment
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_split_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    old, roll, mask, versions = _split_batch()
+    whole = {k: float(v) for k, v in staleness_metrics(old, roll, mask, versions, 5).items()}
+    whole_rep = check_alignment(old, roll, mask, warn=False)
+    for rank in range(2):
+        got, rep = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert set(got) == set(whole)
+        for k in whole:
+            assert got[k] == pytest.approx(whole[k], rel=1e-5, abs=1e-7), k
+        assert rep.n_pairs == whole_rep.n_pairs
+        assert rep.aligned_mae == pytest.approx(whole_rep.aligned_mae, rel=1e-9)
