@@ -207,8 +207,6 @@ def test_half_precision_policy_loss_matches_fp32(dtype):
 
 
 # ---------------------------------------------------------------------------- mask values
-@pytest.mark.xfail(strict=True, reason="core: mask values other than 0/1 scale the log-ratio "
-                   "(.notes/core-tests.md #2)")
 @pytest.mark.parametrize("bad", [2.0, 0.5, -1.0, NAN])
 def test_mask_values_other_than_zero_one_are_refused_or_mean_valid(bad):
     # Either a clear error naming response_mask, or "non-zero means valid" — never weights of
