@@ -3,7 +3,8 @@
 Writes a ragged Parquet file of ``--tokens`` response tokens (default 10M; response lengths
 uniform in [1, 2·mean]; trainer log-probs = rollout log-probs + N(0, 0.03²) noise, a few
 outlier tokens) in row groups, then runs the command on it ``--repeats`` times in a fresh
-process and prints the median wall-clock time (import, read, all presets' what-if, report).
+process and prints the median wall-clock time (import, read, all presets' what-if, report), the
+CPU time of the process (less sensitive to other load on the machine) and the load average.
 
     python benchmarks/bench_diagnose.py                 # 10M tokens, 3 runs
     python benchmarks/bench_diagnose.py --tokens 2e6 --repeats 1 --format jsonl
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -83,18 +85,23 @@ def main() -> None:
           f"in {time.perf_counter() - t0:.1f} s → {path}")
     cmd = [sys.executable, "-m", "rollout_correction.cli", "diagnose", path, "--out", os.path.join(tmp, "report"),
            "--threads", str(args.threads), "--quiet"]
-    times = []
+    times, cpu = [], []
     for _ in range(args.repeats):
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
         times.append(time.perf_counter() - t0)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
     summary = json.load(open(os.path.join(tmp, "report", "summary.json")))
     inner = summary["input"]["elapsed_seconds"]
     med = statistics.median(times)
     print(f"diagnose: median {med:.1f} s over {args.repeats} run(s) (all {len(summary['what_if'])} presets, "
           f"report included; read + statistics {inner:.1f} s), {tokens / med / 1e6:.2f} M tokens/s, "
           f"torch threads {args.threads}")
-    print(f"runs: {', '.join(f'{t:.1f}' for t in times)} s; recommended preset: {summary['recommended_preset']}")
+    print(f"runs: {', '.join(f'{t:.1f}' for t in times)} s wall; CPU time (user + sys) median "
+          f"{statistics.median(cpu):.1f} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+          f"recommended preset: {summary['recommended_preset']}")
 
 
 if __name__ == "__main__":

@@ -426,3 +426,23 @@ def test_keyed_sums_grow_and_rebin():
     e = key_bin_edges(1000, n_bins=48)
     assert e[0] == 0 and e[-1] == 1001 and np.all(np.diff(e) > 0) and e.size <= 50
     np.testing.assert_array_equal(key_bin_edges(5), np.arange(7))
+
+
+def test_adaptive_linear_histogram_matches_numpy_and_counts_the_outside():
+    from rollout_correction.diagnose.histograms import AdaptiveLinearHistogram
+
+    g = torch.Generator().manual_seed(1)
+    warm = 0.01 * torch.randn(500, generator=g, dtype=torch.float64)
+    later = torch.cat([0.01 * torch.randn(2000, generator=g, dtype=torch.float64), torch.tensor([5.0, -7.0, 1.0])])
+    h = AdaptiveLinearHistogram(bins=31, warmup=400)
+    h.update(warm)  # fixes the range from these values
+    h.update(later.float())
+    h.finish()
+    e = h.hist.edges
+    a = 2.0 * max(abs(float(torch.quantile(warm, 0.005))), abs(float(torch.quantile(warm, 0.995))))
+    assert e[0] == pytest.approx(-a) and e[-1] == pytest.approx(a) and e.size == 32
+    x = np.concatenate([warm.numpy(), later.float().double().numpy()])
+    inside = x[(x >= e[0]) & (x < e[-1])]
+    np.testing.assert_array_equal(h.hist.counts, np.histogram(inside, bins=e)[0])
+    assert h.underflow == np.sum(x < e[0]) >= 1 and h.overflow == np.sum(x >= e[-1]) >= 2
+    assert h.total == x.size

@@ -38,18 +38,23 @@ class Histogram:
             raise ValueError("edges must be a strictly increasing 1-D array of at least 2 values")
         self.edges = edges
         self._edges_t = torch.as_tensor(edges, dtype=torch.float64)
+        self._edges_f32 = self._edges_t.float() if np.all(np.diff(edges.astype(np.float32)) > 0) else None
         self.counts = np.zeros(edges.size - 1, dtype=np.int64)
         self.underflow = 0
         self.overflow = 0
 
     def update(self, values: torch.Tensor) -> None:
-        """values: 1-D tensor of finite numbers."""
-        v = values.reshape(-1).to(torch.float64)
+        """values: tensor of finite numbers (float32 values are binned against float32 edges)."""
+        v = values.reshape(-1)
         if v.numel() == 0:
             return
         if not torch.isfinite(v).all():
             raise ValueError("histogram values must be finite")
-        idx = torch.bucketize(v, self._edges_t, right=True) - 1
+        if v.dtype == torch.float32 and self._edges_f32 is not None:
+            edges = self._edges_f32
+        else:
+            v, edges = v.to(torch.float64), self._edges_t
+        idx = torch.bucketize(v, edges, right=True) - 1
         self.underflow += int((idx < 0).sum())
         self.overflow += int((idx >= self.counts.size).sum())
         idx = idx.clamp_(0, self.counts.size - 1)
@@ -91,10 +96,16 @@ class AdaptiveLinearHistogram:
 
     def _add(self, v: torch.Tensor) -> None:
         e = self.hist.edges
-        self.underflow += int((v < e[0]).sum())
-        self.overflow += int((v >= e[-1]).sum())
-        inside = v[(v >= e[0]) & (v < e[-1])]
-        self.hist.update(inside)
+        v = v.to(torch.float64)
+        under = int((v < e[0]).sum())
+        over = int((v >= e[-1]).sum())
+        self.underflow += under
+        self.overflow += over
+        # equal-width bins: torch.histc, which ignores values outside [e0, e_last] and puts
+        # x = e_last in the last bin (so subtract those, counted as overflow above)
+        counts = torch.histc(v, bins=self.bins, min=float(e[0]), max=float(e[-1])).to(torch.int64)
+        counts[-1] -= int((v == e[-1]).sum())
+        self.hist.counts += counts.numpy()
 
     def update(self, values: torch.Tensor) -> None:
         v = values.reshape(-1).to(torch.float64)

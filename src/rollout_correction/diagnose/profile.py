@@ -290,8 +290,8 @@ class MismatchProfile:
         # token level
         valid_lr64 = valid_lr.to(f64)
         self.levels["token"].update(valid_lr64)
-        self.histograms["token"].update(valid_lr64.clamp(LOG_RATIO_EDGES[0], LOG_RATIO_EDGES[-1]))
-        self.linear["token"].update(valid_lr64)
+        self.histograms["token"].update(valid_lr.clamp(LOG_RATIO_EDGES[0], LOG_RATIO_EDGES[-1]))
+        self.linear["token"].update(valid_lr)
         # sequence / geometric level (rows with ≥ 1 valid token)
         L = lengths[has].to(f64)
         s = lr.sum(dim=1, dtype=f64)[has]

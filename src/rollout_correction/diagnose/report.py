@@ -20,7 +20,6 @@ from .diagnosis import Diagnosis
 from .profile import HEALTHY_BAND, VETO_THRESHOLD
 
 P = "rollout_corr/"
-_VERDICT_MARK = {"ok": "✅ ok", "warn": "⚠️ warn", "fail": "❌ fail"}
 
 #: One-line meaning of each off-policy metric (π_train = the trainer's log-probs column).
 METRIC_HELP = {
@@ -139,13 +138,14 @@ def build_blocks(diag: Diagnosis, figures: list[str]) -> list[tuple]:
 
     blocks.append(("h2", "Health checks"))
     blocks.append(("table", ["check", "value", "healthy", "verdict", "meaning"],
-                   [[ch.name, ch.value, ch.threshold, _VERDICT_MARK[ch.verdict], ch.detail] for ch in diag.health]))
+                   [[ch.name, ch.value, ch.threshold, ch.verdict, ch.detail] for ch in diag.health]))
 
     captions = {
-        "diagnose_log_ratio.png": "Distribution of the per-token log-ratio log ρ = log π_train − log π_rollout "
-                                  "(symmetric-log axis, linear inside ±1e-4).",
-        "diagnose_weights.png": "Raw importance weights at token, sequence and geometric level (log scale, "
-                                "safety bound ±20), with the [0.5, 2] band.",
+        "diagnose_log_ratio.png": "Per-token log-ratio log ρ = log π_train − log π_rollout: the bulk on a linear "
+                                  "axis (left) and the tails on a symmetric-log axis (right; each side shows "
+                                  "|log ρ| in decades).",
+        "diagnose_weights.png": "Raw importance weights at token, sequence and geometric level: histograms of "
+                                "log w (0 means w = 1; dashed lines: the [0.5, 2] band when in range).",
         "diagnose_position.png": "Mismatch by token position (grey: number of tokens at that position).",
         "diagnose_length.png": "Mismatch by response length: per-token KL (left) and the sequence weight "
                                "(right).",
@@ -213,6 +213,7 @@ def _md_cell(x) -> str:
 
 
 def render_markdown(blocks: list[tuple]) -> str:
+    """Markdown; in a table with a "verdict" column, ``warn`` / ``fail`` are set in bold."""
     out: list[str] = []
     for b in blocks:
         kind = b[0]
@@ -226,7 +227,12 @@ def render_markdown(blocks: list[tuple]) -> str:
             header, rows = b[1], b[2]
             out.append("| " + " | ".join(header) + " |")
             out.append("|" + "|".join("---" for _ in header) + "|")
-            out.extend("| " + " | ".join(_md_cell(x) for x in r) + " |" for r in rows)
+            vcol = header.index("verdict") if "verdict" in header else -1
+            for r in rows:
+                cells = [_md_cell(x) for x in r]
+                if vcol >= 0 and r[vcol] != "ok":
+                    cells[vcol] = f"**{r[vcol].upper()}**"
+                out.append("| " + " | ".join(cells) + " |")
             out.append("")
         elif kind == "img":
             out.append(f"![{b[2]}]({b[1]})\n\n*{b[2]}*\n")
@@ -254,6 +260,7 @@ th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f3f6f9}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.warn td{background:#fff6e0} tr.fail td{background:#fde8e8}
+td.v-ok{color:#2a7d2a;font-weight:600} td.v-warn{color:#b36b00;font-weight:700} td.v-fail{color:#c62828;font-weight:700}
 code{background:#f3f3f3;padding:0 3px;border-radius:3px}
 figure{margin:.8em 0} figure img{max-width:100%} figcaption{font-size:.85em;color:#555}
 .rec{background:#eef6ee;border-left:4px solid #2ca02c;padding:8px 12px}
@@ -277,13 +284,18 @@ def render_html(blocks: list[tuple], images: dict[str, bytes]) -> str:
             header, rows = b[1], b[2]
             out.append("<table><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header)
                        + "</tr></thead><tbody>")
+            vcol = header.index("verdict") if "verdict" in header else -1
             for r in rows:
-                verdict = next((v for v in ("warn", "fail") if any(isinstance(x, str) and x.endswith(v) for x in r)),
-                               "")
-                cells = "".join(
-                    f"<td class='num'>{html.escape(_fmt(x))}</td>" if isinstance(x, (int, float, np.number))
-                    and not isinstance(x, bool) else f"<td>{_inline(_fmt(x))}</td>" for x in r)
-                out.append(f"<tr class='{verdict}'>{cells}</tr>")
+                verdict = r[vcol] if vcol >= 0 else ""
+                cells = []
+                for j, x in enumerate(r):
+                    if j == vcol:
+                        cells.append(f"<td class='v-{html.escape(x)}'>{html.escape(x)}</td>")
+                    elif isinstance(x, (int, float, np.number)) and not isinstance(x, bool):
+                        cells.append(f"<td class='num'>{html.escape(_fmt(x))}</td>")
+                    else:
+                        cells.append(f"<td>{_inline(_fmt(x))}</td>")
+                out.append(f"<tr class='{verdict}'>{''.join(cells)}</tr>")
             out.append("</tbody></table>")
         elif kind == "img":
             data = base64.b64encode(images[b[1]]).decode("ascii")
