@@ -226,3 +226,69 @@ def test_compiled_pass_equals_eager():
         torch.testing.assert_close(fast.weights, eager.weights, rtol=1e-6, atol=1e-7)
         # fp32 kernels fused differently: chi2_token = mean(ρ²) − 1 differs by ~1e-7 absolute.
         assert fast.metrics_as_floats() == pytest.approx(eager.metrics_as_floats(), rel=1e-5, abs=1e-6)
+
+
+def _direct_weights_and_keep(lr_rows, cfg):
+    """Weights and keep masks from the definitions, one Python float at a time (no tensors)."""
+    spec = cfg.is_spec
+
+    def bound(w):
+        if spec.mode == "truncate":
+            return min(w, spec.upper)
+        if spec.mode == "clip":
+            return min(max(w, spec.lower), spec.upper)
+        return w if spec.lower <= w <= spec.upper else 0.0
+
+    def k(est, x):
+        x = max(-20.0, min(20.0, x))
+        return {"k1": -x, "k2": 0.5 * x * x, "k3": math.expm1(x) - x}[est]
+
+    def accepts(opt, s):
+        return (opt.stat_lower is None or s >= opt.stat_lower) and s <= opt.stat_upper
+
+    weights, keep, near = [], [], []
+    for xs in lr_rows:  # xs: log ρ of the row's valid tokens, in order
+        n = len(xs)
+        if spec is None:
+            w = None
+        elif spec.level == "token":
+            w = [bound(math.exp(max(-20.0, min(20.0, x)))) for x in xs]
+        else:
+            agg = sum(xs) if spec.level == "sequence" else (sum(xs) / n if n else 0.0)
+            w = [bound(math.exp(max(-20.0, min(20.0, agg))))] * n
+        tok = [True] * n
+        row = True
+        for opt in cfg.rs_options:
+            ks = [k(opt.estimator, x) for x in xs]
+            if opt.agg == "token":
+                tok = [t and accepts(opt, s) for t, s in zip(tok, ks)]
+                stats = ks
+            else:
+                s = {"seq_sum": sum(ks), "seq_mean": sum(ks) / max(n, 1), "seq_max": max(ks, default=0.0)}[opt.agg]
+                row = row and accepts(opt, s)
+                stats = [s]
+            bounds = [b for b in (opt.stat_lower, opt.stat_upper) if b is not None and math.isfinite(b)]
+            near += [abs(s - b) < 1e-4 * (1 + abs(b)) for s in stats for b in bounds]
+        if cfg.rollout_token_veto_threshold is not None:
+            row = row and not any(x < math.log(cfg.rollout_token_veto_threshold) for x in xs)
+        weights.append(w)
+        keep.append([t and row for t in tok])
+    return weights, keep, any(near)
+
+
+@FAST
+@given(batches(), any_config())
+def test_weights_and_mask_match_a_direct_evaluation_of_the_definitions(batch, cfg):
+    old, rollout, mask = batch
+    cfg = cfg.replace(rollout_is_batch_normalize=False)
+    out = compute_rollout_correction(old, rollout, mask, cfg)
+    lr = (old - rollout).tolist()  # the fp32 log-ratio the library also starts from
+    rows = [[x for x, m in zip(r, mr) if m] for r, mr in zip(lr, mask.tolist())]
+    weights, keep, near_boundary = _direct_weights_and_keep(rows, cfg)
+    for i, mr in enumerate(mask.tolist()):
+        cols = [t for t, m in enumerate(mr) if m]
+        if weights[i] is not None:
+            got = [out.weights[i, t].item() for t in cols]
+            assert got == pytest.approx(weights[i], rel=5e-5, abs=1e-12), i
+        if not near_boundary:  # a float32-vs-float64 tie at a bound may go either way
+            assert [bool(out.response_mask[i, t]) for t in cols] == keep[i], i
