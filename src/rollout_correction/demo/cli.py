@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, from: {', '.join(METHODS)}")
     parser.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--out", default="demo-report", help="report folder (default: demo-report)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse runs already saved in <out>/runs/ with the same settings")
     parser.add_argument("--no-progress", action="store_true", help="do not draw progress bars")
     parser.add_argument("--list-methods", action="store_true", help="print the methods and exit")
     for name, (typ, text) in _FLAGS.items():
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                   f"({len(cfg.methods)} methods × {len(cfg.seeds)} seeds), {cfg.steps} GRPO steps each, "
                   f"engine {cfg.precision}/{cfg.quant}/lag {cfg.lag}, {cfg.workers} worker(s)")
     t0 = time.perf_counter()
-    raw = run_experiment(cfg, show_progress=not args.no_progress)
+    raw = run_experiment(cfg, show_progress=not args.no_progress, resume=args.resume)
     summary = write_report(cfg, raw, Path(cfg.out), command)
     print_table(summary, console)
     console.print(f"report: {Path(cfg.out) / 'report.md'}  ({time.perf_counter() - t0:.0f} s)")

@@ -61,6 +61,7 @@ def summarize_run(r: dict, sft_reward: float) -> dict:
         "final_grad_norm": _tenth(r["history"]["grad_norm"], last=True),
         "collapsed": bool(trainer[-1] < COLLAPSE_FRACTION * best),
         "seconds": r["seconds"],
+        "cpu_seconds": r.get("cpu_seconds", float("nan")),
     }
 
 
@@ -271,7 +272,9 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
         _scenario_line(cfg) + ".", "",
         f"Command: `{command}`", "",
         f"Wall time {summary['seconds']['total']:.0f} s (SFT {summary['seconds']['sft']:.0f} s), "
-        f"{cfg.workers} worker(s) × {cfg.threads} thread(s). SFT exact match per seed: "
+        f"{cfg.workers} worker(s) × {cfg.threads} thread(s); CPU time per GRPO run "
+        f"{_mean([r['cpu_seconds'] for r in summary['runs']]):.0f} s on average (wall time depends on what else "
+        "runs on the machine). SFT exact match per seed: "
         + ", ".join(f"{k}: {v:.2f}" for k, v in summary["sft_reward"].items()) + ".", "",
         "Rewards are greedy exact match on a fixed set of "
         f"{cfg.eval_prompts} held-out prompts, mean ± std over seeds; *trainer* is the fp32 policy being "

@@ -8,10 +8,12 @@ draw the progress bars.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import queue as queue_lib
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 from rollout_correction.demo.config import METHODS, DemoConfig
 from rollout_correction.demo.task import Task
@@ -33,16 +35,50 @@ def _train_job(cfg: DemoConfig, method: str, seed: int, sft_state, q) -> dict:
     return train(cfg, method, seed, sft_state, progress=progress).to_dict()
 
 
-def run_experiment(cfg: DemoConfig, show_progress: bool = True) -> dict:
-    """SFT per seed, then every method × seed; returns the raw results and timings."""
+# Settings that do not change a run's result (they may differ when resuming).
+_NOT_RESULT = ("scenario", "methods", "seeds", "workers", "threads", "out")
+
+
+def _run_key(cfg: DemoConfig) -> dict:
+    return {k: v for k, v in cfg.to_dict().items() if k not in _NOT_RESULT}
+
+
+def _run_path(cfg: DemoConfig, method: str, seed: int) -> Path:
+    return Path(cfg.out) / "runs" / f"{method}-seed{seed}.json"
+
+
+def _save_run(cfg: DemoConfig, result: dict) -> None:
+    """Keep each finished run in ``<out>/runs/`` so a long experiment is never lost."""
+    path = _run_path(cfg, result["method"], result["seed"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**result, "settings": _run_key(cfg)}))
+
+
+def _load_run(cfg: DemoConfig, method: str, seed: int) -> dict | None:
+    """A saved run with exactly these settings, or None."""
+    path = _run_path(cfg, method, seed)
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data if data.get("settings") == _run_key(cfg) else None
+
+
+def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = False) -> dict:
+    """SFT per seed, then every method × seed; returns the raw results and timings.
+
+    With ``resume``, runs already saved in ``<out>/runs/`` with the same settings are reused.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     t0 = time.perf_counter()
     jobs = [(m, s) for s in cfg.seeds for m in cfg.methods]
+    done = {(m, s): r for m, s in jobs if resume and (r := _load_run(cfg, m, s)) is not None}
     columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=not show_progress, transient=False) as bars:
         sft_bar = bars.add_task("SFT warm start (per seed)", total=len(cfg.seeds))
-        run_bars = {(m, s): bars.add_task(f"{METHODS[m].label} · seed {s}", total=cfg.steps) for m, s in jobs}
+        run_bars = {(m, s): bars.add_task(f"{METHODS[m].label} · seed {s}", total=cfg.steps,
+                                          completed=cfg.steps if (m, s) in done else 0) for m, s in jobs}
+        todo = [j for j in jobs if j not in done]
 
         if cfg.workers == 1:
             setup_torch(cfg.threads)
@@ -51,10 +87,11 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True) -> dict:
                 sft_out[seed] = sft(cfg, seed, Task(cfg.task, cfg.digits, cfg.reward))
                 bars.advance(sft_bar)
             t_sft = time.perf_counter() - t0
-            results = []
-            for m, s in jobs:
+            results = list(done.values())
+            for m, s in todo:
                 r = train(cfg, m, s, sft_out[s][0], progress=lambda n, key=(m, s): bars.advance(run_bars[key], n))
                 results.append(r.to_dict())
+                _save_run(cfg, results[-1])
         else:
             ctx = mp.get_context("spawn")
             with ctx.Manager() as manager, ProcessPoolExecutor(
@@ -67,13 +104,20 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True) -> dict:
                     bars.advance(sft_bar)
                 t_sft = time.perf_counter() - t0
                 q = manager.Queue()
-                futures = [pool.submit(_train_job, cfg, m, s, sft_out[s][0], q) for m, s in jobs]
-                while not all(f.done() for f in futures):
+                futures = [pool.submit(_train_job, cfg, m, s, sft_out[s][0], q) for m, s in todo]
+                pending = set(futures)
+                while pending:
                     _drain(q, bars, run_bars, timeout=0.2)
+                    for f in [f for f in pending if f.done()]:
+                        pending.discard(f)
+                        _save_run(cfg, f.result())
                 _drain(q, bars, run_bars, timeout=0.0)
-                results = [f.result() for f in futures]
+                results = list(done.values()) + [f.result() for f in futures]
+    order = {j: i for i, j in enumerate(jobs)}
+    results.sort(key=lambda r: order[(r["method"], r["seed"])])
     return {
         "results": results,
+        "resumed": len(done),
         "sft_reward": {s: sft_out[s][1] for s in cfg.seeds},
         "seconds": {"total": time.perf_counter() - t0, "sft": t_sft},
     }

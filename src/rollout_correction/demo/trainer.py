@@ -132,17 +132,18 @@ class RunResult:
     seed: int
     history: dict[str, list[float]] = field(default_factory=dict)   # per GRPO step
     evals: dict[str, list[float]] = field(default_factory=dict)     # per evaluation
-    seconds: float = 0.0
+    seconds: float = 0.0       # wall clock
+    cpu_seconds: float = 0.0   # CPU time of this process (the machine may be shared)
 
     def to_dict(self) -> dict:
         return {"method": self.method, "seed": self.seed, "history": self.history, "evals": self.evals,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "cpu_seconds": self.cpu_seconds}
 
 
 def train(cfg: DemoConfig, method_name: str, seed: int, sft_state: dict[str, torch.Tensor],
           progress=None) -> RunResult:
     """GRPO from the SFT weights with ``method_name``; ``progress(n)`` is called once per step."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     method = METHODS[method_name]
     task = Task(cfg.task, cfg.digits, cfg.reward)
     torch.manual_seed(seed)
@@ -176,6 +177,7 @@ def train(cfg: DemoConfig, method_name: str, seed: int, sft_state: dict[str, tor
         if progress is not None:
             progress(1)
     result.seconds = time.perf_counter() - t0
+    result.cpu_seconds = time.process_time() - c0
     return result
 
 
