@@ -446,3 +446,44 @@ def test_adaptive_linear_histogram_matches_numpy_and_counts_the_outside():
     np.testing.assert_array_equal(h.hist.counts, np.histogram(inside, bins=e)[0])
     assert h.underflow == np.sum(x < e[0]) >= 1 and h.overflow == np.sum(x >= e[-1]) >= 2
     assert h.total == x.size
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_blocking_of_rows_does_not_change_any_number(uniform):
+    from rollout_correction.diagnose.profile import MismatchProfile
+    from rollout_correction.diagnose.readers import Chunk
+
+    rows = make_rows(n=150, t_max=40, seed=6, noise=0.1)
+    if uniform:
+        rows["lengths"][:] = 40
+        rows["old"] = [np.resize(o, 40) if o.size else np.full(40, -1.0, np.float32) for o in rows["old"]]
+        rows["roll"] = [np.resize(r, 40) if r.size else np.full(40, -1.0, np.float32) for r in rows["roll"]]
+        rows["ids"] = [np.resize(i, 40) if i.size else np.zeros(40, np.int64) for i in rows["ids"]]
+    old, roll, mask, ids = padded(rows)
+    chunk = Chunk(old, roll, mask.astype(bool), rows["rewards"], rows["versions"], ids)
+    presets = ["decoupled_seq_is_rs", "decoupled_k3_rs_token_tis"]
+    whole = MismatchProfile(presets, max_block_elements=10 ** 9)
+    whole.update(chunk)
+    split = MismatchProfile(presets, max_block_elements=200)  # a few rows per block
+    split.update(chunk)
+    a, b = whole.result(), split.result()
+    for k, v in a.metrics.items():
+        assert b.metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    for wa, wb in zip(a.what_if, b.what_if):
+        for k, v in wa["metrics"].items():
+            assert wb["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), (wa["preset"], k)
+        assert wb["ess"] == pytest.approx(wa["ess"], rel=1e-9)
+    for level in ("token", "sequence", "geometric"):
+        for k, v in a.levels[level].items():
+            assert b.levels[level][k] == pytest.approx(v, rel=1e-9, abs=1e-12), (level, k)
+        np.testing.assert_array_equal(a.histograms[level].counts, b.histograms[level].counts)
+    n = int(rows["lengths"].max()) + 1  # the keyed arrays grow in steps; compare the used part
+    np.testing.assert_allclose(b.position.sums["abs_log_ratio"][:n], a.position.sums["abs_log_ratio"][:n],
+                               rtol=1e-12)
+    np.testing.assert_array_equal(b.length.count[:n], a.length.count[:n])
+    assert b.length.count[n:].sum() == a.length.count[n:].sum() == 0
+    assert a.version.keys() == b.version.keys()
+    for v, e in a.version.items():
+        assert b.version[v] == pytest.approx(e, rel=1e-12)
+    for k, v in vars(a.counters).items():
+        assert getattr(b.counters, k) == pytest.approx(v, rel=1e-12), k

@@ -194,9 +194,12 @@ class MismatchProfile:
     """Accumulates a :class:`ProfileResult` over chunks of rows.
 
     presets: names for the what-if table (default: every preset of the core); ``[]`` skips it.
+    track_tokens: keep per-token-id sums when the file has token ids.
+    max_block_elements: largest (rows × width) block processed at once (bounds memory).
     """
 
-    def __init__(self, presets: list[str] | None = None, track_tokens: bool = True):
+    def __init__(self, presets: list[str] | None = None, track_tokens: bool = True,
+                 max_block_elements: int = 4_000_000):
         from rollout_correction.config import RolloutCorrectionConfig
         from rollout_correction.metrics import OffPolicyAccumulator
 
@@ -219,6 +222,7 @@ class MismatchProfile:
         self.version: dict[int, dict[str, float]] = {}
         self.token = KeyedSums(("log_ratio", "abs_log_ratio", "k3")) if track_tokens else None
         self.counters = Counters()
+        self.max_block_elements = max_block_elements
         self.alignment = torch.zeros(4, dtype=torch.float64)
         self.linear = {lvl: AdaptiveLinearHistogram() for lvl in LEVELS}
 
@@ -243,18 +247,28 @@ class MismatchProfile:
         return batch
 
     def update(self, chunk: Chunk) -> None:
-        """Adds one chunk. Long and short rows are processed in separate length-sorted blocks, so a
-        few long rows do not pad the whole chunk (no statistic depends on the row order)."""
+        """Adds one chunk (whole rows), in blocks.
+
+        When padding wastes more than 30 % of the chunk, its rows are sorted by length and cut into
+        four groups, so a few long rows do not pad the short ones; any group larger than
+        ``max_block_elements`` (rows × width) is cut further, which bounds the memory of the
+        intermediate (rows, width) tensors. No statistic depends on the order or grouping of rows.
+        """
         lengths = chunk.response_mask.sum(axis=1)
         n = chunk.num_rows
         width = chunk.response_mask.shape[1]
-        if n >= 64 and width and lengths.sum() < 0.7 * n * width:
-            order = np.argsort(lengths, kind="stable")
-            for part in np.array_split(order, 4):
-                top = int(lengths[part].max()) if part.size else 0
-                self._update_block(chunk.take(part, max(top, 1)))
-        else:
+        wasteful = n >= 64 and width > 0 and lengths.sum() < 0.7 * n * width
+        if not wasteful and n * width <= self.max_block_elements:
             self._update_block(chunk)
+            return
+        order = np.argsort(lengths, kind="stable") if wasteful else np.arange(n)
+        for part in np.array_split(order, 4 if wasteful else 1):
+            if part.size == 0:
+                continue
+            top = max(int(lengths[part].max()) if wasteful else width, 1)
+            step = max(1, self.max_block_elements // top)
+            for s in range(0, part.size, step):
+                self._update_block(chunk.take(part[s:s + step], top))
 
     def _update_block(self, chunk: Chunk) -> None:
         c = self.counters

@@ -132,7 +132,8 @@ def build_blocks(diag: Diagnosis, figures: list[str]) -> list[tuple]:
                         f"response tokens · mean length {mean_len:.1f} · longest {c.max_length:,} · "
                         f"diagnosed in {src.get('elapsed_seconds', float('nan')):.1f} s"))
     blocks.append(("h2", "Recommendation"))
-    blocks.append(("p", f"**Recommended preset: `{rec.preset}`** (rule: *{rec.case}*). {rec.reason}."))
+    reason = rec.reason[:1].upper() + rec.reason[1:]
+    blocks.append(("p", f"**Recommended preset: `{rec.preset}`** (rule: *{rec.case}*). {reason}."))
     blocks.append(("p", f"Use it with `RolloutCorrectionConfig.from_preset(\"{rec.preset}\")`. The rule is "
                         "documented in docs/diagnose.md; the what-if table below shows every preset on this data."))
 
@@ -149,7 +150,8 @@ def build_blocks(diag: Diagnosis, figures: list[str]) -> list[tuple]:
         "diagnose_position.png": "Mismatch by token position (grey: number of tokens at that position).",
         "diagnose_length.png": "Mismatch by response length: per-token KL (left) and the sequence weight "
                                "(right).",
-        "diagnose_what_if.png": "What-if: each preset applied to this data (★ = recommended).",
+        "diagnose_what_if.png": "What-if: each distinct correction applied to this data (★ = recommended); the "
+                                "table below lists every preset.",
         "diagnose_version.png": "Mismatch by policy version.",
     }
     blocks.append(("h2", "Figures"))
