@@ -292,3 +292,41 @@ def test_weights_and_mask_match_a_direct_evaluation_of_the_definitions(batch, cf
             assert got == pytest.approx(weights[i], rel=5e-5, abs=1e-12), i
         if not near_boundary:  # a float32-vs-float64 tie at a bound may go either way
             assert [bool(out.response_mask[i, t]) for t in cols] == keep[i], i
+
+
+@FAST
+@given(batches())
+def test_offpolicy_metrics_match_a_direct_evaluation(batch):
+    old, rollout, mask = batch
+    got = {k.split("/", 1)[1]: float(v) for k, v in compute_offpolicy_metrics(old, rollout, mask).items()}
+    rows = [[(o, r) for o, r, m in zip(orow, rrow, mrow) if m]
+            for orow, rrow, mrow in zip(old.tolist(), rollout.tolist(), mask.tolist())]
+    rows = [r for r in rows if r]  # sequences with no valid token do not count
+    if not rows:
+        assert all(v == 0.0 for v in got.values())
+        return
+    c20 = lambda x: max(-20.0, min(20.0, x))  # noqa: E731
+    toks = [o - r for row in rows for o, r in row]
+    mean_o = [sum(o for o, _ in row) / len(row) for row in rows]
+    mean_r = [sum(r for _, r in row) / len(row) for row in rows]
+    d = [mr - mo for mo, mr in zip(mean_o, mean_r)]
+    n, m = len(toks), len(rows)
+    expected = {
+        "training_log_ppl": sum(-x for x in mean_o) / m,
+        "training_ppl": sum(math.exp(min(-x, 700.0)) for x in mean_o) / m,
+        "rollout_log_ppl": sum(-x for x in mean_r) / m,
+        "rollout_ppl": sum(math.exp(min(-x, 700.0)) for x in mean_r) / m,
+        "kl": -sum(toks) / n,
+        "k3_kl": sum(math.expm1(c20(x)) - c20(x) for x in toks) / n,
+        "log_ppl_diff": sum(d) / m,
+        "log_ppl_abs_diff": sum(abs(x) for x in d) / m,
+        "log_ppl_diff_max": max(d),
+        "log_ppl_diff_min": min(d),
+        "ppl_ratio": sum(math.exp(c20(x)) for x in d) / m,
+        "chi2_token": sum(math.exp(2 * c20(x)) for x in toks) / n - 1,
+        "chi2_seq": sum(math.exp(2 * c20(sum(o - r for o, r in row))) for row in rows) / m - 1,
+        "nonfinite_seq_fraction": 0.0,
+    }
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-5), k
