@@ -487,3 +487,20 @@ def test_blocking_of_rows_does_not_change_any_number(uniform):
         assert b.version[v] == pytest.approx(e, rel=1e-12)
     for k, v in vars(a.counters).items():
         assert getattr(b.counters, k) == pytest.approx(v, rel=1e-12), k
+
+
+def test_half_precision_inputs_are_widened(tmp_path):
+    g = torch.Generator().manual_seed(7)
+    roll = (-torch.rand(6, 9, generator=g)).to(torch.bfloat16)
+    old = (roll.float() + 0.02 * torch.randn(6, 9, generator=g)).clamp(max=0).to(torch.bfloat16)
+    mask = torch.ones(6, 9, dtype=torch.bool)
+    ref = metrics_to_floats(compute_offpolicy_metrics(old.float(), roll.float(), mask))
+    from_tensors = diagnose_tensors(old, roll, mask, presets=[])
+    path = tmp_path / "half.pt"
+    torch.save({"rollout_log_probs": roll, "old_log_probs": old.half(), "response_mask": mask}, path)
+    old_half = old.half().float()
+    ref_file = metrics_to_floats(compute_offpolicy_metrics(old_half, roll.float(), mask))
+    from_file = diagnose_file(str(path), presets=[])
+    for k in ref:
+        assert from_tensors.profile.metrics[k] == pytest.approx(ref[k], rel=1e-6, abs=1e-9), k
+        assert from_file.profile.metrics[k] == pytest.approx(ref_file[k], rel=1e-6, abs=1e-9), k

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from .health import Check, health_checks
 from .profile import MismatchProfile, ProfileResult
@@ -55,13 +56,17 @@ def diagnose_file(path: str, columns: Columns | None = None, chunk_rows: int = 2
     return diag
 
 
+def _as_numpy(x, dtype) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch tensor, any dtype (bf16 included), any device
+        return x.detach().to("cpu", dtype=torch.float32).numpy().astype(dtype, copy=False)
+    return np.asarray(x, dtype=dtype)
+
+
 def diagnose_tensors(old_log_prob, rollout_log_prob, response_mask, presets: list[str] | None = None,
                      chunk_rows: int = 2048) -> Diagnosis:
     """Diagnoses in-memory (B, T) tensors or arrays (``response_mask`` 0/1 or bool)."""
-    old = np.asarray(old_log_prob.detach().cpu() if hasattr(old_log_prob, "detach") else old_log_prob, np.float32)
-    roll = np.asarray(rollout_log_prob.detach().cpu() if hasattr(rollout_log_prob, "detach") else rollout_log_prob,
-                      np.float32)
-    mask = np.asarray(response_mask.detach().cpu() if hasattr(response_mask, "detach") else response_mask) != 0
+    old, roll = _as_numpy(old_log_prob, np.float32), _as_numpy(rollout_log_prob, np.float32)
+    mask = _as_numpy(response_mask, np.float32) != 0
     if not (old.shape == roll.shape == mask.shape) or old.ndim != 2:
         raise ValueError(f"expected three (B, T) arrays of one shape, got {old.shape}, {roll.shape}, {mask.shape}")
     t0 = time.perf_counter()

@@ -401,7 +401,10 @@ def _sliceable_column(name: str, arr) -> _ArrayColumn:
     def read(n: int):
         out = arr[pos[0] : pos[0] + n]
         pos[0] += n
-        return np.asarray(out.numpy() if hasattr(out, "numpy") else out)
+        if hasattr(out, "numpy"):  # a torch tensor: numpy has no bfloat16, widen half types per block
+            out = out.float() if out.is_floating_point() and out.element_size() < 4 else out
+            return out.numpy()
+        return np.asarray(out)
 
     return _ArrayColumn(name, tuple(arr.shape), read)
 
@@ -550,8 +553,6 @@ def iter_pt(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:
     for name in wanted:
         v = obj[name]
         if isinstance(v, torch.Tensor):
-            if v.dtype == torch.bfloat16:
-                v = v.float()
             cols[name] = _sliceable_column(name, v)
         elif isinstance(v, (list, tuple)) and v and all(isinstance(r, (torch.Tensor, list, tuple)) for r in v):
             cols[name] = _ListColumn(name, list(v))
