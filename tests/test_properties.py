@@ -1,5 +1,6 @@
 """Property tests (hypothesis) of the core: weights, truncation bounds, AND-composition of rejection
-options, reciprocal-bound symmetry, the REINFORCE gradient, and chunk-independence of metrics."""
+options, reciprocal-bound symmetry, the REINFORCE gradient, chunk-independence of metrics, and
+weights / masks / off-policy metrics against a float-by-float evaluation of their definitions."""
 
 import math
 
