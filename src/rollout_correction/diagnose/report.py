@@ -29,7 +29,8 @@ METRIC_HELP = {
     "rollout_log_ppl": "mean over rows of −mean log π_rollout",
     "kl": "mean over tokens of log π_rollout − log π_train (k1, can be < 0)",
     "k3_kl": "mean over tokens of ρ − 1 − log ρ (k3, ≥ 0)",
-    "log_ppl_diff": "mean over rows of rollout log-PPL − training log-PPL… sign: which side is more confident",
+    "log_ppl_diff": "mean over rows of (rollout log-PPL − training log-PPL); the sign says which side is "
+                    "more confident",
     "log_ppl_abs_diff": "mean over rows of |log-PPL difference|",
     "log_ppl_diff_max": "largest per-row log-PPL difference",
     "log_ppl_diff_min": "smallest per-row log-PPL difference",
