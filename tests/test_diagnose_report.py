@@ -237,3 +237,23 @@ def test_cli_example_generates_a_real_mismatch(tmp_path):
     assert 1e-7 < summary["rollout_corr/k3_kl"] < 1e-2
     assert summary["input"]["tokens"] > 24
     assert summary["recommended_preset"] in RolloutCorrectionConfig.preset_names()
+
+
+def test_log_probs_renormalised_over_a_truncated_support_are_flagged():
+    """Rollout log-probs of top-p sampling ('processed'): log q_S(y) = log q(y) − log Z with Z < 1."""
+    g = torch.Generator().manual_seed(2)
+    logits = 3.0 * torch.randn(64, 30, 50, generator=g)
+    full = torch.log_softmax(logits, -1)
+    y = torch.distributions.Categorical(logits=logits).sample()
+    old = full.gather(-1, y[..., None]).squeeze(-1)
+    # keep the 10 most likely tokens, renormalise (the sampled token is made part of the kept set)
+    top = torch.topk(full, 10, dim=-1).values
+    kept_mass = torch.logsumexp(top, -1).exp()
+    sampled_in = (full.gather(-1, y[..., None]).squeeze(-1) >= top[..., -1])
+    mass = torch.where(sampled_in, kept_mass, kept_mass + old.exp())
+    roll = old - mass.log()
+    diag = diagnose_tensors(old, roll, torch.ones(64, 30), presets=[])
+    check = {h.name: h for h in diag.health}["tokens where the rollout log-prob is higher"]
+    assert check.verdict == "warn" and check.value > 0.95 and "truncated sampling support" in check.detail
+    healthy = diagnose_tensors(*synthetic(noise=0.05), presets=[])
+    assert {h.name: h for h in healthy.health}["tokens where the rollout log-prob is higher"].verdict == "ok"

@@ -8,7 +8,9 @@ weights of the configured correction; before any correction is chosen we apply t
 importance-sampling estimator would face.
 
 The input checks catch dumps that cannot be right: positive log-probabilities, log-probs shifted
-by one position (ms-swift #8196), identical columns, non-finite values.
+by one position (ms-swift #8196), identical columns, non-finite values, and rollout log-probs
+renormalised over a top-k / top-p support (TRL #6789: the rollout side is then higher on almost
+every token).
 
 Verdicts: ``ok``; ``warn`` — a seed threshold is crossed; ``fail`` — the input itself is wrong.
 """
@@ -96,6 +98,14 @@ def health_checks(res: ProfileResult) -> list[Check]:
         "identical log-probs", ident, ident == 1.0, "< 1",
         "every rollout log-prob equals the trainer's exactly: the rollout column may be a copy of the "
         "trainer's recompute", "the two columns come from different computations"))
+    higher = c.tokens_rollout_higher / c.tokens if c.tokens else 0.0
+    checks.append(_check(
+        "tokens where the rollout log-prob is higher", higher, higher >= 0.95 and kl > 1e-3, "< 0.95 (or kl ≤ 1e-3)",
+        "almost every token is more likely under the rollout engine: its log-probs look renormalised over a "
+        "truncated sampling support (top-k / top-p / min-p 'processed' log-probs, TRL #6789), so every ratio "
+        "carries the kept mass; recompute the trainer log-probs over the same support "
+        "(rollout_correction.supports.renormalized_log_probs) or return unprocessed log-probs",
+        "no sign of log-probs renormalised over a truncated support"))
     nonfinite = c.rows_nonfinite / c.rows if c.rows else 0.0
     checks.append(_check(
         "rows with NaN/inf log-probs (excluded)", nonfinite, c.rows_nonfinite > 0, "= 0",

@@ -94,6 +94,7 @@ class Counters:
     tokens: int = 0  # valid tokens in the rows used
     tokens_positive_log_prob: int = 0  # log-prob > 1e-3 (not a log-probability)
     tokens_identical: int = 0  # log ρ exactly 0
+    tokens_rollout_higher: int = 0  # log π_rollout > log π_train (log ρ < 0)
     rows_vetoed: int = 0  # rows with a token ρ < VETO_THRESHOLD (unclamped)
     tokens_catastrophic: int = 0
     max_length: int = 0
@@ -297,6 +298,7 @@ class MismatchProfile:
         c.max_length = max(c.max_length, int(lengths.max()))
         c.tokens_positive_log_prob += int((((old32 > 1e-3) | (roll32 > 1e-3)) & mask).sum())
         c.tokens_identical += int((valid_lr == 0).sum())
+        c.tokens_rollout_higher += int((valid_lr < 0).sum())
         catastrophic = mask & (lr < math.log(VETO_THRESHOLD))
         c.tokens_catastrophic += int(catastrophic.sum())
         c.rows_vetoed += int(catastrophic.any(dim=1).sum())
