@@ -10,15 +10,27 @@ import pytest
 import torch
 
 from rollout_correction import RolloutCorrectionConfig
-from rollout_correction.diffusion import (MissingLogProbsError, apply_bypass_mode, apply_rollout_correction,
-                                          config_notes, flow_grpo_loss, gaussian_step_log_prob, per_step_metrics,
-                                          sde_step_mean_std, step_correction)
+from rollout_correction.diffusion import (
+    MissingLogProbsError,
+    apply_bypass_mode,
+    apply_rollout_correction,
+    config_notes,
+    flow_grpo_loss,
+    gaussian_step_log_prob,
+    per_step_metrics,
+    sde_step_mean_std,
+    step_correction,
+)
 from rollout_correction.diffusion.sde import ode_step, sde_sigma, time_grid
 
 torch.set_num_threads(1)
 
-SEED003 = {"bypass_mode": True, "rollout_is": "sequence", "rollout_rs": "seq_mean_k1",
-           "rollout_rs_threshold": "0.5_2.0"}
+SEED003 = {
+    "bypass_mode": True,
+    "rollout_is": "sequence",
+    "rollout_rs": "seq_mean_k1",
+    "rollout_rs_threshold": "0.5_2.0",
+}
 DECOUPLED = dict(SEED003, bypass_mode=False)
 LOG2 = math.log(2.0)
 
@@ -106,8 +118,13 @@ def test_decoupled_weights_are_is_times_rs_keep_by_hand():
     assert m["rollout_corr/logprob_abs_diff"].item() == pytest.approx(3.0 / 6)
     assert m["rollout_corr/step_1/rejected_fraction"].item() == pytest.approx(1 / 3)
     # the standard set of the core is there, per step too
-    for key in ("rollout_corr/rollout_is_mean", "rollout_corr/kl", "rollout_corr/rollout_rs_seq_masked_fraction",
-                "rollout_corr/step_0/kl", "rollout_corr/step_1/chi2_token"):
+    for key in (
+        "rollout_corr/rollout_is_mean",
+        "rollout_corr/kl",
+        "rollout_corr/rollout_rs_seq_masked_fraction",
+        "rollout_corr/step_0/kl",
+        "rollout_corr/step_1/chi2_token",
+    ):
         assert key in m
     assert m["rollout_corr/step_0/kl"].item() == pytest.approx(-(0.1 + 1.0 - 0.3) / 3)
 
@@ -131,12 +148,15 @@ def test_decoupled_non_finite_rollout_row_gets_weight_zero_and_no_nan():
     assert all(math.isfinite(float(v)) for v in m.values())
 
 
-@pytest.mark.parametrize("old, ro, match", [
-    (torch.zeros(3), torch.zeros(3), r"\(B, S\)"),
-    (torch.zeros(3, 2), torch.zeros(3, 1), "same"),
-    (torch.zeros(3, 2, 1), torch.zeros(3, 2, 1), r"\(B, S\)"),
-    (torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2), "floating-point"),
-])
+@pytest.mark.parametrize(
+    "old, ro, match",
+    [
+        (torch.zeros(3), torch.zeros(3), r"\(B, S\)"),
+        (torch.zeros(3, 2), torch.zeros(3, 1), "same"),
+        (torch.zeros(3, 2, 1), torch.zeros(3, 2, 1), r"\(B, S\)"),
+        (torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2), "floating-point"),
+    ],
+)
 def test_decoupled_shape_errors(old, ro, match):
     with pytest.raises((ValueError, TypeError), match=match):
         apply_rollout_correction(old, ro, DECOUPLED)
@@ -164,8 +184,9 @@ def test_step_correction_ppo_clip_returns_the_rs_keep_mask_only():
 
 
 def test_step_correction_reinforce_applies_is_times_keep():
-    keep, _ = step_correction(torch.tensor([[0.1], [1.0], [0.5]]), torch.zeros(3, 1),
-                              dict(SEED003, loss_type="reinforce"))
+    keep, _ = step_correction(
+        torch.tensor([[0.1], [1.0], [0.5]]), torch.zeros(3, 1), dict(SEED003, loss_type="reinforce")
+    )
     torch.testing.assert_close(keep, torch.tensor([[math.exp(0.1)], [0.0], [math.exp(0.5)]]))
 
 
@@ -189,8 +210,10 @@ def test_one_step_levels_are_identical_as_the_warning_says():
     lp, ro = torch.randn(256, 1, generator=g), torch.randn(256, 1, generator=g)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        keeps = [step_correction(lp, ro, dict(SEED003, rollout_rs=o))[0]
-                 for o in ("token_k1", "seq_sum_k1", "seq_mean_k1")]
+        keeps = [
+            step_correction(lp, ro, dict(SEED003, rollout_rs=o))[0]
+            for o in ("token_k1", "seq_sum_k1", "seq_mean_k1")
+        ]
     assert 0 < keeps[0].sum() < 256
     assert torch.equal(keeps[0], keeps[1]) and torch.equal(keeps[0], keeps[2])
 
@@ -200,7 +223,9 @@ def test_warnings_for_ineffective_settings():
     with pytest.warns(UserWarning, match="token-level and sequence-level rejection are identical"):
         step_correction(torch.zeros(2, 1), torch.zeros(2, 1), dict(SEED003, rollout_rs="token_k1"))
     with pytest.warns(UserWarning, match="test the same k1 statistic"):
-        step_correction(torch.zeros(2, 1), torch.zeros(2, 1), dict(SEED003, rollout_rs="seq_sum_k1,seq_mean_k1"))
+        step_correction(
+            torch.zeros(2, 1), torch.zeros(2, 1), dict(SEED003, rollout_rs="seq_sum_k1,seq_mean_k1")
+        )
     with pytest.warns(UserWarning, match="bypass_mode is False"):
         step_correction(torch.zeros(2, 1), torch.zeros(2, 1), DECOUPLED)
     with pytest.warns(UserWarning, match="decoupled correction is a no-op"):
@@ -249,8 +274,14 @@ def test_flow_grpo_loss_denominator_all_vs_kept():
 
 def test_flow_grpo_loss_explicit_keep_keeps_zero_weight_in_the_denominator():
     lp = torch.zeros(2, 1, requires_grad=True)
-    loss, _ = flow_grpo_loss(lp, torch.zeros(2, 1), torch.tensor([1.0, 1.0]), torch.tensor([[0.0], [1.0]]),
-                             keep=torch.tensor([[True], [True]]), denominator="kept")
+    loss, _ = flow_grpo_loss(
+        lp,
+        torch.zeros(2, 1),
+        torch.tensor([1.0, 1.0]),
+        torch.tensor([[0.0], [1.0]]),
+        keep=torch.tensor([[True], [True]]),
+        denominator="kept",
+    )
     assert loss.item() == pytest.approx(-1.0 / 2)
 
 
@@ -283,13 +314,16 @@ def test_rejected_nan_is_isolated_but_a_kept_nan_is_an_error():
         flow_grpo_loss(lp, torch.zeros(2, 1), torch.tensor([1.0, 1.0]))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(log_prob=torch.zeros(4)), r"\(B, S\)"),
-    (dict(old_log_prob=torch.zeros(4, 3)), "old_log_prob"),
-    (dict(advantages=torch.zeros(3)), "advantages has shape"),
-    (dict(weights=torch.zeros(4, 3)), "weights has shape"),
-    (dict(denominator="mean"), "denominator"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(log_prob=torch.zeros(4)), r"\(B, S\)"),
+        (dict(old_log_prob=torch.zeros(4, 3)), "old_log_prob"),
+        (dict(advantages=torch.zeros(3)), "advantages has shape"),
+        (dict(weights=torch.zeros(4, 3)), "weights has shape"),
+        (dict(denominator="mean"), "denominator"),
+    ],
+)
 def test_flow_grpo_loss_shape_errors(kwargs, match):
     args = dict(log_prob=torch.zeros(4, 2), old_log_prob=torch.zeros(4, 2), advantages=torch.zeros(4))
     args.update(kwargs)
@@ -308,8 +342,10 @@ def test_bypass_pipeline_loss_equals_the_loss_over_kept_steps_only():
     total = 0.0
     manual = 0.0
     for s in range(2):
-        keep, _ = step_correction(lp[:, s:s + 1], ro[:, s:s + 1], SEED003, step_index=s)
-        loss, _ = flow_grpo_loss(lp[:, s:s + 1], batch["old_log_probs"][:, s:s + 1], adv, keep, clip_range=0.2)
+        keep, _ = step_correction(lp[:, s : s + 1], ro[:, s : s + 1], SEED003, step_index=s)
+        loss, _ = flow_grpo_loss(
+            lp[:, s : s + 1], batch["old_log_probs"][:, s : s + 1], adv, keep, clip_range=0.2
+        )
         total = total + loss / 2
         d = (lp[:, s] - ro[:, s]).detach()
         kept = d.abs() <= LOG2

@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from rollout_correction.diffusion.example import main
-from rollout_correction.diffusion.toy import (RingTarget, RolloutEngine, VelocityMLP, fp8_round_trip,
-                                              group_advantages, window_log_probs)
+from rollout_correction.diffusion.toy import (
+    RingTarget,
+    RolloutEngine,
+    VelocityMLP,
+    fp8_round_trip,
+    group_advantages,
+    window_log_probs,
+)
 
 torch.set_num_threads(1)
 
@@ -30,8 +36,9 @@ def test_fp32_engine_log_probs_equal_the_trainer_recompute():
     torch.testing.assert_close(window_log_probs(model, traj, 0.5), traj.rollout_log_probs, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16),
-                                              ("fp8", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp8", torch.bfloat16)]
+)
 def test_low_precision_engine_states_are_representable_and_log_probs_differ(precision, dtype):
     model = _model()
     engine = RolloutEngine(precision)
@@ -51,7 +58,7 @@ def test_fp8_round_trip_error_is_bounded_by_the_e4m3_step():
     # e4m3 has 3 mantissa bits: relative rounding ≤ 2^-4 for normal numbers; subnormals are
     # bounded by the absolute step of the scaled grid, 2^-9 · max|w| / 448 · 448 = 2^-9 · max|w|.
     err = (q - w).abs()
-    bound = torch.maximum(w.abs() * 2.0 ** -4, torch.full_like(w, 2.0 ** -9 * float(w.abs().max())))
+    bound = torch.maximum(w.abs() * 2.0**-4, torch.full_like(w, 2.0**-9 * float(w.abs().max())))
     assert (err <= bound * 1.0001).all()
     assert err.max() > 0
 
@@ -78,7 +85,12 @@ def test_example_quick_form_end_to_end(tmp_path):
     variants = summary["variants"]
     assert set(variants) == {"fp32_reference", "naive", "decoupled_is_rs", "bypass", "bypass_rs"}
     for name, v in variants.items():
-        for key in ("eval_reward_mean", "train_reward_last10pct", "logprob_abs_diff_mean", "rejected_fraction_mean"):
+        for key in (
+            "eval_reward_mean",
+            "train_reward_last10pct",
+            "logprob_abs_diff_mean",
+            "rejected_fraction_mean",
+        ):
             assert math.isfinite(v[key]), (name, key)
         assert 0.0 <= v["eval_reward_mean"] <= 1.0
     # the fp32 engine has no gap; the reduced-precision engine has one, reported per denoising step
@@ -88,7 +100,9 @@ def test_example_quick_form_end_to_end(tmp_path):
     # variants without rejection never reject; the corrected ones report their correction metrics
     for name in ("fp32_reference", "naive", "bypass"):
         assert variants[name]["rejected_fraction_mean"] == 0.0
-    assert any(k.startswith("rollout_corr/step_") for k in variants["bypass_rs"]["last_correction_metrics_seed0"])
+    assert any(
+        k.startswith("rollout_corr/step_") for k in variants["bypass_rs"]["last_correction_metrics_seed0"]
+    )
     assert "rollout_corr/rollout_is_mean" in variants["decoupled_is_rs"]["last_correction_metrics_seed0"]
     report = (tmp_path / "report.md").read_text()
     assert "| `bypass_rs` |" in report and "What the numbers show" in report

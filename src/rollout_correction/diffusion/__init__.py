@@ -17,8 +17,16 @@ Entry points::
 See ``docs/diffusion.md``; a runnable toy is ``python -m rollout_correction.diffusion.example``.
 """
 
-from .correction import (DiffusionCorrection, MissingLogProbsError, apply_bypass_mode, apply_rollout_correction,
-                         config_notes, correct_log_probs, per_step_metrics, step_correction)
+from .correction import (
+    DiffusionCorrection,
+    MissingLogProbsError,
+    apply_bypass_mode,
+    apply_rollout_correction,
+    config_notes,
+    correct_log_probs,
+    per_step_metrics,
+    step_correction,
+)
 from .loss import flow_grpo_loss
 from .sde import gaussian_step_log_prob, ode_step, sde_sigma, sde_step_mean_std, time_grid
 

@@ -81,7 +81,9 @@ def _as_config(config: Any) -> RolloutCorrectionConfig:
         return RolloutCorrectionConfig.from_dict(dict(config))
     if hasattr(config, "keys") and hasattr(config, "__getitem__"):  # OmegaConf DictConfig and friends
         return RolloutCorrectionConfig.from_dict({k: config[k] for k in config.keys()})
-    raise TypeError(f"config must be a RolloutCorrectionConfig or a mapping of its keys, got {type(config).__name__}")
+    raise TypeError(
+        f"config must be a RolloutCorrectionConfig or a mapping of its keys, got {type(config).__name__}"
+    )
 
 
 def config_notes(config: Any, *, window_size: int, path: str) -> list[str]:
@@ -104,33 +106,45 @@ def config_notes(config: Any, *, window_size: int, path: str) -> list[str]:
     token_opts = [o.name for o in options if o.agg == "token"]
     if path == "bypass_step":
         if not cfg.bypass_mode:
-            notes.append("step_correction is the bypass-mode path (log π_θ vs log π_rollout per SDE step) but "
-                         "config.bypass_mode is False; in decoupled mode call apply_rollout_correction once per "
-                         "batch instead")
+            notes.append(
+                "step_correction is the bypass-mode path (log π_θ vs log π_rollout per SDE step) but "
+                "config.bypass_mode is False; in decoupled mode call apply_rollout_correction once per "
+                "batch instead"
+            )
         if cfg.loss_type == "ppo_clip" and cfg.is_spec is not None and cfg.is_spec.batch_normalize:
-            notes.append("rollout_is_batch_normalize=True has no effect on the loss in bypass mode with "
-                         "loss_type='ppo_clip': the IS weights are diagnostics only (the PPO ratio π_θ/π_rollout "
-                         "already is the importance ratio)")
+            notes.append(
+                "rollout_is_batch_normalize=True has no effect on the loss in bypass mode with "
+                "loss_type='ppo_clip': the IS weights are diagnostics only (the PPO ratio π_θ/π_rollout "
+                "already is the importance ratio)"
+            )
     else:
         if cfg.bypass_mode:
-            notes.append("config.bypass_mode is True: old_log_probs are the rollout log-probs, so the decoupled "
-                         "correction is a no-op (every ratio is 1); apply step_correction inside the loss instead")
+            notes.append(
+                "config.bypass_mode is True: old_log_probs are the rollout log-probs, so the decoupled "
+                "correction is a no-op (every ratio is 1); apply step_correction inside the loss instead"
+            )
     if window_size == 1:
         if token_opts:
-            notes.append(f"rollout_rs={cfg.rollout_rs!r}: with one SDE step per row, token-level and sequence-level "
-                         f"rejection are identical; {', '.join(token_opts)} behaves like its seq_mean_* twin, and "
-                         "seq_mean_* keeps the same meaning if you switch to decoupled mode")
+            notes.append(
+                f"rollout_rs={cfg.rollout_rs!r}: with one SDE step per row, token-level and sequence-level "
+                f"rejection are identical; {', '.join(token_opts)} behaves like its seq_mean_* twin, and "
+                "seq_mean_* keeps the same meaning if you switch to decoupled mode"
+            )
         by_estimator: dict[str, list[str]] = {}
         for o in options:
             by_estimator.setdefault(o.estimator, []).append(o.name)
         for est, names in by_estimator.items():
             if len(names) > 1:
-                notes.append(f"rollout_rs options {', '.join(names)} test the same {est} statistic when each row has "
-                             "one SDE step; only the tightest bound matters")
+                notes.append(
+                    f"rollout_rs options {', '.join(names)} test the same {est} statistic when each row has "
+                    "one SDE step; only the tightest bound matters"
+                )
     elif window_size == 2 and token_opts:
-        notes.append(f"rollout_rs={cfg.rollout_rs!r}: token-level rejection has little power with a 2-step SDE window "
-                     "(each step's log-prob is already a mean over all latent dimensions); prefer seq_mean_* or "
-                     "seq_max_* options")
+        notes.append(
+            f"rollout_rs={cfg.rollout_rs!r}: token-level rejection has little power with a 2-step SDE window "
+            "(each step's log-prob is already a mean over all latent dimensions); prefer seq_mean_* or "
+            "seq_max_* options"
+        )
     return notes
 
 
@@ -149,7 +163,9 @@ def _check_window(name_a: str, a: Any, name_b: str, b: Any) -> None:
         if t.dim() != 2:
             raise ValueError(f"{name} must be (B, S) with S = SDE window size, got shape {tuple(t.shape)}")
     if a.shape != b.shape:
-        raise ValueError(f"{name_a} {tuple(a.shape)} and {name_b} {tuple(b.shape)} must have the same (B, S) shape")
+        raise ValueError(
+            f"{name_a} {tuple(a.shape)} and {name_b} {tuple(b.shape)} must have the same (B, S) shape"
+        )
     if a.shape[1] < 1:
         raise ValueError(f"{name_a} has an empty SDE window (shape {tuple(a.shape)})")
     if a.device != b.device:
@@ -157,9 +173,13 @@ def _check_window(name_a: str, a: Any, name_b: str, b: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------- metrics
-def per_step_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                     weights: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None,
-                     step_offset: int = 0) -> dict[str, torch.Tensor]:
+def per_step_metrics(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    weights: Optional[torch.Tensor] = None,
+    keep: Optional[torch.Tensor] = None,
+    step_offset: int = 0,
+) -> dict[str, torch.Tensor]:
     """Per-timestep diagnostics of a (B, S) window, keys ``rollout_corr/step_<s>/<name>``.
 
     For each step s (numbered from ``step_offset``):
@@ -183,7 +203,7 @@ def per_step_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
         for s in range(old.shape[1]):
             prefix = f"rollout_corr/step_{s + step_offset}/"
             out[prefix + "logprob_abs_diff"] = step_abs[s]
-            for k, v in compute_offpolicy_metrics(old[:, s:s + 1], ro[:, s:s + 1], ones).items():
+            for k, v in compute_offpolicy_metrics(old[:, s : s + 1], ro[:, s : s + 1], ones).items():
                 out[prefix + k.split("/", 1)[1]] = v
             if weights is not None:
                 out[prefix + "weight_mean"] = weights[:, s].float().mean()
@@ -193,8 +213,14 @@ def per_step_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------- the paths
-def correct_log_probs(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, config: Any, *,
-                      apply_is: bool = True, per_step: bool = True) -> DiffusionCorrection:
+def correct_log_probs(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    config: Any,
+    *,
+    apply_is: bool = True,
+    per_step: bool = True,
+) -> DiffusionCorrection:
     """Weights, keep mask and metrics for a dense (B, S) block of SDE-step log-probs.
 
     Runs the core once with an all-ones response mask: keep = (returned mask ≠ 0), and
@@ -221,8 +247,9 @@ def correct_log_probs(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
     with torch.no_grad():
         diff = old.float() - ro.float()
         finite = torch.isfinite(diff)
-        metrics["rollout_corr/logprob_abs_diff"] = (
-            torch.where(finite, diff.abs(), zeros).sum() / finite.sum().clamp(min=1))
+        metrics["rollout_corr/logprob_abs_diff"] = torch.where(
+            finite, diff.abs(), zeros
+        ).sum() / finite.sum().clamp(min=1)
         metrics["rollout_corr/rejected_fraction"] = (~keep).float().mean()
         metrics["rollout_corr/weight_mean"] = weights.mean()
     if per_step:
@@ -248,7 +275,8 @@ def apply_bypass_mode(batch: Any) -> Any:
         raise MissingLogProbsError(
             f"bypass mode needs '{ROLLOUT_KEY}' in the batch (the per-step log-probs recorded by the rollout "
             f"engine), but it is missing; batch keys: {keys}. Make the rollout engine return log-probs, or "
-            "set bypass_mode=False and recompute old_log_probs.")
+            "set bypass_mode=False and recompute old_log_probs."
+        )
     value = store[ROLLOUT_KEY]
     if isinstance(value, torch.Tensor) and not value.is_floating_point():
         raise TypeError(f"'{ROLLOUT_KEY}' must be a floating-point tensor, got dtype {value.dtype}")
@@ -256,8 +284,9 @@ def apply_bypass_mode(batch: Any) -> Any:
     return batch
 
 
-def apply_rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                             config: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def apply_rollout_correction(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, config: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled correction, once per global batch: (weights, metrics).
 
     ρᵢₛ = π_old / π_rollout on the (B, S) window (S = SDE window size, no padding);
@@ -280,8 +309,9 @@ def apply_rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: tor
     return res.weights, res.metrics
 
 
-def step_correction(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, config: Any, *,
-                    step_index: Optional[int] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def step_correction(
+    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, config: Any, *, step_index: Optional[int] = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bypass-mode correction of one SDE step: (keep_weights, metrics).
 
     log ρᵢ = log π_θ(i) − log π_rollout(i) (π_θ detached). ``loss_type="ppo_clip"``: keep_weights = RS keep
@@ -300,14 +330,20 @@ def step_correction(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, conf
     if not isinstance(log_prob, torch.Tensor) or not isinstance(rollout_log_prob, torch.Tensor):
         raise TypeError("log_prob and rollout_log_prob must be torch.Tensors")
     if log_prob.shape != rollout_log_prob.shape:
-        raise ValueError(f"log_prob {tuple(log_prob.shape)} and rollout_log_prob {tuple(rollout_log_prob.shape)} "
-                         "must have the same shape")
+        raise ValueError(
+            f"log_prob {tuple(log_prob.shape)} and rollout_log_prob {tuple(rollout_log_prob.shape)} "
+            "must have the same shape"
+        )
     squeeze = log_prob.dim() == 1
-    lp, ro = (log_prob.unsqueeze(1), rollout_log_prob.unsqueeze(1)) if squeeze else (log_prob, rollout_log_prob)
+    lp, ro = (
+        (log_prob.unsqueeze(1), rollout_log_prob.unsqueeze(1)) if squeeze else (log_prob, rollout_log_prob)
+    )
     if lp.dim() != 2 or lp.shape[1] != 1:
-        raise ValueError(f"step_correction works on one SDE step: expected (B, 1) or (B,), got "
-                         f"{tuple(log_prob.shape)}; for a (B, S) window use apply_rollout_correction (decoupled) "
-                         "or call step_correction once per step")
+        raise ValueError(
+            f"step_correction works on one SDE step: expected (B, 1) or (B,), got "
+            f"{tuple(log_prob.shape)}; for a (B, S) window use apply_rollout_correction (decoupled) "
+            "or call step_correction once per step"
+        )
     cfg = _as_config(config)
     _emit(config_notes(cfg, window_size=1, path="bypass_step"))
     res = correct_log_probs(lp, ro, cfg, apply_is=cfg.loss_type == "reinforce", per_step=False)

@@ -27,23 +27,38 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from rollout_correction import RolloutCorrectionConfig, metrics_to_floats
-from rollout_correction.diffusion.correction import apply_bypass_mode, apply_rollout_correction, step_correction
+from rollout_correction.diffusion.correction import (
+    apply_bypass_mode,
+    apply_rollout_correction,
+    step_correction,
+)
 from rollout_correction.diffusion.loss import flow_grpo_loss
-from rollout_correction.diffusion.toy import (PRECISIONS, RingTarget, RolloutEngine, VelocityMLP,
-                                              group_advantages, pretrain_flow_matching, window_log_probs)
+from rollout_correction.diffusion.toy import (
+    PRECISIONS,
+    RingTarget,
+    RolloutEngine,
+    VelocityMLP,
+    group_advantages,
+    pretrain_flow_matching,
+    window_log_probs,
+)
 
 __all__ = ["ExampleConfig", "RUNS", "run_variant", "run_example", "main"]
 
 #: The seed-003 quickstart, used by the corrected variants (bypass_mode is set per variant).
-SEED003_CORRECTION = {"rollout_is": "sequence", "rollout_is_threshold": 2.0,
-                      "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.5_2.0"}
+SEED003_CORRECTION = {
+    "rollout_is": "sequence",
+    "rollout_is_threshold": 2.0,
+    "rollout_rs": "seq_mean_k1",
+    "rollout_rs_threshold": "0.5_2.0",
+}
 
 
 @dataclass(frozen=True)
@@ -57,11 +72,15 @@ class Variant:
 RUNS: dict[str, Variant] = {
     "fp32_reference": Variant("fp32 rollout engine (no gap), recompute, no correction", False, None, True),
     "naive": Variant("low-precision rollout, fp32 recompute of π_old, no correction", False),
-    "decoupled_is_rs": Variant("recompute + IS×RS weights (seq IS 2.0, seq_mean_k1 0.5_2.0)", False,
-                               dict(SEED003_CORRECTION, bypass_mode=False)),
+    "decoupled_is_rs": Variant(
+        "recompute + IS×RS weights (seq IS 2.0, seq_mean_k1 0.5_2.0)",
+        False,
+        dict(SEED003_CORRECTION, bypass_mode=False),
+    ),
     "bypass": Variant("old := rollout log-probs, no rejection", True),
-    "bypass_rs": Variant("old := rollout + per-step RS (seed 003 quickstart)", True,
-                         dict(SEED003_CORRECTION, bypass_mode=True)),
+    "bypass_rs": Variant(
+        "old := rollout + per-step RS (seed 003 quickstart)", True, dict(SEED003_CORRECTION, bypass_mode=True)
+    ),
 }
 
 
@@ -96,8 +115,9 @@ class ExampleConfig:
 
 # ------------------------------------------------------------------------------------- one run
 @torch.no_grad()
-def evaluate(model: VelocityMLP, target: RingTarget, cfg: ExampleConfig, seed: int,
-             precision: str = "fp32") -> dict[str, float]:
+def evaluate(
+    model: VelocityMLP, target: RingTarget, cfg: ExampleConfig, seed: int, precision: str = "fp32"
+) -> dict[str, float]:
     """Reward and in-mode rate of the weights sampled at ``precision`` on fixed noise.
 
     With fp32 this is the model as trained; with the engine's precision it is what the rollout
@@ -107,12 +127,15 @@ def evaluate(model: VelocityMLP, target: RingTarget, cfg: ExampleConfig, seed: i
     engine.load_weights(model)
     g = torch.Generator().manual_seed(10_000 + seed)
     traj = engine.sample(cfg.eval_samples, cfg.num_steps, 0, cfg.window, cfg.eta, g)
-    return {"reward": float(target.reward(traj.final).mean()),
-            "in_mode": float(target.in_any_mode(traj.final).mean())}
+    return {
+        "reward": float(target.reward(traj.final).mean()),
+        "in_mode": float(target.in_any_mode(traj.final).mean()),
+    }
 
 
-def run_variant(name: str, pretrained: dict[str, torch.Tensor], target: RingTarget, cfg: ExampleConfig,
-                seed: int) -> dict[str, Any]:
+def run_variant(
+    name: str, pretrained: dict[str, torch.Tensor], target: RingTarget, cfg: ExampleConfig, seed: int
+) -> dict[str, Any]:
     """Train one variant from the pretrained weights; returns its per-iteration history."""
     variant = RUNS[name]
     torch.manual_seed(seed)
@@ -123,8 +146,21 @@ def run_variant(name: str, pretrained: dict[str, torch.Tensor], target: RingTarg
     corr_cfg = RolloutCorrectionConfig.from_dict(variant.correction) if variant.correction else None
     g = torch.Generator().manual_seed(seed)
     batch_size = cfg.groups * cfg.group_size
-    hist: dict[str, list] = {k: [] for k in ("reward", "in_mode", "loss", "clipfrac", "rejected", "gap",
-                                             "gap_per_step", "t_iter", "t_recompute", "eval")}
+    hist: dict[str, list] = {
+        k: []
+        for k in (
+            "reward",
+            "in_mode",
+            "loss",
+            "clipfrac",
+            "rejected",
+            "gap",
+            "gap_per_step",
+            "t_iter",
+            "t_recompute",
+            "eval",
+        )
+    }
     for it in range(cfg.iters):
         t0 = time.perf_counter()
         # ---- rollout engine: sample with the (low-precision) copy of the current weights
@@ -156,14 +192,21 @@ def run_variant(name: str, pretrained: dict[str, torch.Tensor], target: RingTarg
         gaps = []
         for s in range(cfg.window):
             lp = window_log_probs(model, traj, cfg.eta, [s])  # (B, 1), fp32, with grad
-            ro = traj.rollout_log_probs[:, s:s + 1]
+            ro = traj.rollout_log_probs[:, s : s + 1]
             if variant.bypass and corr_cfg is not None:
                 w, step_m = step_correction(lp, ro, corr_cfg, step_index=s)
                 metrics.update(step_m)
             else:
-                w = None if weights is None else weights[:, s:s + 1]
-            loss, lm = flow_grpo_loss(lp, old[:, s:s + 1], adv, w, clip_range=cfg.clip_range,
-                                      adv_clip_max=cfg.adv_clip_max, denominator=cfg.denominator)
+                w = None if weights is None else weights[:, s : s + 1]
+            loss, lm = flow_grpo_loss(
+                lp,
+                old[:, s : s + 1],
+                adv,
+                w,
+                clip_range=cfg.clip_range,
+                adv_clip_max=cfg.adv_clip_max,
+                denominator=cfg.denominator,
+            )
             (loss / cfg.window).backward()
             loss_sum += float(loss.detach()) / cfg.window
             clip_sum += float(lm["actor/pg_clipfrac"]) / cfg.window
@@ -237,9 +280,13 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
 
 def mean_curves(histories: dict[str, list[dict]]) -> dict[str, dict[str, list[float]]]:
     """Per variant, the per-iteration training reward, window gap and rejected fraction (mean over seeds)."""
-    return {name: {key: [statistics.fmean(r[key][i] for r in runs) for i in range(len(runs[0][key]))]
-                   for key in ("reward", "gap", "rejected")}
-            for name, runs in histories.items()}
+    return {
+        name: {
+            key: [statistics.fmean(r[key][i] for r in runs) for i in range(len(runs[0][key]))]
+            for key in ("reward", "gap", "rejected")
+        }
+        for name, runs in histories.items()
+    }
 
 
 def verdict(summary: dict[str, Any]) -> list[str]:
@@ -248,7 +295,8 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     ref = summary.get("fp32_reference")
     for name, s in summary.items():
         m, se = _mean_se(s["eval_reward_per_seed"])
-        line = f"`{name}`: final eval reward {m:.3f} ± {se:.3f} (mean ± s.e. over {len(s['eval_reward_per_seed'])} seeds)"
+        n_seeds = len(s["eval_reward_per_seed"])
+        line = f"`{name}`: final eval reward {m:.3f} ± {se:.3f} (mean ± s.e. over {n_seeds} seeds)"
         if ref is not None and name != "fp32_reference":
             rm, rse = _mean_se(ref["eval_reward_per_seed"])
             d, dse = m - rm, math.hypot(se, rse)
@@ -258,16 +306,21 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     if "naive" in summary:
         n = summary["naive"]
         share = n["recompute_sec_median"] / max(n["sec_per_iter_median"], 1e-12)
-        lines.append(f"The fp32 recompute pass that bypass mode skips takes {100 * share:.1f}% of a `naive` iteration "
-                     f"here (median {1e3 * n['recompute_sec_median']:.2f} ms of {1e3 * n['sec_per_iter_median']:.2f} ms: "
-                     "it covers only the SDE window, while sampling runs every denoising step). Per-iteration times "
-                     "of different variants were measured at different moments and are not comparable on a shared "
-                     "machine.")
+        lines.append(
+            f"The fp32 recompute pass that bypass mode skips takes {100 * share:.1f}% of a `naive` iteration "
+            f"here (median {1e3 * n['recompute_sec_median']:.2f} ms of "
+            f"{1e3 * n['sec_per_iter_median']:.2f} ms: "
+            "it covers only the SDE window, while sampling runs every denoising step). Per-iteration times "
+            "of different variants were measured at different moments and are not comparable on a shared "
+            "machine."
+        )
     diffs = [s["eval_reward_engine_precision"] - s["eval_reward_mean"] for s in summary.values()]
     if diffs:
-        lines.append(f"Sampling the final weights at the engine's precision instead of fp32 changes the eval reward "
-                     f"by {statistics.fmean(diffs):+.3f} on average over variants (range {min(diffs):+.3f} to "
-                     f"{max(diffs):+.3f}).")
+        lines.append(
+            f"Sampling the final weights at the engine's precision instead of fp32 changes the eval reward "
+            f"by {statistics.fmean(diffs):+.3f} on average over variants (range {min(diffs):+.3f} to "
+            f"{max(diffs):+.3f})."
+        )
     for name in ("bypass_rs", "decoupled_is_rs"):
         if name in summary:
             f = summary[name]["rejected_fraction_mean"]
@@ -289,6 +342,7 @@ def _save(fig: Any, out: Path, name: str) -> str:
 def write_plots(histories: dict[str, list[dict]], summary: dict[str, Any], out: Path) -> list[str]:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover - the plot extra is optional
@@ -299,13 +353,18 @@ def write_plots(histories: dict[str, list[dict]], summary: dict[str, Any], out: 
         n = len(runs[0]["reward"])
         k = max(1, n // 20)
         mean = [statistics.fmean(r["reward"][i] for r in runs) for i in range(n)]
-        smooth = [statistics.fmean(mean[max(0, i - k + 1):i + 1]) for i in range(n)]
+        smooth = [statistics.fmean(mean[max(0, i - k + 1) : i + 1]) for i in range(n)]
         axes[0].plot(range(1, n + 1), smooth, label=name)
         ev = runs[0]["eval"]
-        axes[1].plot([e["iter"] for e in ev],
-                     [statistics.fmean(r["eval"][j]["reward"] for r in runs) for j in range(len(ev))],
-                     marker="o", label=name)
-    axes[0].set(title="training reward (rollout engine samples, smoothed)", xlabel="iteration", ylabel="reward")
+        axes[1].plot(
+            [e["iter"] for e in ev],
+            [statistics.fmean(r["eval"][j]["reward"] for r in runs) for j in range(len(ev))],
+            marker="o",
+            label=name,
+        )
+    axes[0].set(
+        title="training reward (rollout engine samples, smoothed)", xlabel="iteration", ylabel="reward"
+    )
     axes[1].set(title="eval reward (fp32 policy, fixed noise)", xlabel="iteration", ylabel="reward")
     axes[1].legend(fontsize=8)
     files.append(_save(fig, out, "reward.png"))
@@ -316,8 +375,11 @@ def write_plots(histories: dict[str, list[dict]], summary: dict[str, Any], out: 
             continue
         steps = sorted(int(k) for k in s["logprob_abs_diff_per_step"])
         ax.plot(steps, [s["logprob_abs_diff_per_step"][str(k)] for k in steps], marker="o", label=name)
-    ax.set(title="engine gap per denoising step", xlabel="denoising step index (0 = pure noise)",
-           ylabel="mean |log π_fp32 − log π_rollout|")
+    ax.set(
+        title="engine gap per denoising step",
+        xlabel="denoising step index (0 = pure noise)",
+        ylabel="mean |log π_fp32 − log π_rollout|",
+    )
     if any(v > 0 for s in summary.values() for v in s["logprob_abs_diff_per_step"].values()):
         ax.set_yscale("log")
     ax.legend(fontsize=8)
@@ -330,47 +392,77 @@ def write_plots(histories: dict[str, list[dict]], summary: dict[str, Any], out: 
         if name != "fp32_reference":
             axes[0].plot(its, [statistics.fmean(r["gap"][i] for r in runs) for i in range(n)], label=name)
         axes[1].plot(its, [statistics.fmean(r["rejected"][i] for r in runs) for i in range(n)], label=name)
-    axes[0].set(title="engine gap during training", xlabel="iteration", ylabel="mean |Δ log π| over the window")
+    axes[0].set(
+        title="engine gap during training", xlabel="iteration", ylabel="mean |Δ log π| over the window"
+    )
     if axes[0].lines and any(min(line.get_ydata()) > 0 for line in axes[0].lines):
         axes[0].set_yscale("log")
-    axes[1].set(title="fraction of SDE-step elements rejected", xlabel="iteration", ylabel="rejected fraction")
+    axes[1].set(
+        title="fraction of SDE-step elements rejected", xlabel="iteration", ylabel="rejected fraction"
+    )
     axes[1].legend(fontsize=8)
     files.append(_save(fig, out, "mismatch.png"))
     return files
 
 
-def write_report(summary: dict[str, Any], cfg: ExampleConfig, plots: list[str], out: Path,
-                 wall_seconds: float) -> None:
-    rows = ["| variant | eval reward fp32 (seed min–max) | eval reward engine | train reward (last 10 %) | "
-            "in-mode | mean \\|Δlog π\\| | rejected | clip frac | ms / iter |",
-            "|---|---|---|---|---|---|---|---|---|"]
+def write_report(
+    summary: dict[str, Any], cfg: ExampleConfig, plots: list[str], out: Path, wall_seconds: float
+) -> None:
+    rows = [
+        "| variant | eval reward fp32 (seed min–max) | eval reward engine | train reward (last 10 %) | "
+        "in-mode | mean \\|Δlog π\\| | rejected | clip frac | ms / iter |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, s in summary.items():
-        rows.append(f"| `{name}` | {s['eval_reward_mean']:.3f} ({s['eval_reward_min']:.3f}–{s['eval_reward_max']:.3f}) "
-                    f"| {s['eval_reward_engine_precision']:.3f} | {s['train_reward_last10pct']:.3f} | {s['in_mode_last10pct']:.3f} "
-                    f"| {s['logprob_abs_diff_mean']:.4f} | {100 * s['rejected_fraction_mean']:.2f} % "
-                    f"| {s['clipfrac_mean']:.3f} | {1e3 * s['sec_per_iter_median']:.2f} |")
+        rows.append(
+            f"| `{name}` | {s['eval_reward_mean']:.3f} "
+            f"({s['eval_reward_min']:.3f}–{s['eval_reward_max']:.3f}) "
+            f"| {s['eval_reward_engine_precision']:.3f} | {s['train_reward_last10pct']:.3f} "
+            f"| {s['in_mode_last10pct']:.3f} "
+            f"| {s['logprob_abs_diff_mean']:.4f} | {100 * s['rejected_fraction_mean']:.2f} % "
+            f"| {s['clipfrac_mean']:.3f} | {1e3 * s['sec_per_iter_median']:.2f} |"
+        )
     desc = [f"- `{n}`: {RUNS[n].description}" for n in summary]
     text = [
-        "# Diffusion rollout correction — toy FlowGRPO report", "",
+        "# Diffusion rollout correction — toy FlowGRPO report",
+        "",
         f"Rollout engine precision: **{cfg.precision}**; trainer: fp32. {cfg.num_steps} denoising steps, "
         f"SDE window {cfg.window} starting at a random step in [0, {cfg.window_max_start}], η = {cfg.eta}; "
         f"{cfg.groups} groups × {cfg.group_size} samples per iteration, {cfg.iters} iterations, "
         f"seeds {list(cfg.seeds)}, clip range {cfg.clip_range}, loss denominator `{cfg.denominator}`. "
-        f"Wall time {wall_seconds:.1f} s.", "",
-        "## Variants", "", *desc, "",
-        "## Results", "", *rows, "",
-        "Eval reward fp32: fraction of rewarded samples drawn from the final weights in fp32 with fixed noise "
-        "(mean over seeds, min–max in brackets); eval reward engine: the same weights and noise sampled at the "
-        "rollout engine's precision. |Δlog π| is the per-step gap between the engine's log-probs and the fp32 "
-        "log-probs of the same samples (SDE-window steps only).", "",
-        "## What the numbers show", "", *[f"- {line}" for line in verdict(summary)], "",
+        f"Wall time {wall_seconds:.1f} s.",
+        "",
+        "## Variants",
+        "",
+        *desc,
+        "",
+        "## Results",
+        "",
+        *rows,
+        "",
+        "Eval reward fp32: fraction of rewarded samples drawn from the final weights in fp32 with fixed "
+        "noise (mean over seeds, min–max in brackets); eval reward engine: the same weights and noise "
+        "sampled at the rollout engine's precision. |Δlog π| is the per-step gap between the engine's "
+        "log-probs and the fp32 "
+        "log-probs of the same samples (SDE-window steps only).",
+        "",
+        "## What the numbers show",
+        "",
+        *[f"- {line}" for line in verdict(summary)],
+        "",
     ]
     if len(cfg.seeds) < 3:
-        text += ["With fewer than three seeds the differences between variants are not evidence either way.", ""]
+        text += [
+            "With fewer than three seeds the differences between variants are not evidence either way.",
+            "",
+        ]
     else:
-        text += ["Differences smaller than about two standard errors are within seed-to-seed noise; RL runs "
-                 "diverge chaotically after the first different update, so even two variants that differ by a "
-                 "handful of rejected elements can end far apart on a single seed.", ""]
+        text += [
+            "Differences smaller than about two standard errors are within seed-to-seed noise; RL runs "
+            "diverge chaotically after the first different update, so even two variants that differ by a "
+            "handful of rejected elements can end far apart on a single seed.",
+            "",
+        ]
     text += [f"![{p}]({p})" for p in plots]
     (out / "report.md").write_text("\n".join(text) + "\n")
 
@@ -381,17 +473,34 @@ def print_table(summary: dict[str, Any]) -> None:
         from rich.table import Table
     except ImportError:  # pragma: no cover
         for name, s in summary.items():
-            print(f"{name:16s} eval {s['eval_reward_mean']:.3f}  gap {s['logprob_abs_diff_mean']:.4f}  "
-                  f"rejected {100 * s['rejected_fraction_mean']:.2f}%")
+            print(
+                f"{name:16s} eval {s['eval_reward_mean']:.3f}  gap {s['logprob_abs_diff_mean']:.4f}  "
+                f"rejected {100 * s['rejected_fraction_mean']:.2f}%"
+            )
         return
     table = Table(title="toy FlowGRPO: rollout engine vs fp32 trainer")
-    for col in ("variant", "eval fp32", "seed range", "eval engine", "train", "|Δlog π|", "rejected", "ms/iter"):
+    for col in (
+        "variant",
+        "eval fp32",
+        "seed range",
+        "eval engine",
+        "train",
+        "|Δlog π|",
+        "rejected",
+        "ms/iter",
+    ):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for name, s in summary.items():
-        table.add_row(name, f"{s['eval_reward_mean']:.3f}",
-                      f"{s['eval_reward_min']:.3f}–{s['eval_reward_max']:.3f}",
-                      f"{s['eval_reward_engine_precision']:.3f}", f"{s['train_reward_last10pct']:.3f}", f"{s['logprob_abs_diff_mean']:.4f}",
-                      f"{100 * s['rejected_fraction_mean']:.2f}%", f"{1e3 * s['sec_per_iter_median']:.2f}")
+        table.add_row(
+            name,
+            f"{s['eval_reward_mean']:.3f}",
+            f"{s['eval_reward_min']:.3f}–{s['eval_reward_max']:.3f}",
+            f"{s['eval_reward_engine_precision']:.3f}",
+            f"{s['train_reward_last10pct']:.3f}",
+            f"{s['logprob_abs_diff_mean']:.4f}",
+            f"{100 * s['rejected_fraction_mean']:.2f}%",
+            f"{1e3 * s['sec_per_iter_median']:.2f}",
+        )
     Console(width=max(100, Console().width)).print(table)
 
 
@@ -404,7 +513,9 @@ def run_example(cfg: ExampleConfig, *, verbose: bool = True) -> dict[str, Any]:
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.iters < 1 or cfg.window < 1 or cfg.window_max_start + cfg.window > cfg.num_steps:
-        raise ValueError("need iters >= 1 and an SDE window that fits: window_max_start + window <= num_steps")
+        raise ValueError(
+            "need iters >= 1 and an SDE window that fits: window_max_start + window <= num_steps"
+        )
     t_start = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -420,9 +531,12 @@ def run_example(cfg: ExampleConfig, *, verbose: bool = True) -> dict[str, Any]:
             h = run_variant(name, pretrained, target, cfg, seed)
             histories[name].append(h)
             if verbose:
-                print(f"[{name} seed {seed}] eval reward {h['eval'][-1]['reward']:.3f}  "
-                      f"gap {statistics.fmean(h['gap']):.4f}  rejected {100 * statistics.fmean(h['rejected']):.2f}%",
-                      flush=True)
+                print(
+                    f"[{name} seed {seed}] eval reward {h['eval'][-1]['reward']:.3f}  "
+                    f"gap {statistics.fmean(h['gap']):.4f}  "
+                    f"rejected {100 * statistics.fmean(h['rejected']):.2f}%",
+                    flush=True,
+                )
     summary = summarize(histories, cfg)
     plots = write_plots(histories, summary, out)
     wall = time.perf_counter() - t_start
@@ -430,11 +544,16 @@ def run_example(cfg: ExampleConfig, *, verbose: bool = True) -> dict[str, Any]:
     cfg_dict = asdict(cfg)
     cfg_dict["seeds"] = list(cfg.seeds)
     cfg_dict["runs"] = list(cfg.runs)
-    payload = {"config": cfg_dict, "pretrain_final_loss": _tail_mean(pre_losses),
-               "pretrained_eval": evaluate(base, target, cfg, 0),
-               "pretrained_eval_engine_precision": evaluate(base, target, cfg, 0, cfg.precision),
-               "variants": summary,
-               "verdict": verdict(summary), "curves": mean_curves(histories), "wall_seconds": wall}
+    payload = {
+        "config": cfg_dict,
+        "pretrain_final_loss": _tail_mean(pre_losses),
+        "pretrained_eval": evaluate(base, target, cfg, 0),
+        "pretrained_eval_engine_precision": evaluate(base, target, cfg, 0, cfg.precision),
+        "variants": summary,
+        "verdict": verdict(summary),
+        "curves": mean_curves(histories),
+        "wall_seconds": wall,
+    }
     (out / "summary.json").write_text(json.dumps(payload, indent=2, allow_nan=False))
     if verbose:
         print_table(summary)
@@ -444,29 +563,61 @@ def run_example(cfg: ExampleConfig, *, verbose: bool = True) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ExampleConfig()
-    parser.add_argument("--quick", action="store_true", help="CI-sized run (1 seed, 30 iterations, short pretraining)")
-    parser.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
-                        help=f"rollout engine precision (default {d.precision})")
+    parser.add_argument(
+        "--quick", action="store_true", help="CI-sized run (1 seed, 30 iterations, short pretraining)"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default=None,
+        help=f"rollout engine precision (default {d.precision})",
+    )
     parser.add_argument("--iters", type=int, default=None, help=f"RL iterations (default {d.iters})")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default 0 1 2)")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=None, help="variants to train")
     parser.add_argument("--window", type=int, default=None, help=f"SDE window size (default {d.window})")
-    parser.add_argument("--window-max-start", type=int, default=None,
-                        help=f"the window starts at a random step in [0, this] (default {d.window_max_start})")
-    parser.add_argument("--num-steps", type=int, default=None, help=f"denoising steps (default {d.num_steps})")
+    parser.add_argument(
+        "--window-max-start",
+        type=int,
+        default=None,
+        help=f"the window starts at a random step in [0, this] (default {d.window_max_start})",
+    )
+    parser.add_argument(
+        "--num-steps", type=int, default=None, help=f"denoising steps (default {d.num_steps})"
+    )
     parser.add_argument("--eta", type=float, default=None, help=f"SDE noise level η (default {d.eta})")
     parser.add_argument("--lr", type=float, default=None, help=f"learning rate (default {d.lr})")
     parser.add_argument("--clip-range", type=float, default=None, help=f"PPO clip ε (default {d.clip_range})")
-    parser.add_argument("--denominator", choices=["all", "kept"], default=None,
-                        help="loss denominator: every element (FlowGRPO) or kept elements only")
-    parser.add_argument("--pretrain-seed", type=int, default=None,
-                        help=f"seed of the pretrained model every variant starts from (default {d.pretrain_seed})")
+    parser.add_argument(
+        "--denominator",
+        choices=["all", "kept"],
+        default=None,
+        help="loss denominator: every element (FlowGRPO) or kept elements only",
+    )
+    parser.add_argument(
+        "--pretrain-seed",
+        type=int,
+        default=None,
+        help=f"seed of the pretrained model every variant starts from (default {d.pretrain_seed})",
+    )
     parser.add_argument("--out", default=None, help=f"output directory (default {d.out})")
 
 
 def config_from_args(args: argparse.Namespace) -> ExampleConfig:
     kw: dict[str, Any] = {}
-    for key in ("precision", "iters", "window", "window_max_start", "num_steps", "eta", "pretrain_seed", "lr", "clip_range", "denominator", "out"):
+    for key in (
+        "precision",
+        "iters",
+        "window",
+        "window_max_start",
+        "num_steps",
+        "eta",
+        "pretrain_seed",
+        "lr",
+        "clip_range",
+        "denominator",
+        "out",
+    ):
         v = getattr(args, key, None)
         if v is not None:
             kw[key] = v
@@ -484,8 +635,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollout_correction.diffusion.example",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout_correction.diffusion.example", description=__doc__.split("\n\n")[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -47,8 +47,10 @@ def _as_2d(name: str, x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         return x.unsqueeze(1).expand(b, s)
     if x.dim() == 2 and x.shape == (b, 1):
         return x.expand(b, s)
-    raise ValueError(f"{name} has shape {tuple(x.shape)}; expected ({b},), ({b}, 1) or ({b}, {s}) "
-                     f"to match log_prob {tuple(shape)}")
+    raise ValueError(
+        f"{name} has shape {tuple(x.shape)}; expected ({b},), ({b}, 1) or ({b}, {s}) "
+        f"to match log_prob {tuple(shape)}"
+    )
 
 
 def flow_grpo_loss(
@@ -84,11 +86,15 @@ def flow_grpo_loss(
         ``actor/pg_clipfrac_lower``, ``actor/kept_fraction`` (ratios over kept elements).
     """
     if not isinstance(log_prob, torch.Tensor) or log_prob.dim() != 2:
-        raise ValueError("log_prob must be a (B, S) tensor (S = SDE steps; use (B, 1) for one step), got "
-                         f"{tuple(log_prob.shape) if isinstance(log_prob, torch.Tensor) else type(log_prob)}")
+        raise ValueError(
+            "log_prob must be a (B, S) tensor (S = SDE steps; use (B, 1) for one step), got "
+            f"{tuple(log_prob.shape) if isinstance(log_prob, torch.Tensor) else type(log_prob)}"
+        )
     if not isinstance(old_log_prob, torch.Tensor) or old_log_prob.shape != log_prob.shape:
-        raise ValueError(f"old_log_prob must have the shape of log_prob {tuple(log_prob.shape)}, got "
-                         f"{tuple(old_log_prob.shape) if isinstance(old_log_prob, torch.Tensor) else old_log_prob}")
+        raise ValueError(
+            f"old_log_prob must have the shape of log_prob {tuple(log_prob.shape)}, got "
+            f"{tuple(old_log_prob.shape) if isinstance(old_log_prob, torch.Tensor) else old_log_prob}"
+        )
     if denominator not in ("all", "kept"):
         raise ValueError(f"denominator must be 'all' or 'kept', got {denominator!r}")
     if not clip_range > 0:
@@ -103,7 +109,9 @@ def flow_grpo_loss(
     else:
         w = _as_2d("weights", weights, shape).detach().float()
     if keep is None:
-        keep_mask = w > 0 if weights is not None else torch.ones(shape, dtype=torch.bool, device=log_prob.device)
+        keep_mask = (
+            w > 0 if weights is not None else torch.ones(shape, dtype=torch.bool, device=log_prob.device)
+        )
     else:
         keep_mask = _as_2d("keep", keep, shape).bool()
     # A weight is used only where it is finite; a kept element with a non-finite weight is an error.
@@ -111,11 +119,15 @@ def flow_grpo_loss(
 
     old = old_log_prob.detach().float()
     cur = log_prob.float()
-    bad = keep_mask & ~(torch.isfinite(cur.detach()) & torch.isfinite(old) & torch.isfinite(adv) & torch.isfinite(w))
+    bad = keep_mask & ~(
+        torch.isfinite(cur.detach()) & torch.isfinite(old) & torch.isfinite(adv) & torch.isfinite(w)
+    )
     if bool(bad.any()):
         n = int(bad.sum())
-        raise ValueError(f"{n} kept element(s) have a non-finite log_prob, old_log_prob, advantage or weight; "
-                         "reject them (weight 0 / keep=False) or fix the inputs")
+        raise ValueError(
+            f"{n} kept element(s) have a non-finite log_prob, old_log_prob, advantage or weight; "
+            "reject them (weight 0 / keep=False) or fix the inputs"
+        )
 
     zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
     # where() on the log-ratio, before exp: rejected elements cannot poison value or gradient.

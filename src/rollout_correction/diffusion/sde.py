@@ -56,8 +56,9 @@ def sde_sigma(t: float, h: float, eta: float) -> float:
     return eta * math.sqrt(tc / (1.0 - tc))
 
 
-def sde_step_mean_std(x: torch.Tensor, v: torch.Tensor, t: float, h: float,
-                      eta: float) -> tuple[torch.Tensor, float]:
+def sde_step_mean_std(
+    x: torch.Tensor, v: torch.Tensor, t: float, h: float, eta: float
+) -> tuple[torch.Tensor, float]:
     """Mean μ and standard deviation s of one SDE step from t to t − h.
 
     μ = x − h·[v + σ_t²/(2t)·(x + (1 − t)·v)],  s = σ_t·√h.
@@ -101,7 +102,8 @@ def gaussian_step_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: float)
     """
     if x_next.shape != mean.shape:
         raise ValueError(
-            f"x_next and mean must have the same shape, got {tuple(x_next.shape)} and {tuple(mean.shape)}")
+            f"x_next and mean must have the same shape, got {tuple(x_next.shape)} and {tuple(mean.shape)}"
+        )
     if x_next.dim() != 2:
         raise ValueError(f"expected (B, D) states, got shape {tuple(x_next.shape)}")
     if not std > 0:

@@ -22,11 +22,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rollout_correction.diffusion.sde import (gaussian_step_log_prob, ode_step, sde_step_mean_std,
-                                              time_grid)
+from rollout_correction.diffusion.sde import gaussian_step_log_prob, ode_step, sde_step_mean_std, time_grid
 
-__all__ = ["RingTarget", "VelocityMLP", "pretrain_flow_matching", "RolloutEngine", "Trajectory", "PRECISIONS",
-           "fp8_round_trip", "window_log_probs", "group_advantages"]
+__all__ = [
+    "RingTarget",
+    "VelocityMLP",
+    "pretrain_flow_matching",
+    "RolloutEngine",
+    "Trajectory",
+    "PRECISIONS",
+    "fp8_round_trip",
+    "window_log_probs",
+    "group_advantages",
+]
 
 
 @dataclass(frozen=True)
@@ -83,8 +91,9 @@ class VelocityMLP(nn.Module):
         return self.net(torch.cat([x, ft.sin(), ft.cos()], dim=-1))
 
 
-def pretrain_flow_matching(model: VelocityMLP, target: RingTarget, steps: int, batch_size: int = 512,
-                           lr: float = 2e-3, seed: int = 0) -> list[float]:
+def pretrain_flow_matching(
+    model: VelocityMLP, target: RingTarget, steps: int, batch_size: int = 512, lr: float = 2e-3, seed: int = 0
+) -> list[float]:
     """Flow matching on the mixture: min E‖v_θ(x_t, t) − (ε − x₀)‖², x_t = (1 − t)·x₀ + t·ε.
 
     Returns the loss curve.
@@ -164,14 +173,22 @@ class RolloutEngine:
             p.requires_grad_(False)
 
     @torch.no_grad()
-    def sample(self, batch_size: int, num_steps: int, window_start: int, window_size: int,
-               eta: float, generator: torch.Generator) -> Trajectory:
+    def sample(
+        self,
+        batch_size: int,
+        num_steps: int,
+        window_start: int,
+        window_size: int,
+        eta: float,
+        generator: torch.Generator,
+    ) -> Trajectory:
         """Run N denoising steps; steps window_start … window_start+S−1 are SDE steps, the rest ODE."""
         if self.model is None:
             raise RuntimeError("RolloutEngine.load_weights(model) must be called before sample()")
         if not 0 <= window_start <= num_steps - window_size or window_size < 1:
-            raise ValueError(f"SDE window [{window_start}, {window_start + window_size}) does not fit in "
-                             f"{num_steps} steps")
+            raise ValueError(
+                f"SDE window [{window_start}, {window_start + window_size}) does not fit in {num_steps} steps"
+            )
         grid = time_grid(num_steps)
         h = 1.0 / num_steps
         b = batch_size
@@ -192,12 +209,18 @@ class RolloutEngine:
                     states.append(x)
             else:
                 x = ode_step(x, v, h)
-        return Trajectory(states=torch.stack(states, 1).float(), times=times, step_size=h,
-                          rollout_log_probs=torch.stack(log_probs, 1).float(), final=x.float())
+        return Trajectory(
+            states=torch.stack(states, 1).float(),
+            times=times,
+            step_size=h,
+            rollout_log_probs=torch.stack(log_probs, 1).float(),
+            final=x.float(),
+        )
 
 
-def window_log_probs(model: VelocityMLP, traj: Trajectory, eta: float,
-                     steps: list[int] | None = None) -> torch.Tensor:
+def window_log_probs(
+    model: VelocityMLP, traj: Trajectory, eta: float, steps: list[int] | None = None
+) -> torch.Tensor:
     """Trainer-side log π_θ of the recorded window steps, in the model's dtype (fp32), with grad.
 
     Returns (B, S), or (B, len(steps)) for a subset of window steps.
@@ -221,8 +244,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
         (B,) float32.
     """
     if rewards.dim() != 1 or rewards.shape[0] % group_size != 0:
-        raise ValueError(f"rewards must be (B,) with B a multiple of group_size={group_size}, "
-                         f"got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be (B,) with B a multiple of group_size={group_size}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
     r = rewards.float().view(-1, group_size)
     adv = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)
     return adv.view(-1)
