@@ -257,3 +257,33 @@ def test_log_probs_renormalised_over_a_truncated_support_are_flagged():
     assert check.verdict == "warn" and check.value > 0.95 and "truncated sampling support" in check.detail
     healthy = diagnose_tensors(*synthetic(noise=0.05), presets=[])
     assert {h.name: h for h in healthy.health}["tokens where the rollout log-prob is higher"].verdict == "ok"
+
+
+def test_optional_columns_add_their_sections(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rollout_correction.diagnose import diagnose_file
+
+    g = np.random.default_rng(3)
+    n = 90
+    lengths = g.integers(1, 30, size=n)
+    versions = np.arange(n) % 3
+    roll = [-g.exponential(1.0, size=L) for L in lengths]
+    # staler rows (lower version) carry a larger gap
+    old = [np.minimum(r + (0.01 + 0.05 * (2 - v)) * g.standard_normal(L), 0) for r, L, v in zip(roll, lengths, versions)]
+    path = tmp_path / "opt.parquet"
+    pq.write_table(pa.table({"rollout_log_probs": [r.tolist() for r in roll], "old_log_probs": [o.tolist() for o in old],
+                             "responses": [g.integers(0, 20, size=L).tolist() for L in lengths],
+                             "reward": g.random(n), "policy_version": versions}), path)
+    diag = diagnose_file(str(path), presets=["decoupled_token_is"])
+    k3 = {v: e["k3"] / e["tokens"] for v, e in diag.profile.version.items()}
+    assert k3[0] > k3[1] > k3[2]
+    written = write_report(diag, str(tmp_path / "out"))
+    assert os.path.getsize(written["diagnose_version.png"]) > 0
+    md = open(written["report.md"], encoding="utf-8").read()
+    assert "## By policy version" in md and "## Tokens contributing most to the KL" in md
+    assert "Correlation between the reward" in md
+    summary = json.load(open(written["summary.json"]))
+    assert set(summary["by_policy_version"]) == {"0", "1", "2"}
+    assert summary["by_policy_version"]["0"]["k3_kl"] == pytest.approx(k3[0])
