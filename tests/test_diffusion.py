@@ -372,3 +372,26 @@ def test_config_from_omegaconf_node_and_bad_config_type():
         step_correction(torch.zeros(2, 1), torch.zeros(2, 1), "seq_mean_k1")
     with pytest.raises(ValueError, match="path must be"):
         config_notes(SEED003, window_size=1, path="bypass")
+
+
+def test_gradient_dilution_and_the_kept_denominator():
+    """Under "all" each kept element keeps its 1/(B·S) share and rejected ones give 0, so rejecting half
+    the elements halves the total gradient (seed 003's dilution note); "kept" divides by the kept
+    count instead, which scales the kept elements' gradient by 1 / kept fraction."""
+    g = torch.Generator().manual_seed(5)
+    lp0 = 0.05 * torch.randn(8, 2, generator=g)
+    adv = torch.randn(8, generator=g)
+    keep = torch.tensor([[1.0, 1.0], [0.0, 0.0]] * 4)
+
+    def grad(weights, denominator):
+        lp = lp0.clone().requires_grad_(True)
+        flow_grpo_loss(lp, torch.zeros(8, 2), adv, weights, clip_range=0.2, denominator=denominator)[
+            0
+        ].backward()
+        return lp.grad
+
+    full = grad(None, "all")
+    rows = keep[:, 0].bool()
+    torch.testing.assert_close(grad(keep, "all")[rows], full[rows])
+    torch.testing.assert_close(grad(keep, "kept")[rows], 2.0 * full[rows])
+    assert torch.equal(grad(keep, "all")[~rows], torch.zeros(4, 2))

@@ -104,6 +104,11 @@ def test_example_quick_form_end_to_end(tmp_path):
         k.startswith("rollout_corr/step_") for k in variants["bypass_rs"]["last_correction_metrics_seed0"]
     )
     assert "rollout_corr/rollout_is_mean" in variants["decoupled_is_rs"]["last_correction_metrics_seed0"]
+    # nothing was rejected in this short run, so per-step RS left every weight at exactly 1: the
+    # bypass run with RS is the same computation as the one without
+    assert variants["bypass_rs"]["rejected_fraction_mean"] == 0.0
+    assert variants["bypass_rs"]["eval_reward_per_seed"] == variants["bypass"]["eval_reward_per_seed"]
+    assert variants["bypass_rs"]["train_reward_last10pct"] == variants["bypass"]["train_reward_last10pct"]
     report = (tmp_path / "report.md").read_text()
     assert "| `bypass_rs` |" in report and "What the numbers show" in report
     for png in ("reward.png", "gap_per_step.png", "mismatch.png"):
