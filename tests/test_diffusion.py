@@ -25,13 +25,13 @@ from rollout_correction.diffusion.sde import ode_step, sde_sigma, time_grid
 
 torch.set_num_threads(1)
 
-SEED003 = {
+QUICKSTART = {
     "bypass_mode": True,
     "rollout_is": "sequence",
     "rollout_rs": "seq_mean_k1",
     "rollout_rs_threshold": "0.5_2.0",
 }
-DECOUPLED = dict(SEED003, bypass_mode=False)
+DECOUPLED = dict(QUICKSTART, bypass_mode=False)
 LOG2 = math.log(2.0)
 
 
@@ -162,18 +162,18 @@ def test_decoupled_shape_errors(old, ro, match):
         apply_rollout_correction(old, ro, DECOUPLED)
 
 
-def test_seed003_config_forms_work_unchanged():
-    cfg = RolloutCorrectionConfig.from_dict(SEED003)
+def test_quickstart_config_forms_work_unchanged():
+    cfg = RolloutCorrectionConfig.from_dict(QUICKSTART)
     assert cfg.bypass_mode and cfg.rollout_is == "sequence"
     k1, _ = step_correction(OLD[:, :1], RO[:, :1], cfg)
-    k2, _ = step_correction(OLD[:, :1], RO[:, :1], SEED003)  # a plain mapping is accepted too
+    k2, _ = step_correction(OLD[:, :1], RO[:, :1], QUICKSTART)  # a plain mapping is accepted too
     torch.testing.assert_close(k1, k2)
 
 
 # -------------------------------------------------------------------------------- bypass steps
 def test_step_correction_ppo_clip_returns_the_rs_keep_mask_only():
     lp = torch.tensor([[0.1], [1.0], [-1.0]], requires_grad=True)
-    keep, m = step_correction(lp, torch.zeros(3, 1), SEED003)
+    keep, m = step_correction(lp, torch.zeros(3, 1), QUICKSTART)
     # log ρ = 0.1 kept; 1.0 > log 2 and −1.0 < −log 2 rejected. IS e^0.1 is NOT applied.
     assert torch.equal(keep, torch.tensor([[1.0], [0.0], [0.0]]))
     assert not keep.requires_grad
@@ -185,13 +185,13 @@ def test_step_correction_ppo_clip_returns_the_rs_keep_mask_only():
 
 def test_step_correction_reinforce_applies_is_times_keep():
     keep, _ = step_correction(
-        torch.tensor([[0.1], [1.0], [0.5]]), torch.zeros(3, 1), dict(SEED003, loss_type="reinforce")
+        torch.tensor([[0.1], [1.0], [0.5]]), torch.zeros(3, 1), dict(QUICKSTART, loss_type="reinforce")
     )
     torch.testing.assert_close(keep, torch.tensor([[math.exp(0.1)], [0.0], [math.exp(0.5)]]))
 
 
 def test_step_correction_accepts_1d_and_prefixes_metrics_with_the_step():
-    keep, m = step_correction(torch.tensor([0.1, 1.0]), torch.zeros(2), SEED003, step_index=3)
+    keep, m = step_correction(torch.tensor([0.1, 1.0]), torch.zeros(2), QUICKSTART, step_index=3)
     assert keep.shape == (2,)
     assert torch.equal(keep, torch.tensor([1.0, 0.0]))
     assert m and all(k.startswith("rollout_corr/step_3/") for k in m)
@@ -200,9 +200,9 @@ def test_step_correction_accepts_1d_and_prefixes_metrics_with_the_step():
 
 def test_step_correction_rejects_a_window():
     with pytest.raises(ValueError, match="one SDE step.*apply_rollout_correction"):
-        step_correction(torch.zeros(4, 2), torch.zeros(4, 2), SEED003)
+        step_correction(torch.zeros(4, 2), torch.zeros(4, 2), QUICKSTART)
     with pytest.raises(ValueError, match="same shape"):
-        step_correction(torch.zeros(4, 1), torch.zeros(3, 1), SEED003)
+        step_correction(torch.zeros(4, 1), torch.zeros(3, 1), QUICKSTART)
 
 
 def test_one_step_levels_are_identical_as_the_warning_says():
@@ -211,7 +211,7 @@ def test_one_step_levels_are_identical_as_the_warning_says():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         keeps = [
-            step_correction(lp, ro, dict(SEED003, rollout_rs=o))[0]
+            step_correction(lp, ro, dict(QUICKSTART, rollout_rs=o))[0]
             for o in ("token_k1", "seq_sum_k1", "seq_mean_k1")
         ]
     assert 0 < keeps[0].sum() < 256
@@ -221,27 +221,29 @@ def test_one_step_levels_are_identical_as_the_warning_says():
 # ------------------------------------------------------------------------------------- warnings
 def test_warnings_for_ineffective_settings():
     with pytest.warns(UserWarning, match="token-level and sequence-level rejection are identical"):
-        step_correction(torch.zeros(2, 1), torch.zeros(2, 1), dict(SEED003, rollout_rs="token_k1"))
+        step_correction(torch.zeros(2, 1), torch.zeros(2, 1), dict(QUICKSTART, rollout_rs="token_k1"))
     with pytest.warns(UserWarning, match="test the same k1 statistic"):
         step_correction(
-            torch.zeros(2, 1), torch.zeros(2, 1), dict(SEED003, rollout_rs="seq_sum_k1,seq_mean_k1")
+            torch.zeros(2, 1), torch.zeros(2, 1), dict(QUICKSTART, rollout_rs="seq_sum_k1,seq_mean_k1")
         )
     with pytest.warns(UserWarning, match="bypass_mode is False"):
         step_correction(torch.zeros(2, 1), torch.zeros(2, 1), DECOUPLED)
     with pytest.warns(UserWarning, match="decoupled correction is a no-op"):
-        apply_rollout_correction(OLD, RO, SEED003)
+        apply_rollout_correction(OLD, RO, QUICKSTART)
     with pytest.warns(UserWarning, match="little power with a 2-step SDE window"):
         apply_rollout_correction(OLD, RO, dict(DECOUPLED, rollout_rs="token_k1"))
     with pytest.warns(UserWarning, match="batch_normalize=True has no effect"):
-        step_correction(torch.zeros(2, 1), torch.zeros(2, 1), dict(SEED003, rollout_is_batch_normalize=True))
+        step_correction(
+            torch.zeros(2, 1), torch.zeros(2, 1), dict(QUICKSTART, rollout_is_batch_normalize=True)
+        )
 
 
 def test_recommended_settings_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        step_correction(torch.zeros(2, 1), torch.zeros(2, 1), SEED003)
+        step_correction(torch.zeros(2, 1), torch.zeros(2, 1), QUICKSTART)
         apply_rollout_correction(OLD, RO, DECOUPLED)
-    assert config_notes(SEED003, window_size=1, path="bypass_step") == []
+    assert config_notes(QUICKSTART, window_size=1, path="bypass_step") == []
     assert config_notes(dict(DECOUPLED, rollout_rs="token_k1"), window_size=8, path="decoupled") == []
 
 
@@ -342,7 +344,7 @@ def test_bypass_pipeline_loss_equals_the_loss_over_kept_steps_only():
     total = 0.0
     manual = 0.0
     for s in range(2):
-        keep, _ = step_correction(lp[:, s : s + 1], ro[:, s : s + 1], SEED003, step_index=s)
+        keep, _ = step_correction(lp[:, s : s + 1], ro[:, s : s + 1], QUICKSTART, step_index=s)
         loss, _ = flow_grpo_loss(
             lp[:, s : s + 1], batch["old_log_probs"][:, s : s + 1], adv, keep, clip_range=0.2
         )
@@ -365,19 +367,19 @@ def test_per_step_metrics_skip_non_finite_pairs():
 
 def test_config_from_omegaconf_node_and_bad_config_type():
     omegaconf = pytest.importorskip("omegaconf")
-    node = omegaconf.OmegaConf.create(SEED003)
+    node = omegaconf.OmegaConf.create(QUICKSTART)
     keep, _ = step_correction(torch.tensor([[0.1], [1.0]]), torch.zeros(2, 1), node)
     assert torch.equal(keep, torch.tensor([[1.0], [0.0]]))
     with pytest.raises(TypeError, match="RolloutCorrectionConfig or a mapping"):
         step_correction(torch.zeros(2, 1), torch.zeros(2, 1), "seq_mean_k1")
     with pytest.raises(ValueError, match="path must be"):
-        config_notes(SEED003, window_size=1, path="bypass")
+        config_notes(QUICKSTART, window_size=1, path="bypass")
 
 
 def test_gradient_dilution_and_the_kept_denominator():
-    """Under "all" each kept element keeps its 1/(B·S) share and rejected ones give 0, so rejecting half
-    the elements halves the total gradient (seed 003's dilution note); "kept" divides by the kept
-    count instead, which scales the kept elements' gradient by 1 / kept fraction."""
+    """Under "all" each kept element keeps its 1/(B·S) share and rejected ones give 0, so rejecting
+    half the elements halves the total gradient (the dilution note of docs/diffusion.md); "kept"
+    divides by the kept count instead, scaling the kept elements' gradient by 1 / kept fraction."""
     g = torch.Generator().manual_seed(5)
     lp0 = 0.05 * torch.randn(8, 2, generator=g)
     adv = torch.randn(8, generator=g)

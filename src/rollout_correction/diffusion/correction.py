@@ -87,7 +87,9 @@ def _as_config(config: Any) -> RolloutCorrectionConfig:
 
 
 def config_notes(config: Any, *, window_size: int, path: str) -> list[str]:
-    """Settings that have no effect, or little power, for a diffusion window (seed 003's guide).
+    """Settings that have no effect, or little power, for a diffusion window.
+
+    The rules follow the short-window tuning guide in docs/diffusion.md.
 
     Args:
         config: a :class:`RolloutCorrectionConfig` or a mapping of its keys.
@@ -296,7 +298,7 @@ def apply_rollout_correction(
     Args:
         old_log_probs: (B, S) fp32 recompute of the old policy.
         rollout_log_probs: (B, S) log-probs recorded by the rollout engine.
-        config: :class:`RolloutCorrectionConfig` or a mapping of its keys (e.g. seed 003's
+        config: :class:`RolloutCorrectionConfig` or a mapping of its keys (e.g. the quickstart's
             ``rollout_is="sequence"``, ``rollout_rs="seq_mean_k1"``, ``rollout_rs_threshold="0.5_2.0"``).
     Returns:
         weights (B, S) float32 detached; metrics ``rollout_corr/...`` (0-d tensors), including

@@ -13,7 +13,7 @@ same seeds:
   naive            low-precision rollout, fp32 recompute of π_old, no correction
   decoupled_is_rs  low-precision rollout, fp32 recompute, IS × RS weights (apply_rollout_correction)
   bypass           low-precision rollout, old := rollout (no recompute), no rejection
-  bypass_rs        seed 003's quickstart: bypass + rollout_is=sequence + seq_mean_k1 "0.5_2.0"
+  bypass_rs        the quickstart: bypass + rollout_is=sequence + seq_mean_k1 "0.5_2.0"
                    (per-step step_correction inside the loss)
 
 Outputs in ``--out``: ``summary.json``, ``report.md``, ``reward.png``, ``gap_per_step.png``,
@@ -52,8 +52,9 @@ from rollout_correction.diffusion.toy import (
 
 __all__ = ["ExampleConfig", "RUNS", "run_variant", "run_example", "main"]
 
-#: The seed-003 quickstart, used by the corrected variants (bypass_mode is set per variant).
-SEED003_CORRECTION = {
+#: The quickstart configuration of docs/diffusion.md,
+#: used by the corrected variants (bypass_mode is set per variant).
+QUICKSTART_CORRECTION = {
     "rollout_is": "sequence",
     "rollout_is_threshold": 2.0,
     "rollout_rs": "seq_mean_k1",
@@ -75,11 +76,13 @@ RUNS: dict[str, Variant] = {
     "decoupled_is_rs": Variant(
         "recompute + IS×RS weights (seq IS 2.0, seq_mean_k1 0.5_2.0)",
         False,
-        dict(SEED003_CORRECTION, bypass_mode=False),
+        dict(QUICKSTART_CORRECTION, bypass_mode=False),
     ),
     "bypass": Variant("old := rollout log-probs, no rejection", True),
     "bypass_rs": Variant(
-        "old := rollout + per-step RS (seed 003 quickstart)", True, dict(SEED003_CORRECTION, bypass_mode=True)
+        "old := rollout + per-step RS (quickstart configuration)",
+        True,
+        dict(QUICKSTART_CORRECTION, bypass_mode=True),
     ),
 }
 
@@ -324,7 +327,7 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     for name in ("bypass_rs", "decoupled_is_rs"):
         if name in summary:
             f = summary[name]["rejected_fraction_mean"]
-            note = " — above seed 003's ~10 % dilution alarm" if f > 0.10 else ""
+            note = " — above the ~10 % gradient-dilution alarm of docs/diffusion.md" if f > 0.10 else ""
             lines.append(f"`{name}` rejected {100 * f:.3f}% of the SDE-step elements on average{note}.")
     return lines
 
