@@ -17,11 +17,15 @@ _COMMANDS: dict[str, tuple[str, str]] = {
              "train a small LM with a mismatched rollout engine: naive PPO vs. rollout correction"),
     "diagnose": ("rollout_correction.diagnose.cli",
                  "measure the training-inference mismatch in dumped log-probs and recommend a preset"),
+    "diffusion-demo": ("rollout_correction.diffusion.cli",
+                       "toy FlowGRPO: a reduced-precision rollout engine with and without rollout correction"),
     "presets": ("rollout_correction.presets_cli", "list the configuration presets"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (each surface may pull in heavy
+    optional dependencies, and a sub-command should not pay for the others)."""
     parser = argparse.ArgumentParser(
         prog="rollout-correction",
         description="Rollout correction for LLM reinforcement learning.",
@@ -33,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in _COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
         sp.set_defaults(_module=module_name)
-        # Sub-commands whose module cannot be imported (a missing extra) still show up in --help;
-        # the error is raised when they are run.
+        if name != command:
+            continue
+        # A sub-command whose module cannot be imported (a missing extra) still shows up in
+        # --help; the error is raised when it is run.
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:  # pragma: no cover - depends on installed extras
@@ -45,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in _COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

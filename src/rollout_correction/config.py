@@ -167,6 +167,9 @@ class RolloutCorrectionConfig:
     loss_type: bypass-mode loss, ``"ppo_clip"`` or ``"reinforce"`` (−sg(w)·A·log π_θ).
     on_nonfinite: what to do with NaN/±inf log-probs at valid positions: ``"reject"`` the
         sequence and count it (metric ``nonfinite_seq_fraction``) or ``"raise"``.
+    check_alignment: also test whether the rollout log-probs look shifted by one token against
+        the trainer's (``alignment_*`` metrics; a :class:`MisalignmentWarning` when they do).
+        Costs a few passes and one device sync, so it is off by default.
     """
 
     rollout_is: Optional[str] = None
@@ -181,6 +184,7 @@ class RolloutCorrectionConfig:
     bypass_mode: bool = False
     loss_type: str = "ppo_clip"
     on_nonfinite: str = "reject"
+    check_alignment: bool = False
 
     # Resolved settings, derived in __post_init__.
     is_spec: Optional[ISSpec] = field(init=False, repr=False, compare=False, default=None)
@@ -188,7 +192,7 @@ class RolloutCorrectionConfig:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
-        for key in ("rollout_is_batch_normalize", "bypass_mode"):
+        for key in ("rollout_is_batch_normalize", "bypass_mode", "check_alignment"):
             if not isinstance(getattr(self, key), bool):
                 raise _err(key, getattr(self, key), "expected true or false")
         if self.loss_type not in _LOSS_TYPES:

@@ -8,11 +8,13 @@ collectives), and derives the batch-normalisation factor and all metrics from th
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from .alignment import MisalignmentWarning, alignment_metrics, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig
 from .logratio import LogRatioBatch
 from .metrics import (add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics, offpolicy_metrics,
@@ -52,7 +54,18 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig,
         add_is_statistics(stats, batch, config.is_spec, isw)
     rej = rejection_keep(batch, config.rs_options, config.rollout_token_veto_threshold, stats)
     add_offpolicy_statistics(stats, batch)
+    if config.check_alignment:
+        sums = alignment_statistics(batch.old_log_prob, batch.rollout_log_prob, batch.response_mask)
+        for name, value in zip(_ALIGN_KEYS, sums.unbind()):
+            stats.add_sum(name, value)
     return isw, rej
+
+
+_ALIGN_KEYS = ("align.n", "align.d0", "align.late", "align.early")
+
+
+def _alignment_sums(stats: SufficientStats) -> torch.Tensor:
+    return torch.stack([stats.sum(k) for k in _ALIGN_KEYS])
 
 
 def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -86,6 +99,8 @@ def correction_metrics(stats: SufficientStats, config: RolloutCorrectionConfig) 
         m.update(veto_metrics(stats))
     m.update(offpolicy_metrics(stats))
     m.update(nonfinite_metrics(stats))
+    if config.check_alignment:
+        m.update(alignment_metrics(_alignment_sums(stats), prefix=""))
     return m
 
 
@@ -129,4 +144,8 @@ def compute_rollout_correction(
         if weights is not None and config.is_spec.batch_normalize:
             weights = weights / batch_norm_factor(stats, config.is_spec).to(weights.dtype)
         out_mask = keep.to(response_mask.dtype)
+        if config.check_alignment:
+            report = alignment_report(_alignment_sums(stats))
+            if report.misaligned:
+                warnings.warn(report.message, MisalignmentWarning, stacklevel=2)
     return CorrectionOutput(weights=weights, response_mask=out_mask, metrics=prefixed(metrics))

@@ -127,7 +127,12 @@ class _Accumulator:
 
     def update(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                response_mask: torch.Tensor) -> None:
-        batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, self.on_nonfinite)
+        """Add a chunk of whole rows."""
+        self.update_batch(LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, self.on_nonfinite))
+
+    def update_batch(self, batch: LogRatioBatch) -> None:
+        """Add a chunk already wrapped in a :class:`LogRatioBatch` (so several accumulators can
+        share one batch and its lazily computed quantities)."""
         local = SufficientStats()
         batch.add_counts(local)
         self._add(local, batch)

@@ -46,6 +46,9 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
                   "bypass-mode loss: PPO clip, or REINFORCE −sg(w)·A·log π_θ (pure IS)."),
     "on_nonfinite": ("reject, raise", "reject",
                      "NaN/±inf log-probs at valid positions: drop the sequence and count it, or raise."),
+    "check_alignment": ("true, false", "false",
+                        "also test whether the rollout log-probs look shifted by one token against the "
+                        "trainer's (alignment_* metrics, a MisalignmentWarning when they do; one extra sync)."),
 }
 
 #: first-generation key -> how it maps
@@ -106,6 +109,9 @@ METRICS: dict[str, str] = {
     "chi2_token": "E_tok[ρ²] − 1: χ² divergence at token level (IS variance)",
     "chi2_seq": "E_seq[(∏ρ_t)²] − 1: χ² divergence at sequence level",
     "nonfinite_seq_fraction": "share of sequences dropped for a NaN/±inf log-prob at a valid position",
+    "alignment_mae / alignment_late_mae / alignment_early_mae": "with check_alignment: mean |old − rollout| "
+        "over adjacent valid pairs as given, with rollout read one position later, and one earlier",
+    "alignment_pairs": "with check_alignment: number of adjacent valid token pairs compared",
 }
 
 
