@@ -36,12 +36,13 @@ def _close(actual, expected, rel=1e-5, abs_=1e-7):
     assert actual == pytest.approx(expected, rel=rel, abs=abs_)
 
 
-def _moments_and_seq(mean, ew2, seq, seq_raw, U, L):
-    """Entries shared by every level: token-weighted mean / std / ESS and per-row statistics."""
+def _moments_and_seq(token_w, seq, seq_raw, U, L):
+    """Entries shared by every level: mean / std / ESS over valid tokens and per-row statistics."""
+    mean = statistics.fmean(token_w)
     return {
         "rollout_is_mean": mean,
-        "rollout_is_std": math.sqrt(ew2 - mean * mean),
-        "rollout_is_eff_sample_size": (mean + 1e-8) ** 2 / ew2,
+        "rollout_is_std": statistics.pstdev(token_w),
+        "rollout_is_eff_sample_size": (mean + 1e-8) ** 2 / statistics.fmean(x * x for x in token_w),
         "rollout_is_seq_mean": statistics.mean(seq),
         "rollout_is_seq_std": statistics.stdev(seq),
         "rollout_is_seq_max": max(seq),
@@ -57,7 +58,7 @@ def _token_level_metrics(w, raw, rows_w, rows_raw, U, L):
     n = len(w)
     seq = [sum(r) / len(r) for r in rows_w]
     seq_raw = [sum(r) / len(r) for r in rows_raw]
-    out = _moments_and_seq(sum(w) / n, sum(x * x for x in w) / n, seq, seq_raw, U, L)
+    out = _moments_and_seq(w, seq, seq_raw, U, L)
     out.update({
         "rollout_is_max": max(w),
         "rollout_is_min": min(w),
@@ -69,10 +70,8 @@ def _token_level_metrics(w, raw, rows_w, rows_raw, U, L):
 
 def _seq_level_metrics(row_w, row_raw, lengths, U, L):
     """rollout_is_* metrics for sequence/geometric weights (one weight per row, broadcast)."""
-    n = sum(lengths)
-    mean = sum(w * k for w, k in zip(row_w, lengths)) / n
-    ew2 = sum(w * w * k for w, k in zip(row_w, lengths)) / n
-    out = _moments_and_seq(mean, ew2, row_w, row_raw, U, L)
+    token_w = [w for w, k in zip(row_w, lengths) for _ in range(k)]  # broadcast over each row's tokens
+    out = _moments_and_seq(token_w, row_w, row_raw, U, L)
     out.update({
         "rollout_is_max": max(row_raw),  # from the unbounded row weight
         "rollout_is_min": min(row_raw),
@@ -272,3 +271,12 @@ def test_ess_of_uniform_weights_is_one_and_of_one_spike_is_small(make_batch):
     # Weights [9, 1, 1, 1]: E[w] = 3, E[w²] = 21 → ESS = 9/21.
     out = _run(make_batch, rows=[[9.0, 1.0], [1.0, 1.0]], rollout_is="token", rollout_is_threshold=10.0)
     _close(out.metrics_as_floats()[P + "rollout_is_eff_sample_size"], (3 + 1e-8) ** 2 / 21)
+
+
+@pytest.mark.xfail(strict=True, reason="core: E[w²] − E[w]² with w² rounded in fp32 (.notes/core-tests.md #4)")
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_std_of_identical_weights_is_zero(make_batch, level):
+    # Two tokens / rows with the same weight e: the spread is exactly 0. Squaring in float32
+    # before the float64 sum leaves ~5e-7 in E[w²] − E[w]², i.e. a std of ~3e-4.
+    out = _run(make_batch, rows=[[math.e], [math.e]], rollout_is=level, rollout_is_threshold=3.0)
+    assert out.metrics_as_floats()[P + "rollout_is_std"] == pytest.approx(0.0, abs=1e-6)
