@@ -15,7 +15,7 @@ DEFAULTS = {
     "rollout_is_mode": None,
     "rollout_is_batch_normalize": False, "rollout_rs": None, "rollout_rs_threshold": None,
     "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None, "bypass_mode": False,
-    "loss_type": "ppo_clip", "on_nonfinite": "reject",
+    "loss_type": "ppo_clip", "on_nonfinite": "reject", "check_alignment": False,
 }
 
 GEO = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}
