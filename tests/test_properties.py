@@ -1,6 +1,6 @@
 """Property tests (hypothesis) of the core: weights, truncation bounds, AND-composition of rejection
 options, reciprocal-bound symmetry, the REINFORCE gradient, chunk-independence of metrics, and
-weights / masks / off-policy metrics against a float-by-float evaluation of their definitions."""
+weights / masks / metrics / policy losses against a float-by-float evaluation of their definitions."""
 
 import math
 
@@ -394,3 +394,58 @@ def test_rs_metrics_match_their_definitions(batch, option, data):
     for k, v in _option_metrics(option, thr, [r for r in rows if r]).items():
         if not (STD_PENDING and k.endswith("_std") and not k.endswith("_seq_std")):
             assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+
+
+def _ppo_token_loss(lp, prox, a, eps_lo=0.2, eps_hi=0.2, c=3.0):
+    r = math.exp(max(-20.0, min(20.0, lp - prox)))
+    loss = max(-a * r, -a * min(max(r, 1 - eps_lo), 1 + eps_hi))
+    return min(loss, -c * a) if a < 0 else loss
+
+
+def _aggregate(rows, mode, T):
+    """rows: per-row lists of the kept tokens' losses (empty rows included)."""
+    n_tok = sum(len(r) for r in rows)
+    n_seq = sum(1 for r in rows if r)
+    if mode == "token-mean":
+        return sum(map(sum, rows)) / max(n_tok, 1)
+    if mode == "token-sum":
+        return sum(map(sum, rows))
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in rows if r) / max(n_seq, 1)
+    seq = sum(map(sum, rows)) / max(n_seq, 1)
+    return seq / T if mode == "seq-mean-token-sum-norm" else seq
+
+
+@FAST
+@given(batches(), any_config(), st.sampled_from(["decoupled", "bypass_ppo_clip", "bypass_reinforce"]),
+       st.sampled_from(["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                        "seq-mean-token-sum-norm"]), st.integers(0, 2 ** 16))
+def test_policy_loss_matches_its_definition(batch, cfg, mode_name, agg, seed):
+    old, rollout, mask = batch
+    B, T = mask.shape
+    g = torch.Generator().manual_seed(seed)
+    log_prob = torch.where(mask, old + 0.3 * torch.randn(B, T, generator=g), torch.tensor(float("nan")))
+    adv = torch.where(mask, torch.randn(B, T, generator=g), torch.tensor(float("nan")))
+    if mode_name != "decoupled":
+        cfg = cfg.replace(bypass_mode=True, loss_type=mode_name.split("_", 1)[1])
+    loss, _ = compute_policy_loss(log_prob, old, adv, mask, cfg, rollout_log_prob=rollout, loss_agg_mode=agg)
+    assert math.isfinite(loss.item())
+    # The correction the loss must use: π_old vs π_rollout (decoupled) or π_θ vs π_rollout (bypass).
+    train_side = old if mode_name == "decoupled" else log_prob
+    corr = compute_rollout_correction(train_side, rollout, mask, cfg)
+    rows = []
+    for i in range(B):
+        row = []
+        for t in range(T):
+            if not corr.response_mask[i, t]:
+                continue
+            lp, a = log_prob[i, t].item(), adv[i, t].item()
+            w = corr.weights[i, t].item() if corr.weights is not None else 1.0
+            if mode_name == "decoupled":
+                row.append(w * _ppo_token_loss(lp, old[i, t].item(), a))
+            elif mode_name == "bypass_ppo_clip":  # IS weights are diagnostics only
+                row.append(_ppo_token_loss(lp, rollout[i, t].item(), a))
+            else:
+                row.append(-w * a * lp)
+        rows.append(row)
+    assert loss.item() == pytest.approx(_aggregate(rows, agg, T), rel=1e-4, abs=1e-5)
