@@ -13,7 +13,7 @@ correction) and the denominator
     D = B·S                         denominator="all"  (FlowGRPO's mean over every element)
     D = #{(i, s) kept}              denominator="kept" (rejected elements leave the mean)
 
-``"all"`` is what the verl diffusion port does: at a rejection fraction f the gradient shrinks by
+``"all"`` is what verl-omni's diffusion port does: at a rejection fraction f the gradient shrinks by
 (1 − f) ("gradient dilution"). ``"kept"`` removes the rejected elements from the denominator, as
 the token-mean loss of the LLM path does when rejection edits the response mask.
 
