@@ -12,10 +12,10 @@ import torch
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from rollout_correction import compute_offpolicy_metrics, compute_rollout_correction, metrics_to_floats  # noqa: E402
-from rollout_correction.config import RolloutCorrectionConfig  # noqa: E402
-from rollout_correction.diagnose import Columns, diagnose_file, diagnose_tensors, iter_chunks  # noqa: E402
-from rollout_correction.diagnose.histograms import Histogram, KeyedSums, key_bin_edges  # noqa: E402
+from rollout_correction import compute_offpolicy_metrics, compute_rollout_correction, metrics_to_floats
+from rollout_correction.config import RolloutCorrectionConfig
+from rollout_correction.diagnose import Columns, diagnose_file, diagnose_tensors, iter_chunks
+from rollout_correction.diagnose.histograms import Histogram, KeyedSums, key_bin_edges
 
 torch.set_num_threads(1)
 

@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("pyarrow")
 pytest.importorskip("matplotlib")
 
-from rollout_correction import compute_offpolicy_metrics, metrics_to_floats  # noqa: E402
-from rollout_correction.cli import main  # noqa: E402
-from rollout_correction.config import RolloutCorrectionConfig  # noqa: E402
-from rollout_correction.diagnose import diagnose_tensors, summary_dict, write_report  # noqa: E402
+from rollout_correction import compute_offpolicy_metrics, metrics_to_floats
+from rollout_correction.cli import main
+from rollout_correction.config import RolloutCorrectionConfig
+from rollout_correction.diagnose import diagnose_tensors, summary_dict, write_report
 
 torch.set_num_threads(1)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

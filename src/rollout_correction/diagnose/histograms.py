@@ -20,7 +20,7 @@ def symlog_edges(lo: float = 1e-6, hi: float = 1e3, per_decade: int = 16) -> np.
     """
     if not (0 < lo < hi):
         raise ValueError(f"need 0 < lo < hi, got lo={lo}, hi={hi}")
-    n = int(round(np.log10(hi / lo) * per_decade)) + 1
+    n = round(float(np.log10(hi / lo)) * per_decade) + 1
     pos = np.logspace(np.log10(lo), np.log10(hi), n)
     return np.concatenate([-pos[::-1], [0.0], pos])
 
@@ -117,7 +117,7 @@ class AdaptiveLinearHistogram:
             return
         self._add(v)
 
-    def finish(self) -> "AdaptiveLinearHistogram":
+    def finish(self) -> AdaptiveLinearHistogram:
         if self.hist is None:
             self._freeze()
         return self

@@ -115,7 +115,7 @@ class ProfileResult:
     what_if: list[dict]  # one entry per preset
     levels: dict[str, dict[str, float]]  # LevelMoments.as_dict() per level
     histograms: dict[str, Histogram]  # log-weights per level, symmetric-log bins (tails)
-    linear: dict[str, "AdaptiveLinearHistogram"]  # log-weights per level, linear bins (bulk)
+    linear: dict[str, AdaptiveLinearHistogram]  # log-weights per level, linear bins (bulk)
     alignment: AlignmentReport  # the core's one-token shift detector
     position: KeyedSums  # keyed by token position
     length: KeyedSums  # keyed by response length (rows)
@@ -285,7 +285,6 @@ class MismatchProfile:
         c.rows_nonfinite += int(bad_row.sum())
         mask = batch.valid
         lr = batch.log_ratio  # float32, 0 where not valid
-        lrc = batch.log_ratio_clamped
         k3 = batch.k3
         lengths = batch.n_row
         has = batch.row_valid

@@ -29,8 +29,9 @@ import itertools
 import json
 import os
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +81,7 @@ class Chunk:
     def num_rows(self) -> int:
         return int(self.response_mask.shape[0])
 
-    def take(self, rows: np.ndarray, width: int) -> "Chunk":
+    def take(self, rows: np.ndarray, width: int) -> Chunk:
         """The chunk of the given rows, cut to the first ``width`` positions (which must hold every
         valid position of those rows)."""
         def sel(a):
@@ -592,4 +593,4 @@ def iter_chunks(path: str, columns: Columns | None = None, chunk_rows: int = 204
     yield from reader(path, columns, chunk_rows)
 
 
-__all__ = ["Chunk", "Columns", "FORMATS", "assemble_chunk", "detect_format", "iter_chunks"]
+__all__ = ["FORMATS", "Chunk", "Columns", "assemble_chunk", "detect_format", "iter_chunks"]
