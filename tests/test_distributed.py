@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import rollout_correction.compat.verl as compat
+
 from rollout_correction import (
     RolloutCorrectionConfig,
     compute_offpolicy_metrics,
@@ -96,6 +98,14 @@ def compute_all(old, rollout, mask, log_prob, adv, group, global_tokens=None, gl
     return out
 
 
+def compat_batch_norm(old, rollout, mask):
+    """The verl drop-in with batch normalisation and its default group (WORLD when initialised)."""
+    holder, new_mask, metrics = compat.compute_rollout_correction_and_rejection_mask(
+        old, rollout, mask, rollout_is="sequence", rollout_is_threshold=3.0, rollout_is_batch_normalize=True,
+        rollout_rs="seq_mean_k3", rollout_rs_threshold=0.05)
+    return holder.batch["rollout_is_weights"].clone(), new_mask.clone(), metrics
+
+
 def _worker(rank, world_size, port, result_dir):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -109,8 +119,9 @@ def _worker(rank, world_size, port, result_dir):
         for layout in SPLITS[world_size]:
             lo, hi = layout[rank]
             part = [t[lo:hi] for t in (old, rollout, mask, log_prob, adv)]
-            results.append(compute_all(*part, group=dist.group.WORLD, global_tokens=global_tokens,
-                                       global_seqs=global_seqs))
+            res = compute_all(*part, group=dist.group.WORLD, global_tokens=global_tokens, global_seqs=global_seqs)
+            res["compat"] = compat_batch_norm(*part[:3])  # verl's default group: WORLD
+            results.append(res)
         # A sub-group: ranks 0 and 1 split the batch, the last rank is not a member.
         sub = dist.new_group(ranks=[0, 1])
         if rank in (0, 1):
@@ -176,9 +187,15 @@ def test_split_batch_equals_whole_batch(world_size, tmp_path):
         differing = [k for k, v in whole[f"{name}/metrics"].items()
                      if not math.isclose(v, local[f"{name}/metrics"][k], rel_tol=1e-3, abs_tol=1e-6)]
         assert len(differing) >= 5, f"{name}: test batch too uniform ({differing})"
+    whole_compat = compat_batch_norm(old, rollout, mask)
     for i, layout in enumerate(SPLITS[world_size]):
         _check_layout(whole, [per_rank[r][i] for r in range(world_size)], layout, world_size,
                       f"world {world_size} layout {layout}")
+        for rank, (lo, hi) in enumerate(layout):
+            weights, new_mask, metrics = per_rank[rank][i]["compat"]
+            torch.testing.assert_close(weights, whole_compat[0][lo:hi], rtol=1e-5, atol=1e-6)
+            assert torch.equal(new_mask, whole_compat[1][lo:hi])
+            _assert_scalars_equal(whole_compat[2], metrics, f"compat world {world_size} rank {rank}")
     sub_index = len(SPLITS[world_size])
     _check_layout(whole, [per_rank[r][sub_index] for r in (0, 1)], [(0, 8), (8, 13)], 2,
                   f"world {world_size} sub-group")

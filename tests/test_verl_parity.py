@@ -459,8 +459,8 @@ def _loss_inputs(seed, batch=6, length=9):
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
-@pytest.mark.parametrize("use_global", [False, True])
-def test_agg_loss_matches_verl(mode, use_global):
+@pytest.mark.parametrize("use_global,dp_size", [(False, 1), (True, 1), (True, 4)])
+def test_agg_loss_matches_verl(mode, use_global, dp_size):
     gen = torch.Generator().manual_seed(5)
     loss_mat = torch.randn(7, 11, generator=gen)
     _, _, mask = make_batch(7, 11, 0.1, 5)
@@ -468,8 +468,8 @@ def test_agg_loss_matches_verl(mode, use_global):
     kwargs = {}
     ours_kwargs = {}
     if use_global:
-        kwargs = dict(dp_size=1, batch_num_tokens=int(mask.sum()) * 3, global_batch_size=6 * 3)
-        ours_kwargs = dict(global_num_tokens=int(mask.sum()) * 3, global_num_seqs=6 * 3)
+        kwargs = dict(dp_size=dp_size, batch_num_tokens=int(mask.sum()) * 3, global_batch_size=6 * 3)
+        ours_kwargs = dict(global_num_tokens=int(mask.sum()) * 3, global_num_seqs=6 * 3, dp_size=dp_size)
     expected = VERL_ALGOS.agg_loss(loss_mat, mask, mode, **kwargs)
     got = rc.agg_loss(loss_mat, mask, mode, **ours_kwargs)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
