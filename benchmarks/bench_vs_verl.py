@@ -149,6 +149,11 @@ def time_interleaved(runners: dict[str, Callable[[], Any]], repeats: int, warmup
     samples: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(repeats):
         for name, fn in runners.items():
+            if name == "floor":  # cheap: sample it more often
+                for _ in range(4):
+                    start = time.perf_counter()
+                    fn()
+                    samples[name].append((time.perf_counter() - start) * 1e3)
             gc.collect()
             start = time.perf_counter()
             fn()
@@ -205,6 +210,37 @@ def geometric_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def markdown_tables(results: list[dict[str, Any]]) -> str:
+    """One Markdown table per (shape, dtype): medians in ms, ratios, peak extra MiB."""
+    out = []
+    for key in dict.fromkeys((r["shape"], r["dtype"]) for r in results):
+        rows = [r for r in results if (r["shape"], r["dtype"]) == key]
+        compiled = any("ours (compiled)" in r for r in rows)
+        memory = any("verl_mib" in r for r in rows)
+        head = ["configuration", "verl 0.9.1 ms", "ours ms", "verl/ours", "ours/floor"]
+        if compiled:
+            head += ["compiled ms", "verl/compiled", "compiled/floor"]
+        if memory:
+            head += ["verl MiB", "ours MiB", "verl/ours MiB"]
+        lines = [f"**{key[0]} {key[1]}** (floor `old - rollout`: {statistics.median(r['floor'] for r in rows):.2f} ms)",
+                 "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            cells = [r["case"], f"{r['verl']:.1f}", f"{r['ours']:.1f}", f"{r['verl'] / r['ours']:.1f}×",
+                     f"{r['ours'] / r['floor']:.0f}×"]
+            if compiled:
+                c = r.get("ours (compiled)")
+                cells += [f"{c:.1f}", f"{r['verl'] / c:.1f}×", f"{c / r['floor']:.0f}×"] if c else ["n/a"] * 3
+            if memory:
+                cells += [f"{r['verl_mib']:.0f}", f"{r['ours_mib']:.0f}", f"{r['verl_mib'] / max(r['ours_mib'], 1e-3):.1f}×"]
+            lines.append("| " + " | ".join(cells) + " |")
+        speed = geometric_mean([r["verl"] / r["ours"] for r in rows])
+        lines.append("")
+        lines.append(f"Geometric-mean speed-up of eager over verl: {speed:.1f}×"
+                     + (f"; compiled: {geometric_mean([r['verl'] / r['ours (compiled)'] for r in rows if 'ours (compiled)' in r]):.1f}×" if compiled else ""))
+        out.append("\n".join(lines))
+    return "\n\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="256x4096", help="comma-separated BxT, e.g. 256x4096,512x8192")
@@ -215,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="also time our torch.compile path")
     parser.add_argument("--memory", action="store_true", help="also measure peak extra memory (subprocesses)")
     parser.add_argument("--json", default="", help="write raw results to this file")
+    parser.add_argument("--markdown", default="", help="write the tables as Markdown to this file")
     parser.add_argument("--memory-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -248,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                 table.add_column("mem ratio", justify="right")
             speedups = []
             for case in cases:
+                if args.compile:
+                    # A trainer compiles one configuration; start each case from an empty
+                    # compile cache so that no case runs into dynamo's recompile limit.
+                    torch._dynamo.reset()
                 runners = make_runners(case, inputs, compiled=args.compile)
                 med = time_interleaved(runners, args.repeats, args.warmup)
                 row = {"shape": shape, "dtype": dtype_name, "case": case.name, **med}
@@ -280,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             del inputs
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_tables(results))
     return 0
 
 
