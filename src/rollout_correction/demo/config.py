@@ -119,7 +119,7 @@ class DemoConfig:
 SCENARIOS: dict[str, dict] = {
     "quantized": dict(task="sort", digits=6, precision="fp32", quant="int3", granularity="tensor", lag=0),
     "stale": dict(task="sort", digits=6, precision="fp32", quant="none", lag=4),
-    "bf16-long": dict(task="sort", digits=16, precision="bf16", quant="none", lag=0, model="small"),
+    "bf16-long": dict(task="sort", digits=16, precision="bf16", quant="none", lag=0, sft_steps=120, steps=300),
 }
 
 # ``--quick``: a first look and the CI smoke run.
