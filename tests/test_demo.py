@@ -157,3 +157,15 @@ def test_quick_end_to_end(tmp_path):
             assert r["final_mismatch_kl"] > 1e-3        # a real gap
     assert "| method |" in (out / "report.md").read_text()
     assert set(summary["checks"]) >= {"naive_gap", "naive_kl_growth", "all_hold"}
+
+
+def test_saved_runs_are_reused_only_with_identical_settings(tmp_path):
+    from rollout_correction.demo.runner import _load_run, _save_run
+
+    cfg = DemoConfig(out=str(tmp_path), seeds=(0,), methods=("naive",))
+    result = {"method": "naive", "seed": 0, "history": {}, "evals": {}, "seconds": 1.0, "cpu_seconds": 1.0}
+    _save_run(cfg, result)
+    assert _load_run(cfg, "naive", 0)["seconds"] == 1.0
+    assert _load_run(cfg.replace(workers=1, seeds=(0, 1)), "naive", 0) is not None  # not result-relevant
+    assert _load_run(cfg.replace(lr=1e-4), "naive", 0) is None                      # different result
+    assert _load_run(cfg, "naive", 1) is None

@@ -93,7 +93,8 @@ def summarize(cfg: DemoConfig, raw: dict) -> dict:
     return {
         "config": cfg.to_dict(),
         "sft_reward": {str(k): v for k, v in raw["sft_reward"].items()},
-        "seconds": raw["seconds"],
+        "seconds": {**raw["seconds"], "run_cpu_total": sum(r["cpu_seconds"] for r in runs)},
+        "resumed": raw.get("resumed", 0),
         "runs": runs,
         "methods": per_method,
         "checks": checks(per_method),
@@ -280,6 +281,11 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
         f"{_mean([r['cpu_seconds'] for r in summary['runs']]):.0f} s on average (wall time depends on what else "
         "runs on the machine). SFT exact match per seed: "
         + ", ".join(f"{k}: {v:.2f}" for k, v in summary["sft_reward"].items()) + ".", "",
+    ]
+    if summary["resumed"]:
+        lines += [f"{summary['resumed']} of {len(summary['runs'])} runs were reused from `runs/` (`--resume`); "
+                  "the wall time covers only this invocation.", ""]
+    lines += [
         "Rewards are greedy exact match on a fixed set of "
         f"{cfg.eval_prompts} held-out prompts, mean ± std over seeds; *trainer* is the fp32 policy being "
         "trained, *engine* its rollout copy. Mismatch KL is the k1 estimate of KL(π_rollout ‖ π_old) per "
@@ -289,6 +295,16 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
         "|" + "---|" * len(TABLE_HEADER),
     ]
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(summary)]
+    lines += ["", "Per seed — trainer final / engine final exact match, final mismatch KL:", "",
+              "| method | " + " | ".join(f"seed {s}" for s in cfg.seeds) + " |",
+              "|---|" + "---|" * len(cfg.seeds)]
+    for m in cfg.methods:
+        cells = []
+        for s in cfg.seeds:
+            r = next((r for r in summary["runs"] if r["method"] == m and r["seed"] == s), None)
+            cells.append("—" if r is None else f"{r['final_reward']:.2f} / {r['final_engine_reward']:.2f}, "
+                                               f"KL {_kl(r['final_mismatch_kl'])}")
+        lines.append(f"| {METHODS[m].label} | " + " | ".join(cells) + " |")
     lines += ["", "## Checks", ""] + checks_text(summary["checks"])
     if cfg.steps < 300:
         lines += ["", f"This run has only {cfg.steps} GRPO steps: the mismatch builds up over hundreds of steps, "
@@ -313,10 +329,21 @@ def print_table(summary: dict, console=None) -> None:
         console.print(line.replace("**", ""))
 
 
+def _finite_or_null(x):
+    """Strict JSON: undefined numbers (e.g. a KL growth from a zero gap) become null."""
+    if isinstance(x, dict):
+        return {k: _finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_null(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
 def write_report(cfg: DemoConfig, raw: dict, out_dir: Path, command: str) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(cfg, raw)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True))
+    (out_dir / "summary.json").write_text(json.dumps(_finite_or_null(summary), indent=2, allow_nan=False))
     files = plot_all(cfg, raw, out_dir)
     write_markdown(cfg, summary, files, out_dir, command)
     return summary
