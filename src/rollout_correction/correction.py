@@ -8,6 +8,7 @@ collectives), and derives the batch-normalisation factor and all metrics from th
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -83,9 +84,16 @@ _COMPILED: dict[RolloutCorrectionConfig, Callable] = {}
 
 
 def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
+    """A compiled per-token pass for ``config``.
+
+    torch.compile caches per code object, with a limit on recompilations; each config gets its
+    own copy of the code so that many configs in one process never share (and exhaust) a cache.
+    """
     fn = _COMPILED.get(config)
     if fn is None:
-        fn = _COMPILED[config] = torch.compile(functools.partial(_local_pass, config=config))
+        code = _local_pass.__code__.replace(co_name=f"_local_pass_{len(_COMPILED)}")
+        local = types.FunctionType(code, _local_pass.__globals__, code.co_name)
+        fn = _COMPILED[config] = torch.compile(functools.partial(local, config=config))
     return fn
 
 
