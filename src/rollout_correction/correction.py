@@ -92,8 +92,8 @@ def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
     fn = _COMPILED.get(config)
     if fn is None:
         code = _local_pass.__code__.replace(co_name=f"_local_pass_{len(_COMPILED)}")
-        local = types.FunctionType(code, _local_pass.__globals__, code.co_name)
-        fn = _COMPILED[config] = torch.compile(functools.partial(local, config=config))
+        local = types.FunctionType(code, _local_pass.__globals__, code.co_name, (config,))  # config as default
+        fn = _COMPILED[config] = torch.compile(local)
     return fn
 
 
