@@ -35,7 +35,7 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     """Record the sufficient statistics of the off-policy metrics."""
     stats.add_sum("op.sum_lr", batch.row_sum)
     stats.add_sum("op.sum_k3", batch.token_sum(batch.k3))
-    stats.add_sum("op.sum_rho2", batch.token_sum(batch.ratio.square()))
+    stats.add_sum("op.sum_rho2", batch.token_sum(batch.ratio * batch.ratio))
     old_nll = -batch.old_row_mean
     roll_nll = -batch.rollout_row_mean
     d = old_nll - roll_nll  # = mean log π_rollout − mean log π_train

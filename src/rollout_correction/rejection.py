@@ -40,7 +40,7 @@ def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
     if estimator == "k1":
         return -x
     if estimator == "k2":
-        return 0.5 * x.square()
+        return 0.5 * x * x
     if estimator == "k3":
         return batch.k3
     raise ValueError(f"unknown divergence estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
@@ -135,7 +135,7 @@ def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: R
     c = _std_clamp(opt, x).mul_(batch.mask)
     stats.add_sum(p + "sum", batch.token_sum(x))
     stats.add_sum(p + "c_sum", batch.token_sum(c))
-    stats.add_sum(p + "c_sum2", batch.token_sum(c.square_()))
+    stats.add_sum(p + "c_sum2", batch.token_sum(c.mul_(c)))
     stats.add_max(p + "max", batch.token_max(x))
     stats.add_min(p + "min", batch.token_min(x))
     n_high = high.sum(-1)

@@ -24,14 +24,14 @@ __all__ = ["SufficientStats"]
 
 def _reduce(parts: dict[str, list[torch.Tensor]], op: str) -> dict[str, torch.Tensor]:
     """Reduce every part to a float64 scalar (sum or max over all its elements), batching parts
-    of equal shape into one stacked reduction; then combine the parts of each name."""
+    of equal shape and dtype into one stacked reduction; then combine the parts of each name."""
     groups: dict[tuple, list[tuple[str, torch.Tensor]]] = defaultdict(list)
     for name, ts in parts.items():
         for t in ts:
-            groups[(tuple(t.shape), t.device)].append((name, t))
+            groups[(tuple(t.shape), t.dtype, t.device)].append((name, t))
     out: dict[str, torch.Tensor] = {}
-    for (shape, _), items in groups.items():
-        stacked = torch.stack([t.to(torch.float64) for _, t in items]).reshape(len(items), -1)
+    for items in groups.values():
+        stacked = torch.stack([t for _, t in items]).reshape(len(items), -1).to(torch.float64)
         if op == "sum":
             values = stacked.sum(1)
         elif stacked.shape[1] == 0:
