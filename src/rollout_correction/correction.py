@@ -22,6 +22,7 @@ from .metrics import (add_offpolicy_statistics, metrics_to_floats, nonfinite_met
                       prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
 from .stats import SufficientStats
+from .validation import check_pair
 from .weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
 __all__ = ["CorrectionOutput", "compute_rollout_correction", "local_correction", "correction_metrics"]
@@ -78,6 +79,36 @@ def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, resp
     batch.add_counts(stats)
     isw, rej = local_correction(batch, config, stats)
     return (isw.weights if isw is not None else None), rej.keep_mask(batch), stats.sums, stats.maxes
+
+
+#: The eager pass walks the batch in blocks of about this many tokens (512 KiB per float32
+#: temporary): temporaries stay cache-sized, and peak memory does not grow with the batch
+#: beyond the outputs. Statistics of all blocks are reduced together, so results are identical.
+BLOCK_TOKENS = 1 << 17
+
+
+def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                        config: RolloutCorrectionConfig):
+    """:func:`_local_pass` over blocks of whole rows, writing straight into the outputs."""
+    check_pair(old_log_prob, rollout_log_prob, response_mask)
+    B, T = old_log_prob.shape
+    rows = max(1, BLOCK_TOKENS // max(T, 1))
+    if B <= rows:
+        return _local_pass(old_log_prob, rollout_log_prob, response_mask, config)
+    stats = SufficientStats()
+    device = old_log_prob.device
+    weights = torch.empty((B, T), device=device) if config.is_spec is not None else None
+    keep = torch.empty((B, T), dtype=response_mask.dtype, device=device)
+    for start in range(0, B, rows):
+        block = slice(start, start + rows)
+        batch = LogRatioBatch(old_log_prob[block], rollout_log_prob[block], response_mask[block],
+                              config.on_nonfinite, row_offset=start)
+        batch.add_counts(stats)
+        isw, rej = local_correction(batch, config, stats)
+        if weights is not None:
+            weights[block] = isw.weights
+        keep[block] = rej.keep_mask(batch)
+    return weights, keep, stats.sums, stats.maxes
 
 
 _COMPILED: dict[RolloutCorrectionConfig, Callable] = {}
@@ -145,7 +176,7 @@ def compute_rollout_correction(
     if not isinstance(config, RolloutCorrectionConfig):
         config = RolloutCorrectionConfig.from_dict(config)
     with torch.no_grad():
-        local = _compiled_local_pass(config) if compile else functools.partial(_local_pass, config=config)
+        local = _compiled_local_pass(config) if compile else functools.partial(_blocked_local_pass, config=config)
         weights, keep, sums, maxes = local(old_log_prob, rollout_log_prob, response_mask)
         stats = SufficientStats.from_values(sums, maxes).all_reduce(process_group)
         metrics = correction_metrics(stats, config)

@@ -54,6 +54,7 @@ class LogRatioBatch:
         on_nonfinite: ``"reject"`` drops any sequence with a NaN/±inf log-prob at a valid
             position (counted in the ``nonfinite_*`` statistics); ``"raise"`` raises ValueError
             naming the first bad position.
+        row_offset: index of this batch's first row in the caller's batch (for messages).
 
     Attributes:
         mask: (B, T) float32 0/1 mask of the tokens used (input mask minus dropped rows).
@@ -62,7 +63,7 @@ class LogRatioBatch:
     """
 
     def __init__(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                 response_mask: torch.Tensor, on_nonfinite: str = "reject") -> None:
+                 response_mask: torch.Tensor, on_nonfinite: str = "reject", row_offset: int = 0) -> None:
         check_pair(old_log_prob, rollout_log_prob, response_mask)
         self.old_log_prob = old_log_prob
         self.rollout_log_prob = rollout_log_prob
@@ -84,7 +85,8 @@ class LogRatioBatch:
             bad = (mask_in[b] > 0) & ~(row.abs() < NONFINITE_SENTINEL)
             t = int(bad.nonzero()[0, 0])
             raise ValueError(
-                f"non-finite log-prob at valid position (row {b}, column {t}; |log-ratio| ≥ 1e30 counts as non-finite): "
+                f"non-finite log-prob at valid position (row {b + row_offset}, column {t}; "
+                "|log-ratio| ≥ 1e30 counts as non-finite): "
                 f"old_log_prob={old_log_prob[b, t].item()}, rollout_log_prob={rollout_log_prob[b, t].item()}; "
                 "fix the producer, or set on_nonfinite='reject' to drop such sequences")
         self.input_mask = mask_in
