@@ -48,7 +48,7 @@ DEFAULT_METHODS = tuple(METHODS)
 class DemoConfig:
     """Everything one invocation of ``rollout-correction demo`` needs."""
 
-    scenario: str = "quantized"
+    scenario: str = "stale"
     # task and model
     task: str = "sort"
     digits: int = 6
@@ -56,9 +56,9 @@ class DemoConfig:
     model: str = "tiny"
     # rollout engine (for the mismatched methods)
     precision: str = "fp32"
-    quant: str = "int3"
+    quant: str = "none"
     granularity: str = "tensor"
-    lag: int = 0
+    lag: int = 4
     # supervised warm start
     sft_steps: int = 60
     sft_batch: int = 64
@@ -115,7 +115,8 @@ class DemoConfig:
         return d
 
 
-# Named defaults. ``quantized`` is the default: short responses, a large per-token gap.
+# Named defaults. ``stale`` is the default (asynchronous RL: the engine samples with weights four
+# optimizer steps old); ``quantized`` has a 3-bit engine; ``bf16-long`` is the opposite regime.
 SCENARIOS: dict[str, dict] = {
     "quantized": dict(task="sort", digits=6, precision="fp32", quant="int3", granularity="tensor", lag=0),
     "stale": dict(task="sort", digits=6, precision="fp32", quant="none", lag=4),
