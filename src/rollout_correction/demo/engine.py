@@ -25,6 +25,8 @@ from collections import deque
 
 import torch
 
+from ..supports import sampling_support_mask
+
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANTS = ("none", "int8", "fp8", "int4", "int3")
 GRANULARITIES = ("channel", "tensor")
@@ -65,6 +67,9 @@ def sample(
     max_new_tokens: int,
     generator: torch.Generator | None = None,
     greedy: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    kept: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache.
 
@@ -72,6 +77,11 @@ def sample(
       prompts: (B, P) int64 prompt tokens (same length for every row).
       max_new_tokens: T, number of tokens to generate.
       greedy: take argmax instead of sampling at temperature 1.
+      top_k, top_p: truncate the sampling distribution to the kept set S (vLLM's order: top-k,
+        then top-p) and sample from π restricted to S and renormalised, as inference engines do.
+        The reported log-probs are then those of the truncated distribution, log π_S(y) =
+        log π(y) − log π(S) — what engines return as "processed" log-probs.
+      kept: if a list is given, the (B, V) bool kept set of every step is appended to it.
     Returns:
       responses (B, T) int64 and their log-probabilities log π(yₜ | x, y<ₜ) (B, T) float32,
       computed from the model's own logits (cast to fp32 before the softmax).
@@ -84,6 +94,11 @@ def sample(
     tokens, log_probs = [], []
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits.float(), dim=-1)
+        if top_k is not None or top_p is not None:
+            keep = sampling_support_mask(logits, top_k=top_k, top_p=top_p, order="vllm")
+            logp = torch.log_softmax(logp.masked_fill(~keep, -torch.inf), dim=-1)
+            if kept is not None:
+                kept.append(keep)
         if greedy:
             nxt = logp.argmax(dim=-1, keepdim=True)
         else:
@@ -138,6 +153,8 @@ class RolloutEngine:
             params[name].copy_(src.to(params[name].dtype))
 
     def generate(self, prompts: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,
-                 greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 greedy: bool = False, top_k: int | None = None, top_p: float | None = None,
+                 kept: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample responses; returns (responses, rollout_log_prob), see :func:`sample`."""
-        return sample(self.model, prompts, max_new_tokens, generator=generator, greedy=greedy)
+        return sample(self.model, prompts, max_new_tokens, generator=generator, greedy=greedy,
+                      top_k=top_k, top_p=top_p, kept=kept)
