@@ -290,3 +290,13 @@ def test_no_config_is_plain_ppo_and_dict_config_is_accepted():
     assert as_dict.item() == typed.item()
     w = [min(x, 2.0) for row in R for x in row]
     assert typed.item() == pytest.approx(sum(wi * li for wi, li in zip(w, sum(LOSS, []))) / 8, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode,missing", [("token-mean", "global_num_tokens"), ("seq-mean-token-sum", "global_num_seqs"),
+                                          ("seq-mean-token-mean", "global_num_seqs"),
+                                          ("seq-mean-token-sum-norm", "global_num_seqs")])
+def test_agg_loss_with_dp_size_requires_the_global_denominator(mode, missing):
+    loss_mat, mask = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=missing):
+        agg_loss(loss_mat, mask, mode, dp_size=2)
+    assert agg_loss(loss_mat, mask, "token-sum", dp_size=2).item() == 12.0  # needs no denominator

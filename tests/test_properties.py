@@ -339,7 +339,7 @@ from test_weights import _seq_level_metrics, _token_level_metrics  # noqa: E402
 
 # The std metrics are compared once .notes/core-tests.md #4 (fp32 squares) is fixed; until then the
 # deterministic xfail tests test_std_of_identical_* cover them.
-STD_PENDING = True
+STD_PENDING = False
 moderate_batches = batches(min_b=2).filter(lambda b: bool((b[2].sum(-1) > 0).sum() >= 2))
 
 

@@ -285,7 +285,6 @@ def test_output_mask_keeps_input_dtype(make_batch, dtype):
     assert torch.equal(mask, make_batch(ROWS, T=T, empty_rows=1, mask_dtype=dtype)[2])
 
 
-@pytest.mark.xfail(strict=True, reason="core: token-option std squares in fp32 (.notes/core-tests.md #4)")
 def test_std_of_identical_token_statistics_is_zero(make_batch):
     # k3 = e − 2 on both tokens: the std is exactly 0 (the core reports ~1.4e-4).
     out, _ = _run(make_batch, rows=[[math.e], [math.e]], empty_rows=0, rollout_rs="token_k3",

@@ -273,7 +273,6 @@ def test_ess_of_uniform_weights_is_one_and_of_one_spike_is_small(make_batch):
     _close(out.metrics_as_floats()[P + "rollout_is_eff_sample_size"], (3 + 1e-8) ** 2 / 21)
 
 
-@pytest.mark.xfail(strict=True, reason="core: E[w²] − E[w]² with w² rounded in fp32 (.notes/core-tests.md #4)")
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_std_of_identical_weights_is_zero(make_batch, level):
     # Two tokens / rows with the same weight e: the spread is exactly 0. Squaring in float32

@@ -60,6 +60,12 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
     check_same([("loss_mat", loss_mat), ("loss_mask", loss_mask)], float_names=("loss_mat",))
+    if dp_size > 1:
+        needed = {"token-mean": ("global_num_tokens", global_num_tokens)}.get(
+            loss_agg_mode, ("global_num_seqs", global_num_seqs) if loss_agg_mode != "token-sum" else None)
+        if needed is not None and needed[1] is None:
+            raise ValueError(f"loss_agg_mode={loss_agg_mode!r} with dp_size={dp_size} needs {needed[0]}: "
+                             "scaling a local mean by dp_size would give every rank the wrong gradient scale")
     valid = loss_mask.bool()
     lm = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
     n_row = valid.sum(-1).to(lm.dtype)

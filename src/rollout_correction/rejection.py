@@ -134,8 +134,9 @@ def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: R
     p = f"rs.{opt.name}."
     c = _std_clamp(opt, x).mul_(batch.mask)
     stats.add_sum(p + "sum", batch.token_sum(x))
-    stats.add_sum(p + "c_sum", batch.token_sum(c))
-    stats.add_sum(p + "c_sum2", batch.token_sum(c.mul_(c)))
+    c_sum, c_sum2 = batch.token_moments(c)
+    stats.add_sum(p + "c_sum", c_sum)
+    stats.add_sum(p + "c_sum2", c_sum2)
     stats.add_max(p + "max", batch.token_max(x))
     stats.add_min(p + "min", batch.token_min(x))
     n_high = high.sum(-1)

@@ -81,8 +81,9 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
     U, L = spec.upper, spec.metric_lower
     if spec.level == "token":
         w, raw = isw.weights, isw.raw
-        stats.add_sum("is.sum_w", batch.token_sum(w))
-        stats.add_sum("is.sum_w2", batch.token_sum(w * w))
+        sum_w, sum_w2 = batch.token_moments(w)
+        stats.add_sum("is.sum_w", sum_w)
+        stats.add_sum("is.sum_w2", sum_w2)
         stats.add_sum("is.high", batch.above(raw, U).sum(-1))
         stats.add_sum("is.low", batch.below(raw, L).sum(-1))
         stats.add_max("is.max", w.amax(-1) if w.shape[-1] else batch.token_max(w))  # w ≥ 0, 0 at padding
@@ -96,7 +97,7 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
     else:
         rw, rlog, rraw = isw.row_weight, isw.row_log, isw.row_raw
         stats.add_sum("is.sum_w", batch.tokens_weighted_row_sum(rw))
-        stats.add_sum("is.sum_w2", batch.tokens_weighted_row_sum(rw * rw))
+        stats.add_sum("is.sum_w2", batch.tokens_weighted_row_sum(rw.double() ** 2))
         stats.add_sum("is.high", batch.row_count(rlog > _log(U)))
         stats.add_sum("is.low", batch.row_count(rlog < _log(L)))
         stats.add_max("is.max_log", batch.row_max(rlog))
