@@ -30,8 +30,8 @@ def _expected():
     d = [r - t for r, t in zip([-1.5, -1.75 / 3], [-1.5, -0.5])]  # mean log π_rollout − mean log π_train
     assert d[0] == 0.0 and d[1] == pytest.approx(-1 / 12)
     return {
-        "training_ppl": (math.exp(1.5) + math.exp(0.5)) / 2,
-        "training_log_ppl": 1.0,
+        "training_ppl": (math.exp(train_nll[0]) + math.exp(train_nll[1])) / 2,
+        "training_log_ppl": sum(train_nll) / 2,
         "kl": -0.05,  # mean over 5 tokens of (log π_rollout − log π_train): (−0.5+0.5−0.5+0.25+0)/5
         "k3_kl": sum(math.exp(x) - 1 - x for x in lr) / 5,
         "rollout_ppl": (math.exp(roll_nll[0]) + math.exp(roll_nll[1])) / 2,
