@@ -237,14 +237,10 @@ class MismatchProfile:
         k3 and row sums the profile's own statistics reuse.
         """
         from rollout_correction.logratio import LogRatioBatch
-        from rollout_correction.stats import SufficientStats
 
         batch = LogRatioBatch(old, roll, mask, "reject")
         for acc in (self._offpolicy, *self._what_if.values()):
-            local = SufficientStats()
-            batch.add_counts(local)
-            acc._add(local, batch)
-            acc.stats.merge(local)
+            acc.update_batch(batch)
         return batch
 
     def update(self, chunk: Chunk) -> None:
