@@ -84,16 +84,16 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         sum_w, sum_w2 = batch.token_moments(w)
         stats.add_sum("is.sum_w", sum_w)
         stats.add_sum("is.sum_w2", sum_w2)
-        stats.add_sum("is.high", batch.above(raw, U).sum(-1))
-        stats.add_sum("is.low", batch.below(raw, L).sum(-1))
+        high, low = batch.above(raw, U).sum(-1), batch.below(raw, L).sum(-1)
+        stats.add_sum("is.high", high)
+        stats.add_sum("is.low", low)
         stats.add_max("is.max", w.amax(-1) if w.shape[-1] else batch.token_max(w))  # w ≥ 0, 0 at padding
         stats.add_min("is.min", batch.token_min(w))
         n = batch.n_row.clamp_min(1.0)
-        seq_w = w.sum(-1) / n
+        seq_w = sum_w / n
         seq_raw = raw.sum(-1) / n
-        if spec.mode == "mask":
-            oob = batch.below(raw, spec.lower).sum(-1) if spec.lower > 0 else 0.0
-            stats.add_sum("is.oob", batch.above(raw, U).sum(-1) + oob)
+        if spec.mode == "mask":  # the band is [metric_lower, upper] here, so reuse both counts
+            stats.add_sum("is.oob", high + low)
     else:
         rw, rlog, rraw = isw.row_weight, isw.row_log, isw.row_raw
         stats.add_sum("is.sum_w", batch.tokens_weighted_row_sum(rw))
