@@ -181,7 +181,7 @@ def test_terminal_summary(small_diag):
     assert "Health checks" in text and "k3_kl" in text
 
 
-@pytest.mark.skipif(not shutil.which("chromium"), reason="optional: headless Chromium not installed")
+@pytest.mark.skipif(not shutil.which("chromium"), reason="headless Chromium not installed (.ci/run installs it)")
 def test_html_renders_in_headless_chromium(tmp_path, written):
     shot = tmp_path / "shot.png"
     subprocess.run([shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu",
