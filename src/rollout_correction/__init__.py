@@ -7,11 +7,11 @@ The public surface is small::
                                     compute_offpolicy_metrics, compute_policy_loss)
 """
 
-from .config import SAFETY_BOUND, ConfigError, RolloutCorrectionConfig
-from .correction import CorrectionOutput, compute_rollout_correction
+from .config import ConfigError, RolloutCorrectionConfig, as_config
+from .constants import METRIC_PREFIX, SAFETY_BOUND
+from .correction import CorrectionAccumulator, CorrectionOutput, compute_rollout_correction
 from .losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
-from .metrics import (CorrectionAccumulator, OffPolicyAccumulator, compute_offpolicy_metrics,
-                      metrics_to_floats)
+from .metrics import OffPolicyAccumulator, compute_offpolicy_metrics, metrics_to_floats
 from .packed import compute_rollout_correction_packed
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "RolloutCorrectionConfig",
     "ConfigError",
+    "as_config",
     "compute_rollout_correction",
     "compute_rollout_correction_packed",
     "CorrectionOutput",
@@ -31,5 +32,6 @@ __all__ = [
     "metrics_to_floats",
     "LOSS_AGG_MODES",
     "SAFETY_BOUND",
+    "METRIC_PREFIX",
     "__version__",
 ]

@@ -32,6 +32,8 @@ from typing import Literal, NamedTuple, Optional, Union
 
 import torch
 
+from .constants import METRIC_PREFIX
+
 __all__ = ["GroupAdvantages", "accepted_rows", "group_advantages", "grpo_advantages", "rloo_advantages"]
 
 GroupIds = Union[int, torch.Tensor, Sequence]
@@ -109,7 +111,7 @@ def group_advantages(scores: torch.Tensor, group_ids: GroupIds, *, estimator: Es
                      response_mask: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None,
                      norm_by_std: bool = True, epsilon: float = 1e-6, unbiased_std: bool = True,
                      on_nonfinite: Literal["reject", "raise"] = "reject",
-                     prefix: str = "rollout_corr/") -> GroupAdvantages:
+                     prefix: str = METRIC_PREFIX) -> GroupAdvantages:
     """GRPO or RLOO advantages with baselines over the accepted members of each group.
 
     Args:

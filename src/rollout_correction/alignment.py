@@ -31,6 +31,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .constants import METRIC_PREFIX
+
 __all__ = ["MisalignmentWarning", "AlignmentReport", "alignment_statistics", "alignment_metrics",
            "alignment_report", "check_alignment"]
 
@@ -86,7 +88,7 @@ def alignment_statistics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Ten
                         total(o[:, :-1] - r[:, 1:]), total(o[:, 1:] - r[:, :-1])])
 
 
-def alignment_metrics(stats: torch.Tensor, prefix: str = "rollout_corr/") -> dict[str, torch.Tensor]:
+def alignment_metrics(stats: torch.Tensor, prefix: str = METRIC_PREFIX) -> dict[str, torch.Tensor]:
     """0-d tensors (no device sync): ``alignment_mae`` (D₀), ``alignment_late_mae`` (D₊₁),
     ``alignment_early_mae`` (D₋₁) and ``alignment_pairs``; the distances are 0 with no pair."""
     n = stats[0].clamp(min=1)

@@ -18,28 +18,32 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
-__all__ = ["RolloutCorrectionConfig", "ISSpec", "RSOption", "SAFETY_BOUND", "RS_OPTIONS"]
+from .constants import SAFETY_BOUND
 
-#: Log-space clamp applied before every ``exp``: weights live in [e^-20, e^20] ≈ [2e-9, 4.9e8].
-SAFETY_BOUND = 20.0
+__all__ = ["RolloutCorrectionConfig", "ConfigError", "ISSpec", "RSOption", "Preset", "PRESETS", "CONFIG_KEYS",
+           "SAFETY_BOUND", "RS_OPTIONS", "as_config", "settings_dict", "config_value", "IsLevel", "IsMode", "LossType",
+           "NonFinitePolicy", "RsAggregation", "DivergenceEstimator"]
 
 IsLevel = Literal["token", "sequence", "geometric"]
 IsMode = Literal["truncate", "clip", "mask"]
 LossType = Literal["ppo_clip", "reinforce"]
 NonFinitePolicy = Literal["reject", "raise"]
+RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max"]
+DivergenceEstimator = Literal["k1", "k2", "k3"]
 
-_IS_LEVELS = ("token", "sequence", "geometric")
-_IS_MODES = ("truncate", "clip", "mask")
-_LOSS_TYPES = ("ppo_clip", "reinforce")
-_NONFINITE = ("reject", "raise")
+_IS_LEVELS: tuple[str, ...] = get_args(IsLevel)
+_IS_MODES: tuple[str, ...] = get_args(IsMode)
+_LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+_NONFINITE: tuple[str, ...] = get_args(NonFinitePolicy)
 
 #: Divergence-based rejection options: name -> (aggregation, estimator).
-RS_OPTIONS: dict[str, tuple[str, str]] = {
+RS_OPTIONS: dict[str, tuple[RsAggregation, DivergenceEstimator]] = {
     "token_k1": ("token", "k1"),
     "token_k2": ("token", "k2"),
     "token_k3": ("token", "k3"),
@@ -78,8 +82,8 @@ class ISSpec:
     lower bound, or 1/upper when none is configured.
     """
 
-    level: str
-    mode: str
+    level: IsLevel
+    mode: IsMode
     upper: float
     lower: Optional[float]
     metric_lower: float
@@ -98,8 +102,8 @@ class RSOption:
     """
 
     name: str
-    agg: str  # token | seq_sum | seq_mean | seq_max
-    estimator: str  # k1 | k2 | k3
+    agg: RsAggregation
+    estimator: DivergenceEstimator
     stat_lower: Optional[float]
     stat_upper: float
     legacy: Optional[str] = None
@@ -139,51 +143,65 @@ def _parse_ratio_band(key: str, spec: Any, *, allow_zero_lower: bool = False) ->
     return lo, hi
 
 
+#: Every key of :class:`RolloutCorrectionConfig`: key -> (allowed values, default, meaning). The one
+#: place keys are documented: the class docstring, the README reference and docs/config.md are
+#: generated from it.
+CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
+    "rollout_is": ("null, token, sequence, geometric", "null",
+                   "IS weight level: ρ_t per token; ∏ρ_t per sequence; exp(mean log ρ_t) per sequence. "
+                   "null computes no weights (metrics only)."),
+    "rollout_is_threshold": ("number C, or string \"lo_hi\"", "2.0",
+                             "C truncates weights above C (TIS); \"lo_hi\" is IcePop: weights outside "
+                             "[lo, hi] become 0, the response mask is unchanged."),
+    "rollout_is_threshold_lower": ("number ≥ 0 or null", "null (1/upper)",
+                                   "lower bound for rollout_is_mode clip / mask with a numeric threshold."),
+    "rollout_is_mode": ("null, truncate, clip, mask", "null (inferred)",
+                        "how the bound applies: truncate min(w, U); clip clamp(w, L, U); mask w·1[L≤w≤U]. "
+                        "Inferred from the threshold when null."),
+    "rollout_is_batch_normalize": ("true, false", "false",
+                                   "divide weights by their batch mean after bounding (tokens for token "
+                                   "level, sequences for sequence / geometric level)."),
+    "rollout_rs": ("null or comma-chained options", "null",
+                   "rejection criteria, all must accept: token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, "
+                   "seq_max_k2/k3; or one of the first-generation modes token, sequence, geometric."),
+    "rollout_rs_threshold": ("number or string, one per option or shared", "null",
+                             "k1: ratio bounds \"lo_hi\" (a single x means [1/x, x]) on ρ_agg = exp(−k1_agg); "
+                             "k2/k3: one upper bound. First-generation modes: the upper ratio bound "
+                             "(defaults to rollout_is_threshold)."),
+    "rollout_rs_threshold_lower": ("number ≥ 0 or null", "null (1/upper)",
+                                   "first-generation modes: lower ratio bound."),
+    "rollout_token_veto_threshold": ("positive number or null", "null",
+                                     "reject a sequence if any valid token has unclamped ρ_t < C."),
+    "bypass_mode": ("true, false", "false",
+                    "π_old := π_rollout (two policies); the loss clips against the rollout policy."),
+    "loss_type": ("ppo_clip, reinforce", "ppo_clip",
+                  "bypass-mode loss: PPO clip, or REINFORCE −sg(w)·A·log π_θ (pure IS)."),
+    "on_nonfinite": ("reject, raise", "reject",
+                     "NaN/±inf log-probs at valid positions: drop the sequence and count it, or raise."),
+    "check_alignment": ("true, false", "false",
+                        "also test whether the rollout log-probs look shifted by one token against the "
+                        "trainer's (alignment_* metrics, a MisalignmentWarning when they do; one extra sync)."),
+}
+
+
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
-    """Settings of rollout correction; validated at construction.
-
-    Keys (see ``docs/config.md`` for the full reference):
-
-    rollout_is: IS weight level, ``None`` (no weights), ``"token"`` (ρ_t), ``"sequence"``
-        (∏ρ_t = exp Σ log ρ_t) or ``"geometric"`` (exp mean log ρ_t).
-    rollout_is_threshold: a number C → truncate weights above C (TIS); a string ``"lo_hi"`` →
-        IcePop (weights outside [lo, hi] become 0, the response mask is unchanged).
-    rollout_is_threshold_lower: lower bound for ``rollout_is_mode="clip"`` / ``"mask"`` with a
-        numeric threshold (default 1/upper).
-    rollout_is_mode: ``"truncate"`` | ``"clip"`` | ``"mask"``; inferred from the threshold when
-        None (number → truncate, ``"lo_hi"`` → mask).
-    rollout_is_batch_normalize: rescale weights to mean 1 after truncation (over valid tokens
-        for token level, over sequences with ≥ 1 valid token for sequence/geometric level).
-    rollout_rs: comma-chained rejection options (all must accept), from ``token_k1/k2/k3``,
-        ``seq_sum_k1/k2/k3``, ``seq_mean_k1/k2/k3``, ``seq_max_k2/k3``; or one first-generation
-        mode ``"token"`` | ``"sequence"`` | ``"geometric"`` (ratio bounds).
-    rollout_rs_threshold: one spec per option (comma-separated) or one shared: k1 options take
-        ratio bounds ``"lo_hi"`` (a single x means [1/x, x]); k2/k3 one upper bound. For the
-        first-generation modes: the upper ratio bound (defaults to ``rollout_is_threshold``).
-    rollout_rs_threshold_lower: first-generation lower ratio bound (default 1/upper).
-    rollout_token_veto_threshold: reject a sequence if any valid token has unclamped ρ_t < C.
-    bypass_mode: π_old := π_rollout (two policies); the loss clips against the rollout policy.
-    loss_type: bypass-mode loss, ``"ppo_clip"`` or ``"reinforce"`` (−sg(w)·A·log π_θ).
-    on_nonfinite: what to do with NaN/±inf log-probs at valid positions: ``"reject"`` the
-        sequence and count it (metric ``nonfinite_seq_fraction``) or ``"raise"``.
-    check_alignment: also test whether the rollout log-probs look shifted by one token against
-        the trainer's (``alignment_*`` metrics; a :class:`MisalignmentWarning` when they do).
-        Costs a few passes and one device sync, so it is off by default.
+    """Settings of rollout correction; validated at construction (keys below, generated from
+    :data:`CONFIG_KEYS`; the reference with presets is docs/config.md).
     """
 
-    rollout_is: Optional[str] = None
+    rollout_is: Optional[IsLevel] = None
     rollout_is_threshold: Optional[Union[float, str]] = 2.0
     rollout_is_threshold_lower: Optional[float] = None
-    rollout_is_mode: Optional[str] = None
+    rollout_is_mode: Optional[IsMode] = None
     rollout_is_batch_normalize: bool = False
     rollout_rs: Optional[str] = None
     rollout_rs_threshold: Optional[Union[float, str]] = None
     rollout_rs_threshold_lower: Optional[float] = None
     rollout_token_veto_threshold: Optional[float] = None
     bypass_mode: bool = False
-    loss_type: str = "ppo_clip"
-    on_nonfinite: str = "reject"
+    loss_type: LossType = "ppo_clip"
+    on_nonfinite: NonFinitePolicy = "reject"
     check_alignment: bool = False
 
     # Resolved settings, derived in __post_init__.
@@ -361,13 +379,12 @@ class RolloutCorrectionConfig:
 
         ``bypass_old_logprob_for_rollout`` → ``bypass_mode``; ``use_pure_rollout_correction`` /
         ``use_policy_gradient`` → ``bypass_mode=True, loss_type="reinforce"``. Unknown keys
-        raise an error naming them (with the closest known key).
+        raise an error naming them (with the closest known key). Anything else :func:`as_config`
+        reads (an OmegaConf node, a dataclass, a namespace) is accepted too.
         """
         if data is None:
             return cls()
-        if not isinstance(data, Mapping):
-            data = _to_container(data)
-        data = dict(data)
+        data = dict(data) if isinstance(data, Mapping) and not _is_omegaconf(data) else settings_dict(data)
         keys = set(cls.keys())
         unknown = [k for k in data if k not in keys and k not in _ALIASES]
         if unknown:
@@ -399,214 +416,279 @@ class RolloutCorrectionConfig:
 
         import yaml  # optional dependency: pip install 'rollout-correction[yaml]'
 
-        text = open(source).read() if os.path.exists(source) else source
-        data = yaml.safe_load(text) or {}
-        for part in (key.split(".") if key else []):
+        if os.path.exists(source):
+            with open(source, encoding="utf-8") as f:
+                text = f.read()
+        else:
+            text = source
+        data = yaml.safe_load(text)
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            looks_like_path = "\n" not in text and ":" not in text
+            raise ConfigError(
+                f"no such YAML file: {source!r}; pass an existing path or YAML text with the config keys"
+                if looks_like_path else
+                f"the YAML must be a mapping of config keys, got a {type(data).__name__}: {text[:60]!r}")
+        path = key.split(".") if key else []
+        for i, part in enumerate(path):
+            if not isinstance(data, Mapping) or part not in data:
+                where = ".".join(path[:i]) or "the top level"
+                have = sorted(data) if isinstance(data, Mapping) else type(data).__name__
+                raise ConfigError(f"key={key!r}: no {part!r} under {where} of the YAML (found: {have})")
             data = data[part]
         return cls.from_dict(data)
 
     @classmethod
     def from_omegaconf(cls, cfg: Any) -> "RolloutCorrectionConfig":
         """Load from an OmegaConf ``DictConfig`` (interpolations are resolved)."""
-        return cls.from_dict(_to_container(cfg))
+        return cls.from_dict(settings_dict(cfg))
 
     # ------------------------------------------------------------------ presets
     @classmethod
     def preset_names(cls) -> list[str]:
         """Every preset, by the name it has in verl's documentation generations."""
-        return list(_PRESETS)
+        return list(PRESETS)
 
     @classmethod
-    def from_preset(cls, name: str, **kwargs: Any) -> "RolloutCorrectionConfig":
-        if name not in _PRESETS:
-            hint = difflib.get_close_matches(name, list(_PRESETS), n=1)
+    def from_preset(cls, name: str, *args: Any, **kwargs: Any) -> "RolloutCorrectionConfig":
+        """The preset ``name`` (see :data:`PRESETS`), its arguments overriding their defaults."""
+        if name not in PRESETS:
+            hint = difflib.get_close_matches(str(name), list(PRESETS), n=1)
             raise ConfigError(f"unknown preset {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                              + f"; available: {list(_PRESETS)}")
-        return getattr(cls, name)(**kwargs)
-
-    # Current generation (verl 0.9.1).
-    @classmethod
-    def decoupled_token_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
-        """Decoupled PPO × token-level TIS: w_t = min(ρ_t, C)."""
-        return cls(rollout_is="token", rollout_is_threshold=threshold)
-
-    @classmethod
-    def decoupled_seq_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
-        """Decoupled PPO × sequence-level TIS: w = min(∏ρ_t, C)."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold)
-
-    @classmethod
-    def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5):
-        """Decoupled PPO × token IcePop: w_t = ρ_t·1[lo ≤ ρ_t ≤ hi]."""
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
-
-    @classmethod
-    def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: Union[str, float] = "0.5_2.0"):
-        """Sequence TIS + reject sequences whose ∏ρ_t lies outside the band (seq_sum_k1)."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_sum_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs(cls, rs_threshold: Union[str, float] = "0.999_1.001"):
-        """Reject sequences whose geometric-mean ratio lies outside the band (seq_mean_k1)."""
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: Union[str, float] = "0.999_1.001"):
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: Union[str, float] = "0.999_1.001"):
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs(cls, rs_threshold: float = 0.01):
-        """Reject sequences whose mean k3 = mean(ρ − 1 − log ρ) exceeds the bound."""
-        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01):
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01):
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def bypass_ppo_clip(cls):
-        """PPO clipped against π_rollout (bypass); no IS weights."""
-        return cls(bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_ppo_clip_geo_rs(cls, rs_threshold: Union[str, float] = "0.999_1.001"):
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True,
-                   loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01):
-        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True,
-                   loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_pg_is(cls, threshold: float = 2.0):
-        """REINFORCE with sequence TIS: L = −sg(min(∏ρ_t, C))·A·log π_θ."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True,
-                   loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5):
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}",
-                   bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_geo_rs(cls, rs_threshold: Union[str, float] = "0.999_1.001"):
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True,
-                   loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: Union[str, float] = "0.999_1.001"):
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: Union[str, float] = "0.999_1.001"):
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def disabled(cls):
-        """Metrics only: no weights, no rejection."""
-        return cls()
-
-    # First generation (the names of the earlier documentation).
-    @classmethod
-    def token_is(cls, threshold: float = 2.0):
-        return cls.decoupled_token_is(threshold)
-
-    @classmethod
-    def seq_is(cls, threshold: float = 2.0):
-        return cls.decoupled_seq_is(threshold)
-
-    @classmethod
-    def seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: float = 2.0,
-                  rs_threshold_lower: Optional[float] = None):
-        """Sequence TIS + sequence ratio-band rejection (lower bound defaults to 1/upper)."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="sequence",
-                   rollout_rs_threshold=rs_threshold, rollout_rs_threshold_lower=rs_threshold_lower)
-
-    @classmethod
-    def seq_mis(cls, threshold: float = 2.0):
-        """Sequence masked IS: truncate at C and reject sequences with ∏ρ_t > C (no lower bound)."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold, rollout_rs="sequence",
-                   rollout_rs_threshold=threshold, rollout_rs_threshold_lower=0.0)
-
-    @classmethod
-    def geo_rs(cls, rs_threshold: float = 1.001, rs_threshold_lower: Optional[float] = None,
-               veto_threshold: Optional[float] = 1e-4):
-        """Geometric-mean ratio rejection (lower bound defaults to 1/upper) + veto; no IS weights."""
-        return cls(rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
-                   rollout_rs_threshold_lower=rs_threshold_lower, rollout_token_veto_threshold=veto_threshold)
-
-    @classmethod
-    def geo_mis(cls, is_threshold: float = 2.0, rs_threshold: float = 1.001,
-                rs_threshold_lower: Optional[float] = None, veto_threshold: Optional[float] = 1e-4):
-        """Geometric-level IS weights + geometric rejection + veto."""
-        return cls(rollout_is="geometric", rollout_is_threshold=is_threshold, rollout_rs="geometric",
-                   rollout_rs_threshold=rs_threshold, rollout_rs_threshold_lower=rs_threshold_lower,
-                   rollout_token_veto_threshold=veto_threshold)
-
-    @classmethod
-    def ppo_is_bypass(cls, threshold: float = 2.0):
-        """PPO clipped against π_rollout; token IS weights reported as diagnostics only."""
-        return cls(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def pure_is(cls, threshold: float = 2.0):
-        """Off-policy REINFORCE with sequence TIS (bypass)."""
-        return cls.bypass_pg_is(threshold)
-
-    @classmethod
-    def pg_is(cls, threshold: float = 2.0):
-        return cls.bypass_pg_is(threshold)
-
-    @classmethod
-    def pg_rs(cls, rs_threshold: float = 1.001, rs_threshold_lower: Optional[float] = None,
-              veto_threshold: Optional[float] = 1e-4):
-        """REINFORCE (bypass) with geometric rejection + veto; no IS weights."""
-        base = cls.geo_rs(rs_threshold, rs_threshold_lower, veto_threshold)
-        return base.replace(bypass_mode=True, loss_type="reinforce")
+                              + f"; available: {list(PRESETS)}")
+        return PRESETS[name].build(cls, *args, **kwargs)
 
 
-def _to_container(cfg: Any) -> dict[str, Any]:
+def _is_omegaconf(obj: Any) -> bool:
     try:
         from omegaconf import OmegaConf  # optional dependency
-
-        if OmegaConf.is_config(cfg):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     except ImportError:  # pragma: no cover
-        pass
-    if hasattr(cfg, "to_dict"):
-        return dict(cfg.to_dict())
-    if dataclasses.is_dataclass(cfg):
-        return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    if hasattr(cfg, "__dict__"):
-        return dict(vars(cfg))
-    raise TypeError(f"cannot read a RolloutCorrectionConfig from {type(cfg).__name__}")
+        return False
+    return OmegaConf.is_config(obj)
 
 
-_PRESETS = [
-    name
-    for name in (
-        "decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop", "decoupled_seq_is_rs",
-        "decoupled_geo_rs", "decoupled_geo_rs_seq_tis", "decoupled_geo_rs_token_tis", "decoupled_k3_rs",
-        "decoupled_k3_rs_seq_tis", "decoupled_k3_rs_token_tis", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs",
-        "bypass_ppo_clip_k3_rs", "bypass_pg_is", "bypass_pg_token_icepop", "bypass_pg_geo_rs",
-        "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis", "disabled",
-        "token_is", "seq_is", "seq_is_rs", "seq_mis", "geo_rs", "geo_mis", "ppo_is_bypass",
-        "pure_is", "pg_is", "pg_rs",
-    )
-]
+def settings_dict(obj: Any) -> dict[str, Any]:
+    """A plain dict of settings from a mapping, an OmegaConf node (interpolations resolved), a
+    dataclass instance (fields starting with ``_`` skipped), an object with ``to_dict()`` or one
+    with attributes; the keys are not checked (that is :func:`as_config`'s job)."""
+    if _is_omegaconf(obj):
+        from omegaconf import OmegaConf
+
+        data = OmegaConf.to_container(obj, resolve=True)
+        if not isinstance(data, dict):
+            raise TypeError(f"expected an OmegaConf mapping of config keys, got a {type(obj).__name__}")
+        return data  # type: ignore[return-value]
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not f.name.startswith("_")}
+    to_dict = getattr(obj, "to_dict", None)
+    if callable(to_dict):
+        return dict(to_dict())
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+    raise TypeError(f"cannot read a RolloutCorrectionConfig from {type(obj).__name__}: pass a preset name, "
+                    "a dict of config keys, an OmegaConf node, a dataclass, a RolloutCorrectionConfig or None")
+
+
+def as_config(value: Any) -> RolloutCorrectionConfig:
+    """The one way every entry point reads a config.
+
+    ``None`` → the default config (metrics only); a :class:`RolloutCorrectionConfig` → itself;
+    a string → the preset of that name; a mapping, an OmegaConf node, a dataclass (such as
+    verl's config class) or an object with attributes → :meth:`RolloutCorrectionConfig.from_dict`
+    of its keys. Unknown keys and invalid values raise :class:`ConfigError`; an unreadable type
+    raises TypeError.
+    """
+    if value is None:
+        return RolloutCorrectionConfig()
+    if isinstance(value, RolloutCorrectionConfig):
+        return value
+    if isinstance(value, str):
+        return RolloutCorrectionConfig.from_preset(value)
+    return RolloutCorrectionConfig.from_dict(settings_dict(value))
+
+
+def config_value(source: Any, key: str, default: Any = None, *, aliases: tuple[str, ...] = ()) -> Any:
+    """``source[key]`` from whatever holds settings — a mapping, an OmegaConf node, a config
+    object with ``get``, a dataclass or a namespace — or ``default`` when ``source`` is None or
+    has neither ``key`` nor one of ``aliases`` (older names, tried in order)."""
+    if source is None:
+        return default
+    for k in (key, *aliases):
+        if isinstance(source, Mapping):
+            if k in source:
+                return source[k]
+            continue
+        if hasattr(source, k):
+            return getattr(source, k)
+        getter = getattr(source, "get", None)
+        if callable(getter):
+            try:
+                value = getter(k, _MISSING)
+            except (KeyError, AttributeError, TypeError):
+                continue
+            if value is not _MISSING:
+                return value
+    return default
+
+
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------------------------- presets
+@dataclass(frozen=True)
+class Preset:
+    """A named configuration: ``keys`` with placeholders filled from the preset's arguments.
+
+    ``args`` lists the arguments (in positional order) with their defaults. In ``keys`` a value
+    ``"{arg}"`` is replaced by the argument itself and any other string containing ``{arg}`` is
+    formatted with the arguments (e.g. IcePop's band ``"{threshold_lower}_{threshold}"``).
+    """
+
+    name: str
+    doc: str
+    keys: Mapping[str, Any]
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    def config_keys(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The keys of this preset for the given arguments."""
+        try:
+            bound = self.signature().bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"preset {self.name!r}: {exc}; its arguments are "
+                              f"{dict(self.args) or 'none'}") from None
+        bound.apply_defaults()
+        values = bound.arguments
+        out = {}
+        for key, v in self.keys.items():
+            if isinstance(v, str) and v.startswith("{") and v.endswith("}") and v[1:-1] in values:
+                v = values[v[1:-1]]
+            elif isinstance(v, str) and "{" in v:
+                v = v.format(**values)
+            out[key] = v
+        return out
+
+    def build(self, cls: type = None, *args: Any, **kwargs: Any) -> "RolloutCorrectionConfig":
+        return (cls or RolloutCorrectionConfig)(**self.config_keys(*args, **kwargs))
+
+    def signature(self) -> inspect.Signature:
+        return inspect.Signature([inspect.Parameter(a, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d)
+                                  for a, d in self.args.items()])
+
+    @property
+    def has_is(self) -> bool:
+        return self.keys.get("rollout_is") is not None
+
+
+_GEO_BAND = "0.999_1.001"
+_TOKEN = {"rollout_is": "token", "rollout_is_threshold": "{is_threshold}"}
+_SEQ = {"rollout_is": "sequence", "rollout_is_threshold": "{is_threshold}"}
+_GEO_RS = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "{rs_threshold}"}
+_K3_RS = {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": "{rs_threshold}"}
+_BYPASS_PPO = {"bypass_mode": True, "loss_type": "ppo_clip"}
+_BYPASS_PG = {"bypass_mode": True, "loss_type": "reinforce"}
+_ICEPOP = {"rollout_is": "token", "rollout_is_threshold": "{threshold_lower}_{threshold}"}
+_LEGACY_GEO_RS = {"rollout_rs": "geometric", "rollout_rs_threshold": "{rs_threshold}",
+                  "rollout_rs_threshold_lower": "{rs_threshold_lower}",
+                  "rollout_token_veto_threshold": "{veto_threshold}"}
+_LEGACY_GEO_ARGS = {"rs_threshold": 1.001, "rs_threshold_lower": None, "veto_threshold": 1e-4}
+
+
+def _preset(name: str, doc: str, keys: Mapping[str, Any], **args: Any) -> tuple[str, Preset]:
+    return name, Preset(name, doc, keys, args)
+
+
+#: Every preset: name -> :class:`Preset`. Each is also a classmethod of
+#: :class:`RolloutCorrectionConfig` with the same arguments (``RolloutCorrectionConfig.seq_is(3.0)``).
+PRESETS: dict[str, Preset] = dict([
+    # Current generation (verl 0.9.1).
+    _preset("decoupled_token_is", "Decoupled PPO × token-level TIS: w_t = min(ρ_t, C).",
+            {"rollout_is": "token", "rollout_is_threshold": "{threshold}"}, threshold=2.0),
+    _preset("decoupled_seq_is", "Decoupled PPO × sequence-level TIS: w = min(∏ρ_t, C).",
+            {"rollout_is": "sequence", "rollout_is_threshold": "{threshold}"}, threshold=2.0),
+    _preset("decoupled_token_icepop", "Decoupled PPO × token IcePop: w_t = ρ_t·1[lo ≤ ρ_t ≤ hi].",
+            _ICEPOP, threshold=5.0, threshold_lower=0.5),
+    _preset("decoupled_seq_is_rs", "Sequence TIS + reject sequences whose ∏ρ_t lies outside the band (seq_sum_k1).",
+            {**_SEQ, "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "{rs_threshold}"},
+            is_threshold=2.0, rs_threshold="0.5_2.0"),
+    _preset("decoupled_geo_rs", "Reject sequences whose geometric-mean ratio lies outside the band (seq_mean_k1).",
+            _GEO_RS, rs_threshold=_GEO_BAND),
+    _preset("decoupled_geo_rs_seq_tis", "Geometric-mean rejection + sequence TIS.",
+            {**_SEQ, **_GEO_RS}, is_threshold=2.0, rs_threshold=_GEO_BAND),
+    _preset("decoupled_geo_rs_token_tis", "Geometric-mean rejection + token TIS.",
+            {**_TOKEN, **_GEO_RS}, is_threshold=2.0, rs_threshold=_GEO_BAND),
+    _preset("decoupled_k3_rs", "Reject sequences whose mean k3 = mean(ρ − 1 − log ρ) exceeds the bound.",
+            _K3_RS, rs_threshold=0.01),
+    _preset("decoupled_k3_rs_seq_tis", "Mean-k3 rejection + sequence TIS.",
+            {**_SEQ, **_K3_RS}, is_threshold=2.0, rs_threshold=0.01),
+    _preset("decoupled_k3_rs_token_tis", "Mean-k3 rejection + token TIS.",
+            {**_TOKEN, **_K3_RS}, is_threshold=2.0, rs_threshold=0.01),
+    _preset("bypass_ppo_clip", "PPO clipped against π_rollout (bypass); no IS weights.", _BYPASS_PPO),
+    _preset("bypass_ppo_clip_geo_rs", "Bypass PPO-clip + geometric-mean rejection.",
+            {**_GEO_RS, **_BYPASS_PPO}, rs_threshold=_GEO_BAND),
+    _preset("bypass_ppo_clip_k3_rs", "Bypass PPO-clip + mean-k3 rejection.",
+            {**_K3_RS, **_BYPASS_PPO}, rs_threshold=0.01),
+    _preset("bypass_pg_is", "REINFORCE with sequence TIS: L = −sg(min(∏ρ_t, C))·A·log π_θ.",
+            {"rollout_is": "sequence", "rollout_is_threshold": "{threshold}", **_BYPASS_PG}, threshold=2.0),
+    _preset("bypass_pg_token_icepop", "REINFORCE with token IcePop weights.",
+            {**_ICEPOP, **_BYPASS_PG}, threshold=5.0, threshold_lower=0.5),
+    _preset("bypass_pg_geo_rs", "REINFORCE + geometric-mean rejection; no IS weights.",
+            {**_GEO_RS, **_BYPASS_PG}, rs_threshold=_GEO_BAND),
+    _preset("bypass_pg_geo_rs_seq_tis", "REINFORCE with sequence TIS + geometric-mean rejection.",
+            {**_SEQ, **_GEO_RS, **_BYPASS_PG}, is_threshold=2.0, rs_threshold=_GEO_BAND),
+    _preset("bypass_pg_geo_rs_token_tis", "REINFORCE with token TIS + geometric-mean rejection.",
+            {**_TOKEN, **_GEO_RS, **_BYPASS_PG}, is_threshold=2.0, rs_threshold=_GEO_BAND),
+    _preset("disabled", "Metrics only: no weights, no rejection.", {}),
+    # First generation (the names of the earlier documentation).
+    _preset("token_is", "Token-level TIS (first-generation name of decoupled_token_is).",
+            {"rollout_is": "token", "rollout_is_threshold": "{threshold}"}, threshold=2.0),
+    _preset("seq_is", "Sequence-level TIS (first-generation name of decoupled_seq_is).",
+            {"rollout_is": "sequence", "rollout_is_threshold": "{threshold}"}, threshold=2.0),
+    _preset("seq_is_rs", "Sequence TIS + sequence ratio-band rejection (lower bound defaults to 1/upper).",
+            {**_SEQ, "rollout_rs": "sequence", "rollout_rs_threshold": "{rs_threshold}",
+             "rollout_rs_threshold_lower": "{rs_threshold_lower}"},
+            is_threshold=2.0, rs_threshold=2.0, rs_threshold_lower=None),
+    _preset("seq_mis", "Sequence masked IS: truncate at C and reject sequences with ∏ρ_t > C (no lower bound).",
+            {"rollout_is": "sequence", "rollout_is_threshold": "{threshold}", "rollout_rs": "sequence",
+             "rollout_rs_threshold": "{threshold}", "rollout_rs_threshold_lower": 0.0}, threshold=2.0),
+    _preset("geo_rs", "Geometric-mean ratio rejection (lower bound defaults to 1/upper) + veto; no IS weights.",
+            _LEGACY_GEO_RS, **_LEGACY_GEO_ARGS),
+    _preset("geo_mis", "Geometric-level IS weights + geometric rejection + veto.",
+            {"rollout_is": "geometric", "rollout_is_threshold": "{is_threshold}", **_LEGACY_GEO_RS},
+            is_threshold=2.0, **_LEGACY_GEO_ARGS),
+    _preset("ppo_is_bypass", "PPO clipped against π_rollout; token IS weights reported as diagnostics only.",
+            {"rollout_is": "token", "rollout_is_threshold": "{threshold}", **_BYPASS_PPO}, threshold=2.0),
+    _preset("pure_is", "Off-policy REINFORCE with sequence TIS (bypass); same as bypass_pg_is.",
+            {"rollout_is": "sequence", "rollout_is_threshold": "{threshold}", **_BYPASS_PG}, threshold=2.0),
+    _preset("pg_is", "REINFORCE with sequence TIS (bypass); same as bypass_pg_is.",
+            {"rollout_is": "sequence", "rollout_is_threshold": "{threshold}", **_BYPASS_PG}, threshold=2.0),
+    _preset("pg_rs", "REINFORCE (bypass) with geometric rejection + veto; no IS weights.",
+            {**_LEGACY_GEO_RS, **_BYPASS_PG}, **_LEGACY_GEO_ARGS),
+])
+
+
+def _preset_method(preset: Preset) -> classmethod:
+    def make(cls, *args: Any, **kwargs: Any) -> "RolloutCorrectionConfig":
+        return preset.build(cls, *args, **kwargs)
+
+    make.__name__ = make.__qualname__ = preset.name
+    make.__doc__ = preset.doc
+    params = list(preset.signature().parameters.values())
+    cls_param = inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    make.__signature__ = inspect.Signature([cls_param, *params])  # type: ignore[attr-defined]
+    return classmethod(make)
+
+
+def _keys_docstring() -> str:
+    lines = [RolloutCorrectionConfig.__doc__.rstrip(), "", "    Keys:", ""]
+    for key, (values, default, meaning) in CONFIG_KEYS.items():
+        lines.append(f"    {key} ({values}; default {default}): {meaning}")
+    return "\n".join(lines) + "\n    "
+
+
+for _name, _p in PRESETS.items():
+    setattr(RolloutCorrectionConfig, _name, _preset_method(_p))
+RolloutCorrectionConfig.__doc__ = _keys_docstring()
+del _name, _p

@@ -11,21 +11,22 @@ import functools
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 from .alignment import MisalignmentWarning, alignment_metrics, alignment_report, alignment_statistics
-from .config import RolloutCorrectionConfig
+from .config import RolloutCorrectionConfig, as_config
 from .logratio import LogRatioBatch
-from .metrics import (add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics, offpolicy_metrics,
-                      prefixed)
+from .metrics import (Accumulator, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
+                      offpolicy_metrics, prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
 from .stats import SufficientStats
 from .validation import check_pair
 from .weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
-__all__ = ["CorrectionOutput", "compute_rollout_correction", "local_correction", "correction_metrics"]
+__all__ = ["CorrectionOutput", "compute_rollout_correction", "CorrectionAccumulator", "BatchHook", "local_correction",
+           "correction_metrics"]
 
 
 @dataclass
@@ -172,9 +173,7 @@ def compute_rollout_correction(
     Returns:
         :class:`CorrectionOutput`.
     """
-    config = config or RolloutCorrectionConfig()
-    if not isinstance(config, RolloutCorrectionConfig):
-        config = RolloutCorrectionConfig.from_dict(config)
+    config = as_config(config)
     with torch.no_grad():
         local = _compiled_local_pass(config) if compile else functools.partial(_blocked_local_pass, config=config)
         weights, keep, sums, maxes = local(old_log_prob, rollout_log_prob, response_mask)
@@ -188,3 +187,37 @@ def compute_rollout_correction(
             if report.misaligned:
                 warnings.warn(report.message, MisalignmentWarning, stacklevel=2)
     return CorrectionOutput(weights=weights, response_mask=out_mask, metrics=prefixed(metrics))
+
+
+#: ``on_batch(batch, weights, keep)``: called by :class:`CorrectionAccumulator` once per chunk.
+BatchHook = Callable[[LogRatioBatch, Optional[torch.Tensor], torch.Tensor], None]
+
+
+class CorrectionAccumulator(Accumulator):
+    """Streaming metrics of :func:`compute_rollout_correction` for ``config``.
+
+    ``update`` per chunk of whole rows, then ``compute`` gives exactly the metrics of one call on
+    the concatenated batch.
+
+    Args:
+        config: a :class:`RolloutCorrectionConfig`, or anything :func:`as_config` reads.
+        on_batch: optional hook for extra per-chunk statistics, called after the chunk's own
+            statistics are recorded as ``on_batch(batch, weights, keep)`` with the chunk's
+            :class:`LogRatioBatch`, its (B, T) IS weights before batch normalisation (None when
+            the config has no IS) and its (B, T) float 0/1 mask of the valid tokens every
+            rejection criterion accepts.
+    """
+
+    def __init__(self, config: Union[RolloutCorrectionConfig, None, object] = None,
+                 on_batch: Optional[BatchHook] = None) -> None:
+        self.config = as_config(config)
+        self.on_batch = on_batch
+        super().__init__(self.config.on_nonfinite)
+
+    def record(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
+        isw, rej = local_correction(batch, self.config, stats)
+        if self.on_batch is not None:
+            self.on_batch(batch, None if isw is None else isw.weights, rej.keep_mask(batch))
+
+    def finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
+        return correction_metrics(stats, self.config)

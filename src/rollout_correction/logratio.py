@@ -18,9 +18,9 @@ import functools
 
 import torch
 
-from .config import SAFETY_BOUND
+from .constants import SAFETY_BOUND
 from .stats import SufficientStats
-from .validation import check_pair
+from .validation import check_pair, check_same
 
 __all__ = ["LogRatioBatch", "NONFINITE_SENTINEL"]
 
@@ -67,12 +67,33 @@ class LogRatioBatch:
         check_pair(old_log_prob, rollout_log_prob, response_mask)
         self.old_log_prob = old_log_prob
         self.rollout_log_prob = rollout_log_prob
+        # Upcast in one step (no separate copies of both inputs); sanitised and masked in place.
+        lr = old_log_prob.to(torch.float32, copy=True)
+        lr.sub_(rollout_log_prob)
+        self._setup(lr, response_mask, on_nonfinite, row_offset)
+
+    @classmethod
+    def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor,
+                       on_nonfinite: str = "reject", row_offset: int = 0) -> "LogRatioBatch":
+        """A batch from a precomputed (B, T) log-ratio log π_train − log π_rollout.
+
+        Everything that depends on the ratio only (IS weights, rejection, their statistics) works
+        as on a batch built from the two log-probs; the perplexity metrics need the log-probs
+        themselves, so :attr:`old_row_mean` raises on such a batch.
+        """
+        check_same([("log_ratio", log_ratio), ("response_mask", response_mask)], float_names=("log_ratio",))
+        batch = cls.__new__(cls)
+        batch.old_log_prob = batch.rollout_log_prob = None
+        batch._source_log_ratio = log_ratio
+        batch._setup(log_ratio.to(torch.float32, copy=True), response_mask, on_nonfinite, row_offset)
+        return batch
+
+    def _setup(self, lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row_offset: int) -> None:
+        """Sanitise and mask the float32 log-ratio ``lr`` (owned, modified in place), find rows
+        with a non-finite valid value, and derive the masks and counts."""
         self.response_mask = response_mask
         # Non-zero marks a valid token, whatever the mask's dtype or values.
         mask_in = (response_mask if response_mask.dtype == torch.bool else response_mask != 0).to(torch.float32)
-        # Upcast in one step (no separate copies of both inputs), then sanitise and mask in place.
-        lr = old_log_prob.to(torch.float32, copy=True)
-        lr.sub_(rollout_log_prob)
         torch.nan_to_num_(lr, nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
         lr.mul_(mask_in)
         if lr.shape[-1] > 0:
@@ -80,15 +101,7 @@ class LogRatioBatch:
         else:
             bad_rows = torch.zeros(lr.shape[0], dtype=torch.bool, device=lr.device)
         if on_nonfinite == "raise" and bool(bad_rows.any()):
-            b = int(bad_rows.nonzero()[0, 0])
-            row = old_log_prob[b].float() - rollout_log_prob[b].float()
-            bad = (mask_in[b] > 0) & ~(row.abs() < NONFINITE_SENTINEL)
-            t = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"non-finite log-prob at valid position (row {b + row_offset}, column {t}; "
-                "|log-ratio| ≥ 1e30 counts as non-finite): "
-                f"old_log_prob={old_log_prob[b, t].item()}, rollout_log_prob={rollout_log_prob[b, t].item()}; "
-                "fix the producer, or set on_nonfinite='reject' to drop such sequences")
+            raise self._nonfinite_error(mask_in, bad_rows, row_offset)
         self.input_mask = mask_in
         self.bad_rows = bad_rows
         self.n_row_input = mask_in.sum(-1)
@@ -103,6 +116,23 @@ class LogRatioBatch:
             self.n_row = self.n_row_input * keep_row
         self.row_sum = self.log_ratio.sum(-1)
         self.row_valid = self.n_row > 0
+
+    def _nonfinite_error(self, mask_in: torch.Tensor, bad_rows: torch.Tensor, row_offset: int) -> ValueError:
+        b = int(bad_rows.nonzero()[0, 0])
+        if self.old_log_prob is not None:
+            row = self.old_log_prob[b].float() - self.rollout_log_prob[b].float()
+        else:
+            row = self._source_log_ratio[b].float()
+        t = int(((mask_in[b] > 0) & ~(row.abs() < NONFINITE_SENTINEL)).nonzero()[0, 0])
+        if self.old_log_prob is not None:
+            values = (f"old_log_prob={self.old_log_prob[b, t].item()}, "
+                      f"rollout_log_prob={self.rollout_log_prob[b, t].item()}")
+        else:
+            values = f"log_ratio={row[t].item()}"
+        return ValueError(
+            f"non-finite log-prob at valid position (row {b + row_offset}, column {t}; "
+            f"|log-ratio| ≥ 1e30 counts as non-finite): {values}; "
+            "fix the producer, or set on_nonfinite='reject' to drop such sequences")
 
     # -- token level -------------------------------------------------------------------
     @cached
@@ -143,6 +173,10 @@ class LogRatioBatch:
         NaN·0 at padding is skipped by nansum; rows with a non-finite valid value are dropped
         rows (their sum is discarded); absurd finite values are bounded at ±1e30 per token.
         """
+        if self.old_log_prob is None:
+            raise ValueError("this LogRatioBatch was built from a log-ratio alone "
+                             "(LogRatioBatch.from_log_ratio); the perplexity metrics need the log-probs: "
+                             "build it as LogRatioBatch(old_log_prob, rollout_log_prob, response_mask)")
         s = torch.nansum(self.old_log_prob * self.mask, -1).double()
         bound = NONFINITE_SENTINEL * self.n_row.double()
         s = torch.where(self.row_valid, torch.nan_to_num(s, nan=0.0).clamp(-bound, bound), 0.0)

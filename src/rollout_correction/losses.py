@@ -22,7 +22,8 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from .config import SAFETY_BOUND, RolloutCorrectionConfig
+from .config import RolloutCorrectionConfig, as_config
+from .constants import SAFETY_BOUND
 from .correction import compute_rollout_correction
 from .validation import check_same, first_nonfinite
 
@@ -158,7 +159,7 @@ def compute_policy_loss(
         ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` and, when the
         correction was computed here, every ``rollout_corr/*`` metric.
     """
-    config = config if isinstance(config, RolloutCorrectionConfig) else RolloutCorrectionConfig.from_dict(config)
+    config = as_config(config)
     bypass = config.bypass_mode
     if bypass:
         rollout = rollout_log_prob if rollout_log_prob is not None else old_log_prob

@@ -19,15 +19,14 @@ from typing import Optional
 
 import torch
 
-from .config import SAFETY_BOUND, RolloutCorrectionConfig
+from .constants import METRIC_PREFIX, SAFETY_BOUND
 from .logratio import LogRatioBatch
-from .stats import SufficientStats
-from .weights import _div
+from .stats import SufficientStats, safe_div
 
 __all__ = ["PREFIX", "compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics",
-           "metrics_to_floats", "prefixed", "OffPolicyAccumulator", "CorrectionAccumulator"]
+           "nonfinite_metrics", "metrics_to_floats", "prefixed", "Accumulator", "OffPolicyAccumulator"]
 
-PREFIX = "rollout_corr/"
+PREFIX = METRIC_PREFIX  # the name this module has always exported
 _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
 
 
@@ -58,14 +57,14 @@ def offpolicy_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
     zero = torch.zeros_like(n_tok)
 
     def seq_mean(k: str) -> torch.Tensor:
-        return _div(stats.sum(k), n_rows)
+        return safe_div(stats.sum(k), n_rows)
 
     has_rows = n_rows > 0
     return {
         "training_ppl": seq_mean("op.train_ppl"),
         "training_log_ppl": seq_mean("op.train_log_ppl"),
-        "kl": -_div(stats.sum("op.sum_lr"), n_tok),
-        "k3_kl": _div(stats.sum("op.sum_k3"), n_tok),
+        "kl": -safe_div(stats.sum("op.sum_lr"), n_tok),
+        "k3_kl": safe_div(stats.sum("op.sum_k3"), n_tok),
         "rollout_ppl": seq_mean("op.roll_ppl"),
         "rollout_log_ppl": seq_mean("op.roll_log_ppl"),
         "log_ppl_diff": seq_mean("op.d"),
@@ -73,7 +72,7 @@ def offpolicy_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
         "log_ppl_diff_max": torch.where(has_rows, stats.max("op.d_max"), zero),
         "log_ppl_diff_min": torch.where(has_rows, stats.min("op.d_min"), zero),
         "ppl_ratio": seq_mean("op.ppl_ratio"),
-        "chi2_token": torch.where(n_tok > 0, _div(stats.sum("op.sum_rho2"), n_tok) - 1.0, zero),
+        "chi2_token": torch.where(n_tok > 0, safe_div(stats.sum("op.sum_rho2"), n_tok) - 1.0, zero),
         "chi2_seq": torch.where(has_rows, seq_mean("op.rho2_seq") - 1.0, zero),
     }
 
@@ -81,11 +80,12 @@ def offpolicy_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
 def nonfinite_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
     """``nonfinite_seq_fraction``: share of sequences dropped for a NaN/±inf log-prob at a
     valid position (denominator: sequences with ≥ 1 valid token in the input)."""
-    return {"nonfinite_seq_fraction": _div(stats.sum("nonfinite_rows"), stats.sum("n_rows_input"))}
+    return {"nonfinite_seq_fraction": safe_div(stats.sum("nonfinite_rows"), stats.sum("n_rows_input"))}
 
 
 def prefixed(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {PREFIX + k: v for k, v in metrics.items()}
+    """The same metrics named ``rollout_corr/<name>``."""
+    return {METRIC_PREFIX + k: v for k, v in metrics.items()}
 
 
 def metrics_to_floats(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
@@ -117,9 +117,13 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
     return acc.compute(process_group)
 
 
-class _Accumulator:
+class Accumulator:
     """Streaming version of a statistic family: ``update`` per chunk of whole rows, then
-    ``compute`` gives exactly what one call on the concatenated batch would give."""
+    ``compute`` gives exactly what one call on the concatenated batch would give.
+
+    A family is a subclass with two methods: ``record(stats, batch)`` adds the chunk's sufficient
+    statistics, ``finalize(stats)`` derives the (unprefixed) metrics from reduced statistics.
+    """
 
     def __init__(self, on_nonfinite: str = "reject") -> None:
         self.stats = SufficientStats()
@@ -135,45 +139,41 @@ class _Accumulator:
         share one batch and its lazily computed quantities)."""
         local = SufficientStats()
         batch.add_counts(local)
-        self._add(local, batch)
+        self.record(local, batch)
         self.stats.merge(local)
 
-    def _add(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
+    def record(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
+        """Record the family's statistics of one chunk into ``stats``."""
         raise NotImplementedError
 
     def compute(self, process_group: Optional[object] = None) -> dict[str, torch.Tensor]:
+        """Metrics of everything added so far, ``rollout_corr/<name>`` → 0-d tensor; reduced
+        over ``process_group`` when given (every rank then gets the whole batch's metrics)."""
         if not self.stats.sums:
             raise ValueError("no data: call update() with at least one batch before compute()")
         stats = SufficientStats().merge(self.stats).all_reduce(process_group)
-        return prefixed(self._finalize(stats))
+        return prefixed(self.finalize(stats))
 
-    def _finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
+    def finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
+        """The family's metrics (unprefixed names) from reduced statistics."""
         raise NotImplementedError
 
 
-class OffPolicyAccumulator(_Accumulator):
+class OffPolicyAccumulator(Accumulator):
     """Streaming :func:`compute_offpolicy_metrics`."""
 
-    def _add(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
+    def record(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
         add_offpolicy_statistics(stats, batch)
 
-    def _finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
+    def finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
         return {**offpolicy_metrics(stats), **nonfinite_metrics(stats)}
 
 
-class CorrectionAccumulator(_Accumulator):
-    """Streaming metrics of :func:`rollout_correction.compute_rollout_correction` for ``config``."""
+def __getattr__(name: str):
+    # CorrectionAccumulator belongs to the pipeline (rollout_correction.correction); it stays
+    # importable from here, resolved on first access so that this module never imports the pipeline.
+    if name == "CorrectionAccumulator":
+        from .correction import CorrectionAccumulator
 
-    def __init__(self, config: RolloutCorrectionConfig | None = None) -> None:
-        self.config = config or RolloutCorrectionConfig()
-        super().__init__(self.config.on_nonfinite)
-
-    def _add(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
-        from .correction import local_correction
-
-        local_correction(batch, self.config, stats)
-
-    def _finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
-        from .correction import correction_metrics
-
-        return correction_metrics(stats, self.config)
+        return CorrectionAccumulator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,47 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from .config import RolloutCorrectionConfig
+from .config import CONFIG_KEYS, RolloutCorrectionConfig
 
 __all__ = ["CONFIG_KEYS", "LEGACY_KEYS", "METRICS", "preset_rows", "render_markdown"]
-
-#: key -> (allowed values, default, meaning)
-CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
-    "rollout_is": ("null, token, sequence, geometric", "null",
-                   "IS weight level: ρ_t per token; ∏ρ_t per sequence; exp(mean log ρ_t) per sequence. "
-                   "null computes no weights (metrics only)."),
-    "rollout_is_threshold": ("number C, or string \"lo_hi\"", "2.0",
-                             "C truncates weights above C (TIS); \"lo_hi\" is IcePop: weights outside "
-                             "[lo, hi] become 0, the response mask is unchanged."),
-    "rollout_is_threshold_lower": ("number ≥ 0 or null", "null (1/upper)",
-                                   "lower bound for rollout_is_mode clip / mask with a numeric threshold."),
-    "rollout_is_mode": ("null, truncate, clip, mask", "null (inferred)",
-                        "how the bound applies: truncate min(w, U); clip clamp(w, L, U); mask w·1[L≤w≤U]. "
-                        "Inferred from the threshold when null."),
-    "rollout_is_batch_normalize": ("true, false", "false",
-                                   "divide weights by their batch mean after bounding (tokens for token "
-                                   "level, sequences for sequence / geometric level)."),
-    "rollout_rs": ("null or comma-chained options", "null",
-                   "rejection criteria, all must accept: token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, "
-                   "seq_max_k2/k3; or one of the first-generation modes token, sequence, geometric."),
-    "rollout_rs_threshold": ("number or string, one per option or shared", "null",
-                             "k1: ratio bounds \"lo_hi\" (a single x means [1/x, x]) on ρ_agg = exp(−k1_agg); "
-                             "k2/k3: one upper bound. First-generation modes: the upper ratio bound "
-                             "(defaults to rollout_is_threshold)."),
-    "rollout_rs_threshold_lower": ("number ≥ 0 or null", "null (1/upper)",
-                                   "first-generation modes: lower ratio bound."),
-    "rollout_token_veto_threshold": ("positive number or null", "null",
-                                     "reject a sequence if any valid token has unclamped ρ_t < C."),
-    "bypass_mode": ("true, false", "false",
-                    "π_old := π_rollout (two policies); the loss clips against the rollout policy."),
-    "loss_type": ("ppo_clip, reinforce", "ppo_clip",
-                  "bypass-mode loss: PPO clip, or REINFORCE −sg(w)·A·log π_θ (pure IS)."),
-    "on_nonfinite": ("reject, raise", "reject",
-                     "NaN/±inf log-probs at valid positions: drop the sequence and count it, or raise."),
-    "check_alignment": ("true, false", "false",
-                        "also test whether the rollout log-probs look shifted by one token against the "
-                        "trainer's (alignment_* metrics, a MisalignmentWarning when they do; one extra sync)."),
-}
 
 #: first-generation key -> how it maps
 LEGACY_KEYS: dict[str, str] = {

@@ -28,10 +28,10 @@ import torch
 
 from .config import RSOption
 from .logratio import LogRatioBatch
-from .stats import SufficientStats
-from .weights import _div, seq_summary
+from .stats import SufficientStats, safe_div, seq_summary
 
-__all__ = ["token_divergence", "RejectionResult", "option_keep", "rejection_keep", "rs_metrics", "veto_metrics"]
+__all__ = ["token_divergence", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics", "rs_metrics",
+           "veto_metrics"]
 
 
 def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
@@ -178,10 +178,11 @@ def _add_seq_values(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
         stats.add_sum(p + "_low", batch.row_count(seq < opt.stat_lower))
 
 
-def rs_metrics(stats: SufficientStats, options: tuple[RSOption, ...]) -> dict[str, torch.Tensor]:
-    """``rollout_rs_<option>_*`` and global ``rollout_rs_*`` metrics from reduced statistics.
+def rs_option_metrics(stats: SufficientStats, opt: RSOption) -> dict[str, torch.Tensor]:
+    """``rollout_rs_<option>_*`` metrics of one option from reduced statistics (recorded by
+    :func:`option_keep` with ``stats``, plus the counts of ``LogRatioBatch.add_counts``).
 
-    For option o with statistic s (per token, or per sequence broadcast over its tokens):
+    With s the option's statistic (per token, or per sequence broadcast over its tokens):
     mean = token mean of s; max/min over tokens (token options) or sequences (sequence options);
     fraction_high/low = share above the upper / below the lower statistic bound (tokens or
     sequences); std = token-weighted std of s clamped to the bounds; seq_* = statistics of the
@@ -189,36 +190,46 @@ def rs_metrics(stats: SufficientStats, options: tuple[RSOption, ...]) -> dict[st
     seq_max_deviation = max |value|; masked_fraction = share of valid tokens this option rejects;
     seq_masked_fraction = share of sequences with at least one token it rejects.
     """
+    n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
+    zero = torch.zeros_like(n_tok)
+    p, out = f"rs.{opt.name}.", f"rollout_rs_{opt.name}_"
+    m: dict[str, torch.Tensor] = {}
+    seq = seq_summary(stats, p + "seq", n_rows, center=0.0)
+    m[out + "mean"] = safe_div(stats.sum(p + "sum"), n_tok)
+    if opt.agg == "token":
+        m[out + "max"] = torch.where(n_tok > 0, stats.max(p + "max"), zero)
+        m[out + "min"] = torch.where(n_tok > 0, stats.min(p + "min"), zero)
+        den = n_tok
+    else:
+        m[out + "max"], m[out + "min"] = seq["max"], seq["min"]
+        den = n_rows
+    m[out + "fraction_high"] = safe_div(stats.sum(p + "high"), den)
+    m[out + "fraction_low"] = safe_div(stats.sum(p + "low"), den) if opt.stat_lower is not None else zero
+    cm = safe_div(stats.sum(p + "c_sum"), n_tok)
+    var = (safe_div(stats.sum(p + "c_sum2"), n_tok) - cm * cm).clamp_min(0)
+    m[out + "std"] = torch.where(n_tok > 1, var.sqrt(), zero)
+    for k, v in seq.items():
+        m[out + "seq_" + k] = v
+    m[out + "seq_fraction_high"] = safe_div(stats.sum(p + "seq_high"), n_rows)
+    if opt.stat_lower is not None:
+        m[out + "seq_fraction_low"] = safe_div(stats.sum(p + "seq_low"), n_rows)
+    m[out + "masked_fraction"] = safe_div(stats.sum(p + "masked"), n_tok)
+    m[out + "seq_masked_fraction"] = safe_div(stats.sum(p + "seq_masked"), n_rows)
+    return m
+
+
+def rs_metrics(stats: SufficientStats, options: tuple[RSOption, ...]) -> dict[str, torch.Tensor]:
+    """Every option's metrics (:func:`rs_option_metrics`) and the chain's ``rollout_rs_masked_fraction``
+    (share of valid tokens rejected by any option) and ``rollout_rs_seq_masked_fraction`` (share of
+    sequences with at least one rejected token), from statistics recorded by :func:`rejection_keep`."""
     if not options:
         return {}
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
-    zero = torch.zeros_like(n_tok)
     m: dict[str, torch.Tensor] = {}
     for opt in options:
-        p, out = f"rs.{opt.name}.", f"rollout_rs_{opt.name}_"
-        seq = seq_summary(stats, p + "seq", n_rows, center=0.0)
-        m[out + "mean"] = _div(stats.sum(p + "sum"), n_tok)
-        if opt.agg == "token":
-            m[out + "max"] = torch.where(n_tok > 0, stats.max(p + "max"), zero)
-            m[out + "min"] = torch.where(n_tok > 0, stats.min(p + "min"), zero)
-            den = n_tok
-        else:
-            m[out + "max"], m[out + "min"] = seq["max"], seq["min"]
-            den = n_rows
-        m[out + "fraction_high"] = _div(stats.sum(p + "high"), den)
-        m[out + "fraction_low"] = _div(stats.sum(p + "low"), den) if opt.stat_lower is not None else zero
-        cm = _div(stats.sum(p + "c_sum"), n_tok)
-        var = (_div(stats.sum(p + "c_sum2"), n_tok) - cm * cm).clamp_min(0)
-        m[out + "std"] = torch.where(n_tok > 1, var.sqrt(), zero)
-        for k, v in seq.items():
-            m[out + "seq_" + k] = v
-        m[out + "seq_fraction_high"] = _div(stats.sum(p + "seq_high"), n_rows)
-        if opt.stat_lower is not None:
-            m[out + "seq_fraction_low"] = _div(stats.sum(p + "seq_low"), n_rows)
-        m[out + "masked_fraction"] = _div(stats.sum(p + "masked"), n_tok)
-        m[out + "seq_masked_fraction"] = _div(stats.sum(p + "seq_masked"), n_rows)
-    m["rollout_rs_masked_fraction"] = _div(stats.sum("rs.masked"), n_tok)
-    m["rollout_rs_seq_masked_fraction"] = _div(stats.sum("rs.seq_masked"), n_rows)
+        m.update(rs_option_metrics(stats, opt))
+    m["rollout_rs_masked_fraction"] = safe_div(stats.sum("rs.masked"), n_tok)
+    m["rollout_rs_seq_masked_fraction"] = safe_div(stats.sum("rs.seq_masked"), n_rows)
     if options[0].legacy is not None:  # first-generation names for the same quantities
         m["rollout_is_masked_fraction"] = m["rollout_rs_masked_fraction"]
         m["rollout_is_seq_masked_fraction"] = m["rollout_rs_seq_masked_fraction"]
@@ -229,6 +240,6 @@ def veto_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
     """``rollout_is_veto_fraction`` (share of sequences vetoed) and
     ``rollout_is_catastrophic_token_fraction`` (share of valid tokens with ρ_t < C)."""
     return {
-        "rollout_is_veto_fraction": _div(stats.sum("veto.rows"), stats.sum("n_rows")),
-        "rollout_is_catastrophic_token_fraction": _div(stats.sum("veto.tok"), stats.sum("n_tok")),
+        "rollout_is_veto_fraction": safe_div(stats.sum("veto.rows"), stats.sum("n_rows")),
+        "rollout_is_catastrophic_token_fraction": safe_div(stats.sum("veto.tok"), stats.sum("n_tok")),
     }

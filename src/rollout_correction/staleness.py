@@ -33,7 +33,8 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from .config import RolloutCorrectionConfig
+from .config import RolloutCorrectionConfig, as_config
+from .constants import METRIC_PREFIX
 from .correction import compute_rollout_correction
 from .losses import compute_policy_loss
 from .metrics import compute_offpolicy_metrics
@@ -86,7 +87,7 @@ def staleness_lag(versions: torch.Tensor, current_version: Version, response_mas
 
 def max_staleness_mask(response_mask: torch.Tensor, versions: torch.Tensor, current_version: Version,
                        max_staleness: int, level: Literal["sequence", "token"] = "sequence",
-                       prefix: str = "rollout_corr/") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                       prefix: str = METRIC_PREFIX) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reject what is more than ``max_staleness`` versions old.
 
         sequence:  keep row b  iff  max_t ℓ_bt ≤ max_staleness
@@ -116,7 +117,7 @@ def max_staleness_mask(response_mask: torch.Tensor, versions: torch.Tensor, curr
 
 def staleness_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                       versions: torch.Tensor, current_version: Version, *, num_buckets: int = 4,
-                      process_group: Optional[object] = None, prefix: str = "rollout_corr/"
+                      process_group: Optional[object] = None, prefix: str = METRIC_PREFIX
                       ) -> dict[str, torch.Tensor]:
     """Off-policy metrics per staleness bucket: lags 0, 1, …, num_buckets − 2 and "≥ num_buckets − 1".
 
@@ -163,7 +164,7 @@ def staleness_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
         out[name + "seq_count"] = seq[k]
         out[name + "seq_fraction"] = seq[k] / n_seq
         for metric in BUCKET_METRICS:
-            out[name + metric] = core[f"rollout_corr/{metric}"]
+            out[name + metric] = core[METRIC_PREFIX + metric]
     return out
 
 
@@ -224,9 +225,7 @@ def compute_staleness_policy_loss(
       (loss, metrics): the core's loss metrics, the correction's ``rollout_corr/*`` metrics (of
       π_prox vs π_behav) and the staleness metrics.
     """
-    config = config if config is not None else RolloutCorrectionConfig.decoupled_token_is()
-    if not isinstance(config, RolloutCorrectionConfig):
-        config = RolloutCorrectionConfig.from_dict(config)
+    config = as_config(config if config is not None else "decoupled_token_is")
     if config.bypass_mode:
         raise ValueError("the three-policy loss needs decoupled mode (bypass_mode=False): in bypass mode "
                          "π_prox is π_rollout and versions cannot change it")

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SufficientStats"]
+__all__ = ["SufficientStats", "safe_div", "seq_summary"]
 
 
 def _reduce(parts: dict[str, list[torch.Tensor]], op: str) -> dict[str, torch.Tensor]:
@@ -144,3 +144,25 @@ class SufficientStats:
             packed = torch.where(packed <= lowest, torch.full_like(packed, -torch.inf), packed)
             self._maxes = dict(zip(keys, packed.unbind()))
         return self
+
+
+# -- deriving values from reduced statistics ---------------------------------------------
+def safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den, or 0 when den == 0 (a statistic over an empty set is reported as 0)."""
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
+
+
+def seq_summary(stats: SufficientStats, key: str, n_rows: torch.Tensor, center: float) -> dict[str, torch.Tensor]:
+    """mean, unbiased std, max, min and max |x − center| of per-row values recorded under
+    ``key`` (as ``<key>_sum``, ``<key>_sum2``, ``<key>_max`` and ``<key>_min``); all 0 when
+    ``n_rows`` is 0, std 0 when it is 1."""
+    s, s2 = stats.sum(f"{key}_sum"), stats.sum(f"{key}_sum2")
+    mean = safe_div(s, n_rows)
+    var = safe_div(s2 - s * mean, n_rows - 1)
+    std = torch.where(n_rows > 1, var.clamp_min(0).sqrt(), torch.zeros_like(var))
+    mx, mn = stats.max(f"{key}_max"), stats.min(f"{key}_min")
+    has = n_rows > 0
+    zero = torch.zeros_like(mean)
+    mx_, mn_ = torch.where(has, mx, zero), torch.where(has, mn, zero)
+    dev = torch.where(has, torch.maximum((mx - center).abs(), (mn - center).abs()), zero)
+    return {"mean": mean, "std": std, "max": mx_, "min": mn_, "max_deviation": dev}

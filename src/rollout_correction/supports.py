@@ -44,6 +44,8 @@ from typing import Literal, NamedTuple, Optional, Union
 
 import torch
 
+from .constants import METRIC_PREFIX
+
 __all__ = [
     "SupportLogProbs",
     "sampling_support_mask",
@@ -304,7 +306,7 @@ def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
 
 
 def support_metrics(result: SupportLogProbs, response_mask: Optional[torch.Tensor] = None,
-                    prefix: str = "rollout_corr/") -> dict[str, torch.Tensor]:
+                    prefix: str = METRIC_PREFIX) -> dict[str, torch.Tensor]:
     """Mean kept mass and the fraction of sampled tokens outside the kept set, over valid tokens.
 
         support_kept_mass_mean = mean_t Z_p(S_t)          (the factor the raw ratio carries)

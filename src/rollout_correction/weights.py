@@ -25,9 +25,10 @@ from typing import Optional
 
 import torch
 
-from .config import SAFETY_BOUND, ISSpec
+from .config import ISSpec
+from .constants import SAFETY_BOUND
 from .logratio import LogRatioBatch
-from .stats import SufficientStats
+from .stats import SufficientStats, safe_div, seq_summary
 
 __all__ = ["ISWeights", "importance_weights", "bound_weights", "add_is_statistics", "is_metrics",
            "batch_norm_factor"]
@@ -114,31 +115,12 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
     stats.add_sum("is.seq_low", batch.row_count(seq_raw < L))
 
 
-def _div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den, or 0 when den == 0 (a statistic over an empty set is reported as 0)."""
-    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
-
-
-def seq_summary(stats: SufficientStats, key: str, n_rows: torch.Tensor, center: float) -> dict[str, torch.Tensor]:
-    """mean, unbiased std, max, min and max |x − center| of per-row values recorded under ``key``."""
-    s, s2 = stats.sum(f"{key}_sum"), stats.sum(f"{key}_sum2")
-    mean = _div(s, n_rows)
-    var = _div(s2 - s * mean, n_rows - 1)
-    std = torch.where(n_rows > 1, var.clamp_min(0).sqrt(), torch.zeros_like(var))
-    mx, mn = stats.max(f"{key}_max"), stats.min(f"{key}_min")
-    has = n_rows > 0
-    zero = torch.zeros_like(mean)
-    mx_, mn_ = torch.where(has, mx, zero), torch.where(has, mn, zero)
-    dev = torch.where(has, torch.maximum((mx - center).abs(), (mn - center).abs()), zero)
-    return {"mean": mean, "std": std, "max": mx_, "min": mn_, "max_deviation": dev}
-
-
 def batch_norm_factor(stats: SufficientStats, spec: ISSpec) -> torch.Tensor:
     """Mean bounded weight (over tokens, or over valid sequences); 1 when it is ≤ 1e-8."""
     if spec.level == "token":
-        mean = _div(stats.sum("is.sum_w"), stats.sum("n_tok"))
+        mean = safe_div(stats.sum("is.sum_w"), stats.sum("n_tok"))
     else:
-        mean = _div(stats.sum("is.seq_sum"), stats.sum("n_rows"))
+        mean = safe_div(stats.sum("is.seq_sum"), stats.sum("n_rows"))
     return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
 
 
@@ -155,8 +137,8 @@ def is_metrics(stats: SufficientStats, spec: ISSpec) -> dict[str, torch.Tensor]:
     """
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
     zero = torch.zeros_like(n_tok)
-    mean = _div(stats.sum("is.sum_w"), n_tok)
-    ew2 = _div(stats.sum("is.sum_w2"), n_tok)
+    mean = safe_div(stats.sum("is.sum_w"), n_tok)
+    ew2 = safe_div(stats.sum("is.sum_w2"), n_tok)
     var = (ew2 - mean * mean).clamp_min(0)
     std = torch.where(n_tok > 1, var.sqrt(), zero)
     ess = torch.where(ew2 > 0, (mean + 1e-8) ** 2 / ew2.clamp_min(1e-300), zero)
@@ -170,15 +152,15 @@ def is_metrics(stats: SufficientStats, spec: ISSpec) -> dict[str, torch.Tensor]:
         m["rollout_is_max"] = torch.where(n_rows > 0, stats.max("is.max_log").clamp(*bound).exp(), zero)
         m["rollout_is_min"] = torch.where(n_rows > 0, stats.min("is.min_log").clamp(*bound).exp(), zero)
         den = n_rows
-    m["rollout_is_ratio_fraction_high"] = _div(stats.sum("is.high"), den)
-    m["rollout_is_ratio_fraction_low"] = _div(stats.sum("is.low"), den)
+    m["rollout_is_ratio_fraction_high"] = safe_div(stats.sum("is.high"), den)
+    m["rollout_is_ratio_fraction_low"] = safe_div(stats.sum("is.low"), den)
     seq = seq_summary(stats, "is.seq", n_rows, center=1.0)
     for k, v in seq.items():
         m[f"rollout_is_seq_{k}"] = v
-    m["rollout_is_seq_fraction_high"] = _div(stats.sum("is.seq_high"), n_rows)
-    m["rollout_is_seq_fraction_low"] = _div(stats.sum("is.seq_low"), n_rows)
+    m["rollout_is_seq_fraction_high"] = safe_div(stats.sum("is.seq_high"), n_rows)
+    m["rollout_is_seq_fraction_low"] = safe_div(stats.sum("is.seq_low"), n_rows)
     if spec.mode == "mask":
-        m["rollout_is_oob_ratio"] = _div(stats.sum("is.oob"), n_tok)
+        m["rollout_is_oob_ratio"] = safe_div(stats.sum("is.oob"), n_tok)
     if spec.batch_normalize:
         m["rollout_is_batch_norm_factor"] = batch_norm_factor(stats, spec)
     return m
