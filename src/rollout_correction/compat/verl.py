@@ -36,11 +36,13 @@ from typing import Any, Optional
 import torch
 
 from ..config import RS_OPTIONS, SAFETY_BOUND, RolloutCorrectionConfig, RSOption
+from ..config import config_value as _get
+from ..constants import METRIC_PREFIX as PREFIX
 from ..correction import compute_rollout_correction
 from ..logratio import LogRatioBatch
 from ..metrics import compute_offpolicy_metrics as _offpolicy_metrics
 from ..metrics import metrics_to_floats
-from ..rejection import option_keep, rejection_keep, rs_metrics
+from ..rejection import option_keep, rejection_keep, rs_metrics, rs_option_metrics
 from ..stats import SufficientStats
 from ..weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
@@ -59,8 +61,6 @@ __all__ = [
     "compute_rollout_corr_metrics_from_logprobs",
     "apply_bypass_mode",
 ]
-
-PREFIX = "rollout_corr/"
 
 #: Every divergence-based rejection option (comma-chain them in ``rollout_rs``).
 SUPPORTED_ROLLOUT_RS_OPTIONS: set[str] = set(RS_OPTIONS)
@@ -108,11 +108,6 @@ def _is_config(rollout_is: Optional[str], rollout_is_threshold: Any,
                rollout_is_batch_normalize: bool = False) -> RolloutCorrectionConfig:
     return RolloutCorrectionConfig(rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
                                    rollout_is_batch_normalize=rollout_is_batch_normalize)
-
-
-def _log_ratio_batch(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> LogRatioBatch:
-    return LogRatioBatch(log_ratio, torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
-                         .expand_as(log_ratio), response_mask)
 
 
 def _unprefix(metrics: dict[str, float]) -> dict[str, float]:
@@ -188,7 +183,7 @@ def compute_rollout_correction_weights(
     if spec is None:
         raise ValueError(f"rollout_is={rollout_is!r} is invalid: expected 'token', 'sequence' or 'geometric'")
     with torch.no_grad():
-        batch = _log_ratio_batch(log_ratio, response_mask)
+        batch = LogRatioBatch.from_log_ratio(log_ratio, response_mask)
         stats = SufficientStats()
         batch.add_counts(stats)
         isw = importance_weights(batch, spec)
@@ -224,7 +219,7 @@ def compute_rollout_rejection_mask(
         return response_mask, {}
     options = RolloutCorrectionConfig(rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold).rs_options
     with torch.no_grad():
-        batch = _log_ratio_batch(log_ratio, response_mask)
+        batch = LogRatioBatch.from_log_ratio(log_ratio, response_mask)
         stats = SufficientStats()
         batch.add_counts(stats)
         keep = rejection_keep(batch, options, None, stats).keep_mask(batch)
@@ -265,12 +260,12 @@ def compute_is_metrics(
         raise ValueError(f"rollout_is={rollout_is!r} is invalid: expected 'token' or 'sequence'")
     with torch.no_grad():
         if spec.level == "token":
-            batch = _log_ratio_batch(log_ratio_for_metrics, response_mask)
+            batch = LogRatioBatch.from_log_ratio(log_ratio_for_metrics, response_mask)
             valid = batch.valid
             isw = ISWeights(weights=torch.where(valid, rollout_is_weights.float(), 0.0),
                             raw=torch.where(valid, raw_rollout_is_weights.float(), 0.0))
         else:
-            batch = _log_ratio_batch(torch.zeros_like(response_mask, dtype=torch.float32), response_mask)
+            batch = LogRatioBatch.from_log_ratio(torch.zeros_like(response_mask, dtype=torch.float32), response_mask)
             valid = batch.valid
             # Sequence weights are constant over a row's valid tokens: read them off with a max.
             row_w = torch.where(valid, rollout_is_weights.float(), 0.0).amax(-1)
@@ -311,7 +306,7 @@ def compute_rs_metrics(
     opt = RSOption(option_name, agg, estimator,
                    float(rollout_rs_threshold_lower) if apply_lower_threshold else None, float(rollout_rs_threshold))
     with torch.no_grad():
-        batch = _log_ratio_batch(torch.zeros_like(response_mask, dtype=torch.float32), response_mask)
+        batch = LogRatioBatch.from_log_ratio(torch.zeros_like(response_mask, dtype=torch.float32), response_mask)
         valid = batch.valid
         if agg == "token":
             statistic = torch.where(valid, rs_statistic.float(), 0.0)
@@ -323,9 +318,7 @@ def compute_rs_metrics(
         stats = SufficientStats()
         batch.add_counts(stats)
         option_keep(batch, opt, statistic, stats)
-        for name in ("rs.masked", "rs.seq_masked"):  # chain-level totals, not reported here
-            stats.add_sum(name, torch.zeros(()))
-        out = metrics_to_floats(rs_metrics(stats, (opt,)))
+        out = metrics_to_floats(rs_option_metrics(stats, opt))
     prefix = f"rollout_rs_{option_name}_"
     return {k: v for k, v in out.items()
             if k.startswith(prefix) and not k.endswith(("_masked_fraction", "_seq_masked_fraction"))}
@@ -356,14 +349,6 @@ def compute_rollout_corr_metrics_from_logprobs(
 
 
 # ----------------------------------------------------------------------------- batch-level helpers
-
-
-def _get(config: Any, key: str, default: Any) -> Any:
-    if config is None:
-        return default
-    if hasattr(config, "get"):
-        return config.get(key, default)
-    return getattr(config, key, default)
 
 
 def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any) -> tuple[Any, dict]:

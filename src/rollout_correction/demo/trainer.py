@@ -19,21 +19,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout_correction import METRIC_PREFIX
 from rollout_correction.demo.config import METHODS, DemoConfig, Method
-from rollout_correction.demo.engine import RolloutEngine, sample
 from rollout_correction.demo.model import build_model, response_log_probs
 from rollout_correction.demo.task import Task
+from rollout_correction.rollout_engine import RolloutEngine, sample
 
 EVAL_SEED = 1_000_003  # every run is evaluated on the same prompts
 
 # Diagnostics recorded every step, from the library's metric names.
 DIAGNOSTICS = {
-    "kl": "rollout_corr/kl",
-    "k3_kl": "rollout_corr/k3_kl",
-    "chi2_token": "rollout_corr/chi2_token",
-    "chi2_seq": "rollout_corr/chi2_seq",
-    "ess": "rollout_corr/rollout_is_eff_sample_size",
-    "rejected": "rollout_corr/rollout_rs_masked_fraction",
+    "kl": METRIC_PREFIX + "kl",
+    "k3_kl": METRIC_PREFIX + "k3_kl",
+    "chi2_token": METRIC_PREFIX + "chi2_token",
+    "chi2_seq": METRIC_PREFIX + "chi2_seq",
+    "ess": METRIC_PREFIX + "rollout_is_eff_sample_size",
+    "rejected": METRIC_PREFIX + "rollout_rs_masked_fraction",
     "clipfrac": "actor/pg_clipfrac",
 }
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from rollout_correction import METRIC_PREFIX
+
 from .profile import HEALTHY_BAND, VETO_THRESHOLD, ProfileResult
 
-P = "rollout_corr/"
+P = METRIC_PREFIX
 
 
 @dataclass

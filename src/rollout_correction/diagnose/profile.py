@@ -21,12 +21,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rollout_correction import (METRIC_PREFIX, SAFETY_BOUND, CorrectionAccumulator, OffPolicyAccumulator, RolloutCorrectionConfig,
+                                metrics_to_floats)
 from rollout_correction.alignment import AlignmentReport, alignment_report, alignment_statistics
+from rollout_correction.logratio import LogRatioBatch
 
 from .histograms import AdaptiveLinearHistogram, Histogram, KeyedSums, symlog_edges
 from .readers import Chunk
 
-LOG_CLAMP = 20.0  # the core's safety bound on log-ratios before every exp
+LOG_CLAMP = SAFETY_BOUND  # the core's safety bound on log-ratios before every exp
 VETO_THRESHOLD = 1e-4  # a token with ρ below this is "catastrophic" (seed 001's veto default)
 HEALTHY_BAND = (0.5, 2.0)  # the seeds' band for a single ratio / the mean weight
 LEVELS = ("token", "sequence", "geometric")
@@ -125,35 +128,26 @@ class ProfileResult:
     extras: dict[str, float] = field(default_factory=dict)
 
 
-def _final_weight_accumulator(config):
-    """A ``CorrectionAccumulator`` that also accumulates the moments of the final weights.
+class FinalWeightMoments:
+    """Moments of the final weights, fed by a ``CorrectionAccumulator``'s ``on_batch`` hook.
 
     final weight per valid token = IS weight (1 when the config has none) × 1[kept by rejection];
     ESS_final = (Σw)² / (n·Σw²) over the n valid tokens, 0 when everything is rejected.
     """
-    from rollout_correction.correction import local_correction
-    from rollout_correction.metrics import CorrectionAccumulator
 
-    class _WhatIf(CorrectionAccumulator):
-        def __init__(self, cfg):
-            super().__init__(cfg)
-            self.final = [0.0, 0.0, 0.0]  # n, Σw, Σw²
+    def __init__(self) -> None:
+        self.n = self.sum_w = self.sum_w2 = 0.0
 
-        def _add(self, stats, batch):
-            isw, rej = local_correction(batch, self.config, stats)
-            valid = batch.valid
-            keep = (rej.keep_mask(batch) != 0) & valid
-            w = isw.weights if isw is not None else valid.to(torch.float32)
-            wf = torch.where(keep, w, 0.0)
-            self.final[0] += float(batch.n_row.sum(dtype=torch.float64))
-            self.final[1] += float(wf.sum(dtype=torch.float64))
-            self.final[2] += float(wf.square().sum(dtype=torch.float64))
+    def __call__(self, batch, weights, keep) -> None:
+        valid = batch.valid
+        w = weights if weights is not None else valid.to(torch.float32)
+        wf = torch.where((keep != 0) & valid, w, 0.0)
+        self.n += float(batch.n_row.sum(dtype=torch.float64))
+        self.sum_w += float(wf.sum(dtype=torch.float64))
+        self.sum_w2 += float(wf.square().sum(dtype=torch.float64))
 
-        def final_ess(self) -> float:
-            n, s, s2 = self.final
-            return (s * s) / (n * s2) if s2 > 0 and n > 0 else 0.0
-
-    return _WhatIf(config)
+    def ess(self) -> float:
+        return (self.sum_w * self.sum_w) / (self.n * self.sum_w2) if self.sum_w2 > 0 and self.n > 0 else 0.0
 
 
 def _what_if_entry(name: str, m: dict[str, float], ess_final: float) -> dict:
@@ -162,10 +156,10 @@ def _what_if_entry(name: str, m: dict[str, float], ess_final: float) -> dict:
     truncated: fraction of valid tokens (sequences for sequence-level IS) whose weight the
     threshold changes (TIS: raw ratio above the cap; IcePop: raw ratio outside the band);
     rejected: fraction of valid tokens / rows removed by rejection sampling (and veto);
-    ess: Kish ESS of the final weights (IS weight × kept), see :func:`_final_weight_accumulator`;
+    ess: Kish ESS of the final weights (IS weight × kept), see :class:`FinalWeightMoments`;
     is_ess: the core's ``rollout_is_eff_sample_size`` (IS weights only, before rejection).
     """
-    p = "rollout_corr/"
+    p = METRIC_PREFIX
     has_is = f"{p}rollout_is_mean" in m
     if not has_is:
         truncated = 0.0
@@ -201,21 +195,19 @@ class MismatchProfile:
 
     def __init__(self, presets: list[str] | None = None, track_tokens: bool = True,
                  max_block_elements: int = 4_000_000):
-        from rollout_correction.config import RolloutCorrectionConfig
-        from rollout_correction.metrics import OffPolicyAccumulator
-
         self._offpolicy = OffPolicyAccumulator()
         names = list(RolloutCorrectionConfig.preset_names()) if presets is None else list(presets)
         # Presets that differ only in the loss (bypass vs decoupled, PPO vs REINFORCE) have the same
         # weights and masks: compute each distinct correction once.
         self._preset_key: dict[str, tuple] = {}
-        self._what_if: dict[tuple, object] = {}
+        self._what_if: dict[tuple, tuple[CorrectionAccumulator, FinalWeightMoments]] = {}
         for n in names:
             cfg = RolloutCorrectionConfig.from_preset(n)
             key = (cfg.is_spec, cfg.rs_options, cfg.rollout_token_veto_threshold)
             self._preset_key[n] = key
             if key not in self._what_if:
-                self._what_if[key] = _final_weight_accumulator(cfg)
+                final = FinalWeightMoments()
+                self._what_if[key] = (CorrectionAccumulator(cfg, on_batch=final), final)
         self.levels = {lvl: LevelMoments() for lvl in LEVELS}
         self.histograms = {lvl: Histogram(LOG_RATIO_EDGES) for lvl in LEVELS}
         self.position = KeyedSums(("log_ratio", "abs_log_ratio", "k3"))
@@ -236,10 +228,8 @@ class MismatchProfile:
         preset is what keeps a 10M-token file under a minute. Returns the batch, whose log-ratio,
         k3 and row sums the profile's own statistics reuse.
         """
-        from rollout_correction.logratio import LogRatioBatch
-
         batch = LogRatioBatch(old, roll, mask, "reject")
-        for acc in (self._offpolicy, *self._what_if.values()):
+        for acc in (self._offpolicy, *(acc for acc, _ in self._what_if.values())):
             acc.update_batch(batch)
         return batch
 
@@ -364,10 +354,8 @@ class MismatchProfile:
 
     # ------------------------------------------------------------------ at the end
     def result(self) -> ProfileResult:
-        from rollout_correction import metrics_to_floats
-
         metrics = metrics_to_floats(self._offpolicy.compute())
-        computed = {key: (metrics_to_floats(acc.compute()), acc.final_ess()) for key, acc in self._what_if.items()}
+        computed = {key: (metrics_to_floats(acc.compute()), final.ess()) for key, (acc, final) in self._what_if.items()}
         what_if, first = [], {}
         for n, key in self._preset_key.items():
             entry = _what_if_entry(n, *computed[key])

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollout_correction import METRIC_PREFIX
+
 from .profile import ProfileResult
 
-P = "rollout_corr/"
+P = METRIC_PREFIX
 
 #: Thresholds of the rule above (documented in docs/diagnose.md).
 SEVERE_KL = 0.1

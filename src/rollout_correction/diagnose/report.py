@@ -16,10 +16,12 @@ from dataclasses import asdict
 
 import numpy as np
 
+from rollout_correction import METRIC_PREFIX
+
 from .diagnosis import Diagnosis
 from .profile import HEALTHY_BAND, VETO_THRESHOLD
 
-P = "rollout_corr/"
+P = METRIC_PREFIX
 
 #: One-line meaning of each off-policy metric (π_train = the trainer's log-probs column).
 METRIC_HELP = {

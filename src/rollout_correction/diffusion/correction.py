@@ -27,13 +27,13 @@ off-policy set of the core, plus the IS mean and rejected fraction of each step.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from rollout_correction import RolloutCorrectionConfig, compute_offpolicy_metrics, compute_rollout_correction
+from rollout_correction import (METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_offpolicy_metrics,
+                                compute_rollout_correction)
 
 __all__ = [
     "MissingLogProbsError",
@@ -73,17 +73,12 @@ class DiffusionCorrection:
 
 # ---------------------------------------------------------------------------------- config / notes
 def _as_config(config: Any) -> RolloutCorrectionConfig:
-    if config is None:
-        return RolloutCorrectionConfig()
-    if isinstance(config, RolloutCorrectionConfig):
-        return config
-    if isinstance(config, Mapping):
-        return RolloutCorrectionConfig.from_dict(dict(config))
-    if hasattr(config, "keys") and hasattr(config, "__getitem__"):  # OmegaConf DictConfig and friends
-        return RolloutCorrectionConfig.from_dict({k: config[k] for k in config.keys()})
-    raise TypeError(
-        f"config must be a RolloutCorrectionConfig or a mapping of its keys, got {type(config).__name__}"
-    )
+    # A per-step config is a config or a mapping of keys; a bare string here is far more often a
+    # rejection option (e.g. "seq_mean_k1") than a preset name, so it is refused, not looked up.
+    if isinstance(config, str):
+        raise TypeError(f"config must be a RolloutCorrectionConfig or a mapping of its keys, got the string "
+                        f"{config!r}; for a preset write RolloutCorrectionConfig.from_preset({config!r})")
+    return as_config(config)
 
 
 def config_notes(config: Any, *, window_size: int, path: str) -> list[str]:
@@ -203,7 +198,7 @@ def per_step_metrics(
         step_abs = abs_diff.sum(0) / n_finite
         ones = torch.ones_like(old[:, :1])
         for s in range(old.shape[1]):
-            prefix = f"rollout_corr/step_{s + step_offset}/"
+            prefix = f"{METRIC_PREFIX}step_{s + step_offset}/"
             out[prefix + "logprob_abs_diff"] = step_abs[s]
             for k, v in compute_offpolicy_metrics(old[:, s : s + 1], ro[:, s : s + 1], ones).items():
                 out[prefix + k.split("/", 1)[1]] = v
@@ -249,11 +244,11 @@ def correct_log_probs(
     with torch.no_grad():
         diff = old.float() - ro.float()
         finite = torch.isfinite(diff)
-        metrics["rollout_corr/logprob_abs_diff"] = torch.where(
+        metrics[METRIC_PREFIX + "logprob_abs_diff"] = torch.where(
             finite, diff.abs(), zeros
         ).sum() / finite.sum().clamp(min=1)
-        metrics["rollout_corr/rejected_fraction"] = (~keep).float().mean()
-        metrics["rollout_corr/weight_mean"] = weights.mean()
+        metrics[METRIC_PREFIX + "rejected_fraction"] = (~keep).float().mean()
+        metrics[METRIC_PREFIX + "weight_mean"] = weights.mean()
     if per_step:
         metrics.update(per_step_metrics(old, ro, weights=weights, keep=keep))
     return DiffusionCorrection(weights=weights, keep=keep, metrics=metrics)
@@ -351,6 +346,6 @@ def step_correction(
     res = correct_log_probs(lp, ro, cfg, apply_is=cfg.loss_type == "reinforce", per_step=False)
     metrics = res.metrics
     if step_index is not None:
-        metrics = {f"rollout_corr/step_{step_index}/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
+        metrics = {f"{METRIC_PREFIX}step_{step_index}/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
     weights = res.weights.squeeze(1) if squeeze else res.weights
     return weights, metrics

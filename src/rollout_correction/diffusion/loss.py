@@ -29,9 +29,10 @@ from typing import Literal, Optional
 
 import torch
 
+from rollout_correction import SAFETY_BOUND
+
 __all__ = ["flow_grpo_loss"]
 
-_LOG_RATIO_BOUND = 20.0
 
 Denominator = Literal["all", "kept"]
 
@@ -132,7 +133,7 @@ def flow_grpo_loss(
     zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
     # where() on the log-ratio, before exp: rejected elements cannot poison value or gradient.
     log_ratio = torch.where(keep_mask, cur - old, zero)
-    log_ratio = log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    log_ratio = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     ratio = torch.exp(log_ratio)
     adv = torch.where(keep_mask, adv, zero).clamp(-adv_clip_max, adv_clip_max)
     unclipped = -adv * ratio

@@ -60,7 +60,7 @@ from typing import Any, Optional
 import torch
 
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
-from rollout_correction.config import SAFETY_BOUND
+from rollout_correction.config import SAFETY_BOUND, config_value
 
 __all__ = ["SlimeOptions", "options_from_args", "config_from_slime_args", "tis_function"]
 
@@ -110,11 +110,7 @@ class SlimeOptions:
 
 
 def _get(args: Any, name: str, legacy: Optional[str], default: Any) -> Any:
-    if hasattr(args, name):
-        return getattr(args, name)
-    if legacy is not None and hasattr(args, legacy):
-        return getattr(args, legacy)
-    return default
+    return config_value(args, name, default, aliases=(legacy,) if legacy else ())
 
 
 def options_from_args(args: Any) -> SlimeOptions:

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+from rollout_correction import RolloutCorrectionConfig, as_config, compute_rollout_correction
 
 try:  # the adapter is importable without TRL; the trainer class needs it.
     from trl import GRPOTrainer as _GRPOTrainer
@@ -108,12 +108,8 @@ def resolve_config(
     ``vllm_importance_sampling_correction=False`` the correction is disabled (metrics only),
     otherwise its mode is mapped by :func:`config_from_trl_args`.
     """
-    if isinstance(rollout_correction, RolloutCorrectionConfig):
-        return rollout_correction
-    if isinstance(rollout_correction, str):
-        return RolloutCorrectionConfig.from_preset(rollout_correction)
-    if isinstance(rollout_correction, Mapping):
-        return RolloutCorrectionConfig.from_dict(rollout_correction)
+    if isinstance(rollout_correction, (RolloutCorrectionConfig, str, Mapping)):
+        return as_config(rollout_correction)
     if rollout_correction is not None:
         raise TypeError(
             "rollout_correction must be a preset name, a dict of config keys, a RolloutCorrectionConfig "

@@ -35,13 +35,13 @@ Wiring traps of verl that this path avoids:
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 
-from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
+from rollout_correction import RolloutCorrectionConfig, as_config, compute_policy_loss, compute_rollout_correction
+from rollout_correction.config import config_value as _get
+from rollout_correction.config import settings_dict
 from rollout_correction.advantages import group_advantages
 from rollout_correction.metrics import metrics_to_floats
 
@@ -61,34 +61,12 @@ LOSS_NAME = "rollout_correction"
 ADV_ESTIMATOR_NAME = "grpo_accepted"
 
 
-def _as_mapping(cfg: Any) -> Optional[dict[str, Any]]:
-    """A plain dict from a dict, an OmegaConf node or a (verl) dataclass; None stays None."""
-    if cfg is None:
-        return None
-    if isinstance(cfg, RolloutCorrectionConfig):
-        return cfg.to_dict()
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if not f.name.startswith("_")}
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf comes with verl
-        DictConfig = ()  # type: ignore[assignment]
-    if DictConfig and isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)
-    raise TypeError(f"cannot read a rollout-correction config from {type(cfg).__name__}")
-
-
 def config_from_verl(cfg: Any) -> Optional[RolloutCorrectionConfig]:
     """Our config from verl's ``algorithm.rollout_correction`` block (dict, DictConfig or dataclass).
 
     None (verl's "block absent") stays None. Unknown keys raise, naming the key.
     """
-    if isinstance(cfg, RolloutCorrectionConfig):
-        return cfg
-    data = _as_mapping(cfg)
-    return None if data is None else RolloutCorrectionConfig.from_dict(data)
+    return None if cfg is None else as_config(cfg)
 
 
 def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any) -> tuple[Any, dict[str, float]]:
@@ -113,20 +91,6 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
     if out.weights is not None:
         tensors["rollout_is_weights"] = out.weights
     return batch, out.metrics_as_floats()
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    getter = getattr(cfg, "get", None)
-    if callable(getter):
-        try:
-            return getter(key, default)
-        except (KeyError, AttributeError, TypeError):
-            pass
-    return getattr(cfg, key, default)
 
 
 def policy_loss(
@@ -244,7 +208,7 @@ def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool
         if _get(actor, "policy_loss", None) is None:
             actor.policy_loss = OmegaConf.create({})
         actor.policy_loss.loss_mode = LOSS_NAME
-        actor.policy_loss.rollout_correction = OmegaConf.create(_as_mapping(block))
+        actor.policy_loss.rollout_correction = OmegaConf.create(settings_dict(block))
         if cfg.bypass_mode:
             config.actor_rollout_ref.rollout.calculate_log_probs = True
         if grpo_accepted and cfg.rs_enabled and str(_get(config.algorithm, "adv_estimator", "")) == "grpo":
