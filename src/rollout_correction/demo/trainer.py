@@ -4,11 +4,14 @@ One GRPO step, top to bottom (``grpo_step``):
 
 1. the engine loads the trainer's weights (its precision, quantisation and lag apply);
 2. it samples G responses for each of P prompts and returns π_rollout log-probs;
-3. rewards are scored exactly; group advantages Âᵢ = (rᵢ − mean_g r) / (std_g r + 1e-6);
+3. rewards are scored exactly;
 4. the trainer recomputes log π_θ in fp32 (π_old is its detached value before the update);
-5. ``compute_rollout_correction`` measures the gap (and, for corrected methods, gives IS weights
-   and the RS mask); ``compute_policy_loss`` builds the loss for the method's preset;
-6. backward, gradient-norm clipping, Adam step.
+5. for methods that reject, ``compute_rollout_correction`` on the whole batch gives the rows
+   rejection sampling keeps; group advantages Âᵢ = (rᵢ − mean_g r) / (std_g r + 1e-6) come from
+   the library's ``group_advantages`` with baselines over those accepted rows only;
+6. ``compute_policy_loss`` builds the loss for the method's preset (IS weights, RS mask, bypass
+   PPO-clip or REINFORCE) and returns the correction's metrics;
+7. backward, gradient-norm clipping, Adam step.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout_correction import METRIC_PREFIX
+from rollout_correction import METRIC_PREFIX, compute_rollout_correction
+from rollout_correction.advantages import group_advantages as library_group_advantages
 from rollout_correction.demo.config import METHODS, DemoConfig, Method
 from rollout_correction.demo.model import build_model, response_log_probs
 from rollout_correction.demo.task import Task
@@ -49,13 +53,25 @@ def setup_torch(threads: int) -> None:
     torch.set_flush_denormal(True)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GRPO advantages Âᵢ = (rᵢ − mean_g r) / (std_g r + 1e-6) for consecutive groups of ``group_size``."""
+def group_advantages(rewards: torch.Tensor, group_size: int,
+                     response_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """GRPO advantages Âᵢ = (rᵢ − mean_g r) / (std_g r + 1e-6) for consecutive groups of
+    ``group_size`` (population std), from the library's :func:`rollout_correction.advantages.group_advantages`:
+    with ``response_mask`` (after rejection sampling) the baselines use accepted rows only and
+    rejected rows get 0."""
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be (P·G,) with G={group_size}, got {tuple(rewards.shape)}")
-    r = rewards.view(-1, group_size)
-    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + 1e-6)
-    return adv.view(-1)
+    return library_group_advantages(rewards.float(), group_size, response_mask=response_mask,
+                                    unbiased_std=False, epsilon=1e-6).advantages
+
+
+def accepted_mask(rc_cfg, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor | None:
+    """The response mask after rejection sampling on the whole batch, or None when the method
+    rejects nothing (then every row enters its group's baseline)."""
+    if rc_cfg is None or not rc_cfg.rs_enabled:
+        return None
+    return compute_rollout_correction(old_log_prob, rollout_log_prob, mask, rc_cfg).response_mask
 
 
 @torch.no_grad()
@@ -189,7 +205,6 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
     prompts = task.prompts(digits)
     responses, rollout_log_prob = engine.generate(prompts, task.response_len, generator=gen)
     rewards = task.reward(responses, digits)
-    advantages = group_advantages(rewards, cfg.samples).unsqueeze(1).expand_as(rollout_log_prob)
     tokens = torch.cat([prompts, responses], dim=1)
     mask = torch.ones_like(rollout_log_prob)
 
@@ -198,13 +213,17 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
     if cfg.minibatches > 1:
         with torch.no_grad():
             old_all = response_log_probs(model, tokens, task.prompt_len)
+    else:  # one update per batch: π_old is π_θ before the step, its detached value
+        log_prob_all = response_log_probs(model, tokens, task.prompt_len)
+        old_all = log_prob_all.detach()
+    kept = accepted_mask(rc_cfg, old_all, rollout_log_prob, mask)
+    advantages = group_advantages(rewards, cfg.samples, kept).unsqueeze(1).expand_as(rollout_log_prob)
     metrics: dict[str, list[float]] = {}
     grad_norms = []
     for i in range(0, n, mb):
         sl = slice(i, i + mb)
-        log_prob = response_log_probs(model, tokens[sl], task.prompt_len)
-        # With one update per batch π_old is π_θ before the step: its detached value.
-        old_log_prob = old_all[sl] if cfg.minibatches > 1 else log_prob.detach()
+        log_prob = response_log_probs(model, tokens[sl], task.prompt_len) if cfg.minibatches > 1 else log_prob_all
+        old_log_prob = old_all[sl]
         loss, m = policy_loss(method, rc_cfg, log_prob, old_log_prob, rollout_log_prob[sl], advantages[sl],
                               mask[sl], cfg.clip_eps)
         opt.zero_grad(set_to_none=True)

@@ -171,7 +171,6 @@ def run_variant(
         start = int(torch.randint(0, cfg.window_max_start + 1, (1,), generator=g))
         traj = engine.sample(batch_size, cfg.num_steps, start, cfg.window, cfg.eta, g)
         rewards = target.reward(traj.final)
-        adv = group_advantages(rewards, cfg.group_size)
         batch: dict[str, torch.Tensor] = {"rollout_log_probs": traj.rollout_log_probs}
 
         # ---- old log-probs: fp32 recompute (decoupled) or the rollout ones (bypass)
@@ -189,18 +188,27 @@ def run_variant(
         if corr_cfg is not None and not variant.bypass:
             weights, metrics = apply_rollout_correction(old, traj.rollout_log_probs, corr_cfg)
 
-        # ---- one optimizer step over the window; bypass corrects per SDE step inside the loss
+        # ---- current log-probs per SDE step; bypass corrects each step against the rollout
+        lps = [window_log_probs(model, traj, cfg.eta, [s]) for s in range(cfg.window)]  # (B, 1), with grad
+        step_w: list[torch.Tensor | None] = [None] * cfg.window
+        if variant.bypass and corr_cfg is not None:
+            for s in range(cfg.window):
+                step_w[s], step_m = step_correction(lps[s], traj.rollout_log_probs[:, s : s + 1], corr_cfg,
+                                                    step_index=s)
+                metrics.update(step_m)
+        elif weights is not None:
+            step_w = [weights[:, s : s + 1] for s in range(cfg.window)]
+        # ---- group advantages over the trajectories rejection left something of
+        keep = None if step_w[0] is None else (torch.cat(step_w, dim=1) > 0).any(dim=1)
+        adv = group_advantages(rewards, cfg.group_size, keep=keep)
+
+        # ---- one optimizer step over the window
         opt.zero_grad(set_to_none=True)
         loss_sum, clip_sum, kept = 0.0, 0.0, []
         gaps = []
         for s in range(cfg.window):
-            lp = window_log_probs(model, traj, cfg.eta, [s])  # (B, 1), fp32, with grad
+            lp, w = lps[s], step_w[s]
             ro = traj.rollout_log_probs[:, s : s + 1]
-            if variant.bypass and corr_cfg is not None:
-                w, step_m = step_correction(lp, ro, corr_cfg, step_index=s)
-                metrics.update(step_m)
-            else:
-                w = None if weights is None else weights[:, s : s + 1]
             loss, lm = flow_grpo_loss(
                 lp,
                 old[:, s : s + 1],

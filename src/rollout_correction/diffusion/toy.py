@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rollout_correction.advantages import group_advantages as library_group_advantages
 from rollout_correction.diffusion.sde import gaussian_step_log_prob, ode_step, sde_step_mean_std, time_grid
 
 __all__ = [
@@ -235,11 +236,15 @@ def window_log_probs(
     return torch.stack(cols, dim=1)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO advantages: Â_i = (r_i − mean_g r) / (std_g r + eps) within consecutive groups.
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
+    """GRPO advantages: Â_i = (r_i − mean_g r) / (std_g r + eps) within consecutive groups
+    (population std), from the library's :func:`rollout_correction.advantages.group_advantages`.
 
     Args:
         rewards: (B,) with B a multiple of ``group_size``; rows of a group are consecutive.
+        keep: (B,) bool, the trajectories rejection sampling left something of; the baselines
+            use those only and the others get 0 (None: every trajectory).
     Returns:
         (B,) float32.
     """
@@ -248,6 +253,5 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
             f"rewards must be (B,) with B a multiple of group_size={group_size}, "
             f"got shape {tuple(rewards.shape)}"
         )
-    r = rewards.float().view(-1, group_size)
-    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)
-    return adv.view(-1)
+    return library_group_advantages(rewards.float(), group_size, keep=keep, unbiased_std=False,
+                                    epsilon=eps).advantages
