@@ -16,6 +16,7 @@ DEFAULTS = {
     "rollout_is_batch_normalize": False, "rollout_rs": None, "rollout_rs_threshold": None,
     "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None, "bypass_mode": False,
     "loss_type": "ppo_clip", "on_nonfinite": "reject", "check_alignment": False,
+    "rollout_opsm_delta": None, "rollout_m2po_threshold": None,
 }
 
 GEO = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}
@@ -73,6 +74,15 @@ PRESETS = {
     "pg_is": ({**PG, **SEQ}, ("sequence", "truncate", None, 2.0), []),
     "pg_rs": ({**PG, "rollout_rs": "geometric", "rollout_rs_threshold": 1.001, **VETO},
               None, [("seq_mean_k1", 1 / 1.001, 1.001)]),
+    # Methods beyond verl's presets: policy losses paired with IS weights, OPSM, M2PO, TOPR.
+    "decoupled_token_is_opsm": ({**TOK, "rollout_opsm_delta": 0.05}, TOK_TIS, []),
+    "decoupled_token_is_m2po": ({**TOK, "rollout_m2po_threshold": 0.04}, TOK_TIS, []),
+    "bypass_topr": ({"bypass_mode": True, "loss_type": "topr"}, None, []),
+    "decoupled_gspo_geo_is": ({"rollout_is": "geometric", "loss_type": "gspo"}, ("geometric", "truncate", None, 2.0),
+                              []),
+    "decoupled_cispo_token_is": ({**TOK, "loss_type": "cispo"}, TOK_TIS, []),
+    "decoupled_dppo_tv_token_is": ({**TOK, "loss_type": "dppo_tv"}, TOK_TIS, []),
+    "decoupled_dppo_kl_token_is": ({**TOK, "loss_type": "dppo_kl"}, TOK_TIS, []),
 }
 
 
@@ -88,7 +98,7 @@ def _resolved_rs(cfg):
 
 def test_preset_table_covers_every_preset():
     assert sorted(C.preset_names()) == sorted(PRESETS)
-    assert len(C.preset_names()) == 29
+    assert len(C.preset_names()) == 36
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

@@ -106,11 +106,16 @@ def compat_batch_norm(old, rollout, mask):
     return holder.batch["rollout_is_weights"].clone(), new_mask.clone(), metrics
 
 
-def _worker(rank, world_size, port, result_dir):
+def init_gloo(rank: int, world_size: int, port: int) -> None:
+    """Join a CPU process group on 127.0.0.1 (one thread per rank)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
+
+
+def _worker(rank, world_size, port, result_dir):
+    init_gloo(rank, world_size, port)
     try:
         old, rollout, mask, log_prob, adv = make_batch()
         global_tokens = int(mask.sum())

@@ -162,3 +162,99 @@ def test_second_moment_is_clamped_and_masked():
     rollout = torch.tensor([[-30.0, -0.5, 0.0]])
     m2 = second_moment(old, rollout, torch.tensor([[True, True, False]]))
     torch.testing.assert_close(m2, torch.tensor([[400.0, 0.25, 0.0]]))
+
+
+# ------------------------------------------------------------------ through the library's entry points
+
+from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction  # noqa: E402
+from rollout_correction.config import ConfigError  # noqa: E402
+
+
+def _batch(seed=3, B=8, T=6):
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=gen) * 2 - 0.05
+    rollout = old + 0.3 * torch.randn(B, T, generator=gen)
+    lp = old + 0.1 * torch.randn(B, T, generator=gen)
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=gen)[:, None]).float()
+    adv = torch.randn(B, 1, generator=gen).expand(B, T).contiguous()
+    return old, rollout, lp, mask, adv
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_opsm_in_the_loss_equals_the_loss_on_the_reduced_mask(mode):
+    old, rollout, lp, mask, adv = _batch()
+    delta = 0.02
+    keep = opsm_keep(lp, rollout, adv, mask, delta).row_keep
+    assert (~keep).any() and keep.any()
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_opsm_delta=delta)
+    weights = compute_rollout_correction(old, rollout, mask, cfg).weights
+    lp1 = lp.clone().requires_grad_(True)
+    loss, metrics = compute_policy_loss(lp1, old, adv, mask, cfg, rollout_log_prob=rollout, loss_agg_mode=mode)
+    loss.backward()
+    lp2 = lp.clone().requires_grad_(True)
+    ref, _ = compute_policy_loss(lp2, old, adv, mask * keep[:, None], cfg.replace(rollout_opsm_delta=None),
+                                 rollout_is_weights=weights, loss_agg_mode=mode)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(lp1.grad, lp2.grad)
+    assert float(metrics["rollout_corr/opsm_seq_masked_fraction"]) == pytest.approx(float((~keep).sum()) / 8)
+    assert torch.equal(lp1.grad[~keep], torch.zeros_like(lp1.grad[~keep]))
+
+
+def test_opsm_dropping_everything_gives_an_attached_zero_loss():
+    old, rollout, lp, mask, _ = _batch()
+    adv = -torch.ones_like(lp)
+    cfg = RolloutCorrectionConfig(bypass_mode=True, loss_type="reinforce", rollout_opsm_delta=-1.0)
+    lp1 = lp.clone().requires_grad_(True)
+    loss, metrics = compute_policy_loss(lp1, None, adv, mask, cfg, rollout_log_prob=rollout)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and loss.requires_grad and torch.equal(lp1.grad, torch.zeros_like(lp))
+    assert float(metrics["rollout_corr/opsm_masked_fraction"]) == 1.0
+
+
+def test_m2po_through_compute_rollout_correction():
+    old, rollout, _, mask, _ = _batch(5)
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_m2po_threshold=0.05)
+    out = compute_rollout_correction(old, rollout, mask, cfg)
+    expected = brute_force_m2po(second_moment(old, rollout, mask > 0), mask > 0, 0.05)
+    assert torch.equal(out.response_mask > 0, expected)
+    assert out.response_mask.dtype == mask.dtype
+    frac = 1 - float(expected.sum()) / float(mask.sum())
+    assert 0 < frac < 1
+    assert float(out.metrics["rollout_corr/m2po_masked_fraction"]) == pytest.approx(frac)
+    # Chained after rejection: M2PO decides among the tokens the rejection option keeps.
+    cfg_rs = cfg.replace(rollout_rs="token_k1", rollout_rs_threshold="0.7_1.4")
+    out_rs = compute_rollout_correction(old, rollout, mask, cfg_rs)
+    rs_keep = compute_rollout_correction(old, rollout, mask, cfg_rs.replace(rollout_m2po_threshold=None)).response_mask
+    assert (rs_keep < mask).any()
+    expected_rs = brute_force_m2po(second_moment(old, rollout, rs_keep > 0), rs_keep > 0, 0.05)
+    assert torch.equal(out_rs.response_mask > 0, expected_rs)
+
+
+def test_topr_through_compute_policy_loss():
+    """Gradient of the token-sum loss = −Σ w(y)·A·∇log π; w = 1 (A ≥ 0) or min(∏ π_θ/π_rollout, 1)."""
+    _, rollout, lp, mask, adv = _batch(9)
+    cfg = RolloutCorrectionConfig.bypass_topr()
+    lp1 = lp.clone().requires_grad_(True)
+    loss, metrics = compute_policy_loss(lp1, None, adv, mask, cfg, rollout_log_prob=rollout, loss_agg_mode="token-sum")
+    loss.backward()
+    seq_ratio = ((lp - rollout) * mask).sum(-1).exp()
+    a = adv[:, 0]
+    w = torch.where(a >= 0, torch.ones_like(seq_ratio), seq_ratio.clamp(max=1.0))
+    assert ((a < 0) & (seq_ratio < 1)).any() and ((a < 0) & (seq_ratio > 1)).any()
+    torch.testing.assert_close(lp1.grad, -(w[:, None] * adv) * mask, rtol=1e-5, atol=1e-7)
+    assert "actor/pg_clipfrac" in metrics
+
+
+def test_new_keys_are_validated():
+    with pytest.raises(ConfigError, match="loss_type.*bypass"):
+        RolloutCorrectionConfig(loss_type="topr")
+    with pytest.raises(ConfigError, match="rollout_opsm_delta"):
+        RolloutCorrectionConfig(rollout_opsm_delta=float("nan"))
+    with pytest.raises(ConfigError, match="rollout_m2po_threshold"):
+        RolloutCorrectionConfig(rollout_m2po_threshold=-0.1)
+    with pytest.raises(ConfigError, match="loss_type"):
+        RolloutCorrectionConfig(loss_type="gpspo")
+    cfg = RolloutCorrectionConfig.from_dict({"rollout_opsm_delta": "0.1", "rollout_m2po_threshold": "0.04"})
+    assert (cfg.rollout_opsm_delta, cfg.rollout_m2po_threshold) == (0.1, 0.04)
+    assert RolloutCorrectionConfig.from_dict(cfg.to_dict()) == cfg

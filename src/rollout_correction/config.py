@@ -32,7 +32,7 @@ __all__ = ["RolloutCorrectionConfig", "ConfigError", "ISSpec", "RSOption", "Pres
 
 IsLevel = Literal["token", "sequence", "geometric"]
 IsMode = Literal["truncate", "clip", "mask"]
-LossType = Literal["ppo_clip", "reinforce"]
+LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr"]
 NonFinitePolicy = Literal["reject", "raise"]
 RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max"]
 DivergenceEstimator = Literal["k1", "k2", "k3"]
@@ -41,6 +41,8 @@ _IS_LEVELS: tuple[str, ...] = get_args(IsLevel)
 _IS_MODES: tuple[str, ...] = get_args(IsMode)
 _LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 _NONFINITE: tuple[str, ...] = get_args(NonFinitePolicy)
+#: Losses defined on the ratio π_θ/π_rollout only (no π_old): they need ``bypass_mode=True``.
+_BYPASS_ONLY_LOSSES = ("topr",)
 
 #: Divergence-based rejection options: name -> (aggregation, estimator).
 RS_OPTIONS: dict[str, tuple[RsAggregation, DivergenceEstimator]] = {
@@ -174,8 +176,20 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
                                      "reject a sequence if any valid token has unclamped ρ_t < C."),
     "bypass_mode": ("true, false", "false",
                     "π_old := π_rollout (two policies); the loss clips against the rollout policy."),
-    "loss_type": ("ppo_clip, reinforce", "ppo_clip",
-                  "bypass-mode loss: PPO clip, or REINFORCE −sg(w)·A·log π_θ (pure IS)."),
+    "loss_type": ("ppo_clip, reinforce, gspo, cispo, dppo_tv, dppo_kl, topr", "ppo_clip",
+                  "policy loss: PPO clip; REINFORCE −sg(w)·A·log π_θ (bypass only: pure IS); GSPO (PPO clip on "
+                  "exp(mean log r)); CISPO −sg(clip r)·A·log π_θ; DPPO-TV / DPPO-KL (truncated-ratio REINFORCE "
+                  "masked outside a probability-difference / binary-KL trust region); TOPR (bypass only: "
+                  "weight 1 for A ≥ 0, min(∏r, 1) for A < 0). In decoupled mode the IS weights multiply the "
+                  "loss; in bypass mode r = π_θ/π_rollout. See policy_losses.py."),
+    "rollout_opsm_delta": ("number or null", "null",
+                           "off-policy sequence masking (DeepSeek-V3.2): drop a sequence with advantage < 0 "
+                           "whose mean log(π_rollout/π_θ) over its finite valid tokens exceeds δ. Applied in "
+                           "compute_policy_loss (it needs advantages)."),
+    "rollout_m2po_threshold": ("number ≥ 0 or null", "null",
+                               "M2PO (AReaL m2_threshold): mask the tokens with the largest (log ρ_t)² until "
+                               "the batch mean of (log ρ_t)² over the kept tokens is ≤ τ; batch-global over "
+                               "the process group."),
     "on_nonfinite": ("reject, raise", "reject",
                      "NaN/±inf log-probs at valid positions: drop the sequence and count it, or raise."),
     "check_alignment": ("true, false", "false",
@@ -201,6 +215,8 @@ class RolloutCorrectionConfig:
     rollout_token_veto_threshold: Optional[float] = None
     bypass_mode: bool = False
     loss_type: LossType = "ppo_clip"
+    rollout_opsm_delta: Optional[float] = None
+    rollout_m2po_threshold: Optional[float] = None
     on_nonfinite: NonFinitePolicy = "reject"
     check_alignment: bool = False
 
@@ -217,6 +233,18 @@ class RolloutCorrectionConfig:
             raise _err("loss_type", self.loss_type, f"allowed values are {list(_LOSS_TYPES)}")
         if self.on_nonfinite not in _NONFINITE:
             raise _err("on_nonfinite", self.on_nonfinite, f"allowed values are {list(_NONFINITE)}")
+        if self.loss_type in _BYPASS_ONLY_LOSSES and not self.bypass_mode:
+            raise _err("loss_type", self.loss_type, "it is a bypass-mode loss (ratio π_θ/π_rollout); set "
+                       "bypass_mode=True, or use gspo / cispo / dppo_tv / dppo_kl / ppo_clip in decoupled mode")
+        if self.rollout_opsm_delta is not None:
+            delta = _as_float("rollout_opsm_delta", self.rollout_opsm_delta)
+            if not math.isfinite(delta):
+                raise _err("rollout_opsm_delta", self.rollout_opsm_delta, "expected a finite number, e.g. 0.05")
+        if self.rollout_m2po_threshold is not None:
+            tau = _as_float("rollout_m2po_threshold", self.rollout_m2po_threshold)
+            if not (math.isfinite(tau) and tau >= 0):
+                raise _err("rollout_m2po_threshold", self.rollout_m2po_threshold,
+                           "expected a finite number ≥ 0, e.g. 0.04")
         object.__setattr__(self, "is_spec", self._resolve_is())
         object.__setattr__(self, "rs_options", self._resolve_rs())
         veto = self.rollout_token_veto_threshold
@@ -403,7 +431,8 @@ class RolloutCorrectionConfig:
         if pure or pg:
             data["bypass_mode"] = True
             data["loss_type"] = "reinforce"
-        for k in ("rollout_is_threshold_lower", "rollout_rs_threshold_lower", "rollout_token_veto_threshold"):
+        for k in ("rollout_is_threshold_lower", "rollout_rs_threshold_lower", "rollout_token_veto_threshold",
+                  "rollout_opsm_delta", "rollout_m2po_threshold"):
             if isinstance(data.get(k), str):
                 data[k] = _as_float(k, data[k])
         return cls(**data)
@@ -640,6 +669,24 @@ PRESETS: dict[str, Preset] = dict([
             {**_SEQ, **_GEO_RS, **_BYPASS_PG}, is_threshold=2.0, rs_threshold=_GEO_BAND),
     _preset("bypass_pg_geo_rs_token_tis", "REINFORCE with token TIS + geometric-mean rejection.",
             {**_TOKEN, **_GEO_RS, **_BYPASS_PG}, is_threshold=2.0, rs_threshold=_GEO_BAND),
+    # Methods beyond verl's presets (policy losses of policy_losses.py, OPSM, M2PO).
+    _preset("decoupled_token_is_opsm", "Decoupled PPO × token TIS + off-policy sequence masking (drop A < 0 "
+            "sequences with mean log(π_rollout/π_θ) > δ).",
+            {**_TOKEN, "rollout_opsm_delta": "{delta}"}, is_threshold=2.0, delta=0.05),
+    _preset("decoupled_token_is_m2po", "Decoupled PPO × token TIS + M2PO: mask the largest (log ρ_t)² until "
+            "their batch mean ≤ τ.", {**_TOKEN, "rollout_m2po_threshold": "{threshold}"},
+            is_threshold=2.0, threshold=0.04),
+    _preset("bypass_topr", "TOPR: REINFORCE with weight 1 for A ≥ 0 and min(∏π_θ/π_rollout, 1) for A < 0.",
+            {"bypass_mode": True, "loss_type": "topr"}),
+    _preset("decoupled_gspo_geo_is", "GSPO (PPO clip on exp(mean log π_θ/π_old)) × geometric TIS "
+            "min(exp(mean log ρ_t), C).", {"rollout_is": "geometric", "rollout_is_threshold": "{is_threshold}",
+                                           "loss_type": "gspo"}, is_threshold=2.0),
+    _preset("decoupled_cispo_token_is", "CISPO (−sg(clip r)·A·log π_θ) × token TIS.",
+            {**_TOKEN, "loss_type": "cispo"}, is_threshold=2.0),
+    _preset("decoupled_dppo_tv_token_is", "DPPO-TV (probability-difference trust region) × token TIS.",
+            {**_TOKEN, "loss_type": "dppo_tv"}, is_threshold=2.0),
+    _preset("decoupled_dppo_kl_token_is", "DPPO-KL (binary-KL trust region) × token TIS.",
+            {**_TOKEN, "loss_type": "dppo_kl"}, is_threshold=2.0),
     _preset("disabled", "Metrics only: no weights, no rejection.", {}),
     # First generation (the names of the earlier documentation).
     _preset("token_is", "Token-level TIS (first-generation name of decoupled_token_is).",

@@ -18,6 +18,7 @@ import torch
 from .alignment import MisalignmentWarning, alignment_metrics, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
 from .logratio import LogRatioBatch
+from .m2po import m2po_keep, second_moment
 from .metrics import (Accumulator, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
                       offpolicy_metrics, prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
@@ -157,7 +158,9 @@ def compute_rollout_correction(
 
     log ρ_t = old_log_prob − rollout_log_prob on valid tokens. Weights follow
     ``config.rollout_is`` / ``rollout_is_threshold`` (see :mod:`rollout_correction.weights`),
-    rejection follows ``rollout_rs`` and the veto (see :mod:`rollout_correction.rejection`).
+    rejection follows ``rollout_rs`` and the veto (see :mod:`rollout_correction.rejection`), then
+    M2PO (``rollout_m2po_threshold``, :mod:`rollout_correction.m2po`) masks among the tokens
+    they keep — batch-global over ``process_group`` (32 small all-reduces).
 
     Args:
         old_log_prob: (B, T) π_old log-probs (decoupled mode) or π_θ log-probs (bypass mode);
@@ -181,6 +184,12 @@ def compute_rollout_correction(
         metrics = correction_metrics(stats, config)
         if weights is not None and config.is_spec.batch_normalize:
             weights = weights / batch_norm_factor(stats, config.is_spec).to(weights.dtype)
+        if config.rollout_m2po_threshold is not None:
+            kept = keep > 0
+            m2 = second_moment(old_log_prob, rollout_log_prob, kept)
+            kept, m2po = m2po_keep(m2, kept, float(config.rollout_m2po_threshold), (process_group,))
+            keep = kept
+            metrics.update(m2po)
         out_mask = keep.to(response_mask.dtype)
         if config.check_alignment:
             report = alignment_report(_alignment_sums(stats))

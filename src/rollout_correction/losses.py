@@ -10,6 +10,11 @@ c > 1 the dual-clip constant, w_t the (detached) IS weight.
 * bypass PPO-clip: π_prox = π_rollout; rejection masks apply; IS weights are diagnostics only
 * bypass REINFORCE (pure IS): ℓ_t = −sg(w_t) · A_t · log π_θ(y_t), w = π_θ/π_rollout bounded as
   configured; with untruncated sequence weights its gradient is the on-policy gradient E_π[A ∇log π]
+* ``loss_type`` gspo / cispo / dppo_tv / dppo_kl / topr: the per-token losses of
+  :mod:`rollout_correction.policy_losses`, against π_prox as above, with the same weights, masks
+  and aggregation modes
+* off-policy sequence masking (``rollout_opsm_delta``, :mod:`rollout_correction.opsm`) removes
+  whole sequences from the mask before aggregation (it needs the advantages, so it lives here)
 
 Values at masked or rejected positions never reach the loss (they are replaced with ``where``,
 so a NaN there cannot propagate, not even into the gradient). When every token is masked the
@@ -25,6 +30,9 @@ import torch
 from .config import RolloutCorrectionConfig, as_config
 from .constants import SAFETY_BOUND
 from .correction import compute_rollout_correction
+from .metrics import prefixed
+from .opsm import compute_opsm
+from .policy_losses import cispo_loss, dppo_loss, gspo_loss, topr_loss
 from .validation import check_same, first_nonfinite
 
 __all__ = ["LOSS_AGG_MODES", "agg_loss", "ppo_clip_loss", "compute_policy_loss"]
@@ -104,6 +112,27 @@ def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantage
     negative = advantages < 0
     loss = torch.where(negative, torch.minimum(l3, clip1), clip1)
     return loss, l2 > l1, (clip1 > l3) & negative
+
+
+def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor,
+                    valid: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float):
+    """(ℓ (B, T), clipped, clipped_lower) for ``loss_type``; the indicators are None for REINFORCE,
+    and for TOPR mark the tokens of tapered sequences (clipped_lower: none)."""
+    if loss_type == "reinforce" and bypass:
+        return -adv * lp, None, None
+    if loss_type == "topr":
+        pg, tapered = topr_loss(lp, prox, adv, valid)
+        clipped = tapered.unsqueeze(-1).expand_as(valid)
+        return pg, clipped, torch.zeros_like(valid)
+    if loss_type == "gspo":
+        pg, clipped = gspo_loss(lp, prox, adv, valid, clip_ratio_low, clip_ratio_high)
+        return pg, clipped, torch.zeros_like(valid)
+    if loss_type == "cispo":
+        pg, clipped = cispo_loss(lp, prox, adv, clip_ratio_low, clip_ratio_high)
+        return pg, clipped, torch.zeros_like(valid)
+    if loss_type in ("dppo_tv", "dppo_kl"):
+        return dppo_loss(lp, prox, adv, loss_type[5:], clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    return ppo_clip_loss(lp, prox, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
 
 
 def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -210,15 +239,19 @@ def compute_policy_loss(
     if rollout_is_weights is not None and not bypass:
         weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
 
-    if bypass and config.loss_type == "reinforce":
-        pg = -adv * lp if weights is None else -(weights.detach() * adv) * lp
-        metrics["actor/ppo_kl"] = _masked_mean(prox_s - lp, mask)
-    else:
-        pg, clipped, clipped_lower = ppo_clip_loss(lp, prox_s, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
-        if weights is not None and not bypass:
-            pg = pg * weights.detach()
+    if config.rollout_opsm_delta is not None:
+        behaviour = rollout if rollout is not None else prox_s
+        row_keep, opsm = compute_opsm(lp, behaviour, adv, mask.bool(), float(config.rollout_opsm_delta), process_group)
+        mask = mask.bool() & row_keep.unsqueeze(-1)
+        metrics.update(prefixed(opsm))
+
+    pg, clipped, clipped_lower = _per_token_loss(config.loss_type, bypass, lp, prox_s, adv, mask.bool(),
+                                                 clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    if weights is not None and (not bypass or config.loss_type == "reinforce"):
+        pg = pg * weights.detach()  # bypass PPO-clip / GSPO / …: the ratio to π_rollout is the correction
+    metrics["actor/ppo_kl"] = _masked_mean(prox_s - lp, mask)
+    if clipped is not None:
         metrics["actor/pg_clipfrac"] = _masked_mean(clipped.float(), mask)
-        metrics["actor/ppo_kl"] = _masked_mean(prox_s - lp, mask)
         metrics["actor/pg_clipfrac_lower"] = _masked_mean(clipped_lower.float(), mask)
     loss = agg_loss(pg, mask, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     return loss, metrics

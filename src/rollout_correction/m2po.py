@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .config import SAFETY_BOUND
+from .constants import SAFETY_BOUND
 
 __all__ = ["m2po_keep", "second_moment"]
 

@@ -21,10 +21,9 @@ from typing import Optional
 import torch
 
 from .policy_losses import sequence_advantage
-from .stats import SufficientStats
-from .weights import _div
+from .stats import SufficientStats, safe_div
 
-__all__ = ["OPSMResult", "opsm_keep", "opsm_metrics"]
+__all__ = ["OPSMResult", "opsm_keep", "add_opsm_statistics", "opsm_metrics", "compute_opsm"]
 
 
 @dataclass
@@ -80,9 +79,9 @@ def opsm_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
     """``opsm_masked_fraction`` (share of valid tokens dropped), ``opsm_seq_masked_fraction``
     (share of sequences dropped), ``opsm_seq_kl_mean`` (mean D(y) over sequences with evidence)."""
     return {
-        "opsm_masked_fraction": _div(stats.sum("opsm.masked"), stats.sum("opsm.n_tok")),
-        "opsm_seq_masked_fraction": _div(stats.sum("opsm.seq_masked"), stats.sum("opsm.n_rows")),
-        "opsm_seq_kl_mean": _div(stats.sum("opsm.div_sum"), stats.sum("opsm.div_rows")),
+        "opsm_masked_fraction": safe_div(stats.sum("opsm.masked"), stats.sum("opsm.n_tok")),
+        "opsm_seq_masked_fraction": safe_div(stats.sum("opsm.seq_masked"), stats.sum("opsm.n_rows")),
+        "opsm_seq_kl_mean": safe_div(stats.sum("opsm.div_sum"), stats.sum("opsm.div_rows")),
     }
 
 

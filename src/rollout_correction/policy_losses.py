@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from .config import SAFETY_BOUND
+from .constants import SAFETY_BOUND
 
 __all__ = ["POLICY_LOSSES", "sequence_advantage", "gspo_loss", "cispo_loss", "dppo_loss", "topr_loss",
            "topr_weights"]

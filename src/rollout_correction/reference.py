@@ -74,6 +74,11 @@ METRICS: dict[str, str] = {
     "alignment_mae / alignment_late_mae / alignment_early_mae": "with check_alignment: mean |old − rollout| "
         "over adjacent valid pairs as given, with rollout read one position later, and one earlier",
     "alignment_pairs": "with check_alignment: number of adjacent valid token pairs compared",
+    "m2po_masked_fraction": "with rollout_m2po_threshold: share of the tokens kept by rejection that M2PO masks",
+    "m2po_m2_before / m2po_m2_after": "batch mean of (log ρ_t)² over the tokens before / after M2PO masking",
+    "opsm_masked_fraction": "with rollout_opsm_delta (loss metrics): share of valid tokens in dropped sequences",
+    "opsm_seq_masked_fraction": "share of sequences OPSM drops (advantage < 0 and D(y) > δ)",
+    "opsm_seq_kl_mean": "mean over sequences of D(y) = mean log(π_rollout/π_θ) over finite valid tokens",
 }
 
 
@@ -89,7 +94,11 @@ def preset_rows() -> list[tuple[str, str, str, str, str]]:
             rs += f" (lower {c.rollout_rs_threshold_lower})"
         if c.rollout_token_veto_threshold is not None:
             rs += f" + veto {c.rollout_token_veto_threshold:g}"
-        loss = c.loss_type if c.bypass_mode else "ppo_clip × IS"
+        loss = c.loss_type if c.bypass_mode else f"{c.loss_type} × IS"
+        if c.rollout_opsm_delta is not None:
+            loss += f" + OPSM δ={c.rollout_opsm_delta:g}"
+        if c.rollout_m2po_threshold is not None:
+            rs = ("" if rs == "—" else rs + " + ") + f"M2PO τ={c.rollout_m2po_threshold:g}"
         rows.append((name, mode, is_, rs, loss))
     return rows
 
