@@ -212,3 +212,17 @@ def test_private_import_check_catches_a_planted_violation(tmp_path, monkeypatch,
     (tmp_path / "planted.py").write_text(source, encoding="utf-8")
     bad = [b for b in _private_core_imports() if "planted" in b]
     assert len(bad) == 1 and expected in bad[0].replace("rollout_correction.", ""), bad
+
+
+def test_every_subcommand_suggests_an_extra_that_exists():
+    import re
+    import tomllib
+
+    from rollout_correction import cli
+
+    pyproject = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    extras = set(pyproject["project"]["optional-dependencies"])
+    for command in cli._COMMANDS:
+        hint = cli.install_hint(command)
+        (extra,) = re.findall(r"rollout-correction\[([\w-]+)\]", hint)
+        assert extra in extras, f"`rollout-correction {command}` suggests {hint!r}, but pyproject has no [{extra}]"

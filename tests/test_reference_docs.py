@@ -30,3 +30,35 @@ def test_presets_command_prints_every_preset(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     names = {line.split("|")[1].strip() for line in rows[1:]}  # skip the header
     assert names == set(RolloutCorrectionConfig.preset_names())
+
+
+CONFIG_PAGE = README.parent / "docs" / "config.md"
+
+
+def test_config_page_is_current():
+    from rollout_correction.reference import render_config_page
+
+    assert CONFIG_PAGE.read_text(encoding="utf-8") == render_config_page(), \
+        "run: python -m rollout_correction.reference --config-md docs/config.md"
+
+
+def test_config_page_lists_every_key_and_preset_with_its_call():
+    from rollout_correction.config import PRESETS
+
+    text = CONFIG_PAGE.read_text(encoding="utf-8")
+    for key in RolloutCorrectionConfig.keys():
+        assert f"| `{key}` |" in text, key
+    for name, preset in PRESETS.items():
+        call = f"{name}(" + ", ".join(f"{a}={d!r}" for a, d in preset.args.items()) + ")"
+        assert f"| `{name}` | `{call}` |" in text, name
+    assert "| `geo_mis` | `geo_mis(is_threshold=2.0, rs_threshold=1.001, rs_threshold_lower=None, " \
+           "veto_threshold=0.0001)` |" in text
+
+
+def test_preset_loss_label_says_ppo_clip_alone_without_is_weights():
+    from rollout_correction.reference import preset_rows
+
+    loss = {r[0]: r[4] for r in preset_rows()}
+    assert loss["decoupled_token_is"] == "ppo_clip × IS"
+    assert loss["decoupled_geo_rs"] == loss["geo_rs"] == loss["disabled"] == "ppo_clip"
+    assert loss["bypass_pg_is"] == "reinforce" and loss["bypass_ppo_clip"] == "ppo_clip"

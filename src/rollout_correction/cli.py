@@ -21,6 +21,13 @@ _COMMANDS: dict[str, tuple[str, str]] = {
                        "toy FlowGRPO: a reduced-precision rollout engine with and without rollout correction"),
     "presets": ("rollout_correction.presets_cli", "list the configuration presets"),
 }
+# sub-command -> the pyproject extra that installs what it needs (when it is not the command's name)
+_EXTRAS: dict[str, str] = {"diffusion-demo": "plot", "presets": "cli"}
+
+
+def install_hint(command: str) -> str:
+    """The pip command that installs the optional dependencies of ``command``."""
+    return f"pip install 'rollout-correction[{_EXTRAS.get(command, command)}]'"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if err is not None:
         print(
             f"rollout-correction {args.command}: a dependency is missing ({err}).\n"
-            f"Install the extra: pip install 'rollout-correction[{args.command}]'",
+            f"Install the extra: {install_hint(args.command)}",
             file=sys.stderr,
         )
         return 2

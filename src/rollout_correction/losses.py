@@ -23,7 +23,7 @@ loss is exactly 0, still attached to the graph, with zero gradient.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 import torch
 
@@ -35,12 +35,11 @@ from .opsm import compute_opsm
 from .policy_losses import cispo_loss, dppo_loss, gspo_loss, topr_loss
 from .validation import check_same, first_nonfinite
 
-__all__ = ["LOSS_AGG_MODES", "agg_loss", "ppo_clip_loss", "compute_policy_loss"]
+__all__ = ["LossAggMode", "LOSS_AGG_MODES", "agg_loss", "ppo_clip_loss", "compute_policy_loss"]
 
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                       "seq-mean-token-sum-norm"]
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 Count = Union[int, float, torch.Tensor, None]
 
 
@@ -49,7 +48,7 @@ def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
     return den.clamp_min(1.0)
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: LossAggMode = "token-mean",
              global_num_tokens: Count = None, global_num_seqs: Count = None, dp_size: int = 1,
              loss_scale_factor: Optional[float] = None) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss over the valid (non-zero mask) tokens.
@@ -151,7 +150,7 @@ def compute_policy_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: LossAggMode = "token-mean",
     global_num_tokens: Count = None,
     global_num_seqs: Count = None,
     dp_size: int = 1,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .reference import preset_rows
+from .reference import PRESET_HEADER, preset_rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     rows = preset_rows()
-    header = ("preset", "mode", "IS weights", "rejection", "loss")
+    header = PRESET_HEADER
     if args.markdown:
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))

@@ -32,7 +32,6 @@ this toy (docs/validation.md).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -175,46 +174,3 @@ def scaled_advantages(advantages: torch.Tensor, behaviour_log_probs: torch.Tenso
                          f"{tuple(advantages.shape)} and {tuple(behaviour_log_probs.shape)}")
     row = advantages * behaviour_log_probs.detach().exp() * B
     return torch.where(space.mask, row.unsqueeze(-1), torch.zeros((), dtype=row.dtype))
-
-
-def _bias_table(seeds: int = 5, mismatch: float = 0.3) -> None:
-    """Print ‖g − g_on-policy‖ / ‖g_on-policy‖ for naive PPO and decoupled IS on the toy."""
-    from .config import RolloutCorrectionConfig
-    from .losses import compute_policy_loss
-
-    torch.set_num_threads(1)
-    space = enumerate_sequences(vocab_size=3, horizon=3)
-    configs = {
-        "naive PPO (π_old as behaviour)": None,
-        "decoupled token IS (untruncated)": RolloutCorrectionConfig(rollout_is="token",
-                                                                    rollout_is_threshold=math.inf),
-        "decoupled sequence IS (untruncated)": RolloutCorrectionConfig(rollout_is="sequence",
-                                                                       rollout_is_threshold=math.inf),
-    }
-    errors: dict[str, list[float]] = {name: [] for name in configs}
-    for seed in range(seeds):
-        gen = torch.Generator().manual_seed(seed)
-        old = random_logits(space, 1.0, gen)
-        mu = perturb(old, mismatch, gen)
-        reward = torch.randn(space.batch_size, generator=gen, dtype=torch.float64)
-        old_seq = sequence_log_probs(old, space)
-        adv = reward - (old_seq.exp() * reward).sum()
-        exact = exact_policy_gradient(old, space, adv)
-        for name, cfg in configs.items():
-            theta = old.clone().requires_grad_(True)
-            loss, _ = compute_policy_loss(
-                token_log_probs(theta, space), token_log_probs(old, space),
-                scaled_advantages(adv, sequence_log_probs(mu, space), space), space.mask, cfg,
-                rollout_log_prob=None if cfg is None else token_log_probs(mu, space),
-                clip_ratio_low=1e6, clip_ratio_high=1e6, clip_ratio_c=1e9, loss_agg_mode="seq-mean-token-sum")
-            (grad,) = torch.autograd.grad(-loss, theta)
-            errors[name].append(float((grad - exact).norm() / exact.norm()))
-    print(f"V=3, T=3 (B={space.batch_size}), μ = π_old + N(0, {mismatch}²) logits, {seeds} seeds; "
-          "relative gradient error at θ = π_old:")
-    for name, errs in errors.items():
-        errs.sort()
-        print(f"  {name:<38} median {errs[len(errs) // 2]:.2e}   max {errs[-1]:.2e}")
-
-
-if __name__ == "__main__":
-    _bias_table()

@@ -44,10 +44,6 @@ def build_model(size: str = "tiny", max_len: int = 64, seed: int | None = None) 
     return model
 
 
-def num_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """Log-probabilities of the response tokens under ``model`` (teacher forcing).
 

@@ -66,10 +66,11 @@ def summarize_run(r: dict, sft_reward: float) -> dict:
 
 
 def _stats(xs):
+    """Mean and sample standard deviation (n − 1 denominator; 0 for a single seed) of the finite values."""
     xs = [x for x in xs if math.isfinite(x)]
     if not xs:
         return {"mean": float("nan"), "std": float("nan")}
-    return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs) if len(xs) > 1 else 0.0}
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
 
 
 def summarize(cfg: DemoConfig, raw: dict) -> dict:
@@ -287,7 +288,7 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
                   "the wall time covers only this invocation.", ""]
     lines += [
         "Rewards are greedy exact match on a fixed set of "
-        f"{cfg.eval_prompts} held-out prompts, mean ± std over seeds; *trainer* is the fp32 policy being "
+        f"{cfg.eval_prompts} held-out prompts, mean ± sample standard deviation (n − 1) over seeds; *trainer* is the fp32 policy being "
         "trained, *engine* its rollout copy. Mismatch KL is the k1 estimate of KL(π_rollout ‖ π_old) per "
         "token over the first and last tenth of training. A run collapsed if its final exact match is below "
         "half of its best.", "",
@@ -319,7 +320,7 @@ def print_table(summary: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title="greedy exact match, mean ± std over seeds")
+    table = Table(title="greedy exact match, mean ± sample std (n − 1) over seeds")
     for i in _TERMINAL_COLUMNS:
         table.add_column(TABLE_HEADER[i], justify="left" if i == 0 else "right")
     for r in table_rows(summary):

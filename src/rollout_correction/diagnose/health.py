@@ -116,6 +116,3 @@ def health_checks(res: ProfileResult) -> list[Check]:
         "all log-probs finite"))
     return checks
 
-
-def checks_as_dicts(checks: list[Check]) -> list[dict]:
-    return [ch.as_dict() for ch in checks]
