@@ -74,7 +74,9 @@ PRESETS = {
     "pg_is": ({**PG, **SEQ}, ("sequence", "truncate", None, 2.0), []),
     "pg_rs": ({**PG, "rollout_rs": "geometric", "rollout_rs_threshold": 1.001, **VETO},
               None, [("seq_mean_k1", 1 / 1.001, 1.001)]),
-    # Methods beyond verl's presets: policy losses paired with IS weights, OPSM, M2PO, TOPR.
+    # Methods beyond verl's presets: length-normalised weights, policy losses paired with IS weights,
+    # OPSM, M2PO, TOPR.
+    "decoupled_geo_is": ({"rollout_is": "geometric"}, ("geometric", "truncate", None, 2.0), []),
     "decoupled_token_is_opsm": ({**TOK, "rollout_opsm_delta": 0.05}, TOK_TIS, []),
     "decoupled_token_is_m2po": ({**TOK, "rollout_m2po_threshold": 0.04}, TOK_TIS, []),
     "bypass_topr": ({"bypass_mode": True, "loss_type": "topr"}, None, []),
@@ -98,7 +100,7 @@ def _resolved_rs(cfg):
 
 def test_preset_table_covers_every_preset():
     assert sorted(C.preset_names()) == sorted(PRESETS)
-    assert len(C.preset_names()) == 36
+    assert len(C.preset_names()) == 37
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

@@ -669,7 +669,10 @@ PRESETS: dict[str, Preset] = dict([
             {**_SEQ, **_GEO_RS, **_BYPASS_PG}, is_threshold=2.0, rs_threshold=_GEO_BAND),
     _preset("bypass_pg_geo_rs_token_tis", "REINFORCE with token TIS + geometric-mean rejection.",
             {**_TOKEN, **_GEO_RS, **_BYPASS_PG}, is_threshold=2.0, rs_threshold=_GEO_BAND),
-    # Methods beyond verl's presets (policy losses of policy_losses.py, OPSM, M2PO).
+    # Methods beyond verl's presets (length-normalised weights, policy losses of policy_losses.py, OPSM, M2PO).
+    _preset("decoupled_geo_is", "Decoupled PPO × geometric TIS: w = min(exp(mean_t log ρ_t), C), a "
+            "length-normalised sequence weight (for long responses, where ∏ρ_t collapses).",
+            {"rollout_is": "geometric", "rollout_is_threshold": "{threshold}"}, threshold=2.0),
     _preset("decoupled_token_is_opsm", "Decoupled PPO × token TIS + off-policy sequence masking (drop A < 0 "
             "sequences with mean log(π_rollout/π_θ) > δ).",
             {**_TOKEN, "rollout_opsm_delta": "{delta}"}, is_threshold=2.0, delta=0.05),

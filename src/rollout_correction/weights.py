@@ -73,6 +73,10 @@ def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
     return ISWeights(weights=batch.expand_rows(row_w), row_log=row_log, row_raw=row_raw, row_weight=row_w)
 
 
+#: A row weight below 0.1 (before truncation) counts as collapsed: the sequence barely enters the loss.
+COLLAPSED_LOG_WEIGHT = math.log(0.1)
+
+
 def _log(x: float) -> float:
     return math.log(x) if x > 0 else -math.inf
 
@@ -104,6 +108,12 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         stats.add_max("is.max_log", batch.row_max(rlog))
         stats.add_min("is.min_log", batch.row_min(rlog))
         seq_w, seq_raw = rw, rraw
+        # Pre-truncation (length-aware) statistics of the row weights, one value per sequence.
+        raw = rraw.double()
+        stats.add_sum("is.raw_sum", batch.row_sum_of(raw))
+        stats.add_sum("is.raw_sum2", batch.row_sum_of(raw * raw))
+        stats.add_sum("is.log_sum", batch.row_sum_of(rlog.double()))
+        stats.add_sum("is.collapsed", batch.row_count(rlog < COLLAPSED_LOG_WEIGHT))
         if spec.mode == "mask":
             oob = ((rraw < spec.lower) | (rraw > U)).double()
             stats.add_sum("is.oob", batch.tokens_weighted_row_sum(oob))
@@ -134,6 +144,11 @@ def is_metrics(stats: SufficientStats, spec: ISSpec) -> dict[str, torch.Tensor]:
     fraction_high / fraction_low: share of raw (safety-bounded, unbounded) weights above U /
     below L (tokens at token level, sequences otherwise). seq_*: statistics of the per-row mean
     weight over sequences with ≥ 1 valid token; seq_fraction_* use the raw per-row mean.
+    Sequence / geometric levels also report the row weights before truncation (length-aware
+    statistics; one value per sequence): seq_raw_mean, seq_raw_ess = (Σw)² / (n·Σw²) (Kish),
+    seq_log_mean (mean log weight, unclamped) and seq_collapsed_fraction (share of rows with raw
+    weight < 0.1). A long response drives log ∏ρ_t far from 0 even at a small per-token gap; these
+    show it before truncation hides it.
     """
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
     zero = torch.zeros_like(n_tok)
@@ -159,6 +174,13 @@ def is_metrics(stats: SufficientStats, spec: ISSpec) -> dict[str, torch.Tensor]:
         m[f"rollout_is_seq_{k}"] = v
     m["rollout_is_seq_fraction_high"] = safe_div(stats.sum("is.seq_high"), n_rows)
     m["rollout_is_seq_fraction_low"] = safe_div(stats.sum("is.seq_low"), n_rows)
+    if spec.level != "token":
+        raw_sum, raw_sum2 = stats.sum("is.raw_sum"), stats.sum("is.raw_sum2")
+        m["rollout_is_seq_raw_mean"] = safe_div(raw_sum, n_rows)
+        m["rollout_is_seq_raw_ess"] = torch.where(raw_sum2 > 0, raw_sum * raw_sum / (n_rows * raw_sum2).clamp_min(1e-300),
+                                                  zero)
+        m["rollout_is_seq_log_mean"] = safe_div(stats.sum("is.log_sum"), n_rows)
+        m["rollout_is_seq_collapsed_fraction"] = safe_div(stats.sum("is.collapsed"), n_rows)
     if spec.mode == "mask":
         m["rollout_is_oob_ratio"] = safe_div(stats.sum("is.oob"), n_tok)
     if spec.batch_normalize:

@@ -12,6 +12,8 @@ tails   ≥ 1 % of tokens with ρ ∉ [0.5, 2], or ≥ 1 % of rows    ``decouple
 tiny    k3 KL < 1e-5 and sequence-weight ESS ≥ 0.99            ``bypass_ppo_clip``
 seq     sequence-weight ESS ≥ 0.8                              ``decoupled_seq_is``
 seq+rs  sequence-weight ESS ≥ 0.5                              ``decoupled_seq_is_rs``
+long    mean length ≥ 512 tokens and geometric-weight          ``decoupled_geo_is``
+        ESS ≥ 0.8
 token   otherwise                                              ``decoupled_token_is``
 ======  =====================================================  ==============================
 
@@ -19,10 +21,12 @@ Why: the sequence weight ∏ρₜ is the unbiased correction, but its log has va
 so it degenerates when responses are long *and* the per-token gap is not tiny. Its Kish ESS
 ((Σw)²/(n·Σw²) over rows, measured on the raw weights) tells directly whether it is usable: high
 ESS → sequence IS (with rejection of the outlying rows when ESS is only moderate); low ESS → the
-product is dominated by a few rows and the biased-but-bounded token-level TIS is the better
-trade. Heavy token tails are better handled by IcePop (dropping the out-of-band tokens' weight)
-than by truncating every ratio, and a large average gap needs sequence rejection (k3) on top of
-token TIS while the engine itself is fixed. When the gap is negligible the rollout policy is a
+product is dominated by a few rows. For long responses the length-normalised (geometric) weight
+exp(mean log ρₜ) keeps one weight per sequence with a spread that does not grow with the length
+(docs/diagnose.md shows a measured example); otherwise the biased-but-bounded token-level TIS is
+the better trade. Heavy token tails are better handled by IcePop (dropping the out-of-band
+tokens' weight) than by truncating every ratio, and a large average gap needs sequence rejection
+(k3) on top of token TIS while the engine itself is fixed. When the gap is negligible the rollout policy is a
 good proximal policy and bypass mode saves the extra forward pass.
 """
 
@@ -45,6 +49,8 @@ TINY_K3 = 1e-5
 TINY_SEQ_ESS = 0.99
 SEQ_ESS = 0.8
 SEQ_RS_ESS = 0.5
+LONG_RESPONSE = 512
+GEO_ESS = 0.8
 
 
 @dataclass
@@ -62,7 +68,7 @@ def recommend(res: ProfileResult) -> Recommendation:
     tok_tail = lv["token"]["fraction_outside"]
     veto = c.rows_vetoed / c.rows_used if c.rows_used else 0.0
     mean_len = c.tokens / c.rows_used if c.rows_used else 0.0
-    inputs = {"kl": kl, "k3_kl": k3, "chi2_token": chi2, "seq_ess": seq_ess,
+    inputs = {"kl": kl, "k3_kl": k3, "chi2_token": chi2, "seq_ess": seq_ess, "geo_ess": lv["geometric"]["ess"],
               "token_fraction_outside": tok_tail, "veto_fraction": veto, "mean_length": mean_len}
     spread = lv["sequence"]["std"]
 
@@ -99,6 +105,15 @@ def recommend(res: ProfileResult) -> Recommendation:
             "decoupled_seq_is_rs", "seq+rs",
             f"sequence weights are usable but spread (ESS = {seq_ess:.3f}, weight std = {spread:.3g}): "
             "sequence-level IS plus rejection of the rows whose ∏ρ falls outside [0.5, 2]", inputs)
+    geo = lv["geometric"]
+    if mean_len >= LONG_RESPONSE and geo["ess"] >= GEO_ESS:
+        return Recommendation(
+            "decoupled_geo_is", "long",
+            f"responses are long ({mean_len:.0f} tokens on average) and the product weight ∏ρ has collapsed "
+            f"(ESS = {seq_ess:.3f}, mean raw weight = {lv['sequence']['mean']:.3g}, log ∏ρ spread "
+            f"{lv['sequence']['log_std']:.3g}), while the length-normalised weight exp(mean log ρ) stays usable "
+            f"(ESS = {geo['ess']:.3f}, mean = {geo['mean']:.3g}): geometric-level TIS keeps one weight per "
+            "sequence without the length-driven collapse", inputs)
     return Recommendation(
         "decoupled_token_is", "token",
         f"sequence weights degenerate (ESS = {seq_ess:.3f}): {mean_len:.0f} tokens × per-token gap "
