@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
 from rollout_correction.integrations.trl import (  # noqa: E402
+    TRL_LOSS_TYPES,
     RolloutCorrectionGRPOTrainer,
     SamplingLogProbRecorder,
     config_from_trl_args,
@@ -106,79 +107,228 @@ def test_recorder_gives_the_sampling_distribution_log_probs():
         torch.testing.assert_close(torch.tensor(rows[i]), expected[i, :n], rtol=1e-4, atol=1e-4)
 
 
-class _CheckedTrainer(RolloutCorrectionGRPOTrainer):
-    """Records, for every loss call, TRL's loss and the same loss recomputed independently."""
+# ----------------------------------------------------------------------------------------------
+# Training through TRL's own GRPOTrainer.train(), for every loss_type, with the loss recomputed
+# independently over the accepted tokens only.
 
-    checks: list
+# Token TIS at 1.0 (weights min(ρ_t, 1)), a token band on ρ_t and a per-sequence bound on
+# max_t ½(log ρ_t)². The bf16 sampler moves log ρ_t by ~1e-4..1e-3 on this model: these bounds
+# reject single tokens inside kept sequences and whole sequences.
+TOKEN_BAND = (0.9997, 1.0003)
+SEQ_MAX_K2 = 2.5e-7
+REJECTING = {"rollout_is": "token", "rollout_is_threshold": 1.0, "rollout_rs": "token_k1,seq_max_k2",
+             "rollout_rs_threshold": f"{TOKEN_BAND[0]}_{TOKEN_BAND[1]},{SEQ_MAX_K2}"}
+PROMPTS = ["abc", "def", "ghi", "jkl", "bad", "cab", "fed", "hig"]
+
+
+def _grpo_args(tmp_path, **overrides):
+    """GRPOConfig with its defaults (loss_type="dapo", beta=0, batch 8, 8 generations per prompt,
+    gradient_accumulation_steps=1, ...) except what a tiny CPU run needs. bf16=False gives an fp32
+    learner beside the bf16 sampler (rollout_autocast_dtype), so the two really differ."""
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", max_steps=1,
+                max_completion_length=8, logging_steps=1, bf16=False, disable_tqdm=True)
+    return trl.GRPOConfig(**{**base, **overrides})
+
+
+def distinct_letters(completions, **kwargs):
+    return [float(len(set(c))) for c in completions]
+
+
+def _accepted(old, sampling, completion_mask):
+    """The acceptance mask of REJECTING, written out: band on ρ_t and max_t ½(log ρ_t)² per row."""
+    m = completion_mask.bool()
+    log_rho = torch.where(m, old - sampling, 0.0)
+    rho = log_rho.exp()
+    token_ok = (rho >= TOKEN_BAND[0]) & (rho <= TOKEN_BAND[1])
+    row_ok = (0.5 * log_rho ** 2).amax(-1, keepdim=True) <= SEQ_MAX_K2
+    return m & token_ok & row_ok
+
+
+def _per_token_loss(trainer, logp, old, sampling, adv, accept):
+    """TRL's per-token policy terms written out, with the IS weight w_t = min(ρ_t, 1) and the
+    base (uncorrected) advantage A; 0 off the accepted tokens."""
+    a = adv[:, None]
+    w = torch.where(accept, (old - sampling).exp().clamp(max=1.0), 0.0)
+    r = (logp - old).exp()
+    lt = trainer.loss_type
+    if lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        clipped = r.clamp(1 - trainer.epsilon_low, 1 + trainer.epsilon_high)
+        per_tok = -torch.minimum(r * a, clipped * a) * w
+    elif lt == "cispo":
+        per_tok = -r.clamp(max=trainer.epsilon_high) * a * logp * w
+    elif lt == "sapo":
+        tau = torch.where(a > 0, trainer.args.sapo_temperature_pos, trainer.args.sapo_temperature_neg)
+        per_tok = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a * w
+    elif lt == "vespo":  # VESPO: φ(w_seq), log w_seq = Σ_accepted [log r_t + log w_t]
+        lo = math.log(1e-8)
+        log_w = (torch.where(accept, (logp - old).clamp(-20, 20) + w.clamp(min=1e-30).log().clamp(lo, 20), 0.0)
+                 .sum(-1, keepdim=True).clamp(lo, 20))
+        pos = a >= 0
+        k = torch.where(pos, trainer.args.vespo_k_pos, trainer.args.vespo_k_neg)
+        lam = torch.where(pos, trainer.args.vespo_lambda_pos, trainer.args.vespo_lambda_neg)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+        per_tok = -phi * a * logp
+    else:
+        raise AssertionError(lt)
+    return torch.where(accept, per_tok, 0.0)
+
+
+def _aggregate(trainer, per_tok, accept, counts, processes=1):
+    """One micro-batch's share of the loss over accepted tokens only, given the generation batch's
+    counts over all processes (accepted tokens, sequences with an accepted token). Summed over the
+    micro-batches of the generation batch and averaged over the processes, it is: the mean over
+    accepted sequences of their token mean (grpo, sapo) or token sum (luspo), the token sum over
+    accepted sequences × max_completion_length (dr_grpo), the token mean over the accepted tokens
+    (dapo, cispo, vespo)."""
+    n_tokens, n_rows = counts
+    ga = trainer.args.gradient_accumulation_steps
+    lt = trainer.loss_type
+    if lt in ("grpo", "sapo"):
+        row_mean = per_tok.sum(-1) / accept.sum(-1).clamp(min=1)
+        return processes * row_mean.sum() / n_rows
+    if lt == "luspo":
+        return processes * per_tok.sum() / n_rows
+    if lt == "dr_grpo":
+        return processes * per_tok.sum() / (n_rows * trainer.max_completion_length)
+    if lt == "bnpo":  # TRL's bnpo is a token mean per micro-batch
+        return per_tok.sum() / accept.sum().clamp(min=1) / ga
+    return processes * per_tok.sum() / n_tokens  # dapo, cispo, vespo: the generation batch's tokens
+
+
+class _CheckedTrainer(RolloutCorrectionGRPOTrainer):
+    """Records, for every loss call, TRL's loss and the pieces to recompute it independently."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.records, self.batches = [], []
 
     def _apply_rollout_correction(self, out, mode):
+        trl_items = out["num_items_in_batch"].clone()
         base = out["advantages"].clone()
         out = super()._apply_rollout_correction(out, mode)
+        accept = _accepted(out["old_per_token_logps"], out["sampling_per_token_logps"], out["completion_mask"])
+        self.batches.append({"trl_items": int(trl_items), "items": int(out["num_items_in_batch"]),
+                             "accepted": int(accept.sum()), "rows": accept.shape[0],
+                             "kept_rows": int(accept.any(-1).sum()),
+                             "full_rows_rejected": int((out["completion_mask"].bool().any(-1) & ~accept.any(-1)).sum()),
+                             "partly_rejected": int((accept.any(-1) & (accept.sum(-1) < out["completion_mask"].sum(-1))).sum())})
         out["check_base_advantages"] = base
+        out["check_accept"] = accept
         return out
 
     def _compute_loss(self, model, inputs):
         inputs = dict(inputs)
-        base = inputs.pop("check_base_advantages")
-        loss = super()._compute_loss(model, inputs)
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-        att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        with torch.no_grad():
-            logp, _, _ = self._get_per_token_logps_and_entropies(model, ids, att, inputs["completion_ids"].size(1))
-        old, samp = inputs["old_per_token_logps"], inputs["sampling_per_token_logps"]
-        m = inputs["completion_mask"].bool()
-        rho = torch.exp(old - samp)
-        keep = m & (rho >= 0.9998) & (rho <= 1.0002)       # token_k1 band "0.9998_1.0002"
-        w = torch.where(keep, rho.clamp(max=1.0), 0.0)       # token TIS at 1.0
-        r = torch.exp(logp - old)
-        a = base[:, None]
-        per_tok = w * torch.maximum(-a * r, -a * r.clamp(1 - self.epsilon_low, 1 + self.epsilon_high))
-        per_tok = torch.where(keep, per_tok, 0.0)
-        expected = (per_tok.sum(-1) / keep.sum(-1).clamp(min=1)).mean()
-        self.checks.append((loss.detach().clone(), expected, (rho > 1.0)[keep].any().item(), (~keep & m).any().item(),
-                            keep.any().item()))
+        base, accept = inputs.pop("check_base_advantages"), inputs.pop("check_accept")
+        seen = []
+        forward = self._get_per_token_logps_and_entropies
+
+        def capture(*args, **kwargs):  # the log-probs TRL's loss is computed from
+            result = forward(*args, **kwargs)
+            seen.append(result[0].detach())
+            return result
+
+        self._get_per_token_logps_and_entropies = capture
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            del self._get_per_token_logps_and_entropies
+        per_tok = _per_token_loss(self, seen[0], inputs["old_per_token_logps"], inputs["sampling_per_token_logps"],
+                                  base, accept)
+        kl = None
+        if self.beta != 0.0:
+            d = inputs["ref_per_token_logps"] - seen[0]
+            kl = torch.where(accept, d.exp() - d - 1, 0.0)
+        self.records.append({"loss": loss.detach().clone(), "per_tok": per_tok, "accept": accept, "kl": kl})
         return loss
 
 
-def test_grpo_trainer_trains_with_our_weights_and_logs_our_metrics(tmp_path):
-    model, tokenizer = _tiny_lm()
-    before = [p.detach().clone() for p in model.parameters()]
-    data = Dataset.from_dict({"prompt": ["abc", "def", "ghi", "jkl", "bad", "cab", "fed", "hig"]})
-
-    def reward(completions, **kwargs):  # distinct letters: varies across a group
-        return [float(len(set(c))) for c in completions]
-
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        max_steps=3, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", learning_rate=5e-3,
-        loss_type="grpo", beta=0.0, disable_tqdm=True, seed=0, bf16=False,  # fp32 trainer, bf16 sampler
-    )
-    # bf16 vs fp32 moves per-token ratios by ~1e-4..1e-3 on this model: bounds that tight make both
-    # the truncation and the rejection bite.
-    cfg = {"rollout_is": "token", "rollout_is_threshold": 1.0, "rollout_rs": "token_k1",
-           "rollout_rs_threshold": "0.9998_1.0002"}
-    trainer = _CheckedTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                              processing_class=tokenizer, rollout_correction=cfg,
-                              rollout_autocast_dtype=torch.bfloat16)
-    trainer.checks = []
+def _train(tmp_path, loss_type, config=REJECTING, model_seed=0, trainer_cls=_CheckedTrainer, **overrides):
+    model, tokenizer = _tiny_lm(model_seed)
+    args = _grpo_args(tmp_path, loss_type=loss_type, **overrides)
+    trainer = trainer_cls(model=model, reward_funcs=distinct_letters, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
+                          rollout_correction=config, rollout_autocast_dtype=torch.bfloat16)
     trainer.train()
+    return trainer
 
-    assert len(trainer.checks) == 3
-    for loss, expected, *_ in trainer.checks:
-        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
-    # The bf16 sampler really differs from the fp32 trainer: truncation and rejection both acted,
-    # and tokens were left to learn from.
-    assert any(c[2] for c in trainer.checks) and any(c[3] for c in trainer.checks)
-    assert all(c[4] for c in trainer.checks)
-    assert any(abs(float(c[0])) > 1e-6 for c in trainer.checks)
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
-    logged = [h for h in trainer.state.log_history if "rollout_corr/rollout_is_mean" in h]
-    assert len(logged) == 3
-    for h in logged:
-        assert 0 < h["rollout_corr/rollout_is_mean"] <= 1.0 + 1e-6
-        assert math.isfinite(h["rollout_corr/kl"]) and h["rollout_corr/kl"] != 0.0
-        assert 0.0 <= h["rollout_corr/rollout_rs_masked_fraction"] <= 1.0
+def _expected(trainer, record, batch, processes=1):
+    counts = (batch["accepted"], batch["kept_rows"])
+    per_tok = record["per_tok"]
+    if record["kl"] is not None:
+        per_tok = per_tok + trainer.beta * record["kl"]
+    return _aggregate(trainer, per_tok, record["accept"], counts, processes)
+
+
+@pytest.mark.parametrize("loss_type", TRL_LOSS_TYPES)
+def test_every_loss_type_trains_on_the_accepted_tokens_only(tmp_path, loss_type):
+    trainer = _train(tmp_path, loss_type)
+    (batch,), (record,) = trainer.batches, trainer.records
+    # Rejection bites: whole sequences and single tokens inside kept sequences, tokens are left.
+    assert batch["full_rows_rejected"] >= 1 and batch["partly_rejected"] >= 1 and batch["kept_rows"] >= 1
+    # num_items_in_batch is the accepted-token count (TRL counted every completion token).
+    assert batch["items"] == batch["accepted"] < batch["trl_items"]
+    expected = _expected(trainer, record, batch)
+    torch.testing.assert_close(record["loss"], expected, rtol=1e-5, atol=1e-8)
+    assert abs(float(expected)) > 1e-6
+    # The check discriminates: the denominators TRL had before the rejection give another loss.
+    stale = _aggregate(trainer, record["per_tok"], record["accept"], (batch["trl_items"], batch["rows"]))
+    if loss_type != "bnpo":  # bnpo's token count comes from the loss mask itself
+        assert abs(float(stale) - float(expected)) > 1e-3 * abs(float(expected))
+    logged = [h for h in trainer.state.log_history if "rollout_corr/rollout_rs_masked_fraction" in h]
+    assert len(logged) == 1 and 0 < logged[0]["rollout_corr/rollout_rs_masked_fraction"] < 1
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_gradient_accumulation_denominators_span_the_generation_batch(tmp_path, loss_type):
+    """Two accumulation steps share one generation batch: each micro-batch's loss uses the whole
+    batch's accepted counts, and the two add up to the loss over the accepted tokens only."""
+    trainer = _train(tmp_path, loss_type, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    (batch,) = trainer.batches
+    assert len(trainer.records) == 2 and batch["rows"] == 8
+    assert batch["full_rows_rejected"] >= 1 and batch["items"] == batch["accepted"] < batch["trl_items"]
+    for record in trainer.records:
+        torch.testing.assert_close(record["loss"], _expected(trainer, record, batch), rtol=1e-5, atol=1e-8)
+    total = sum(float(r["loss"]) for r in trainer.records)
+    if loss_type == "dapo":  # token mean over every accepted token of the generation batch
+        whole = sum(float(r["per_tok"].sum()) for r in trainer.records) / batch["accepted"]
+    else:  # mean over accepted sequences of their accepted-token mean
+        whole = sum(float((r["per_tok"].sum(-1) / r["accept"].sum(-1).clamp(min=1)).sum())
+                    for r in trainer.records) / batch["kept_rows"]
+    assert total == pytest.approx(whole, rel=1e-5)
+
+
+def test_kl_term_gets_the_same_denominators(tmp_path):
+    """beta > 0: TRL adds β·KL inside its per-token loss; it is averaged over the accepted
+    sequences too. TRL loads the reference from the checkpoint the policy's config names; that
+    checkpoint holds other weights here, so the KL term is not zero."""
+    reference, tokenizer = _tiny_lm(seed=1)
+    path = tmp_path / "reference"
+    reference.save_pretrained(path)
+    model, _ = _tiny_lm()
+    model.config._name_or_path = str(path)
+    args = _grpo_args(tmp_path, loss_type="grpo", beta=0.5)
+    trainer = _CheckedTrainer(model=model, reward_funcs=distinct_letters, args=args,
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
+                              rollout_correction=REJECTING, rollout_autocast_dtype=torch.bfloat16)
+    trainer.train()
+    (batch,), (record,) = trainer.batches, trainer.records
+    assert batch["full_rows_rejected"] >= 1 and batch["kept_rows"] >= 1
+    assert float(record["kl"].abs().max()) > 1e-3  # the KL term is really there
+    torch.testing.assert_close(record["loss"], _expected(trainer, record, batch), rtol=1e-5, atol=1e-8)
+    assert trainer.beta == 0.5  # restored after each loss call
+
+
+def test_disabled_correction_leaves_trls_loss_unchanged(tmp_path):
+    """With nothing rejected and no weights, the trainer's loss is GRPOTrainer's own (same seed)."""
+    losses = []
+    for cls, extra in ((trl.GRPOTrainer, {}), (RolloutCorrectionGRPOTrainer, {"rollout_correction": "disabled"})):
+        model, tokenizer = _tiny_lm()
+        trainer = cls(model=model, reward_funcs=distinct_letters, args=_grpo_args(tmp_path, loss_type="grpo"),
+                      train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer, **extra)
+        trainer.train()
+        losses.append(trainer.state.log_history[0]["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
 def test_default_maps_trls_own_settings(tmp_path):
@@ -234,7 +384,8 @@ def test_with_vllm_the_weights_go_where_trl_multiplies_them(tmp_path):
     old, rollout, mask = _log_probs(B=4, T=5)
     adv = torch.tensor([1.0, -1.0, 0.5, 0.0])
     out = {"completion_mask": mask.long(), "old_per_token_logps": old, "sampling_per_token_logps": rollout,
-           "advantages": adv.clone(), "importance_sampling_ratio": torch.full((4, 1), 7.0)}
+           "advantages": adv.clone(), "importance_sampling_ratio": torch.full((4, 1), 7.0),
+           "num_items_in_batch": mask.sum().long()}
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     out = trainer._apply_rollout_correction(out, "train")
     expected = torch.exp(old - rollout).clamp(max=2.0) * mask
@@ -245,7 +396,7 @@ def test_with_vllm_the_weights_go_where_trl_multiplies_them(tmp_path):
     trainer.use_vllm = False
     out = trainer._apply_rollout_correction(
         {"completion_mask": mask.long(), "old_per_token_logps": old, "sampling_per_token_logps": rollout,
-         "advantages": adv.clone()}, "train")
+         "advantages": adv.clone(), "num_items_in_batch": mask.sum().long()}, "train")
     torch.testing.assert_close(out["advantages"], adv[:, None] * expected)
     assert "importance_sampling_ratio" not in out
 
@@ -266,65 +417,7 @@ def test_nan_sampling_log_prob_rejects_the_row_instead_of_poisoning_the_loss(tmp
         rollout[2, 1] = float("nan")
         out = trainer._apply_rollout_correction(
             {"completion_mask": mask.long(), "old_per_token_logps": old, "sampling_per_token_logps": rollout,
-             "advantages": torch.tensor([1.0, -1.0, 0.5, 2.0])}, "train")
+             "advantages": torch.tensor([1.0, -1.0, 0.5, 2.0]), "num_items_in_batch": mask.sum().long()}, "train")
         assert out["tool_mask"][2].sum() == 0 and torch.equal(out["tool_mask"][[0, 1, 3]], mask[[0, 1, 3]].long())
         assert torch.isfinite(out["advantages"]).all() and torch.isfinite(out["old_per_token_logps"]).all()
         assert trainer._metrics["train"]["rollout_corr/nonfinite_seq_fraction"] == [0.25]
-
-
-def _apply_on_rank(rank, world, port, old, rollout, mask, adv, results):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        rows = slice(rank * old.shape[0] // world, (rank + 1) * old.shape[0] // world)
-        from collections import defaultdict
-        from types import SimpleNamespace
-
-        host = SimpleNamespace(rollout_correction=RolloutCorrectionConfig.decoupled_seq_is_rs(), use_vllm=False,
-                               vllm_importance_sampling_correction=True,
-                               _metrics={"train": defaultdict(list)})
-        out = {"completion_mask": mask[rows].long(), "old_per_token_logps": old[rows],
-               "sampling_per_token_logps": rollout[rows], "advantages": adv[rows].clone()}
-        # The trainer's own method, on a light host object (no model is needed on this path).
-        RolloutCorrectionGRPOTrainer._apply_rollout_correction(host, out, "train")
-        results[rank] = ({k: v[0] for k, v in host._metrics["train"].items()}, out["advantages"])
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow  # two spawned processes re-import trl/transformers: ~30-60 s on a shared box
-def test_statistics_cover_all_processes():
-    """Two gloo processes, each with half of a generation batch, log the metrics of the whole batch."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    old, rollout, mask = _log_probs(B=8, T=6, scale=0.5)
-    adv = torch.linspace(-1, 1, 8)
-    single = {k: v[0] for k, v in _single_process_metrics(old, rollout, mask, adv).items()}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_apply_on_rank, args=(2, port, old, rollout, mask, adv, results), nprocs=2, join=True)
-    for rank in (0, 1):
-        metrics, _ = results[rank]
-        for key in ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/kl",
-                    "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/chi2_seq"):
-            assert metrics[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key
-    both = torch.cat([results[0][1], results[1][1]])
-    assert both.shape == (8, 6)
-
-
-def _single_process_metrics(old, rollout, mask, adv):
-    from collections import defaultdict
-    from types import SimpleNamespace
-
-    host = SimpleNamespace(rollout_correction=RolloutCorrectionConfig.decoupled_seq_is_rs(), use_vllm=False,
-                           vllm_importance_sampling_correction=True, _metrics={"train": defaultdict(list)})
-    RolloutCorrectionGRPOTrainer._apply_rollout_correction(
-        host, {"completion_mask": mask.long(), "old_per_token_logps": old, "sampling_per_token_logps": rollout,
-               "advantages": adv.clone()}, "train")
-    return host._metrics["train"]

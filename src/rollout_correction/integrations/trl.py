@@ -1,31 +1,54 @@
 """TRL: a ``GRPOTrainer`` whose rollout correction comes from this library.
 
+Tested with TRL 1.16 (``SUPPORTED_TRL``): the trainer overrides private ``GRPOTrainer`` steps, so
+constructing it under another TRL release raises, naming the installed and the supported versions.
+
 TRL (``trl.GRPOTrainer``) corrects the vLLM/trainer mismatch with its own
 ``vllm_importance_sampling_correction`` (four modes, see :func:`config_from_trl_args`) and only
 when generation runs on vLLM. :class:`RolloutCorrectionGRPOTrainer` replaces that step:
 
 * any :class:`~rollout_correction.RolloutCorrectionConfig` (preset name, dict or config) — or,
   when none is given, TRL's own four modes mapped onto ours;
-* the correction is computed once per generation batch (batch-level statistics over the whole
-  batch — across all processes under ``torch.distributed`` — not per micro-batch), its IS weights
-  reach the loss and its rejection mask removes the rejected tokens from the loss denominator;
+* the correction is computed once per generation batch, in TRL's generation/scoring step
+  (batch-level statistics over the whole batch — across all processes under
+  ``torch.distributed`` — not per micro-batch), right where TRL computes its loss counts, so every
+  ``loss_type`` sees the same masks and counts;
 * every ``rollout_corr/...`` metric is logged through TRL's logger (``trainer._metrics`` → the
   ``log`` call → W&B / TensorBoard / ``trainer.state.log_history``);
-* when generation is plain ``transformers`` ``generate`` (no vLLM), the per-token sampling
-  log-probs are taken from the generation step itself: log-softmax of the processed scores
-  (after temperature / top-k / top-p) at the sampled token. ``rollout_autocast_dtype`` runs that
-  generation under CPU/GPU autocast (e.g. ``torch.bfloat16``), which reproduces the precision
-  gap between a reduced-precision sampler and the fp32 trainer.
+* the sampling log-probs come from vLLM, from ``transformers`` ``generate`` (log-softmax of the
+  processed scores — after temperature / top-k / top-p — at the sampled token) or from
+  ``transformers`` continuous batching (``generate_batch`` with ``return_logprobs``, switched on
+  by the trainer). ``rollout_autocast_dtype`` runs plain ``generate`` under CPU/GPU autocast
+  (e.g. ``torch.bfloat16``), which reproduces the precision gap between a reduced-precision
+  sampler and the fp32 trainer.
 
-How the weights reach TRL's loss: with vLLM and TRL's correction switched on, TRL multiplies its
-per-token loss by ``inputs["importance_sampling_ratio"]``; we put our weights there. Otherwise
-the weights are folded into the per-token advantages, ``A_t ← w_t · A``, which is the same thing
-for every TRL loss that is positively homogeneous in the advantage (PPO-clip ``grpo``/``bnpo``/
-``dr_grpo``/``dapo``/``luspo``, ``cispo``, ``sapo``):
-``−min(r·wA, clip(r)·wA) = −w · min(r·A, clip(r)·A)`` for w ≥ 0. The rejection mask goes into
-``inputs["tool_mask"]``, which TRL multiplies into the loss mask only (the attention mask is
-untouched). Bypass configs (``bypass_mode=True`` with ``loss_type="ppo_clip"``) replace TRL's
-``old_per_token_logps`` by the sampling log-probs so PPO clips against the rollout policy.
+What reaches TRL's loss, per generation batch (m = TRL's loss mask, a = this library's
+acceptance mask, w = IS weights):
+
+* **Loss mask** m·a, through ``inputs["tool_mask"]`` (TRL multiplies it into the loss mask only;
+  the attention mask is untouched). Rejected tokens therefore leave every per-micro-batch token
+  count TRL takes from the mask (``grpo``/``sapo`` per-sequence lengths, ``bnpo``, the entropy
+  bonus).
+* **``num_items_in_batch``** (``dapo``/``cispo``/``vespo``) recomputed from m·a exactly as TRL
+  computes it from m: the sum of the mask over the local generation batch, gathered and summed
+  over all processes; TRL then rescales it to one accumulation window itself.
+* **Sequence averages** (``grpo``/``sapo``/``luspo`` average over the rows of a micro-batch,
+  ``dr_grpo`` divides by rows × ``max_completion_length``): a row whose every loss token was
+  rejected leaves them. TRL divides by the row count B of each micro-batch; the policy term is
+  multiplied by s = N / N_kept (N rows in the generation batch over all processes, N_kept of them
+  with a token left), and so is ``beta`` for the KL term, so that over the accumulation window
+  and the processes the loss is Σ_kept(row term) / N_kept. Rows TRL itself masks
+  (``mask_truncated_completions``) stay counted, as in TRL.
+* **IS weights**: with vLLM and TRL's correction switched on, through
+  ``inputs["importance_sampling_ratio"]``, which TRL multiplies into its per-token loss;
+  otherwise folded into the per-token advantages, ``A_t ← w_t · s · A``, the same thing for every
+  TRL loss, all positively homogeneous in the advantage:
+  ``−min(r·wA, clip(r)·wA) = −w · min(r·A, clip(r)·A)`` for w ≥ 0 (PPO-clip ``grpo``/``bnpo``/
+  ``dr_grpo``/``dapo``/``luspo``; ``cispo`` and ``sapo`` are linear in A). ``vespo`` builds its
+  gamma weight φ from the sequence ratio times TRL's ``importance_sampling_ratio``; there our
+  token weights go into that input (1 off the loss mask), as TRL's ``token_*`` modes do.
+* **Bypass** configs (``bypass_mode=True`` with ``loss_type="ppo_clip"``) replace TRL's
+  ``old_per_token_logps`` by the sampling log-probs so PPO clips against the rollout policy.
 """
 
 from __future__ import annotations
@@ -40,19 +63,54 @@ import torch
 from rollout_correction import RolloutCorrectionConfig, as_config, compute_rollout_correction
 
 try:  # the adapter is importable without TRL; the trainer class needs it.
+    import trl as _trl
     from trl import GRPOTrainer as _GRPOTrainer
 except ImportError:  # pragma: no cover - exercised only without trl installed
+    _trl = None
     _GRPOTrainer = None
 
 __all__ = [
+    "SUPPORTED_TRL",
+    "TRL_LOSS_TYPES",
     "TRL_IS_MODES",
+    "check_trl_version",
     "config_from_trl_args",
     "resolve_config",
     "SamplingLogProbRecorder",
     "RolloutCorrectionGRPOTrainer",
 ]
 
+SUPPORTED_TRL = ">=1.16,<1.17"
+"""The TRL releases this adapter is tested with (also the pin of the ``[trl]`` extra)."""
+
 TRL_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+TRL_LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "cispo", "dapo", "vespo", "luspo")
+"""Every ``GRPOConfig.loss_type`` of TRL 1.16."""
+
+_SEQUENCE_AVERAGED = ("grpo", "sapo", "luspo", "dr_grpo")  # TRL divides by the micro-batch's row count
+_SCALE_KEY = "rollout_corr_sequence_scale"  # s = N / N_kept, a 0-d tensor in the loss inputs
+
+
+def check_trl_version(version: Optional[str] = None) -> None:
+    """Raise unless ``version`` (default: the installed TRL's) is in :data:`SUPPORTED_TRL`.
+
+    The trainer overrides private ``GRPOTrainer`` steps (generation, scoring, loss) whose inputs
+    change between TRL releases; outside the tested range it would train with wrong masks or
+    denominators without a word, so it refuses instead.
+    """
+    from packaging.specifiers import SpecifierSet
+
+    if version is None:
+        if _trl is None:
+            raise ImportError(f"RolloutCorrectionGRPOTrainer needs TRL: pip install 'trl{SUPPORTED_TRL}'")
+        version = _trl.__version__
+    if version not in SpecifierSet(SUPPORTED_TRL, prereleases=True):
+        raise RuntimeError(
+            f"RolloutCorrectionGRPOTrainer is tested with trl{SUPPORTED_TRL} and overrides private "
+            f"GRPOTrainer methods; the installed trl is {version}. Install a supported release: "
+            f"pip install 'rollout-correction[trl]' (or 'trl{SUPPORTED_TRL}')"
+        )
 
 
 def config_from_trl_args(
@@ -198,6 +256,29 @@ class SamplingLogProbRecorder(contextlib.AbstractContextManager):
         return [rows[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
+@contextlib.contextmanager
+def _recording_generate_batch(model: torch.nn.Module):
+    """While active, ``model.generate_batch`` (transformers continuous batching) stores, in the
+    yielded list, each request's sampled-token log-probs in the order of the returned dict."""
+    recorded: list[list[float]] = []
+    original = model.generate_batch
+    had_attr = "generate_batch" in vars(model)
+
+    def generate_batch(*args: Any, **kwargs: Any):
+        outputs = original(*args, **kwargs)
+        recorded[:] = [list(out.logprobs) for out in outputs.values()]
+        return outputs
+
+    model.generate_batch = generate_batch
+    try:
+        yield recorded
+    finally:
+        if had_attr:
+            model.generate_batch = original
+        else:
+            del model.generate_batch
+
+
 if _GRPOTrainer is not None:
 
     class RolloutCorrectionGRPOTrainer(_GRPOTrainer):
@@ -206,8 +287,9 @@ if _GRPOTrainer is not None:
         Extra arguments:
             rollout_correction: preset name, dict, :class:`RolloutCorrectionConfig`, or None
                 (map TRL's ``vllm_importance_sampling_*`` settings).
-            rollout_autocast_dtype: dtype for generation under autocast when generation is not
-                vLLM (e.g. ``torch.bfloat16``); None generates in the model's own precision.
+            rollout_autocast_dtype: dtype for plain ``generate`` under autocast (no vLLM, no
+                continuous batching), e.g. ``torch.bfloat16``; None generates in the model's own
+                precision.
         """
 
         def __init__(
@@ -217,22 +299,55 @@ if _GRPOTrainer is not None:
             rollout_autocast_dtype: Optional[torch.dtype] = None,
             **kwargs: Any,
         ):
+            check_trl_version()
             super().__init__(*args, **kwargs)
             self.rollout_correction = resolve_config(rollout_correction, self.args)
             self.rollout_autocast_dtype = rollout_autocast_dtype
-            if self.rollout_correction.bypass_mode and self.rollout_correction.loss_type != "ppo_clip":
+            cfg = self.rollout_correction
+            if self.loss_type not in TRL_LOSS_TYPES:
+                raise ValueError(f"loss_type={self.loss_type!r} is not one of TRL 1.16's {list(TRL_LOSS_TYPES)}")
+            if cfg.bypass_mode and cfg.loss_type != "ppo_clip":
                 raise ValueError(
                     "bypass_mode with loss_type='reinforce' needs a REINFORCE loss, which TRL's GRPO "
                     "losses do not have; use loss_type='ppo_clip' (bypass PPO) or a decoupled preset"
                 )
-            if self.loss_type == "vespo":
-                raise ValueError("loss_type='vespo' builds its own weights from TRL's ratio; not supported here")
+            if self.loss_type == "vespo" and cfg.rollout_is is not None and cfg.rollout_is != "token" \
+                    and not cfg.bypass_mode:
+                raise ValueError(
+                    f"loss_type='vespo' takes token-level IS weights into its gamma weight (as TRL's own "
+                    f"VESPO accepts only vllm_importance_sampling_mode='token_truncate'/'token_mask'); "
+                    f"rollout_is={cfg.rollout_is!r} is not supported with it: use rollout_is='token' "
+                    f"(or, with rollout_correction=None, vllm_importance_sampling_mode='token_truncate' or "
+                    f"'token_mask') or another loss_type"
+                )
+            if rollout_autocast_dtype is not None and (self.use_vllm or self.use_transformers_continuous_batching):
+                raise ValueError(
+                    "rollout_autocast_dtype applies to plain transformers generate only; with use_vllm or "
+                    "use_transformers_continuous_batching the sampler's precision is its own: leave it None"
+                )
+            if self.use_transformers_continuous_batching:
+                # transformers' continuous batching returns the sampled tokens' log-probs (after the
+                # logits processors: temperature, top-k, top-p) only when asked.
+                self.continuous_batching_config.return_logprobs = True
 
         # ---------------------------------------------------------------- generation
         def _generate_single_turn(self, *args: Any, **kwargs: Any):
             if self.use_vllm:
                 return super()._generate_single_turn(*args, **kwargs)
             model = self.accelerator.unwrap_model(self.model)
+            if self.use_transformers_continuous_batching:
+                with _recording_generate_batch(model) as recorded:
+                    completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+                if logprobs is None:
+                    lengths = [len(ids) for ids in completion_ids]
+                    if [len(lp) for lp in recorded] != lengths:
+                        raise RuntimeError(
+                            "transformers generate_batch returned no log-prob per generated token "
+                            f"(lengths {[len(lp) for lp in recorded]} for completions of {lengths}); "
+                            "continuous_batching_config.return_logprobs must stay True"
+                        )
+                    logprobs = recorded
+                return completion_ids, logprobs
             with SamplingLogProbRecorder(model, self.rollout_autocast_dtype) as recorder:
                 completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
             if logprobs is None and recorder.log_probs is not None:
@@ -244,14 +359,19 @@ if _GRPOTrainer is not None:
             out = super()._generate_and_score_completions(inputs)
             return self._apply_rollout_correction(out, "train" if self.model.training else "eval")
 
+        def _global_sums(self, *values: torch.Tensor) -> list[torch.Tensor]:
+            """Σ over processes of each scalar, as TRL sums ``num_items_in_batch``: one gather."""
+            local = torch.stack([v.to(torch.float32) for v in values])
+            total = self.accelerator.gather(local).view(-1, len(values)).sum(0)
+            return list(total.unbind())
+
         def _apply_rollout_correction(self, out: dict[str, Any], mode: str) -> dict[str, Any]:
             """Compute the correction for one generation batch and route it into TRL's loss inputs."""
             rollout = out.get("sampling_per_token_logps")
             if rollout is None:
                 raise RuntimeError(
-                    "no sampling log-probs reached the trainer: use vLLM or plain transformers "
-                    "generate (paged generation returns no scores), and a custom rollout_func must "
-                    "return the sampled tokens' log-probs under the key 'logprobs'"
+                    "no sampling log-probs reached the trainer: a custom rollout_func must return the "
+                    "sampled tokens' log-probs under the key 'logprobs'"
                 )
             completion_mask = out["completion_mask"]
             mask = completion_mask if "tool_mask" not in out else completion_mask * out["tool_mask"]
@@ -267,24 +387,55 @@ if _GRPOTrainer is not None:
             # Rejected tokens (rejection sampling, veto, non-finite rows) leave the loss mask only.
             new_mask = result.response_mask.to(completion_mask.dtype)
             out["tool_mask"] = new_mask
+            rejected_rows = mask.bool().any(-1) & ~new_mask.bool().any(-1)
+            num_items, num_rows, num_rejected = self._global_sums(
+                new_mask.sum(), torch.tensor(float(mask.shape[0]), device=mask.device), rejected_rows.sum())
+            out["num_items_in_batch"] = num_items.to(out["num_items_in_batch"].dtype)
+            scale = 1.0
+            if self.loss_type in _SEQUENCE_AVERAGED and num_rows > num_rejected:
+                scale = float(num_rows / (num_rows - num_rejected))
+            out[_SCALE_KEY] = torch.tensor(scale, device=mask.device)
+
             weights = result.weights
-            trl_applies_ratio = self.use_vllm and self.vllm_importance_sampling_correction
             if cfg.bypass_mode:
                 out["old_per_token_logps"] = torch.where(new_mask.bool(), rollout.to(old.dtype), old)
                 weights = None  # bypass PPO: IS is diagnostic only
             elif out.get("old_per_token_logps") is None:
                 out["old_per_token_logps"] = old
-            if trl_applies_ratio:
-                out["importance_sampling_ratio"] = (
-                    weights if weights is not None else torch.ones_like(old)
-                )
+            adv = out["advantages"]
+            adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+            if self.loss_type == "vespo":
+                # TRL's VESPO reads the ratio inside its gamma weight: log w summed over the row.
+                if weights is not None:
+                    out["importance_sampling_ratio"] = torch.where(new_mask.bool(), weights, torch.ones_like(weights))
+                else:
+                    out.pop("importance_sampling_ratio", None)
+            elif self.use_vllm and self.vllm_importance_sampling_correction:
+                # TRL multiplies its per-token loss by this input itself.
+                out["importance_sampling_ratio"] = weights if weights is not None else torch.ones_like(old)
             elif weights is not None:
-                adv = out["advantages"]
-                adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-                out["advantages"] = adv * weights.to(adv.dtype)
+                adv = adv * weights.to(adv.dtype)
+            if scale != 1.0:
+                adv = adv * scale
+            if adv.dim() == 2 and adv.shape[1] == 1:
+                adv = adv.squeeze(1)
+            out["advantages"] = adv
             for name, value in result.metrics_as_floats().items():
                 self._metrics[mode][name].append(value)
             return out
+
+        def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+            # The KL term sits inside TRL's per-token loss, added after the advantage-weighted
+            # policy term: give it the same sequence scale through beta.
+            scale = inputs.get(_SCALE_KEY)
+            if self.beta == 0.0 or scale is None or float(scale) == 1.0:
+                return super()._compute_loss(model, inputs)
+            beta = self.beta
+            self.beta = beta * float(scale)
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                self.beta = beta
 
         def _trainer_log_probs(self, out: dict[str, Any], mode: str) -> torch.Tensor:
             """π_old on the generated tokens: one no-grad forward of the training model."""
@@ -308,4 +459,4 @@ else:  # pragma: no cover
 
     class RolloutCorrectionGRPOTrainer:  # type: ignore[no-redef]
         def __init__(self, *args: Any, **kwargs: Any):
-            raise ImportError("RolloutCorrectionGRPOTrainer needs TRL: pip install 'trl==1.16.0'")
+            raise ImportError(f"RolloutCorrectionGRPOTrainer needs TRL: pip install 'trl{SUPPORTED_TRL}'")
