@@ -21,9 +21,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
 from rollout_correction.integrations.trl import (  # noqa: E402
+    SUPPORTED_TRL,
     TRL_LOSS_TYPES,
     RolloutCorrectionGRPOTrainer,
     SamplingLogProbRecorder,
+    check_trl_version,
     config_from_trl_args,
     resolve_config,
 )
@@ -421,3 +423,116 @@ def test_nan_sampling_log_prob_rejects_the_row_instead_of_poisoning_the_loss(tmp
         assert out["tool_mask"][2].sum() == 0 and torch.equal(out["tool_mask"][[0, 1, 3]], mask[[0, 1, 3]].long())
         assert torch.isfinite(out["advantages"]).all() and torch.isfinite(out["old_per_token_logps"]).all()
         assert trainer._metrics["train"]["rollout_corr/nonfinite_seq_fraction"] == [0.25]
+
+
+def test_continuous_batching_path_takes_the_samplers_log_probs(tmp_path):
+    """use_transformers_continuous_batching: the trainer asks generate_batch for the sampled
+    tokens' log-probs; they equal the model's own log-softmax at those tokens (fp32, T = 1)."""
+
+    class Recording(RolloutCorrectionGRPOTrainer):
+        seen = []
+
+        def _apply_rollout_correction(self, out, mode):
+            # Independent: a teacher-forced forward of the same weights, before the optimizer step.
+            ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+            att = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+            n = out["completion_ids"].shape[1]
+            with torch.no_grad():
+                logits = self.model(input_ids=ids, attention_mask=att).logits[:, -n - 1:-1].float()
+            expected = torch.log_softmax(logits, -1).gather(-1, out["completion_ids"][..., None]).squeeze(-1)
+            self.seen.append((out["sampling_per_token_logps"].clone(), expected, out["completion_mask"].bool()))
+            return super()._apply_rollout_correction(out, mode)
+
+    model, tokenizer = _tiny_lm()
+    args = _grpo_args(tmp_path, use_transformers_continuous_batching=True,
+                      transformers_continuous_batching_config={"num_blocks": 8, "max_batch_tokens": 64})
+    trainer = Recording(model=model, reward_funcs=distinct_letters, args=args,
+                        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
+                        rollout_correction="decoupled_token_is")
+    assert trainer.continuous_batching_config.return_logprobs
+    trainer.train()
+    ((sampling, expected, m),) = Recording.seen
+    assert m.sum() > 8
+    torch.testing.assert_close(sampling[m], expected[m], rtol=0, atol=1e-5)
+    assert any("rollout_corr/rollout_is_mean" in h for h in trainer.state.log_history)
+
+
+def test_construction_refuses_what_it_cannot_do(tmp_path, monkeypatch):
+    model, tokenizer = _tiny_lm()
+    data = Dataset.from_dict({"prompt": PROMPTS})
+
+    def build(args, **kwargs):
+        return RolloutCorrectionGRPOTrainer(model=model, reward_funcs=distinct_letters, args=args,
+                                            train_dataset=data, processing_class=tokenizer, **kwargs)
+
+    # VESPO takes token-level weights only, as TRL's own VESPO (TRL's default mode is sequence_mask).
+    with pytest.raises(ValueError, match="rollout_is='sequence'.*token_truncate"):
+        build(_grpo_args(tmp_path, loss_type="vespo"))
+    with pytest.raises(ValueError, match="rollout_is='geometric'"):
+        build(_grpo_args(tmp_path, loss_type="vespo"), rollout_correction={"rollout_is": "geometric"})
+    assert build(_grpo_args(tmp_path, loss_type="vespo", vllm_importance_sampling_mode="token_mask")) is not None
+    with pytest.raises(ValueError, match="rollout_autocast_dtype"):
+        build(_grpo_args(tmp_path, use_transformers_continuous_batching=True), rollout_autocast_dtype=torch.bfloat16)
+    # Outside the tested TRL range the trainer refuses, naming both versions.
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.raises(RuntimeError, match=r"trl>=1\.16,<1\.17.*installed trl is 1\.17\.0"):
+        build(_grpo_args(tmp_path))
+
+
+def test_supported_range_is_the_extras_pin():
+    import pathlib
+    import tomllib
+
+    check_trl_version()  # the installed TRL is in range
+    check_trl_version("1.16.4")
+    for outside in ("1.15.2", "1.17.0", "2.0.0"):
+        with pytest.raises(RuntimeError, match=outside.replace(".", r"\.")):
+            check_trl_version(outside)
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["trl"] == [f"trl{SUPPORTED_TRL}"]
+
+
+def _train_on_rank(rank, world, port, tmp, results):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    out = {}
+    for loss_type in ("dapo", "grpo"):
+        trainer = _train(f"{tmp}/{loss_type}", loss_type)
+        (batch,), (record,) = trainer.batches, trainer.records
+        row_mean = record["per_tok"].sum(-1) / record["accept"].sum(-1).clamp(min=1)
+        out[loss_type] = {**batch, "loss": float(record["loss"]), "token_sum": float(record["per_tok"].sum()),
+                          "row_mean_sum": float(row_mean.sum())}
+    results[rank] = out
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes import trl/transformers and train twice: ~30-60 s on 2 shared cores
+def test_denominators_are_summed_over_processes(tmp_path):
+    """Two gloo processes, each with its half of the generation batch: num_items_in_batch is the
+    accepted-token count of both halves and each rank's loss uses the global counts, so that the
+    average over the ranks is the loss over every accepted token (dapo) / sequence (grpo)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_train_on_rank, args=(2, port, str(tmp_path), results), nprocs=2, join=True)
+    for loss_type in ("dapo", "grpo"):
+        ranks = [results[r][loss_type] for r in (0, 1)]
+        accepted = sum(r["accepted"] for r in ranks)
+        kept = sum(r["kept_rows"] for r in ranks)
+        assert all(r["items"] == accepted for r in ranks)  # gathered and summed, as TRL does
+        assert all(r["trl_items"] == ranks[0]["trl_items"] > accepted for r in ranks)  # TRL's count: global too
+        assert sum(r["full_rows_rejected"] for r in ranks) >= 1
+        for r in ranks:
+            expected = 2 * (r["token_sum"] / accepted if loss_type == "dapo" else r["row_mean_sum"] / kept)
+            assert r["loss"] == pytest.approx(expected, rel=1e-5)
+        whole = (sum(r["token_sum"] for r in ranks) / accepted if loss_type == "dapo"
+                 else sum(r["row_mean_sum"] for r in ranks) / kept)
+        assert sum(r["loss"] for r in ranks) / 2 == pytest.approx(whole, rel=1e-5)
