@@ -471,6 +471,13 @@ def test_construction_refuses_what_it_cannot_do(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="rollout_is='geometric'"):
         build(_grpo_args(tmp_path, loss_type="vespo"), rollout_correction={"rollout_is": "geometric"})
     assert build(_grpo_args(tmp_path, loss_type="vespo", vllm_importance_sampling_mode="token_mask")) is not None
+    # The policy loss is TRL's: this library's losses and its loss-side OPSM are not called.
+    with pytest.raises(ValueError, match="loss_type='reinforce'.*GRPOConfig"):
+        build(_grpo_args(tmp_path), rollout_correction="bypass_pg_is")
+    with pytest.raises(ValueError, match="loss_type='gspo'.*importance_sampling_level='sequence'"):
+        build(_grpo_args(tmp_path), rollout_correction={"rollout_is": "sequence", "loss_type": "gspo"})
+    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+        build(_grpo_args(tmp_path), rollout_correction={"rollout_is": "token", "rollout_opsm_delta": 0.05})
     with pytest.raises(ValueError, match="rollout_autocast_dtype"):
         build(_grpo_args(tmp_path, use_transformers_continuous_batching=True), rollout_autocast_dtype=torch.bfloat16)
     # Outside the tested TRL range the trainer refuses, naming both versions.
@@ -536,3 +543,44 @@ def test_denominators_are_summed_over_processes(tmp_path):
         whole = (sum(r["token_sum"] for r in ranks) / accepted if loss_type == "dapo"
                  else sum(r["row_mean_sum"] for r in ranks) / kept)
         assert sum(r["loss"] for r in ranks) / 2 == pytest.approx(whole, rel=1e-5)
+
+
+def _docs_section():
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    start = text.index("\n## TRL")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_the_documented_recipe_runs_as_written(tmp_path):
+    """docs/integrations.md, TRL section: the install line installs the tested range, and the
+    code blocks (build the trainer, train, read the rollout_corr/ keys) run as written."""
+    import re
+
+    section = _docs_section()
+    (install,) = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert 'pip install "rollout-correction[trl]"' in install and SUPPORTED_TRL in install
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    model, tokenizer = _tiny_lm()
+    namespace = {"model": model, "tokenizer": tokenizer, "reward": distinct_letters,
+                 "data": Dataset.from_dict({"prompt": PROMPTS}), "grpo_config": _grpo_args(tmp_path, max_steps=2)}
+    for block in blocks:
+        exec(compile(block, "docs/integrations.md", "exec"), namespace)
+    assert type(namespace["trainer"]) is RolloutCorrectionGRPOTrainer
+    assert namespace["trainer"].rollout_correction == RolloutCorrectionConfig.from_preset("decoupled_seq_is_rs")
+    assert len(namespace["logged"]) == 2  # one rollout_corr/ entry per step
+    # Every loss_type the section names is TRL's list, which the trainer accepts.
+    assert all(f"`{lt}`" in section for lt in TRL_LOSS_TYPES)
+
+
+def test_example_script_runs(tmp_path, capsys):
+    import pathlib
+    import runpy
+
+    example = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "examples" / "integration_trl.py"))
+    trainer = example["main"](["--steps", "2", "--loss-type", "grpo"])
+    assert trainer.loss_type == "grpo"
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and "kl(rollout‖train)" in lines[0]

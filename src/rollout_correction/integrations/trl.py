@@ -306,10 +306,18 @@ if _GRPOTrainer is not None:
             cfg = self.rollout_correction
             if self.loss_type not in TRL_LOSS_TYPES:
                 raise ValueError(f"loss_type={self.loss_type!r} is not one of TRL 1.16's {list(TRL_LOSS_TYPES)}")
-            if cfg.bypass_mode and cfg.loss_type != "ppo_clip":
+            if cfg.loss_type != "ppo_clip":
                 raise ValueError(
-                    "bypass_mode with loss_type='reinforce' needs a REINFORCE loss, which TRL's GRPO "
-                    "losses do not have; use loss_type='ppo_clip' (bypass PPO) or a decoupled preset"
+                    f"rollout_correction has loss_type={cfg.loss_type!r}, a policy loss of this library; "
+                    f"under TRL the policy loss is TRL's own (GRPOConfig.loss_type={self.loss_type!r}). Keep "
+                    f"loss_type='ppo_clip' in the correction config and choose the loss in GRPOConfig "
+                    f"(e.g. loss_type='cispo'; importance_sampling_level='sequence' for GSPO); TRL has no "
+                    f"REINFORCE loss, so the bypass_pg_* presets have no TRL counterpart"
+                )
+            if cfg.rollout_opsm_delta is not None:
+                raise ValueError(
+                    "rollout_opsm_delta (off-policy sequence masking) acts inside this library's loss, which "
+                    "TRL does not call; use TRL's own GRPOConfig.off_policy_mask_threshold instead"
                 )
             if self.loss_type == "vespo" and cfg.rollout_is is not None and cfg.rollout_is != "token" \
                     and not cfg.bypass_mode:
@@ -324,6 +332,15 @@ if _GRPOTrainer is not None:
                 raise ValueError(
                     "rollout_autocast_dtype applies to plain transformers generate only; with use_vllm or "
                     "use_transformers_continuous_batching the sampler's precision is its own: leave it None"
+                )
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            trl_computes_old = (self.use_vllm and self.vllm_importance_sampling_correction) or \
+                self.args.gradient_accumulation_steps % generate_every != 0
+            if self._is_vlm and not trl_computes_old:
+                raise ValueError(
+                    "a vision-language model needs TRL's own old log-probs (the trainer's extra forward has "
+                    "no image inputs): use vLLM with vllm_importance_sampling_correction=True, or "
+                    "num_iterations > 1, or gradient_accumulation_steps not a multiple of steps_per_generation"
                 )
             if self.use_transformers_continuous_batching:
                 # transformers' continuous batching returns the sampled tokens' log-probs (after the
@@ -438,12 +455,8 @@ if _GRPOTrainer is not None:
                 self.beta = beta
 
         def _trainer_log_probs(self, out: dict[str, Any], mode: str) -> torch.Tensor:
-            """π_old on the generated tokens: one no-grad forward of the training model."""
-            if "pixel_values" in out:
-                raise NotImplementedError(
-                    "multimodal inputs without TRL's own old log-probs are not supported; set "
-                    "steps_per_generation so that TRL computes old_per_token_logps"
-                )
+            """π_old on the generated tokens: one no-grad forward of the training model (text only;
+            vision-language models are refused at construction unless TRL computes π_old)."""
             input_ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
             attention_mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
             batch_size = (
