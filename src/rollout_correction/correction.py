@@ -22,12 +22,13 @@ from .m2po import m2po_keep, second_moment
 from .metrics import (Accumulator, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
                       offpolicy_metrics, prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
+from .sequence_group import RowExchange, check_sequence_group, group_ranks, stats_owner
 from .stats import SufficientStats
 from .validation import check_pair
 from .weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
 __all__ = ["CorrectionOutput", "compute_rollout_correction", "CorrectionAccumulator", "BatchHook", "local_correction",
-           "correction_metrics"]
+           "correction_metrics", "correction_pass", "RowValues"]
 
 
 @dataclass
@@ -81,6 +82,85 @@ def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, resp
     batch.add_counts(stats)
     isw, rej = local_correction(batch, config, stats)
     return (isw.weights if isw is not None else None), rej.keep_mask(batch), stats.sums, stats.maxes
+
+
+@dataclass
+class RowValues:
+    """Per-sequence values of the whole (unsplit) sequences, (B,) each, on every rank of the
+    sequence group (float32 unless noted).
+
+    n_tok: valid tokens used (0 for rows dropped for a non-finite value); kept: valid tokens
+    every rejection criterion accepts; token_keep: (B, T_local) float 0/1, this rank's valid
+    tokens accepted by the token-level criteria (the final mask is ``token_keep · row_keep``);
+    row_keep: bool, rows accepted by the sequence-level criteria and the veto; log_ratio_sum: Σ_t log ρ_t; train_mean / rollout_mean:
+    mean_t log π_train / log π_rollout (float64); dropped: bool, rows dropped for a non-finite
+    value; batch: the :class:`LogRatioBatch` of the final pass (its per-row reductions span the
+    group)."""
+
+    n_tok: torch.Tensor
+    kept: torch.Tensor
+    token_keep: torch.Tensor
+    row_keep: torch.Tensor
+    log_ratio_sum: torch.Tensor
+    train_mean: torch.Tensor
+    rollout_mean: torch.Tensor
+    dropped: torch.Tensor
+    batch: LogRatioBatch
+
+
+def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                    config: RolloutCorrectionConfig, process_group: Optional[object], rows: RowExchange,
+                    owner: Optional[bool]) -> tuple[CorrectionOutput, RowValues]:
+    """One pass of the correction over sequences split across ``rows.group``.
+
+    In the collect pass the outputs are placeholders; in the replay pass they are final (the
+    statistics are then reduced over ``process_group``, counted on the ranks ``owner`` selects,
+    see :func:`~rollout_correction.sequence_group.stats_owner`).
+    """
+    if config.check_alignment:
+        raise ValueError("check_alignment compares adjacent tokens and cannot run on sequences split across "
+                         "sequence_group; run the alignment check on whole sequences (rollout-correction "
+                         "diagnose, or a call without sequence_group) and set check_alignment=False here")
+    batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite, rows=rows)
+    stats = SufficientStats()
+    batch.add_counts(stats)
+    isw, rej = local_correction(batch, config, stats)
+    weights = isw.weights if isw is not None else None
+    keep = rej.keep_mask(batch)
+    kept = rej.kept_per_row(batch)
+    token_keep = batch.mask if rej.token_keep is None else batch.mask * rej.token_keep
+    values = RowValues(batch.n_row, kept, token_keep, rej.row_keep, batch.row_sum, batch.old_row_mean, batch.rollout_row_mean,
+                       batch.bad_rows, batch)
+    if not rows.final:
+        return CorrectionOutput(weights, keep), values
+    if config.on_nonfinite == "raise" and bool(batch.bad_rows.any()):
+        b = int(batch.bad_rows.nonzero()[0, 0])
+        raise ValueError(f"non-finite log-prob at a valid position of row {b} (on this rank or another rank of "
+                         "sequence_group; |log-ratio| ≥ 1e30 counts as non-finite); fix the producer, or set "
+                         "on_nonfinite='reject' to drop such sequences")
+    if config.rollout_m2po_threshold is not None:  # a batch-global token threshold: token sums over all ranks
+        if process_group is None:
+            groups = (rows.group,)
+        elif set(group_ranks(rows.group)) <= set(group_ranks(process_group)):  # data-parallel group with CP
+            groups = (process_group,)
+        else:
+            groups = (process_group, rows.group)
+        kept_tokens = keep > 0
+        m2 = second_moment(old_log_prob, rollout_log_prob, kept_tokens)
+        kept_tokens, m2po = m2po_keep(m2, kept_tokens, float(config.rollout_m2po_threshold), groups)
+        keep = kept_tokens.to(keep.dtype)
+    sums, maxes = stats.sums, stats.maxes
+    if owner is False:  # another rank of the sequence group counts these sequences
+        sums = {k: torch.zeros_like(v) for k, v in sums.items()}
+        maxes = {k: torch.full_like(v, -torch.inf) for k, v in maxes.items()}
+    reduced = SufficientStats.from_values(sums, maxes).all_reduce(process_group if owner is not None else None)
+    metrics = correction_metrics(reduced, config)
+    if config.rollout_m2po_threshold is not None:
+        metrics.update(m2po)
+    if weights is not None and config.is_spec.batch_normalize:
+        weights = weights / batch_norm_factor(reduced, config.is_spec).to(weights.dtype)
+    out = CorrectionOutput(weights, keep.to(response_mask.dtype), prefixed(metrics))
+    return out, values
 
 
 #: The eager pass walks the batch in blocks of about this many tokens (512 KiB per float32
@@ -153,6 +233,7 @@ def compute_rollout_correction(
     process_group: Optional[object] = None,
     *,
     compile: bool = False,
+    sequence_group: Optional[object] = None,
 ) -> CorrectionOutput:
     """IS weights, rejection-adjusted response mask and diagnostics for one batch.
 
@@ -173,10 +254,36 @@ def compute_rollout_correction(
             single-process result).
         compile: run the per-token pass through ``torch.compile`` (one fused kernel per config;
             the first call per config compiles, later calls reuse it). Same results as eager.
+            Not used with ``sequence_group`` (that path runs eagerly).
+        sequence_group: a ``torch.distributed`` group over which every sequence is split
+            (context parallelism: Megatron's ``mpu.get_context_parallel_group()``, or a Ulysses
+            sequence-parallel group). Each rank passes its own tokens of the same B rows in the
+            same order — any layout: a contiguous slice, the two zig-zag chunks, padding inside
+            the slice, an empty slice — and every valid token is held by exactly one rank. The
+            per-sequence sums, counts and maxima are reduced across the group with one
+            all-gather of a (B, k) tensor of per-row partials (k = 6 to 26 scalars
+            per row, never token tensors), so weights, masks and metrics equal those of the
+            unsplit sequences (floating-point sums up to rounding); the returned (B, T_local)
+            tensors cover this rank's tokens. ``process_group`` is then the data-parallel group
+            either without context parallelism (``mpu.get_data_parallel_group()``: one rank per
+            sequence group) or with it (``mpu.get_data_parallel_group(with_context_parallel=True)``),
+            or None when the sequence group holds the whole batch; a group that contains only
+            some ranks of ``sequence_group`` raises ValueError. ``check_alignment`` needs whole
+            sequences and raises with a sequence group.
     Returns:
         :class:`CorrectionOutput`.
     """
     config = as_config(config)
+    if sequence_group is not None:
+        check_sequence_group(sequence_group)
+        owner = stats_owner(sequence_group, process_group)
+        check_pair(old_log_prob, rollout_log_prob, response_mask)
+        rows = RowExchange(sequence_group)
+        with torch.no_grad():
+            for _ in rows.passes():
+                out, _values = correction_pass(old_log_prob, rollout_log_prob, response_mask, config,
+                                               process_group, rows, owner)
+        return out
     with torch.no_grad():
         local = _compiled_local_pass(config) if compile else functools.partial(_blocked_local_pass, config=config)
         weights, keep, sums, maxes = local(old_log_prob, rollout_log_prob, response_mask)

@@ -15,12 +15,16 @@ log-ratio of magnitude ≥ 1e30) is detected from the per-row min and max.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from .constants import SAFETY_BOUND
 from .stats import SufficientStats
 from .validation import check_pair, check_same
+
+if TYPE_CHECKING:
+    from .sequence_group import RowExchange
 
 __all__ = ["LogRatioBatch", "NONFINITE_SENTINEL"]
 
@@ -55,6 +59,9 @@ class LogRatioBatch:
             position (counted in the ``nonfinite_*`` statistics); ``"raise"`` raises ValueError
             naming the first bad position.
         row_offset: index of this batch's first row in the caller's batch (for messages).
+        rows: a :class:`~rollout_correction.sequence_group.RowExchange` when the sequences are
+            split across a group (each rank holds part of every row); every per-row reduction
+            then spans the group. None (default): the rows are whole.
 
     Attributes:
         mask: (B, T) float32 0/1 mask of the tokens used (input mask minus dropped rows).
@@ -63,8 +70,10 @@ class LogRatioBatch:
     """
 
     def __init__(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                 response_mask: torch.Tensor, on_nonfinite: str = "reject", row_offset: int = 0) -> None:
+                 response_mask: torch.Tensor, on_nonfinite: str = "reject", row_offset: int = 0,
+                 rows: Optional[RowExchange] = None) -> None:
         check_pair(old_log_prob, rollout_log_prob, response_mask)
+        self.rows = rows
         self.old_log_prob = old_log_prob
         self.rollout_log_prob = rollout_log_prob
         # Upcast in one step (no separate copies of both inputs); sanitised and masked in place.
@@ -83,6 +92,7 @@ class LogRatioBatch:
         """
         check_same([("log_ratio", log_ratio), ("response_mask", response_mask)], float_names=("log_ratio",))
         batch = cls.__new__(cls)
+        batch.rows = None
         batch.old_log_prob = batch.rollout_log_prob = None
         batch._source_log_ratio = log_ratio
         batch._setup(log_ratio.to(torch.float32, copy=True), response_mask, on_nonfinite, row_offset)
@@ -100,11 +110,17 @@ class LogRatioBatch:
             bad_rows = (lr.amax(-1) >= NONFINITE_SENTINEL) | (lr.amin(-1) <= -NONFINITE_SENTINEL)
         else:
             bad_rows = torch.zeros(lr.shape[0], dtype=torch.bool, device=lr.device)
-        if on_nonfinite == "raise" and bool(bad_rows.any()):
+        n_row_input = mask_in.sum(-1)
+        rows = self.rows
+        if rows is not None:  # split rows: the group decides; the caller raises for on_nonfinite="raise"
+            bad_rows = rows.max(bad_rows)
+            n_row_input = rows.sum(n_row_input)
+            rows.drop(bad_rows)
+        elif on_nonfinite == "raise" and bool(bad_rows.any()):
             raise self._nonfinite_error(mask_in, bad_rows, row_offset)
         self.input_mask = mask_in
         self.bad_rows = bad_rows
-        self.n_row_input = mask_in.sum(-1)
+        self.n_row_input = n_row_input
         # Dropping rows costs two full passes; on CPU, where checking is free (no device sync),
         # skip them when no row is bad.
         if lr.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(bad_rows.any()):
@@ -114,7 +130,7 @@ class LogRatioBatch:
             self.mask = mask_in * keep_row.unsqueeze(-1)
             self.log_ratio = lr.mul_(keep_row.unsqueeze(-1))
             self.n_row = self.n_row_input * keep_row
-        self.row_sum = self.log_ratio.sum(-1)
+        self.row_sum = self.row_total(self.log_ratio)
         self.row_valid = self.n_row > 0
 
     def _nonfinite_error(self, mask_in: torch.Tensor, bad_rows: torch.Tensor, row_offset: int) -> ValueError:
@@ -177,7 +193,7 @@ class LogRatioBatch:
             raise ValueError("this LogRatioBatch was built from a log-ratio alone "
                              "(LogRatioBatch.from_log_ratio); the perplexity metrics need the log-probs: "
                              "build it as LogRatioBatch(old_log_prob, rollout_log_prob, response_mask)")
-        s = torch.nansum(self.old_log_prob * self.mask, -1).double()
+        s = self.reduce_sum(torch.nansum(self.old_log_prob * self.mask, -1).double())
         bound = NONFINITE_SENTINEL * self.n_row.double()
         s = torch.where(self.row_valid, torch.nan_to_num(s, nan=0.0).clamp(-bound, bound), 0.0)
         return s / self.n_row.double().clamp_min(1.0)
@@ -189,20 +205,35 @@ class LogRatioBatch:
 
     # -- helpers for statistics ----------------------------------------------------------
     # Each returns a per-row (B,) part; SufficientStats reduces parts in float64, batched.
-    @staticmethod
-    def token_sum(x: torch.Tensor) -> torch.Tensor:
-        """Σ over valid tokens of a (B, T) tensor that is 0 at invalid positions (per-row part)."""
-        return x.sum(-1)
+    # Every per-row reduction of token values goes through reduce_sum / reduce_max (or a helper
+    # built on them), so that it spans the group when the rows are split (``rows``).
+    def reduce_sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """The row's total of a per-row partial sum (B,) (the partial itself for whole rows)."""
+        return partial if self.rows is None else self.rows.sum(partial)
 
-    @staticmethod
-    def token_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce_max(self, partial: torch.Tensor) -> torch.Tensor:
+        """The row's maximum of a per-row partial maximum (B,)."""
+        return partial if self.rows is None else self.rows.max(partial)
+
+    def reduce_min(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.rows is None else self.rows.min(partial)
+
+    def row_total(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-row Σ_t of a (B, T) tensor that is 0 at invalid positions."""
+        return self.reduce_sum(x.sum(-1))
+
+    def token_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ over valid tokens of a (B, T) tensor that is 0 at invalid positions (per-row part)."""
+        return self.row_total(x)
+
+    def token_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row Σx and Σx² of a (B, T) tensor that is 0 at invalid positions, in float64.
 
         Squares are taken in float64: a variance E[x²] − E[x]² from float32 squares carries an
         absolute error of ~1e-7·E[x²], i.e. a spurious std of ~3e-4 for weights near 1.
         """
         xd = x.double()
-        return xd.sum(-1), (xd * xd).sum(-1)
+        return self.reduce_sum(xd.sum(-1)), self.reduce_sum((xd * xd).sum(-1))
 
     def above(self, x: torch.Tensor, threshold: float) -> torch.Tensor:
         """(B, T) float 0/1 indicator of x > threshold on valid tokens (x must be 0 elsewhere).
@@ -221,13 +252,13 @@ class LogRatioBatch:
     def token_max(self, x: torch.Tensor) -> torch.Tensor:
         """max over valid tokens (≤ −1e29 when there are none; callers check the count)."""
         if x.shape[-1] == 0:
-            return torch.full(x.shape[:-1], -torch.inf, device=x.device)
-        return (x + self._pad_offset).amax(-1)
+            return self.reduce_max(torch.full(x.shape[:-1], -torch.inf, device=x.device))
+        return self.reduce_max((x + self._pad_offset).amax(-1))
 
     def token_min(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] == 0:
-            return torch.full(x.shape[:-1], torch.inf, device=x.device)
-        return (x - self._pad_offset).amin(-1)
+            return self.reduce_min(torch.full(x.shape[:-1], torch.inf, device=x.device))
+        return self.reduce_min((x - self._pad_offset).amin(-1))
 
     def row_sum_of(self, x: torch.Tensor) -> torch.Tensor:
         """Σ over valid rows of a (B,) tensor."""

@@ -29,10 +29,11 @@ import torch
 
 from .config import RolloutCorrectionConfig, as_config
 from .constants import SAFETY_BOUND
-from .correction import compute_rollout_correction
+from .correction import compute_rollout_correction, correction_pass
 from .metrics import prefixed
 from .opsm import compute_opsm
 from .policy_losses import cispo_loss, dppo_loss, gspo_loss, topr_loss
+from .sequence_group import RowExchange, check_sequence_group, stats_owner
 from .validation import check_same, first_nonfinite
 
 __all__ = ["LossAggMode", "LOSS_AGG_MODES", "agg_loss", "ppo_clip_loss", "compute_policy_loss"]
@@ -50,7 +51,7 @@ def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
 
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: LossAggMode = "token-mean",
              global_num_tokens: Count = None, global_num_seqs: Count = None, dp_size: int = 1,
-             loss_scale_factor: Optional[float] = None) -> torch.Tensor:
+             loss_scale_factor: Optional[float] = None, *, sequence_group: Optional[object] = None) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss over the valid (non-zero mask) tokens.
 
     * token-mean:              Σ_{i,t} ℓ / N_tok
@@ -64,19 +65,44 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: Los
     with global denominators under gradient averaging (DDP/FSDP) pass ``dp_size`` = world size
     so the averaged gradient is that of the global loss. Denominators are at least 1, so an
     all-masked batch gives exactly 0 (still attached to the graph).
+
+    ``sequence_group``: every sequence is split across this group (context parallelism; see
+    :func:`~rollout_correction.compute_rollout_correction`). The per-sequence counts n_i (hence
+    the local N_tok, N_seq) are those of the whole sequences, obtained with one all-gather of
+    B scalars; the result is this rank's share — Σ over its tokens of ℓ divided by the whole
+    sequences' denominators — so the shares add up over the group to the unsplit loss and each
+    rank's gradient is the unsplit gradient on its tokens. S must then be given
+    (``loss_scale_factor``), since T here is only this rank's slice.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
     check_same([("loss_mat", loss_mat), ("loss_mask", loss_mask)], float_names=("loss_mat",))
+    valid = loss_mask.bool()
+    if sequence_group is not None:
+        check_sequence_group(sequence_group)
+    rows = RowExchange(sequence_group)
+    for _ in rows.passes():
+        n_row = rows.sum(valid.sum(-1).to(torch.float64))
+    return _aggregate(loss_mat, valid, n_row, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
+                      loss_scale_factor, split=sequence_group is not None)
+
+
+def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: torch.Tensor, loss_agg_mode: str,
+               global_num_tokens: Count, global_num_seqs: Count, dp_size: int,
+               loss_scale_factor: Optional[float], split: bool) -> torch.Tensor:
+    """:func:`agg_loss` with the per-row valid-token counts ``n_row`` (B,) of the whole sequences."""
     if dp_size > 1:
         needed = {"token-mean": ("global_num_tokens", global_num_tokens)}.get(
             loss_agg_mode, ("global_num_seqs", global_num_seqs) if loss_agg_mode != "token-sum" else None)
         if needed is not None and needed[1] is None:
             raise ValueError(f"loss_agg_mode={loss_agg_mode!r} with dp_size={dp_size} needs {needed[0]}: "
                              "scaling a local mean by dp_size would give every rank the wrong gradient scale")
-    valid = loss_mask.bool()
+    if split and loss_agg_mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
+        raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' with sequence_group needs loss_scale_factor "
+                         "(e.g. the maximum response length): this rank holds only a slice of each sequence, "
+                         "so its width is not the sequence length")
     lm = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
-    n_row = valid.sum(-1).to(lm.dtype)
+    n_row = n_row.to(lm.dtype)
     if loss_agg_mode == "token-mean":
         loss = lm.sum() / _count(global_num_tokens, n_row.sum())
     elif loss_agg_mode == "token-sum":
@@ -139,6 +165,13 @@ def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, x, 0.0).sum() / valid.sum().clamp_min(1)
 
 
+def _split_masked_mean(x: torch.Tensor, token_keep: torch.Tensor, row_keep: torch.Tensor, kept: torch.Tensor,
+                       rows: RowExchange) -> torch.Tensor:
+    """:func:`_masked_mean` over the kept tokens of sequences split across ``rows.group``."""
+    part = torch.where(token_keep > 0, x.detach().to(torch.float64), 0.0).sum(-1)
+    return (rows.sum(part) * row_keep).sum() / kept.sum().clamp_min(1)
+
+
 def compute_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: Optional[torch.Tensor],
@@ -156,6 +189,8 @@ def compute_policy_loss(
     dp_size: int = 1,
     loss_scale_factor: Optional[float] = None,
     process_group: Optional[object] = None,
+    *,
+    sequence_group: Optional[object] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss with rollout correction, in the mode ``config`` selects.
 
@@ -182,6 +217,13 @@ def compute_policy_loss(
         loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see
             :func:`agg_loss`; rejected tokens are not counted in local denominators.
         process_group: reduce the correction statistics over this group.
+        sequence_group: every sequence is split across this group (context parallelism); see
+            :func:`~rollout_correction.compute_rollout_correction` for the layout and for which
+            ``process_group`` to pass. One all-gather of (B, k) per-row scalars serves the
+            non-finite check, the correction, the denominators and the ``actor/*`` metrics
+            (which then cover this data-parallel rank's whole sequences). The loss is this
+            rank's share (see :func:`agg_loss`): the shares add up over the group to the unsplit
+            loss, and each rank's gradient is the unsplit gradient on its tokens.
     Returns:
         (loss, metrics): scalar loss; 0-d tensors ``actor/pg_clipfrac``, ``actor/ppo_kl``,
         ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` and, when the
@@ -203,6 +245,24 @@ def compute_policy_loss(
                 ("advantages", advantages), ("response_mask", response_mask),
                 ("rollout_log_prob", rollout_log_prob), ("rollout_is_weights", rollout_is_weights)],
                float_names=("log_prob", "old_log_prob", "rollout_log_prob", "advantages", "rollout_is_weights"))
+
+    if sequence_group is not None:
+        if (config.loss_type in _SEQUENCE_LOSSES or config.rollout_opsm_delta is not None
+                or config.rollout_m2po_threshold is not None):
+            raise ValueError(f"loss_type={config.loss_type!r}, rollout_opsm_delta={config.rollout_opsm_delta!r}, "
+                             f"rollout_m2po_threshold={config.rollout_m2po_threshold!r}: the sequence-level losses "
+                             f"({', '.join(_SEQUENCE_LOSSES)}), OPSM and M2PO are not available in compute_policy_loss "
+                             "with sequence_group; use a token-level loss_type (ppo_clip, reinforce, cispo, dppo_tv, "
+                             "dppo_kl) without them, or gather whole sequences on one rank")
+        check_sequence_group(sequence_group)
+        owner = stats_owner(sequence_group, process_group)
+        rows = RowExchange(sequence_group)
+        for _ in rows.passes():
+            result = _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config,
+                                        rollout_is_weights, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+                                        loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
+                                        loss_scale_factor, process_group, rows, owner)
+        return result
 
     # Drop (or refuse) rows with a non-finite value at a valid position; sanitise the rest.
     input_valid = response_mask.bool()
@@ -253,4 +313,73 @@ def compute_policy_loss(
         metrics["actor/pg_clipfrac"] = _masked_mean(clipped.float(), mask)
         metrics["actor/pg_clipfrac_lower"] = _masked_mean(clipped_lower.float(), mask)
     loss = agg_loss(pg, mask, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    return loss, metrics
+
+
+#: loss types whose per-token loss depends on a whole sequence (not available with sequence_group)
+_SEQUENCE_LOSSES = ("gspo", "topr")
+
+
+def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config, rollout_is_weights,
+                       clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens,
+                       global_num_seqs, dp_size, loss_scale_factor, process_group, rows: RowExchange, owner):
+    """One pass of :func:`compute_policy_loss` over sequences split across ``rows.group``.
+
+    Every per-row reduction goes through ``rows``; in the collect pass only the reductions are
+    made (returns None), in the replay pass the loss and metrics are built from the group's values.
+    """
+    bypass = config.bypass_mode
+    input_valid = response_mask.bool()
+    finite = torch.isfinite(log_prob.detach()) & torch.isfinite(prox) & torch.isfinite(advantages)
+    if rollout_is_weights is not None:
+        finite &= torch.isfinite(rollout_is_weights)
+    bad_rows = rows.max((input_valid & ~finite).any(-1))
+    input_rows = rows.max(input_valid.any(-1))
+    rows.drop(bad_rows)
+    if rows.final and config.on_nonfinite == "raise" and bool(bad_rows.any()):
+        b = int(bad_rows.nonzero()[0, 0])
+        raise ValueError(f"non-finite log_prob / {('old_log_prob', 'rollout_log_prob')[bypass]} / advantages"
+                         f"{' / rollout_is_weights' if rollout_is_weights is not None else ''} at a valid position "
+                         f"of row {b} (on this rank or another rank of sequence_group); set on_nonfinite='reject' "
+                         "to drop such rows")
+    valid = input_valid & ~bad_rows.unsqueeze(-1)
+    zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
+    lp = torch.where(valid, log_prob.float(), zero)
+    prox_s = torch.where(valid, prox.float(), zero)
+    adv = torch.where(valid, advantages.float(), zero)
+
+    weights = None
+    corr_metrics: dict[str, torch.Tensor] = {}
+    if rollout is not None and (bypass or rollout_is_weights is None):
+        train_side = lp.detach() if bypass else prox_s
+        with torch.no_grad():
+            corr, values = correction_pass(train_side, rollout, valid, config, process_group, rows, owner)
+        mask, weights, corr_metrics = corr.response_mask.bool(), corr.weights, corr.metrics
+        token_keep, row_keep, kept = values.token_keep, values.row_keep, values.kept
+    else:
+        mask, token_keep = valid, valid.float()
+        row_keep = torch.ones_like(bad_rows)
+        kept = rows.sum(valid.sum(-1).to(torch.float64))
+    if rollout_is_weights is not None and not bypass:
+        weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return _split_masked_mean(x, token_keep, row_keep, kept, rows)
+
+    metrics: dict[str, torch.Tensor] = {}
+    pg, clipped, clipped_lower = _per_token_loss(config.loss_type, bypass, lp, prox_s, adv, mask,
+                                                 clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    if weights is not None and (not bypass or config.loss_type == "reinforce"):
+        pg = pg * weights.detach()
+    metrics["actor/ppo_kl"] = mean(prox_s - lp)
+    if clipped is not None:
+        metrics["actor/pg_clipfrac"] = mean(clipped.float())
+        metrics["actor/pg_clipfrac_lower"] = mean(clipped_lower.float())
+    if not rows.final:
+        return None
+    metrics["actor/nonfinite_seq_fraction"] = (
+        (bad_rows & input_rows).sum(dtype=torch.float64) / input_rows.sum().clamp_min(1))
+    metrics.update(corr_metrics)
+    loss = _aggregate(pg, mask, kept, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
+                      loss_scale_factor, split=True)
     return loss, metrics

@@ -60,11 +60,16 @@ def compute_rollout_correction_packed(
     cu_seqlens: Optional[torch.Tensor] = None,
     response_mask: Optional[torch.Tensor] = None,
     process_group: Optional[object] = None,
+    sequence_group: Optional[object] = None,
 ) -> CorrectionOutput:
     """:func:`compute_rollout_correction` for flat (N,) token tensors.
 
     Give ``lengths`` (B,) or ``cu_seqlens`` (B + 1,); ``response_mask`` (N,) marks valid tokens
     inside each sequence (default: all). Returns flat (N,) ``weights`` and ``response_mask``.
+
+    With ``sequence_group`` (context parallelism) each rank passes its own tokens of the same B
+    sequences, in the same order: ``lengths`` are then this rank's token counts per sequence
+    (0 for an empty slice); see :func:`compute_rollout_correction` for the rest.
     """
     if (lengths is None) == (cu_seqlens is None):
         raise ValueError("give exactly one of lengths= or cu_seqlens=")
@@ -86,6 +91,6 @@ def compute_rollout_correction_packed(
     out = compute_rollout_correction(
         to_padded(old_log_prob, rows, cols, B, T), to_padded(rollout_log_prob, rows, cols, B, T),
         to_padded(response_mask, rows, cols, B, T, fill=False if response_mask.dtype == torch.bool else 0),
-        config, process_group)
+        config, process_group, sequence_group=sequence_group)
     weights = from_padded(out.weights, rows, cols) if out.weights is not None else None
     return CorrectionOutput(weights, from_padded(out.response_mask, rows, cols), out.metrics)

@@ -54,6 +54,12 @@ class RejectionResult:
     token_keep: Optional[torch.Tensor]
     row_keep: torch.Tensor
 
+    def kept_per_row(self, batch: LogRatioBatch) -> torch.Tensor:
+        """(B,) float32 count of valid tokens accepted by every criterion."""
+        if self.token_keep is None:
+            return batch.n_row * self.row_keep
+        return batch.row_total(self.token_keep * batch.mask) * self.row_keep
+
     def keep_mask(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B, T) float32 0/1: valid and accepted by every criterion."""
         keep = batch.mask * self.row_keep.to(torch.float32).unsqueeze(-1)
@@ -62,10 +68,11 @@ class RejectionResult:
 
 def _row_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> torch.Tensor:
     if agg == "seq_sum":
-        return per_token.sum(-1)
+        return batch.row_total(per_token)
     if agg == "seq_mean":
-        return per_token.sum(-1) / batch.n_row.clamp_min(1.0)
-    return per_token.amax(-1) if per_token.shape[-1] else per_token.sum(-1)  # seq_max; 0 for empty rows
+        return batch.row_total(per_token) / batch.n_row.clamp_min(1.0)
+    # seq_max (k2/k3 ≥ 0, 0 at padding): max over valid tokens; 0 for empty rows
+    return batch.reduce_max(per_token.amax(-1) if per_token.shape[-1] else per_token.sum(-1))
 
 
 def _within(x: torch.Tensor, opt: RSOption) -> torch.Tensor:
@@ -110,12 +117,12 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
     if stats is not None and options:
         kept = batch.n_row * row_keep
         if token_keep is not None:
-            kept = (token_keep * batch.mask).sum(-1) * row_keep
+            kept = batch.row_total(token_keep * batch.mask) * row_keep
         rejected = batch.n_row - kept  # valid tokens rejected by the chained options, per row
         stats.add_sum("rs.masked", rejected)
         stats.add_sum("rs.seq_masked", batch.row_count(rejected > 0))
     if veto_threshold is not None:
-        catastrophic = batch.below(batch.log_ratio, math.log(veto_threshold)).sum(-1)
+        catastrophic = batch.row_total(batch.below(batch.log_ratio, math.log(veto_threshold)))
         vetoed = catastrophic > 0
         row_keep = row_keep & ~vetoed
         if stats is not None:
@@ -139,14 +146,14 @@ def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: R
     stats.add_sum(p + "c_sum2", c_sum2)
     stats.add_max(p + "max", batch.token_max(x))
     stats.add_min(p + "min", batch.token_min(x))
-    n_high = high.sum(-1)
+    n_high = batch.row_total(high)
     stats.add_sum(p + "high", n_high)
     rejected = n_high
     if low is not None:
-        n_low = low.sum(-1)
+        n_low = batch.row_total(low)
         stats.add_sum(p + "low", n_low)
         rejected = n_high + n_low  # disjoint: a token cannot be both above and below
-    seq = x.sum(-1) / batch.n_row.clamp_min(1.0)
+    seq = batch.row_total(x) / batch.n_row.clamp_min(1.0)
     _add_seq_values(stats, batch, opt, seq)
     stats.add_sum(p + "masked", rejected)
     stats.add_sum(p + "seq_masked", batch.row_count(rejected > 0))

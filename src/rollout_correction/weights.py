@@ -89,14 +89,15 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         sum_w, sum_w2 = batch.token_moments(w)
         stats.add_sum("is.sum_w", sum_w)
         stats.add_sum("is.sum_w2", sum_w2)
-        high, low = batch.above(raw, U).sum(-1), batch.below(raw, L).sum(-1)
+        high, low = batch.row_total(batch.above(raw, U)), batch.row_total(batch.below(raw, L))
         stats.add_sum("is.high", high)
         stats.add_sum("is.low", low)
-        stats.add_max("is.max", w.amax(-1) if w.shape[-1] else batch.token_max(w))  # w ≥ 0, 0 at padding
+        # w ≥ 0 and 0 at padding, so the plain row maximum is the maximum over valid tokens
+        stats.add_max("is.max", batch.reduce_max(w.amax(-1)) if w.shape[-1] else batch.token_max(w))
         stats.add_min("is.min", batch.token_min(w))
         n = batch.n_row.clamp_min(1.0)
         seq_w = sum_w / n
-        seq_raw = raw.sum(-1) / n
+        seq_raw = batch.row_total(raw) / n
         if spec.mode == "mask":  # the band is [metric_lower, upper] here, so reuse both counts
             stats.add_sum("is.oob", high + low)
     else:

@@ -1,0 +1,191 @@
+"""Sequences split across the ranks of a group (context / sequence parallelism).
+
+With Megatron context parallelism each rank of the CP group holds a part of every sequence (a
+contiguous slice, or the two "zig-zag" chunks r and 2·CP−1−r); Ulysses / verl sequence
+parallelism splits sequences likewise. The correction is defined per sequence (sequence weights,
+sequence rejection, per-sequence means), so the per-sequence reductions must span the group.
+
+How it is done, with one collective of O(B) scalars per call:
+
+1. **Collect pass.** The computation runs once on the local tokens. Every per-sequence
+   reduction goes through a :class:`RowExchange`, which records the local partial value — a
+   (B,) vector of partial sums or partial maxima — and hands it back unchanged as a
+   placeholder.
+2. **Exchange.** The partials are packed into one (B, k) float64 tensor and gathered over the
+   group with a single all-gather (``all_gather_single``, formerly
+   ``all_gather_into_tensor``); each rank then adds (sums, counts) or takes
+   the maximum (maxima, minima, "any") over the group locally. No token tensor is ever sent.
+3. **Replay pass.** The computation runs again on the same local tokens; each per-sequence
+   reduction now returns the group's value for the sequence, so every decision (sequence weight,
+   rejection, denominators) and every per-token output is the one of the unsplit computation.
+
+A partial must be a function of this rank's tokens only (never of another reduced value); the
+code in this package is written so. Rows dropped in the replay pass (a non-finite value at a
+valid position anywhere in the sequence) get this rank's own value computed without them,
+which is the value of an empty row. The layout (which positions a rank holds, padding inside
+its slice, empty slices) does not matter: every valid token of a sequence must be held by
+exactly one rank of the group, and every rank must hold the same B sequences in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+__all__ = ["RowExchange", "group_ranks", "stats_owner", "check_sequence_group"]
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def group_ranks(group: object) -> list[int]:
+    """Global ranks of ``group`` (no communication)."""
+    return list(_dist().get_process_group_ranks(group))
+
+
+def check_sequence_group(sequence_group: object) -> None:
+    """Raise a clear error unless ``sequence_group`` is usable (initialised, this rank in it)."""
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("sequence_group needs torch.distributed to be initialised "
+                         "(init_process_group) before the call; pass sequence_group=None for whole sequences")
+    if dist.get_rank() not in group_ranks(sequence_group):
+        raise ValueError(f"this rank ({dist.get_rank()}) is not a member of sequence_group "
+                         f"{group_ranks(sequence_group)}; pass the group that splits this rank's sequences "
+                         "(e.g. Megatron's mpu.get_context_parallel_group())")
+
+
+def stats_owner(sequence_group: object, process_group: Optional[object]) -> Optional[bool]:
+    """Whether this rank's batch statistics enter the reduction over ``process_group``.
+
+    After the exchange every rank of ``sequence_group`` holds the same per-sequence values, so a
+    statistic must be counted on one rank of the group only:
+
+    * ``process_group`` None: the batch is exactly the sequences split over ``sequence_group``;
+      every rank already has the whole statistics (returns None: no reduction needed).
+    * ``process_group`` holds no other rank of ``sequence_group`` (the data-parallel group
+      *without* context parallelism, e.g. ``mpu.get_data_parallel_group()``): every rank
+      counts its sequences (True).
+    * ``process_group`` contains all of ``sequence_group`` (the data-parallel group *with*
+      context parallelism, ``mpu.get_data_parallel_group(with_context_parallel=True)``): only the
+      group's first rank counts (True there, False elsewhere).
+
+    Anything else (a partial overlap) cannot give whole-batch statistics and raises ValueError.
+    """
+    if process_group is None:
+        return None
+    me = _dist().get_rank()
+    seq = set(group_ranks(sequence_group))
+    dp = set(group_ranks(process_group))
+    if me not in dp:
+        raise ValueError(f"this rank ({me}) is not a member of process_group {sorted(dp)}")
+    common = seq & dp
+    if common == {me}:
+        return True
+    if seq <= dp:
+        return me == min(seq)
+    raise ValueError(
+        f"process_group {sorted(dp)} contains some but not all ranks of sequence_group {sorted(seq)}; pass the "
+        "data-parallel group without context parallelism (one rank per sequence group, e.g. "
+        "mpu.get_data_parallel_group()) or the one with it (all ranks holding a part of the batch, e.g. "
+        "mpu.get_data_parallel_group(with_context_parallel=True))")
+
+
+class RowExchange:
+    """Per-sequence reductions across ``group`` in two passes with one collective (module docstring).
+
+    Usage::
+
+        ex = RowExchange(group)
+        for _ in ex.passes():          # collect pass, one all_gather, replay pass
+            n = ex.sum(mask.sum(-1))   # (B,) partial in, (B,) group value out (in the replay pass)
+            ...
+        # results of the replay pass are final
+
+    ``group`` None makes every reduction the identity (a single pass, no communication).
+    """
+
+    def __init__(self, group: Optional[object]) -> None:
+        self.group = group
+        self.mode = "local" if group is None else "collect"
+        self._parts: list[tuple[str, torch.Tensor]] = []
+        self._values: list[torch.Tensor] = []
+        self._next = 0
+        self.dropped: Optional[torch.Tensor] = None
+        self.collectives = 0
+
+    @property
+    def final(self) -> bool:
+        """True in the pass whose results count (replay, or the only pass without a group)."""
+        return self.mode != "collect"
+
+    def passes(self) -> Iterator[str]:
+        yield self.mode
+        if self.mode == "local":
+            return
+        self._exchange()
+        self.mode = "replay"
+        self.dropped = None
+        yield self.mode
+        if self._next != len(self._values):
+            raise RuntimeError("sequence-group replay made fewer reductions than the collect pass")
+
+    # -- reductions -------------------------------------------------------------------
+    def sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """Group sum of a per-row partial sum (B,)."""
+        return self._op("sum", partial)
+
+    def max(self, partial: torch.Tensor) -> torch.Tensor:
+        """Group maximum of a per-row partial maximum (B,) (bool: "any")."""
+        return self._op("max", partial)
+
+    def min(self, partial: torch.Tensor) -> torch.Tensor:
+        """Group minimum of a per-row partial minimum (B,)."""
+        return -self._op("max", -partial)
+
+    def drop(self, rows: torch.Tensor) -> None:
+        """Rows (B,) bool excluded from here on: their reductions return the local value."""
+        if self.mode == "replay":
+            self.dropped = rows if self.dropped is None else self.dropped | rows
+
+    def _op(self, op: str, partial: torch.Tensor) -> torch.Tensor:
+        if self.mode == "local":
+            return partial
+        if self.mode == "collect":
+            self._parts.append((op, partial))
+            return partial
+        if self._next >= len(self._values):
+            raise RuntimeError("sequence-group replay made more reductions than the collect pass")
+        op0, value = self._parts[self._next][0], self._values[self._next]
+        self._next += 1
+        if op0 != op or value.shape != partial.shape:
+            raise RuntimeError("sequence-group replay does not match the collect pass "
+                               f"({op0} {tuple(value.shape)} recorded, {op} {tuple(partial.shape)} asked)")
+        out = value.to(partial.dtype)
+        if self.dropped is not None:
+            out = torch.where(self.dropped, partial, out)
+        return out
+
+    def _exchange(self) -> None:
+        dist = _dist()
+        if not self._parts:
+            return
+        B = self._parts[0][1].shape[0]
+        for _, p in self._parts:
+            if p.dim() != 1 or p.shape[0] != B:
+                raise RuntimeError(f"per-row partials must be (B,) = ({B},), got {tuple(p.shape)}")
+        device = self._parts[0][1].device
+        packed = torch.stack([p.detach().to(device=device, dtype=torch.float64) for _, p in self._parts], dim=1)
+        world = dist.get_world_size(self.group)
+        out = torch.empty((world * packed.shape[0], packed.shape[1]), dtype=packed.dtype, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather(out, packed.contiguous(), group=self.group)
+        self.collectives += 1
+        out = out.view(world, packed.shape[0], packed.shape[1])
+        is_max = torch.tensor([op == "max" for op, _ in self._parts], device=device)
+        reduced = torch.where(is_max, out.amax(0), out.sum(0))
+        self._values = list(reduced.unbind(1))

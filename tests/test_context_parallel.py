@@ -1,0 +1,369 @@
+"""Context parallelism: sequences split across a group give the unsplit result, with one collective.
+
+gloo ranks on 127.0.0.1 form a grid of DP × CP ranks (global rank = dp · CP + cp): each data-
+parallel rank holds its own rows, and each of its CP ranks holds part of every one of those rows,
+in one of two layouts — a contiguous slice of the columns (uneven, one slice possibly empty) or
+Megatron's zig-zag split (2·CP equal chunks after padding; rank r holds chunks r and 2·CP−1−r).
+Rows include: no valid token, a NaN at a valid position (dropped, counted as non-finite), holes
+in the mask, NaN/inf in padding. Every result of every rank — weights and masks of its tokens,
+every metric, the loss shares (they add up to the unsplit loss) and the gradients of its tokens —
+is compared with one process computing on the whole, unsplit rows.
+
+The collectives are counted by wrapping ``torch.distributed``'s functions in each rank: a call
+with ``sequence_group`` makes exactly one ``all_gather_into_tensor`` over the sequence group, of a
+(B, k) tensor (k per-row scalars, independent of the sequence length), and no other collective
+over that group; only ``all_reduce`` over ``process_group`` besides.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
+from rollout_correction.losses import LOSS_AGG_MODES, agg_loss
+from rollout_correction.packed import compute_rollout_correction_packed
+from test_distributed import CONFIGS, _free_port
+
+ROWS = 7  # per data-parallel rank
+LENGTH = 19
+
+ALL_PRESETS = RolloutCorrectionConfig.preset_names()
+# One preset per family (token / sequence / geometric IS, IcePop, k1 / k3 rejection, bypass PPO /
+# policy gradient, disabled) for the fast run; every preset in the slow one.
+FAMILY_PRESETS = ["decoupled_token_is", "decoupled_seq_is_rs", "decoupled_token_icepop", "decoupled_geo_rs_token_tis",
+                  "decoupled_k3_rs_seq_tis", "bypass_ppo_clip_k3_rs", "bypass_pg_geo_rs_seq_tis",
+                  "decoupled_token_is_m2po", "disabled"]
+# Losses compared (token-level loss types: PPO clip, bypass REINFORCE, CISPO, DPPO).
+LOSS_PRESETS = ["decoupled_seq_is_rs", "bypass_pg_geo_rs_token_tis", "decoupled_cispo_token_is",
+                "decoupled_dppo_tv_token_is"]
+EXTRA = CONFIGS  # the hand-picked configurations of the data-parallel tests
+
+
+def config(name: str) -> RolloutCorrectionConfig:
+    if name in EXTRA:
+        return RolloutCorrectionConfig.from_dict(EXTRA[name])
+    return getattr(RolloutCorrectionConfig, name)()
+
+
+def make_rows(dp_rank: int):
+    """The rows of one data-parallel rank (deterministic)."""
+    gen = torch.Generator().manual_seed(4321 + dp_rank)
+    old = -torch.rand(ROWS, LENGTH, generator=gen) * 3.0 - 0.05
+    rollout = old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen)
+    lengths = torch.randint(3, LENGTH + 1, (ROWS,), generator=gen)
+    lengths[2] = 0  # no valid token
+    lengths[4] = LENGTH  # no padding
+    mask = (torch.arange(LENGTH)[None, :] < lengths[:, None]).float()
+    mask[5, 1:3] = 0  # a hole (e.g. tool output in a multi-turn response)
+    if dp_rank == 0:
+        old[6, LENGTH - 3] = float("nan")  # valid position: the row is dropped
+        mask[6, LENGTH - 3] = 1
+    pad = mask == 0
+    old = torch.where(pad & (torch.arange(LENGTH) % 3 == 0), torch.full_like(old, float("nan")), old)
+    rollout = torch.where(pad & (torch.arange(LENGTH) % 3 == 1), torch.full_like(old, -float("inf")), rollout)
+    log_prob = old.nan_to_num(-1.0) + 0.25 * torch.randn(ROWS, LENGTH, generator=gen)
+    adv = torch.randn(ROWS, 1, generator=gen).expand(ROWS, LENGTH).contiguous()
+    return old, rollout, mask, log_prob, adv
+
+
+def columns(layout: str, cp: int, cp_rank: int) -> torch.Tensor:
+    """Column indices (of the padded row) held by ``cp_rank``; -1 is a padding column."""
+    if layout == "contiguous":
+        cuts = {2: [0, 7, LENGTH], 3: [0, 0, 11, LENGTH]}[cp]  # CP = 3: rank 0 holds nothing
+        return torch.arange(cuts[cp_rank], cuts[cp_rank + 1])
+    chunk = math.ceil(LENGTH / (2 * cp))
+    idx = torch.arange(2 * cp * chunk)
+    idx = torch.where(idx < LENGTH, idx, torch.full_like(idx, -1))
+    return torch.cat([idx[cp_rank * chunk:(cp_rank + 1) * chunk],
+                      idx[(2 * cp - 1 - cp_rank) * chunk:(2 * cp - cp_rank) * chunk]])
+
+
+def take(x: torch.Tensor, cols: torch.Tensor, fill: float) -> torch.Tensor:
+    """The columns ``cols`` of ``x``; padding columns (-1) hold ``fill``."""
+    out = x[:, cols.clamp_min(0)]
+    return torch.where(cols >= 0, out, torch.full_like(out, fill))
+
+
+def compute_all(old, rollout, mask, log_prob, adv, names, *, sequence_group=None, process_group=None):
+    """Everything compared, for one call site."""
+    out = {}
+    for name in names:
+        res = compute_rollout_correction(old, rollout, mask, config(name), process_group,
+                                         sequence_group=sequence_group)
+        out[name] = (res.weights, res.response_mask, res.metrics_as_floats())
+    for mode in LOSS_AGG_MODES:
+        for name in LOSS_PRESETS:
+            lp = log_prob.clone().requires_grad_(True)
+            loss, metrics = compute_policy_loss(
+                lp, old, adv, mask, config(name), rollout_log_prob=rollout, loss_agg_mode=mode,
+                loss_scale_factor=LENGTH, process_group=process_group, sequence_group=sequence_group)
+            loss.backward()
+            out[f"loss/{name}/{mode}"] = (float(loss.detach()), lp.grad.clone(),
+                                          {k: float(v) for k, v in metrics.items()})
+        lm = (log_prob - old.nan_to_num(0.0)) * adv
+        out[f"agg/{mode}"] = float(agg_loss(lm, mask, mode, loss_scale_factor=LENGTH, sequence_group=sequence_group))
+    return out
+
+
+COUNTED = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "reduce_scatter_tensor",
+           "all_to_all_single", "gather", "reduce")
+
+
+def count_collectives(calls: list):
+    """Wrap the collectives of ``torch.distributed`` so that each call appends (name, group, numel)."""
+    for name in COUNTED:
+        fn = getattr(dist, name)
+
+        def wrapper(*args, _fn=fn, _name=name, **kwargs):
+            group = kwargs.get("group")
+            tensor = args[0] if args else kwargs.get("tensor")
+            calls.append((_name, group, tensor.numel() if isinstance(tensor, torch.Tensor) else None,
+                          args[1].numel() if len(args) > 1 and isinstance(args[1], torch.Tensor) else None))
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+
+
+def _worker(rank, world_size, cp, names, port, result_dir):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        dp_size = world_size // cp
+        dp_rank, cp_rank = divmod(rank, cp)
+        cp_groups = [dist.new_group([d * cp + c for c in range(cp)]) for d in range(dp_size)]
+        dp_groups = [dist.new_group([d * cp + c for d in range(dp_size)]) for c in range(cp)]
+        cp_group, dp_group = cp_groups[dp_rank], dp_groups[cp_rank]
+        rows = make_rows(dp_rank)
+        results = {}
+        calls: list = []
+        count_collectives(calls)
+        for layout in ("contiguous", "zigzag"):
+            cols = columns(layout, cp, cp_rank)
+            old, rollout, mask, log_prob, adv = (take(rows[0], cols, float("nan")), take(rows[1], cols, -float("inf")),
+                                                  take(rows[2], cols, 0.0), take(rows[3], cols, 0.0),
+                                                  take(rows[4], cols, 0.0))
+            for pg_name, pg in (("dp", dp_group), ("dp_cp", dist.group.WORLD), ("none", None)):
+                if pg_name != "dp" and layout == "zigzag" and cp == 3:
+                    continue  # keep the run short: the group semantics are covered by the other layouts
+                results[(layout, pg_name)] = compute_all(old, rollout, mask, log_prob, adv, names,
+                                                         sequence_group=cp_group, process_group=pg)
+            # Collective count of single calls.
+            cfg = config("decoupled_geo_rs_token_tis")
+            for pg_name, pg in (("dp", dp_group), ("dp_cp", dist.group.WORLD), ("none", None)):
+                del calls[:]
+                compute_rollout_correction(old, rollout, mask, cfg, pg, sequence_group=cp_group)
+                results[(layout, pg_name, "calls/correction")] = summarize(calls, cp_group, pg)
+                del calls[:]
+                lp = log_prob.clone().requires_grad_(True)
+                loss, _ = compute_policy_loss(lp, old, adv, mask, cfg, rollout_log_prob=rollout,
+                                              loss_agg_mode="seq-mean-token-mean", process_group=pg,
+                                              sequence_group=cp_group)
+                loss.backward()
+                results[(layout, pg_name, "calls/loss")] = summarize(calls, cp_group, pg)
+            del calls[:]
+            agg_loss(log_prob * mask, mask, "seq-mean-token-mean", sequence_group=cp_group)
+            results[(layout, "calls/agg")] = summarize(calls, cp_group, None)
+            # packed: this rank's tokens of each row, flat
+            keep = (cols >= 0)
+            flat = [t[:, keep] for t in (old, rollout, mask)]
+            lengths = torch.full((ROWS,), int(keep.sum()))
+            res = compute_rollout_correction_packed(
+                flat[0].reshape(-1), flat[1].reshape(-1), config("decoupled_k3_rs_seq_tis"), lengths=lengths,
+                response_mask=flat[2].reshape(-1), process_group=dp_group, sequence_group=cp_group)
+            results[(layout, "packed")] = (res.weights.reshape(ROWS, -1), res.response_mask.reshape(ROWS, -1),
+                                           res.metrics_as_floats())
+        results["errors"] = setup_errors(rank, cp, cp_group, rows)
+        torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def setup_errors(rank, cp, cp_group, rows):
+    """Messages of the setups that must be refused (each raised on every rank that calls it)."""
+    cols = columns("contiguous", cp, rank % cp)
+    old, rollout, mask = take(rows[0], cols, float("nan")), take(rows[1], cols, 0.0), take(rows[2], cols, 0.0)
+    out = {
+        "alignment": _error(lambda: compute_rollout_correction(
+            old, rollout, mask, dict(rollout_is="token", check_alignment=True), sequence_group=cp_group)),
+        "sum_norm": _error(lambda: agg_loss(old.nan_to_num(0.0), mask, "seq-mean-token-sum-norm",
+                                            sequence_group=cp_group)),
+        # data-parallel rank 0 holds a NaN at a valid position (column LENGTH − 3)
+        "gspo": _error(lambda: compute_policy_loss(old.nan_to_num(0.0), old, mask, mask, config("decoupled_gspo_geo_is"),
+                                                   rollout_log_prob=rollout, sequence_group=cp_group)),
+        "raise": _error(lambda: compute_rollout_correction(
+            old, rollout, mask, dict(rollout_is="token", on_nonfinite="raise"), sequence_group=cp_group)),
+    }
+    partial = dist.new_group([0, 1, 3, 4]) if cp == 3 else None  # holds ranks 0, 1 of CP group {0, 1, 2}
+    if rank == 0 and partial is not None:
+        out["partial"] = _error(lambda: compute_rollout_correction(old, rollout, mask, process_group=partial,
+                                                                   sequence_group=cp_group))
+    return out
+
+
+def summarize(calls, cp_group, pg):
+    """(collective, which group, numel of the sent tensor) per call."""
+    def which(g):
+        if g is cp_group:
+            return "sequence_group"
+        if pg is not None and (g is pg or (g is None and pg is dist.group.WORLD)):
+            return "process_group"
+        return f"other:{g}"
+    return [(name, which(group), n_in) for name, group, n_in, _ in calls]
+
+
+def _close(a: dict, b: dict, context: str):
+    assert set(a) == set(b), f"{context}: names differ: {set(a) ^ set(b)}"
+    bad = [f"{k}: unsplit={a[k]!r} split={b[k]!r}" for k in a
+           if not math.isclose(a[k], b[k], rel_tol=2e-5, abs_tol=1e-6)]
+    assert not bad, f"{context}:\n  " + "\n  ".join(bad)
+
+
+def _tensor_close(whole: torch.Tensor | None, got: torch.Tensor | None, cols: torch.Tensor, context: str,
+                  exact: bool = False):
+    if whole is None:
+        assert got is None, context
+        return
+    expected = take(whole, cols, 0.0)
+    real = cols >= 0
+    if exact:
+        assert torch.equal(got[:, real], expected[:, real].to(got.dtype)), context
+    else:
+        torch.testing.assert_close(got[:, real], expected[:, real], rtol=2e-5, atol=1e-6, msg=lambda m: f"{context}: {m}")
+
+
+def run_grid(cp: int, dp: int, names: list[str], tmp_path):
+    world = cp * dp
+    mp.start_processes(_worker, args=(world, cp, names, _free_port(), str(tmp_path)), nprocs=world, join=True,
+                       start_method="fork")
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    dp_rows = [make_rows(d) for d in range(dp)]
+    everything = [torch.cat([r[i] for r in dp_rows]) for i in range(5)]
+    n_tok = int(everything[2].sum())
+    whole_all = compute_all(*everything, names)  # the whole batch: what "dp" and "dp_cp" must give
+    whole_dp = [compute_all(*r, names) for r in dp_rows]  # one DP rank's rows: what "none" must give
+
+    # The comparison is sensitive: one DP rank's rows alone give different metrics.
+    m_all, m_one = whole_all[names[0]][2], whole_dp[0][names[0]][2]
+    assert sum(not math.isclose(m_all[k], m_one[k], rel_tol=1e-3) for k in m_all) >= 5
+    assert n_tok > 0
+
+    for rank in range(world):
+        dp_rank, cp_rank = divmod(rank, cp)
+        lo, hi = dp_rank * ROWS, (dp_rank + 1) * ROWS
+        for key, got_all in per_rank[rank].items():
+            if key == "errors" or len(key) != 2 or key[1] == "packed" or key[1].startswith("calls"):
+                continue
+            layout, pg_name = key
+            cols = columns(layout, cp, cp_rank)
+            whole = whole_dp[dp_rank] if pg_name == "none" else whole_all
+            rows = slice(0, ROWS) if pg_name == "none" else slice(lo, hi)
+            ctx = f"CP={cp} rank {rank} {layout} process_group={pg_name}"
+            for name in names:
+                w, m, metrics = got_all[name]
+                ew, em, emetrics = whole[name]
+                _close(emetrics, metrics, f"{ctx} {name} metrics")
+                _tensor_close(None if ew is None else ew[rows], w, cols, f"{ctx} {name} weights")
+                _tensor_close(em[rows], m, cols, f"{ctx} {name} mask", exact=True)
+            for mode in LOSS_AGG_MODES:
+                for name in LOSS_PRESETS:
+                    loss, grad, metrics = got_all[f"loss/{name}/{mode}"]
+                    e_loss, e_grad, e_metrics = whole_dp[dp_rank][f"loss/{name}/{mode}"]
+                    if pg_name == "none":
+                        _close(e_metrics, metrics, f"{ctx} loss {name} {mode} metrics")
+                    else:  # rollout_corr/* cover the whole batch, actor/* this DP rank's rows
+                        _close({k: v for k, v in e_metrics.items() if k.startswith("actor/")},
+                               {k: v for k, v in metrics.items() if k.startswith("actor/")}, f"{ctx} loss {mode}")
+                        _close({k: v for k, v in whole_all[f"loss/{name}/{mode}"][2].items()
+                                if k.startswith("rollout_corr/")},
+                               {k: v for k, v in metrics.items() if k.startswith("rollout_corr/")}, f"{ctx} {mode}")
+                    _tensor_close(e_grad, grad, cols, f"{ctx} grad {name} {mode}")
+        # Loss shares add up over the sequence group to the unsplit loss of the DP rank's rows.
+    for d in range(dp):
+        for key in per_rank[d * cp]:
+            if key == "errors" or len(key) != 2 or key[1] == "packed" or key[1].startswith("calls"):
+                continue
+            for k, v in per_rank[d * cp][key].items():
+                if k.startswith("loss/") or k.startswith("agg/"):
+                    total = sum((per_rank[d * cp + c][key][k][0] if k.startswith("loss/")
+                                 else per_rank[d * cp + c][key][k]) for c in range(cp))
+                    expected = whole_dp[d][k][0] if k.startswith("loss/") else whole_dp[d][k]
+                    assert total == pytest.approx(expected, rel=2e-5, abs=1e-6), f"CP={cp} dp {d} {key} {k}"
+    # Refused setups: a clear message on every rank, no hang.
+    for rank in range(world):
+        errors = per_rank[rank]["errors"]
+        assert "check_alignment" in errors["alignment"], errors
+        assert "loss_scale_factor" in errors["sum_norm"], errors
+        assert "not available in compute_policy_loss with sequence_group" in errors["gspo"], errors
+        if rank // cp == 0:
+            assert "non-finite" in errors["raise"] and "row 6" in errors["raise"], errors
+        else:
+            assert errors["raise"] is None, errors
+        if rank == 0 and cp == 3:
+            assert "some but not all ranks of sequence_group" in errors["partial"], errors
+    # Packed entry point.
+    res = compute_rollout_correction(*everything[:3], config("decoupled_k3_rs_seq_tis"))
+    packed_whole = (res.weights, res.response_mask, res.metrics_as_floats())
+    for rank in range(world):
+        dp_rank, cp_rank = divmod(rank, cp)
+        for layout in ("contiguous", "zigzag"):
+            cols = columns(layout, cp, cp_rank)
+            cols = cols[cols >= 0]
+            w, m, metrics = per_rank[rank][(layout, "packed")]
+            ew, em, emetrics = packed_whole
+            _close(emetrics, metrics, f"packed rank {rank} {layout}")
+            rows = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+            _tensor_close(ew[rows], w, cols, f"packed weights rank {rank}")
+            _tensor_close(em[rows], m, cols, f"packed mask rank {rank}", exact=True)
+    # Collectives: one all_gather_into_tensor of (B, k) over the sequence group per call; the rest
+    # are all_reduce over the data-parallel group.
+    for rank in range(world):
+        for key, calls in per_rank[rank].items():
+            if key == "errors" or not (isinstance(key, tuple) and str(key[-1]).startswith("calls")):
+                continue
+            counts = Counter((name, group) for name, group, _ in calls)
+            gathers = counts[("all_gather_single", "sequence_group")] + counts[("all_gather_into_tensor", "sequence_group")]
+            assert gathers == 1, (key, calls)
+            assert sum(v for (name, group), v in counts.items() if group == "sequence_group") == 1, (key, calls)
+            for name, group, numel in calls:
+                if group == "sequence_group":
+                    assert numel % ROWS == 0 and numel // ROWS <= 64, (key, numel)  # (B, k), k per-row scalars
+                else:
+                    assert (name, group) == ("all_reduce", "process_group"), (key, calls)
+            n_reduce = counts[("all_reduce", "process_group")]
+            assert n_reduce == (0 if key[1] == "none" or key[-1] == "calls/agg" else 2), (key, calls)
+
+
+def test_context_parallel_equals_unsplit(tmp_path):
+    """CP = 2 × DP = 2 (4 processes), one preset per family and the hand-picked configurations."""
+    run_grid(2, 2, FAMILY_PRESETS + list(EXTRA), tmp_path)
+
+
+def test_context_parallel_three_ranks(tmp_path):
+    """CP = 3 × DP = 2 (6 processes; one rank's contiguous slice is empty), a few configurations."""
+    run_grid(3, 2, ["decoupled_geo_rs_token_tis", "rs_chain", "veto_legacy"], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 3])
+def test_context_parallel_every_preset(cp, tmp_path):
+    """CP = 2 and 3 × DP = 2 (4 and 6 processes), every preset."""
+    run_grid(cp, 2, ALL_PRESETS + list(EXTRA), tmp_path)
