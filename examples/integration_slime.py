@@ -23,7 +23,7 @@ import torch
 # What --custom-config-path mis.yaml puts into slime's args (slime's own option names).
 MIS_YAML = dict(
     use_tis=True, tis_mode="truncate", tis_level="token", tis_lower_bound=None, tis_upper_bound=2.0,
-    tis_batch_normalize=False, use_rs=True, rs_level="geometric", rs_lower_bound=0.9, rs_upper_bound=1.1,
+    tis_batch_normalize=True, use_rs=True, rs_level="geometric", rs_lower_bound=0.9, rs_upper_bound=1.1,
     rs_veto_threshold=1e-4,
 )
 
@@ -48,7 +48,7 @@ def main() -> None:
 
     print("kept tokens per sample:", [int(m.sum()) for m in new_masks], "of", [int(m.sum()) for m in masks])
     for name in sorted(metrics):
-        if name.startswith(("mis_", "mismatch_")):
+        if name.startswith("mis_") or name in ("rollout_corr/rollout_is_mean", "rollout_corr/kl"):
             per_sample = [(v * m).sum() / m.sum().clamp(min=1) for v, m in zip(metrics[name].split(lengths), masks)]
             print(f"{name:40s} {float(sum(per_sample) / len(per_sample)): .5f}")
 

@@ -92,10 +92,16 @@ class RowValues:
     n_tok: valid tokens used (0 for rows dropped for a non-finite value); kept: valid tokens
     every rejection criterion accepts; token_keep: (B, T_local) float 0/1, this rank's valid
     tokens accepted by the token-level criteria (the final mask is ``token_keep · row_keep``);
-    row_keep: bool, rows accepted by the sequence-level criteria and the veto; log_ratio_sum: Σ_t log ρ_t; train_mean / rollout_mean:
-    mean_t log π_train / log π_rollout (float64); dropped: bool, rows dropped for a non-finite
-    value; batch: the :class:`LogRatioBatch` of the final pass (its per-row reductions span the
-    group)."""
+    row_keep: bool, rows accepted by the sequence-level criteria and the veto; log_ratio_sum:
+    Σ_t log ρ_t; train_mean / rollout_mean: mean_t log π_train / log π_rollout (float64);
+    dropped: bool, rows dropped for a non-finite value; batch: the :class:`LogRatioBatch` of the
+    final pass (its per-row reductions span the group); weights: (B, T_local) IS weights before
+    batch normalisation (None without IS); row_weight: the bounded per-row weight at sequence /
+    geometric level (None at token level).
+
+    A partial passed to the exchange must depend on this rank's tokens only: build it from
+    ``token_keep`` and ``weights`` at token level, and apply ``row_keep`` / ``row_weight`` /
+    the batch-normalisation factor to the reduced value."""
 
     n_tok: torch.Tensor
     kept: torch.Tensor
@@ -106,6 +112,8 @@ class RowValues:
     rollout_mean: torch.Tensor
     dropped: torch.Tensor
     batch: LogRatioBatch
+    weights: Optional[torch.Tensor] = None
+    row_weight: Optional[torch.Tensor] = None
 
 
 def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -129,8 +137,9 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     keep = rej.keep_mask(batch)
     kept = rej.kept_per_row(batch)
     token_keep = batch.mask if rej.token_keep is None else batch.mask * rej.token_keep
-    values = RowValues(batch.n_row, kept, token_keep, rej.row_keep, batch.row_sum, batch.old_row_mean, batch.rollout_row_mean,
-                       batch.bad_rows, batch)
+    values = RowValues(batch.n_row, kept, token_keep, rej.row_keep, batch.row_sum, batch.old_row_mean,
+                       batch.rollout_row_mean, batch.bad_rows, batch, weights,
+                       isw.row_weight if isw is not None else None)
     if not rows.final:
         return CorrectionOutput(weights, keep), values
     if config.on_nonfinite == "raise" and bool(batch.bad_rows.any()):

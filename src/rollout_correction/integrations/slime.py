@@ -29,7 +29,8 @@ Semantics (same as slime's ``mis.py``), with ρ = π_train/π_rollout aggregated
 * ``use_rs`` (only together with ``use_tis``, as in slime): also remove tokens/samples whose
   ratio at ``rs_level`` lies outside [rs_lower, rs_upper]; ``rs_veto_threshold`` C removes a
   whole sample if any valid token has unclamped ρ_t < C;
-* without ``use_tis`` only the mismatch metrics are returned and nothing is changed.
+* without ``use_tis`` (slime's ``--get-mismatch-metrics``) only the metrics are returned (the
+  mismatch ones and this library's off-policy ones) and nothing is changed.
 
 Removed tokens leave the numerator only: which denominator a sample's mean uses is slime's
 choice (slime ≥ PR #657 keeps each sample's original token count, so a rejected token counts as
@@ -39,17 +40,29 @@ slime does): over valid tokens (token level) or over samples with at least one v
 (sequence / geometric; slime itself rejects geometric and averages over every sample including
 empty ones).
 
-Metric names: the mismatch monitors ``mismatch_training_log_ppl``, ``mismatch_training_ppl``,
-``mismatch_rollout_log_ppl``, ``mismatch_rollout_ppl``, ``mismatch_kl``, ``mismatch_k3_kl``,
-``mismatch_log_ppl_diff``, ``mismatch_log_ppl_abs_diff``, ``mismatch_ppl_ratio``; the correction
-metrics ``mis_mean_is_weight_before_clip``, ``mis_ratio_mean_after_mis``, and, by mode,
-``mis_truncate_fraction`` / ``mis_clip_fraction_{low,high}`` / ``mis_mask_fraction_{low,high}``
-(the mask fractions count every ratio band that removed a token: the ``mask`` mode and
-``use_rs``), ``mis_catastrophic_{token,seq}_fraction`` (veto) and ``mis_batch_norm_factor``; and
-every ``rollout_corr/...`` metric of this library (a batch value, repeated on every token).
+Metric names are those of slime's current ``examples/train_infer_mismatch_helper/mis.py``
+(``mis_`` + the name it records), each a per-token tensor with the meaning it has there:
 
-Context parallelism: the tensors must hold whole responses (slime's ``mis.py`` gathers CP shards
-itself); a CP-sliced input is detected (lengths do not add up to ``pg_loss``) and rejected.
+* always: ``mis_training_log_ppl``, ``mis_training_ppl``, ``mis_rollout_log_ppl``,
+  ``mis_rollout_ppl``, ``mis_kl``, ``mis_k3_kl``, ``mis_log_ppl_diff``, ``mis_log_ppl_abs_diff``,
+  ``mis_ppl_ratio``, ``mis_chi2_token``, ``mis_chi2_seq``;
+* with ``use_tis``: ``mis_tis_weight_before_bound``, by mode ``mis_tis_truncate_fraction`` /
+  ``mis_tis_clip_fraction_{low,high}`` / ``mis_tis_mask_fraction_{low,high}``,
+  ``mis_tis_weight_after_bound``, ``mis_is_ratio_mean_after_tis_rs``, ``mis_is_ratio_mean_final``,
+  ``mis_is_ratio_min_final``, ``mis_is_ratio_max_final``; with ``use_rs``
+  ``mis_rs_mask_fraction_{low,high}`` and, with a veto, ``mis_rs_catastrophic_token_fraction``
+  / ``mis_rs_catastrophic_seq_fraction``; with ``tis_batch_normalize`` ``mis_batch_norm_factor``;
+* beside them every ``rollout_corr/...`` metric of this library (a batch value over this call's
+  samples, repeated on every token).
+
+Context parallelism (``--context-parallel-size`` > 1): slime passes each rank's slice of the
+log-probs (the response positions whose logits fall in the rank's two zig-zag chunks, see
+:func:`cp_response_ranges`) with full-length loss masks. The function then reduces every
+per-sample quantity over Megatron's context-parallel group with one all-gather of a few scalars
+per sample (see :mod:`rollout_correction.sequence_group`), so weights, masks and metrics are
+those of the whole responses; ``pg_loss`` and the metrics cover this rank's tokens, the returned
+loss masks are full length, exact on this rank's positions (the ones slime's reducer reads) and
+carrying the sample-level decisions elsewhere.
 """
 
 from __future__ import annotations
@@ -59,8 +72,11 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
-from rollout_correction.config import SAFETY_BOUND, config_value
+from rollout_correction import RolloutCorrectionConfig
+from rollout_correction.config import config_value
+from rollout_correction.constants import SAFETY_BOUND
+from rollout_correction.correction import correction_pass
+from rollout_correction.sequence_group import RowExchange
 
 __all__ = ["SlimeOptions", "options_from_args", "config_from_slime_args", "tis_function"]
 
@@ -168,40 +184,158 @@ def _pad(rows: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 def _unpad(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """(B, T) → flat (Σ lengths,) keeping each row's first ``lengths[i]`` entries."""
     cols = torch.arange(x.shape[1], device=x.device)
-    keep = cols.unsqueeze(0) < torch.tensor(lengths, device=x.device).unsqueeze(1)
+    keep = cols.unsqueeze(0) < torch.tensor(lengths, device=x.device, dtype=torch.long).unsqueeze(1)
     return x[keep]
 
 
-def _level_log_ratio(log_ratio: torch.Tensor, valid: torch.Tensor, level: str) -> torch.Tensor:
-    """Per-token log ρ at ``level``: log ρ_t, Σ_t log ρ_t or mean_t log ρ_t (row value on every token)."""
-    if level == "token":
-        return log_ratio
-    total = log_ratio.sum(dim=1, keepdim=True)
-    if level == "sequence":
-        return total.expand_as(log_ratio)
-    return (total / valid.sum(dim=1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
+def cp_response_ranges(total_length: int, response_length: int, cp_size: int,
+                       cp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two [start, end) ranges of response positions whose log-probs ``cp_rank`` holds.
+
+    slime's context parallelism splits each packed sequence of ``total_length`` tokens into
+    2·CP chunks of ⌈total_length / (2·CP)⌉ tokens; rank r holds chunks r and 2·CP−1−r. The
+    log-prob of response token j comes from the logits at position prompt_length − 1 + j, so a
+    rank holds the response tokens whose logit position falls in its chunks (an empty range is
+    (0, 0)). Its per-sample log-prob tensor is the concatenation of the two ranges.
+    """
+    prompt_length = total_length - response_length
+    chunk = (total_length + 2 * cp_size - 1) // (2 * cp_size)
+    out = []
+    for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+        lo = max(c * chunk, prompt_length - 1)
+        hi = min((c + 1) * chunk, total_length - 1)
+        out.append((lo - (prompt_length - 1), hi - (prompt_length - 1)) if lo < hi else (0, 0))
+    return out[0], out[1]
 
 
-def _mismatch_metrics(train: torch.Tensor, rollout: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-    """slime's mismatch monitors, per token (per-sample means repeated on the sample's tokens)."""
-    n = valid.sum(dim=1, keepdim=True).clamp(min=1)
-    mean_train = train.sum(dim=1, keepdim=True) / n
-    mean_rollout = rollout.sum(dim=1, keepdim=True) / n
+def _context_parallel(args: Any) -> tuple[int, int, Optional[object]]:
+    """(CP size, CP rank, CP group) from slime's ``--context-parallel-size`` and Megatron's state."""
+    size = int(getattr(args, "context_parallel_size", 1) or 1)
+    if size <= 1:
+        return 1, 0, None
+    try:
+        from megatron.core import mpu
+    except ImportError as e:
+        raise RuntimeError(f"context_parallel_size={size} needs Megatron's parallel state (megatron.core.mpu) to "
+                           "find the context-parallel group; run inside slime's Megatron actor") from e
+    group = mpu.get_context_parallel_group()
+    if mpu.get_context_parallel_world_size() != size:
+        raise ValueError(f"args.context_parallel_size={size} but Megatron's context-parallel group has "
+                         f"{mpu.get_context_parallel_world_size()} ranks")
+    return size, mpu.get_context_parallel_rank(), group
+
+
+def _local_masks(loss_masks, train_log_probs, total_lengths, response_lengths, cp_size, cp_rank):
+    """Per-sample loss masks restricted to this rank's positions, and the (a, b, c, d) ranges."""
+    if cp_size == 1:
+        return list(loss_masks), [None] * len(loss_masks)
+    if total_lengths is None or response_lengths is None:
+        raise ValueError("with context parallelism tis_function needs total_lengths and response_lengths "
+                         "(slime passes them to the custom TIS function)")
+    masks, ranges = [], []
+    for i, (m, n_tot, n_resp) in enumerate(zip(loss_masks, total_lengths, response_lengths)):
+        if m.shape[0] != n_resp:
+            raise ValueError(f"sample {i}: loss_mask has {m.shape[0]} entries but response_length is {n_resp}; "
+                             "slime passes full-length loss masks")
+        (a, b), (c, d) = cp_response_ranges(int(n_tot), int(n_resp), cp_size, cp_rank)
+        masks.append(torch.cat([m[a:b], m[c:d]]))
+        ranges.append((a, b, c, d))
+    return masks, ranges
+
+
+def _tis_pass(opts: SlimeOptions, cfg: RolloutCorrectionConfig, train: torch.Tensor, rollout: torch.Tensor,
+              mask: torch.Tensor, rows: RowExchange):
+    """One pass over this rank's (B, T) tokens; per-sample reductions go through ``rows``.
+
+    Returns (weights or None, new local mask or None, per-row keep (B,) or None, per-token metrics).
+    """
+    in_mask = mask > 0
+    valid = in_mask & torch.isfinite(train) & torch.isfinite(rollout)
+    zero = torch.zeros((), dtype=torch.float32, device=train.device)
+    train0, rollout0 = torch.where(valid, train, zero), torch.where(valid, rollout, zero)
+    lr = train0 - rollout0
     clamp = lambda x: x.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # noqa: E731 - exp guards only
-    log_ratio = train - rollout
-    log_ppl_diff = mean_rollout - mean_train
     shape = train.shape
-    return {
-        "mismatch_training_log_ppl": (-mean_train).expand(shape),
-        "mismatch_training_ppl": torch.exp(clamp(-mean_train)).expand(shape),
-        "mismatch_rollout_log_ppl": (-mean_rollout).expand(shape),
-        "mismatch_rollout_ppl": torch.exp(clamp(-mean_rollout)).expand(shape),
-        "mismatch_kl": rollout - train,
-        "mismatch_k3_kl": torch.exp(clamp(log_ratio)) - clamp(log_ratio) - 1,
-        "mismatch_log_ppl_diff": log_ppl_diff.expand(shape),
-        "mismatch_log_ppl_abs_diff": log_ppl_diff.abs().expand(shape),
-        "mismatch_ppl_ratio": torch.exp(clamp(log_ppl_diff)).expand(shape),
+
+    def expand(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float32).unsqueeze(-1).expand(shape)
+
+    n = rows.sum(valid.sum(-1).to(torch.float64)).clamp_min(1.0)
+    mean_train = rows.sum(train0.double().sum(-1)) / n
+    mean_rollout = rows.sum(rollout0.double().sum(-1)) / n
+    lr_sum = rows.sum(lr.double().sum(-1))
+    rho = torch.exp(clamp(lr)) * valid
+    chi2_token = rows.sum((rho.double() ** 2).sum(-1)) / n - 1.0
+    log_ppl_diff = mean_rollout - mean_train
+    m: dict[str, torch.Tensor] = {
+        "mis_training_log_ppl": expand(-mean_train),
+        "mis_training_ppl": expand(torch.exp(clamp(-mean_train))),
+        "mis_rollout_log_ppl": expand(-mean_rollout),
+        "mis_rollout_ppl": expand(torch.exp(clamp(-mean_rollout))),
+        "mis_kl": rollout0 - train0,
+        "mis_k3_kl": torch.exp(clamp(lr)) - clamp(lr) - 1,
+        "mis_log_ppl_diff": expand(log_ppl_diff),
+        "mis_log_ppl_abs_diff": expand(log_ppl_diff.abs()),
+        "mis_ppl_ratio": expand(torch.exp(clamp(log_ppl_diff))),
+        "mis_chi2_token": expand(chi2_token),
+        "mis_chi2_seq": expand(torch.exp(2.0 * clamp(lr_sum)) - 1.0),
     }
+    result, values = correction_pass(train, rollout, in_mask, cfg, None, rows, None)
+    for name, value in result.metrics.items():
+        m[name] = value.float().expand(shape)
+    if not opts.use_tis:
+        return None, None, None, m
+
+    def level_ratio(level: str) -> torch.Tensor:
+        if level == "token":
+            x = lr
+        elif level == "sequence":
+            x = expand(lr_sum)
+        else:
+            x = expand(lr_sum / n)
+        return torch.exp(clamp(x))
+
+    weights = result.weights if result.weights is not None else torch.ones_like(train)
+    before = level_ratio(opts.tis_level)
+    m["mis_tis_weight_before_bound"] = before
+    prefix = {"truncate": "mis_tis_truncate_fraction", "clip": "mis_tis_clip_fraction",
+              "mask": "mis_tis_mask_fraction"}[opts.tis_mode]
+    if opts.tis_mode == "truncate":
+        m[prefix] = (before > opts.tis_upper).float()
+    else:
+        m[prefix + "_low"] = (before < opts.tis_lower).float()
+        m[prefix + "_high"] = (before > opts.tis_upper).float()
+    bn = result.metrics.get("rollout_corr/rollout_is_batch_norm_factor")
+    after = values.weights  # before batch normalisation
+    m["mis_tis_weight_after_bound"] = after
+    if opts.use_rs:
+        rs_ratio = level_ratio(opts.rs_level)
+        m["mis_rs_mask_fraction_low"] = (rs_ratio < opts.rs_lower).float()
+        m["mis_rs_mask_fraction_high"] = (rs_ratio > opts.rs_upper).float()
+        if opts.rs_veto_threshold is not None:
+            bad = valid & (lr < math.log(opts.rs_veto_threshold))
+            m["mis_rs_catastrophic_token_fraction"] = bad.float()
+            m["mis_rs_catastrophic_seq_fraction"] = expand(rows.max(bad.any(-1)))
+    m["mis_is_ratio_mean_after_tis_rs"] = after
+    if bn is not None:
+        m["mis_batch_norm_factor"] = bn.float().expand(shape)
+    # Final weights per sample over the loss mask: mean, min, max (0 for an empty sample). The
+    # reduced partials use the weights before batch normalisation (this rank's tokens only).
+    n_mask = rows.sum(in_mask.sum(-1).to(torch.float64))
+    has = n_mask > 0
+    if values.row_weight is None:
+        w, empty = after.double(), torch.full(shape[:1], torch.inf, dtype=torch.float64, device=train.device)
+        w_mean = rows.sum((w * in_mask).sum(-1)) / n_mask.clamp_min(1.0)
+        w_max = rows.max(torch.where(in_mask, w, -torch.inf).amax(-1) if shape[-1] else -empty)
+        w_min = rows.min(torch.where(in_mask, w, torch.inf).amin(-1) if shape[-1] else empty)
+    else:
+        w_mean = w_max = w_min = values.row_weight.double()
+    factor = bn.double() if bn is not None else 1.0
+    m["mis_is_ratio_mean_final"] = expand(torch.where(has, w_mean, 0.0) / factor)
+    m["mis_is_ratio_min_final"] = expand(torch.where(has, w_min, 0.0) / factor)
+    m["mis_is_ratio_max_final"] = expand(torch.where(has, w_max, 0.0) / factor)
+    row_keep = values.row_keep & ~values.dropped
+    return weights, result.response_mask.to(torch.float32), row_keep, m
 
 
 def tis_function(
@@ -211,33 +345,43 @@ def tis_function(
     train_log_probs: list[torch.Tensor],
     rollout_log_probs: list[torch.Tensor],
     loss_masks: list[torch.Tensor],
+    total_lengths: Optional[list[int]] = None,
+    response_lengths: Optional[list[int]] = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
     """slime's custom TIS hook: returns (pg_loss · w, modified loss masks, per-token metrics).
 
     Args:
-        args: slime's argument namespace (options above).
+        args: slime's argument namespace (options above; ``context_parallel_size``).
         pg_loss: (N,) flat per-token policy loss, N = Σ_i len(train_log_probs[i]).
-        train_log_probs: per-sample (n_i,) log π_train (π_old; π_θ under ``--use-rollout-logprobs``).
-        rollout_log_probs: per-sample (n_i,) log π_rollout.
-        loss_masks: per-sample (n_i,) 0/1 masks (0 for tool output in multi-turn data).
+        train_log_probs: per-sample log π_train (π_old; π_θ under ``--use-rollout-logprobs``):
+            whole responses, or with context parallelism this rank's slice (slime's layout).
+        rollout_log_probs: per-sample log π_rollout, laid out as ``train_log_probs``.
+        loss_masks: per-sample (response_length,) 0/1 masks (0 for tool output in multi-turn
+            data), always full length.
+        total_lengths, response_lengths: per-sample prompt + response and response lengths (slime
+            passes them; needed with context parallelism).
+    Returns:
+        ``pg_loss`` times the weights (this rank's tokens), the modified full-length loss masks,
+        and the per-token metrics of this rank's tokens.
     """
     if not (len(train_log_probs) == len(rollout_log_probs) == len(loss_masks)):
         raise ValueError(
             f"train_log_probs, rollout_log_probs and loss_masks must have one tensor per sample; got "
             f"{len(train_log_probs)}, {len(rollout_log_probs)} and {len(loss_masks)}"
         )
+    cp_size, cp_rank, cp_group = _context_parallel(args)
+    local_masks, ranges = _local_masks(loss_masks, train_log_probs, total_lengths, response_lengths, cp_size, cp_rank)
     lengths = []
-    for i, (t, r, m) in enumerate(zip(train_log_probs, rollout_log_probs, loss_masks)):
+    for i, (t, r, m) in enumerate(zip(train_log_probs, rollout_log_probs, local_masks)):
         if t.dim() != 1 or t.shape != r.shape or t.shape != m.shape:
-            raise ValueError(f"sample {i}: expected three 1-D tensors of one length; got train {tuple(t.shape)}, "
-                             f"rollout {tuple(r.shape)}, loss_mask {tuple(m.shape)}")
+            where = f" (this context-parallel rank's slice: {ranges[i]})" if cp_size > 1 else ""
+            raise ValueError(f"sample {i}: expected 1-D train/rollout log-probs matching the loss mask{where}; got "
+                             f"train {tuple(t.shape)}, rollout {tuple(r.shape)}, loss_mask {tuple(m.shape)}")
         lengths.append(int(t.shape[0]))
     if pg_loss.dim() != 1 or pg_loss.shape[0] != sum(lengths):
-        raise ValueError(
-            f"pg_loss has shape {tuple(pg_loss.shape)} but the samples hold {sum(lengths)} tokens; the "
-            "function needs whole (not context-parallel-sliced) responses and the flat packed pg_loss"
-        )
+        raise ValueError(f"pg_loss has shape {tuple(pg_loss.shape)} but the samples hold {sum(lengths)} tokens on "
+                         "this rank; pg_loss must be the flat concatenation of the per-sample tokens")
     opts = options_from_args(args)
     cfg = config_from_slime_args(opts)
     if not lengths:
@@ -246,51 +390,26 @@ def tis_function(
     device = pg_loss.device
     train = _pad([t.detach() for t in train_log_probs], torch.float32).to(device)
     rollout = _pad([r.detach() for r in rollout_log_probs], torch.float32).to(device)
-    mask = _pad(list(loss_masks), torch.float32).to(device)
-    valid = (mask > 0) & torch.isfinite(train) & torch.isfinite(rollout)
-    train0 = torch.where(valid, train, 0.0)
-    rollout0 = torch.where(valid, rollout, 0.0)
-
-    per_token = _mismatch_metrics(train0, rollout0, valid)
-    if not opts.use_tis:
-        metrics = {k: _unpad(v, lengths) for k, v in per_token.items()}
+    mask = _pad(local_masks, torch.float32).to(device)
+    rows = RowExchange(cp_group)
+    with torch.no_grad():
+        for _ in rows.passes():
+            weights, new_mask, row_keep, per_token = _tis_pass(opts, cfg, train, rollout, mask, rows)
+    metrics = {k: _unpad(torch.nan_to_num(v.float()), lengths) for k, v in per_token.items()}
+    if weights is None:
         return pg_loss, list(loss_masks), metrics
 
-    result = compute_rollout_correction(train, rollout, mask > 0, cfg)
-    new_mask = result.response_mask.to(torch.float32)
-
-    log_ratio = train0 - rollout0
-    before = torch.exp(_level_log_ratio(log_ratio, valid, opts.tis_level).clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    weights = result.weights if result.weights is not None else torch.ones_like(train)
-    per_token["mis_mean_is_weight_before_clip"] = before
-    per_token["mis_ratio_mean_after_mis"] = weights
-    if opts.tis_mode == "truncate":
-        per_token["mis_truncate_fraction"] = (before > opts.tis_upper).float()
-    elif opts.tis_mode == "clip":
-        per_token["mis_clip_fraction_low"] = (before < opts.tis_lower).float()
-        per_token["mis_clip_fraction_high"] = (before > opts.tis_upper).float()
-    bands = opts.ratio_bands()
-    if bands:
-        low = torch.zeros_like(train, dtype=torch.bool)
-        high = torch.zeros_like(low)
-        for level, lo, hi in bands:
-            ratio = torch.exp(_level_log_ratio(log_ratio, valid, level).clamp(-SAFETY_BOUND, SAFETY_BOUND))
-            low |= ratio < lo
-            high |= ratio > hi
-        per_token["mis_mask_fraction_low"] = low.float()
-        per_token["mis_mask_fraction_high"] = high.float()
-    if opts.use_rs and opts.rs_veto_threshold is not None:
-        bad = valid & (log_ratio < math.log(opts.rs_veto_threshold))
-        per_token["mis_catastrophic_token_fraction"] = bad.float()
-        per_token["mis_catastrophic_seq_fraction"] = bad.any(dim=1, keepdim=True).float().expand_as(train)
-    for name, value in result.metrics.items():
-        if name.endswith("batch_norm_factor"):
-            per_token["mis_batch_norm_factor"] = value.float().expand_as(train)
-        per_token[name] = value.float().expand_as(train)
-
+    modified = []
+    for i, (m, n) in enumerate(zip(loss_masks, lengths)):
+        local = new_mask[i, :n].to(device=m.device, dtype=m.dtype)
+        if cp_size == 1:
+            modified.append(local)
+            continue
+        # Other ranks' positions carry the sequence-level decisions; slime reads only this rank's.
+        full = m * row_keep[i].to(device=m.device, dtype=m.dtype)
+        a, b, c, d = ranges[i]
+        full[a:b] = local[: b - a]
+        full[c:d] = local[b - a:]
+        modified.append(full)
     flat_weights = _unpad(weights, lengths).to(pg_loss.dtype)
-    modified = [
-        row[:n].to(m.dtype) for row, n, m in zip(new_mask, lengths, loss_masks)
-    ]
-    metrics = {k: _unpad(torch.nan_to_num(v.float()), lengths) for k, v in per_token.items()}
     return pg_loss * flat_weights, modified, metrics
