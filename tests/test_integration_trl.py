@@ -584,3 +584,22 @@ def test_example_script_runs(tmp_path, capsys):
     assert trainer.loss_type == "grpo"
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(lines) == 2 and "kl(rollout‖train)" in lines[0]
+
+
+def test_evaluation_loss_uses_the_same_denominators(tmp_path):
+    """trainer.evaluate(): TRL generates and scores each eval batch without splitting it; its loss
+    is over the accepted tokens (dapo) / sequences (grpo) of that batch too."""
+    for loss_type in ("dapo", "grpo"):
+        model, tokenizer = _tiny_lm()
+        data = Dataset.from_dict({"prompt": PROMPTS})
+        trainer = _CheckedTrainer(model=model, reward_funcs=distinct_letters,
+                                  args=_grpo_args(tmp_path / loss_type, loss_type=loss_type), train_dataset=data,
+                                  eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:1]}),  # one eval batch of 8
+                                  processing_class=tokenizer, rollout_correction=REJECTING,
+                                  rollout_autocast_dtype=torch.bfloat16)
+        metrics = trainer.evaluate()
+        (batch,), (record,) = trainer.batches, trainer.records
+        assert batch["full_rows_rejected"] >= 1 and batch["items"] == batch["accepted"] < batch["trl_items"]
+        torch.testing.assert_close(record["loss"], _expected(trainer, record, batch), rtol=1e-5, atol=1e-8)
+        assert metrics["eval_loss"] == pytest.approx(float(record["loss"]), rel=1e-5)
+        assert "eval_rollout_corr/rollout_rs_masked_fraction" in metrics

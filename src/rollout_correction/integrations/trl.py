@@ -376,10 +376,10 @@ if _GRPOTrainer is not None:
             out = super()._generate_and_score_completions(inputs)
             return self._apply_rollout_correction(out, "train" if self.model.training else "eval")
 
-        def _global_sums(self, *values: torch.Tensor) -> list[torch.Tensor]:
-            """Σ over processes of each scalar, as TRL sums ``num_items_in_batch``: one gather."""
-            local = torch.stack([v.to(torch.float32) for v in values])
-            total = self.accelerator.gather(local).view(-1, len(values)).sum(0)
+        def _global_sums(self, *counts: torch.Tensor) -> list[torch.Tensor]:
+            """Σ over processes of each integer count, as TRL sums ``num_items_in_batch``: one gather."""
+            local = torch.stack([c.to(torch.int64) for c in counts])
+            total = self.accelerator.gather(local).view(-1, len(counts)).sum(0)
             return list(total.unbind())
 
         def _apply_rollout_correction(self, out: dict[str, Any], mode: str) -> dict[str, Any]:
@@ -406,11 +406,12 @@ if _GRPOTrainer is not None:
             out["tool_mask"] = new_mask
             rejected_rows = mask.bool().any(-1) & ~new_mask.bool().any(-1)
             num_items, num_rows, num_rejected = self._global_sums(
-                new_mask.sum(), torch.tensor(float(mask.shape[0]), device=mask.device), rejected_rows.sum())
+                new_mask.sum(), torch.tensor(mask.shape[0], device=mask.device), rejected_rows.sum())
             out["num_items_in_batch"] = num_items.to(out["num_items_in_batch"].dtype)
             scale = 1.0
+            num_rows, num_rejected = int(num_rows), int(num_rejected)
             if self.loss_type in _SEQUENCE_AVERAGED and num_rows > num_rejected:
-                scale = float(num_rows / (num_rows - num_rejected))
+                scale = num_rows / (num_rows - num_rejected)
             out[_SCALE_KEY] = torch.tensor(scale, device=mask.device)
 
             weights = result.weights
