@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from rollout_correction.demo.config import METHODS, QUICK, SCENARIOS, DemoConfig
+from rollout_correction.demo.config import DEFAULT_METHODS, METHODS, QUICK, SCENARIOS, DemoConfig
 from rollout_correction.demo.model import MODEL_SIZES
 from rollout_correction.demo.task import TASKS
 from rollout_correction.rollout_engine import PRECISIONS, QUANTS
@@ -46,6 +46,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _method_list(text: str) -> tuple[str, ...]:
+    if text.strip() == "all":
+        return tuple(METHODS)
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     unknown = [n for n in names if n not in METHODS]
     if unknown:
@@ -60,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a short run (1 seed, 3 methods, few steps) for a first look and CI")
     parser.add_argument("--methods", type=_method_list, default=None,
-                        help=f"comma-separated, from: {', '.join(METHODS)}")
+                        help=f"comma-separated, from: {', '.join(METHODS)}; or 'all' (default: "
+                             f"{', '.join(DEFAULT_METHODS)})")
     parser.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--out", default="demo-report", help="report folder (default: demo-report)")
     parser.add_argument("--resume", action="store_true",

@@ -39,9 +39,27 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "reject sequences whose geometric-mean ratio leaves the band (plus veto); no IS weights"),
     Method("pure_is", "pure IS (REINFORCE)", "bypass_pg_is", True,
            "−sg(w)·A·log π_θ with sequence-level w = π_θ/π_rollout, no clipping"),
+    # The methods below run with ``--methods all`` (or by name).
+    Method("geo_is", "decoupled geometric TIS", "decoupled_geo_is", True,
+           "length-normalised sequence weight min(exp(mean log ρₜ), 2) times the PPO-clip term"),
+    Method("opsm", "token TIS + OPSM", "decoupled_token_is_opsm", True,
+           "token TIS; sequences with A < 0 and mean log(π_rollout/π_θ) > 0.05 leave the loss"),
+    Method("m2po", "token TIS + M2PO", "decoupled_token_is_m2po", True,
+           "token TIS; the tokens with the largest (log ρₜ)² are masked until their batch mean ≤ 0.04"),
+    Method("topr", "TOPR", "bypass_topr", True,
+           "REINFORCE against π_rollout: weight 1 for A ≥ 0, min(∏π_θ/π_rollout, 1) for A < 0"),
+    Method("gspo", "GSPO × geometric TIS", "decoupled_gspo_geo_is", True,
+           "PPO clip on the sequence ratio exp(mean log π_θ/π_old), geometric TIS weights"),
+    Method("cispo", "CISPO × token TIS", "decoupled_cispo_token_is", True,
+           "−sg(clip(π_θ/π_old))·A·log π_θ times token TIS weights"),
+    Method("dppo_tv", "DPPO-TV × token TIS", "decoupled_dppo_tv_token_is", True,
+           "truncated-ratio REINFORCE masked where |π_θ − π_old| of the token leaves ε, token TIS weights"),
+    Method("dppo_kl", "DPPO-KL × token TIS", "decoupled_dppo_kl_token_is", True,
+           "truncated-ratio REINFORCE masked where the token's binary KL leaves ε, token TIS weights"),
 )}
 
-DEFAULT_METHODS = tuple(METHODS)
+#: Run when ``--methods`` is not given: the reference pair and the verl-preset corrections.
+DEFAULT_METHODS = ("on_policy", "naive", "bypass_ppo", "token_tis", "seq_is_rs", "geo_rs", "pure_is")
 
 
 @dataclass

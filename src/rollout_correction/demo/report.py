@@ -1,8 +1,8 @@
 """The report: ``summary.json``, plots (PNG) and ``report.md`` from the raw run results.
 
 Per method and seed the summary keeps the trainer's final and best greedy exact match, the
-rollout engine's, the mismatch KL(π_rollout‖π_old) at the start and the end, and whether the run
-collapsed. A run *collapsed* when its final exact match is below half of its best.
+rollout engine's, the mismatch KL(π_rollout‖π_old) at the start and the end, whether the run
+collapsed and its wall time; ``methods.png`` compares the methods side by side. A run *collapsed* when its final exact match is below half of its best.
 The *checks* are the demonstration's claims, each with its numbers:
 
 * naive PPO ends ≥ 0.3 below the on-policy reference (or collapses on most seeds);
@@ -90,6 +90,7 @@ def summarize(cfg: DemoConfig, raw: dict) -> dict:
             "kl_growth": kl1 / kl0 if kl0 > 0 else float("nan"),
             "collapsed": sum(r["collapsed"] for r in rs),
             "runs": len(rs),
+            "seconds": _stats([r["seconds"] for r in rs]),
         }
     return {
         "config": cfg.to_dict(),
@@ -215,6 +216,32 @@ def plot_all(cfg: DemoConfig, raw: dict, out_dir: Path) -> list[str]:
     return files
 
 
+def plot_comparison(cfg: DemoConfig, summary: dict, path: Path) -> None:
+    """One row per method: trainer final (bar, ± std over seeds) and best (marker) exact match,
+    with the collapse count, the last-tenth mismatch KL and the wall time per run written beside it."""
+    import matplotlib.pyplot as plt
+
+    names = list(summary["methods"])
+    fig, ax = plt.subplots(figsize=(9.5, 0.45 * len(names) + 1.6))
+    for i, m in enumerate(names):
+        s = summary["methods"][m]
+        final, best = s["final_reward"], s["best_reward"]
+        ax.barh(i, final["mean"], xerr=final["std"], color="C3" if s["collapsed"] else "C0", alpha=0.8,
+                error_kw={"lw": 1})
+        ax.plot(best["mean"], i, "k|", ms=12, mew=2)
+        ax.text(1.02, i, f"collapsed {s['collapsed']}/{s['runs']}   KL {_kl(s['final_mismatch_kl'])}   "
+                f"{_secs(s['seconds']['mean'])} s", va="center", fontsize=8, transform=ax.get_yaxis_transform())
+    ax.set_yticks(range(len(names)), [summary["methods"][m]["label"] for m in names], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("greedy exact match of the trainer: final (bar, ± std over seeds), best (|)")
+    ax.set_title(_scenario_line(cfg), fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout(rect=(0, 0, 0.72, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------------------------
 # Markdown and terminal table
 
@@ -229,6 +256,10 @@ def _pm(s: dict) -> str:
     return f"{s['mean']:.2f} ± {s['std']:.2f}"
 
 
+def _secs(x: float) -> str:
+    return f"{x:.1f}" if x < 10 else f"{x:.0f}"
+
+
 def _kl(x: float) -> str:
     return f"{0.0 if abs(x) < 5e-5 else x:.4f}"  # the on-policy gap is rounding noise of either sign
 
@@ -239,14 +270,14 @@ def table_rows(summary: dict) -> list[list[str]]:
         rows.append([
             s["label"], s["preset"] or "—", _pm(s["final_reward"]), _pm(s["best_reward"]),
             _pm(s["final_engine_reward"]), f"{_kl(s['initial_mismatch_kl'])} → {_kl(s['final_mismatch_kl'])}",
-            f"{s['collapsed']}/{s['runs']}",
+            f"{s['collapsed']}/{s['runs']}", _secs(s["seconds"]["mean"]),
         ])
     return rows
 
 
 TABLE_HEADER = ["method", "preset", "trainer final", "trainer best", "engine final", "mismatch KL first → last",
-                "collapsed"]
-_TERMINAL_COLUMNS = (0, 2, 3, 4, 5, 6)
+                "collapsed", "wall s / run"]
+_TERMINAL_COLUMNS = (0, 2, 3, 4, 5, 6, 7)
 
 
 def checks_text(c: dict) -> list[str]:
@@ -346,5 +377,7 @@ def write_report(cfg: DemoConfig, raw: dict, out_dir: Path, command: str) -> dic
     summary = summarize(cfg, raw)
     (out_dir / "summary.json").write_text(json.dumps(_finite_or_null(summary), indent=2, allow_nan=False))
     files = plot_all(cfg, raw, out_dir)
+    plot_comparison(cfg, summary, out_dir / "methods.png")
+    files.insert(0, "methods.png")
     write_markdown(cfg, summary, files, out_dir, command)
     return summary
