@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
+from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metrics, compute_policy_loss,
+                                compute_rollout_correction)
 from rollout_correction.losses import LOSS_AGG_MODES, agg_loss
 from rollout_correction.packed import compute_rollout_correction_packed
 from test_distributed import CONFIGS, _free_port
@@ -41,9 +42,9 @@ ALL_PRESETS = RolloutCorrectionConfig.preset_names()
 FAMILY_PRESETS = ["decoupled_token_is", "decoupled_seq_is_rs", "decoupled_token_icepop", "decoupled_geo_rs_token_tis",
                   "decoupled_k3_rs_seq_tis", "bypass_ppo_clip_k3_rs", "bypass_pg_geo_rs_seq_tis",
                   "decoupled_token_is_m2po", "disabled"]
-# Losses compared (token-level loss types: PPO clip, bypass REINFORCE, CISPO, DPPO).
+# Losses compared: PPO clip, bypass REINFORCE, CISPO, DPPO, and the sequence-level GSPO and TOPR.
 LOSS_PRESETS = ["decoupled_seq_is_rs", "bypass_pg_geo_rs_token_tis", "decoupled_cispo_token_is",
-                "decoupled_dppo_tv_token_is"]
+                "decoupled_dppo_tv_token_is", "decoupled_gspo_geo_is", "bypass_topr"]
 EXTRA = CONFIGS  # the hand-picked configurations of the data-parallel tests
 
 
@@ -99,6 +100,8 @@ def compute_all(old, rollout, mask, log_prob, adv, names, *, sequence_group=None
         res = compute_rollout_correction(old, rollout, mask, config(name), process_group,
                                          sequence_group=sequence_group)
         out[name] = (res.weights, res.response_mask, res.metrics_as_floats())
+    offpolicy = compute_offpolicy_metrics(old, rollout, mask, process_group, sequence_group=sequence_group)
+    out["offpolicy"] = (None, mask, {k: float(v) for k, v in offpolicy.items()})
     for mode in LOSS_AGG_MODES:
         for name in LOSS_PRESETS:
             lp = log_prob.clone().requires_grad_(True)
@@ -207,7 +210,7 @@ def setup_errors(rank, cp, cp_group, rows):
         "sum_norm": _error(lambda: agg_loss(old.nan_to_num(0.0), mask, "seq-mean-token-sum-norm",
                                             sequence_group=cp_group)),
         # data-parallel rank 0 holds a NaN at a valid position (column LENGTH − 3)
-        "gspo": _error(lambda: compute_policy_loss(old.nan_to_num(0.0), old, mask, mask, config("decoupled_gspo_geo_is"),
+        "opsm": _error(lambda: compute_policy_loss(old.nan_to_num(0.0), old, mask, mask, config("decoupled_token_is_opsm"),
                                                    rollout_log_prob=rollout, sequence_group=cp_group)),
         "raise": _error(lambda: compute_rollout_correction(
             old, rollout, mask, dict(rollout_is="token", on_nonfinite="raise"), sequence_group=cp_group)),
@@ -277,7 +280,7 @@ def run_grid(cp: int, dp: int, names: list[str], tmp_path):
             whole = whole_dp[dp_rank] if pg_name == "none" else whole_all
             rows = slice(0, ROWS) if pg_name == "none" else slice(lo, hi)
             ctx = f"CP={cp} rank {rank} {layout} process_group={pg_name}"
-            for name in names:
+            for name in names + ["offpolicy"]:
                 w, m, metrics = got_all[name]
                 ew, em, emetrics = whole[name]
                 _close(emetrics, metrics, f"{ctx} {name} metrics")
@@ -291,7 +294,7 @@ def run_grid(cp: int, dp: int, names: list[str], tmp_path):
                         _close(e_metrics, metrics, f"{ctx} loss {name} {mode} metrics")
                     else:  # rollout_corr/* cover the whole batch, actor/* this DP rank's rows
                         _close({k: v for k, v in e_metrics.items() if k.startswith("actor/")},
-                               {k: v for k, v in metrics.items() if k.startswith("actor/")}, f"{ctx} loss {mode}")
+                               {k: v for k, v in metrics.items() if k.startswith("actor/")}, f"{ctx} loss {name} {mode}")
                         _close({k: v for k, v in whole_all[f"loss/{name}/{mode}"][2].items()
                                 if k.startswith("rollout_corr/")},
                                {k: v for k, v in metrics.items() if k.startswith("rollout_corr/")}, f"{ctx} {mode}")
@@ -312,7 +315,7 @@ def run_grid(cp: int, dp: int, names: list[str], tmp_path):
         errors = per_rank[rank]["errors"]
         assert "check_alignment" in errors["alignment"], errors
         assert "loss_scale_factor" in errors["sum_norm"], errors
-        assert "not available in compute_policy_loss with sequence_group" in errors["gspo"], errors
+        assert "not available in compute_policy_loss with sequence_group" in errors["opsm"], errors
         if rank // cp == 0:
             assert "non-finite" in errors["raise"] and "row 6" in errors["raise"], errors
         else:

@@ -22,7 +22,8 @@ from .m2po import m2po_keep, second_moment
 from .metrics import (Accumulator, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
                       offpolicy_metrics, prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
-from .sequence_group import RowExchange, check_sequence_group, group_ranks, stats_owner
+from .sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite, reduce_owned,
+                             stats_owner)
 from .stats import SufficientStats
 from .validation import check_pair
 from .weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
@@ -142,11 +143,8 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
                        isw.row_weight if isw is not None else None)
     if not rows.final:
         return CorrectionOutput(weights, keep), values
-    if config.on_nonfinite == "raise" and bool(batch.bad_rows.any()):
-        b = int(batch.bad_rows.nonzero()[0, 0])
-        raise ValueError(f"non-finite log-prob at a valid position of row {b} (on this rank or another rank of "
-                         "sequence_group; |log-ratio| ≥ 1e30 counts as non-finite); fix the producer, or set "
-                         "on_nonfinite='reject' to drop such sequences")
+    if config.on_nonfinite == "raise":
+        raise_nonfinite(batch.bad_rows)
     if config.rollout_m2po_threshold is not None:  # a batch-global token threshold: token sums over all ranks
         if process_group is None:
             groups = (rows.group,)
@@ -158,11 +156,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         m2 = second_moment(old_log_prob, rollout_log_prob, kept_tokens)
         kept_tokens, m2po = m2po_keep(m2, kept_tokens, float(config.rollout_m2po_threshold), groups)
         keep = kept_tokens.to(keep.dtype)
-    sums, maxes = stats.sums, stats.maxes
-    if owner is False:  # another rank of the sequence group counts these sequences
-        sums = {k: torch.zeros_like(v) for k, v in sums.items()}
-        maxes = {k: torch.full_like(v, -torch.inf) for k, v in maxes.items()}
-    reduced = SufficientStats.from_values(sums, maxes).all_reduce(process_group if owner is not None else None)
+    reduced = reduce_owned(stats, process_group, owner)
     metrics = correction_metrics(reduced, config)
     if config.rollout_m2po_threshold is not None:
         metrics.update(m2po)

@@ -32,8 +32,8 @@ from .constants import SAFETY_BOUND
 from .correction import compute_rollout_correction, correction_pass
 from .metrics import prefixed
 from .opsm import compute_opsm
-from .policy_losses import cispo_loss, dppo_loss, gspo_loss, topr_loss
-from .sequence_group import RowExchange, check_sequence_group, stats_owner
+from .policy_losses import cispo_loss, dppo_loss, gspo_loss, topr_loss, topr_weights
+from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, stats_owner
 from .validation import check_same, first_nonfinite
 
 __all__ = ["LossAggMode", "LOSS_AGG_MODES", "agg_loss", "ppo_clip_loss", "compute_policy_loss"]
@@ -140,17 +140,20 @@ def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantage
 
 
 def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor,
-                    valid: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float):
+                    valid: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
+                    seq_values: Optional[dict[str, torch.Tensor]] = None):
     """(ℓ (B, T), clipped, clipped_lower) for ``loss_type``; the indicators are None for REINFORCE,
-    and for TOPR mark the tokens of tapered sequences (clipped_lower: none)."""
+    and for TOPR mark the tokens of tapered sequences (clipped_lower: none). ``seq_values``: the
+    per-sequence values of GSPO / TOPR when they come from elsewhere (split sequences)."""
+    seq_values = seq_values or {}
     if loss_type == "reinforce" and bypass:
         return -adv * lp, None, None
     if loss_type == "topr":
-        pg, tapered = topr_loss(lp, prox, adv, valid)
+        pg, tapered = topr_loss(lp, prox, adv, valid, **seq_values)
         clipped = tapered.unsqueeze(-1).expand_as(valid)
         return pg, clipped, torch.zeros_like(valid)
     if loss_type == "gspo":
-        pg, clipped = gspo_loss(lp, prox, adv, valid, clip_ratio_low, clip_ratio_high)
+        pg, clipped = gspo_loss(lp, prox, adv, valid, clip_ratio_low, clip_ratio_high, **seq_values)
         return pg, clipped, torch.zeros_like(valid)
     if loss_type == "cispo":
         pg, clipped = cispo_loss(lp, prox, adv, clip_ratio_low, clip_ratio_high)
@@ -247,13 +250,11 @@ def compute_policy_loss(
                float_names=("log_prob", "old_log_prob", "rollout_log_prob", "advantages", "rollout_is_weights"))
 
     if sequence_group is not None:
-        if (config.loss_type in _SEQUENCE_LOSSES or config.rollout_opsm_delta is not None
-                or config.rollout_m2po_threshold is not None):
-            raise ValueError(f"loss_type={config.loss_type!r}, rollout_opsm_delta={config.rollout_opsm_delta!r}, "
-                             f"rollout_m2po_threshold={config.rollout_m2po_threshold!r}: the sequence-level losses "
-                             f"({', '.join(_SEQUENCE_LOSSES)}), OPSM and M2PO are not available in compute_policy_loss "
-                             "with sequence_group; use a token-level loss_type (ppo_clip, reinforce, cispo, dppo_tv, "
-                             "dppo_kl) without them, or gather whole sequences on one rank")
+        if config.rollout_opsm_delta is not None or config.rollout_m2po_threshold is not None:
+            raise ValueError(f"rollout_opsm_delta={config.rollout_opsm_delta!r}, rollout_m2po_threshold="
+                             f"{config.rollout_m2po_threshold!r}: OPSM and M2PO are not available in "
+                             "compute_policy_loss with sequence_group; disable them there, or gather whole "
+                             "sequences on one rank")
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
         rows = RowExchange(sequence_group)
@@ -316,10 +317,6 @@ def compute_policy_loss(
     return loss, metrics
 
 
-#: loss types whose per-token loss depends on a whole sequence (not available with sequence_group)
-_SEQUENCE_LOSSES = ("gspo", "topr")
-
-
 def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config, rollout_is_weights,
                        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens,
                        global_num_seqs, dp_size, loss_scale_factor, process_group, rows: RowExchange, owner):
@@ -336,12 +333,9 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
     bad_rows = rows.max((input_valid & ~finite).any(-1))
     input_rows = rows.max(input_valid.any(-1))
     rows.drop(bad_rows)
-    if rows.final and config.on_nonfinite == "raise" and bool(bad_rows.any()):
-        b = int(bad_rows.nonzero()[0, 0])
-        raise ValueError(f"non-finite log_prob / {('old_log_prob', 'rollout_log_prob')[bypass]} / advantages"
-                         f"{' / rollout_is_weights' if rollout_is_weights is not None else ''} at a valid position "
-                         f"of row {b} (on this rank or another rank of sequence_group); set on_nonfinite='reject' "
-                         "to drop such rows")
+    if rows.final and config.on_nonfinite == "raise":
+        raise_nonfinite(bad_rows, f"log_prob / {('old_log_prob', 'rollout_log_prob')[bypass]} / advantages"
+                                  f"{' / rollout_is_weights' if rollout_is_weights is not None else ''}")
     valid = input_valid & ~bad_rows.unsqueeze(-1)
     zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
     lp = torch.where(valid, log_prob.float(), zero)
@@ -366,13 +360,38 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
     def mean(x: torch.Tensor) -> torch.Tensor:
         return _split_masked_mean(x, token_keep, row_keep, kept, rows)
 
+    seq_values: dict[str, torch.Tensor] = {}
+    if config.loss_type in ("gspo", "topr"):  # per-sequence Σ log r (and Σ A) over the kept tokens
+        def kept_sum(x: torch.Tensor) -> torch.Tensor:
+            return rows.sum(torch.where(token_keep > 0, x.detach().double(), 0.0).sum(-1)) * row_keep
+
+        if config.loss_type == "gspo":
+            seq_values["seq_log_ratio"] = kept_sum(lp - prox_s) / kept.clamp_min(1)
+        else:
+            seq_values["seq_log_ratio_sum"] = kept_sum(lp - prox_s)
+            seq_values["seq_advantage"] = kept_sum(adv) / kept.clamp_min(1)
     metrics: dict[str, torch.Tensor] = {}
     pg, clipped, clipped_lower = _per_token_loss(config.loss_type, bypass, lp, prox_s, adv, mask,
-                                                 clip_ratio_low, clip_ratio_high, clip_ratio_c)
+                                                 clip_ratio_low, clip_ratio_high, clip_ratio_c, seq_values)
     if weights is not None and (not bypass or config.loss_type == "reinforce"):
         pg = pg * weights.detach()
     metrics["actor/ppo_kl"] = mean(prox_s - lp)
-    if clipped is not None:
+    if config.loss_type in ("gspo", "topr"):
+        # The clipped / tapered indicator depends on the sequence's value, so count per row from
+        # this rank's tokens' advantage signs and apply the sequence's value after the reduction.
+        if config.loss_type == "gspo":
+            s_row = seq_values["seq_log_ratio"].float().clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
+            n_pos = rows.sum(((token_keep > 0) & (adv > 0)).sum(-1).double()) * row_keep
+            n_neg = rows.sum(((token_keep > 0) & (adv < 0)).sum(-1).double()) * row_keep
+            hi = torch.tensor(1.0 + clip_ratio_high, dtype=s_row.dtype)
+            lo = torch.tensor(1.0 - clip_ratio_low, dtype=s_row.dtype)
+            n_clipped = n_pos * (s_row > hi) + n_neg * (s_row < lo)
+        else:
+            w = topr_weights(lp, prox_s, adv, mask, seq_values["seq_log_ratio_sum"], seq_values["seq_advantage"])
+            n_clipped = kept * (w < 1.0)
+        metrics["actor/pg_clipfrac"] = n_clipped.sum() / kept.sum().clamp_min(1)
+        metrics["actor/pg_clipfrac_lower"] = torch.zeros((), dtype=torch.float64, device=lp.device)
+    elif clipped is not None:
         metrics["actor/pg_clipfrac"] = mean(clipped.float())
         metrics["actor/pg_clipfrac_lower"] = mean(clipped_lower.float())
     if not rows.final:

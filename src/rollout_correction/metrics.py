@@ -21,6 +21,7 @@ import torch
 
 from .constants import METRIC_PREFIX, SAFETY_BOUND
 from .logratio import LogRatioBatch
+from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, reduce_owned, stats_owner
 from .stats import SufficientStats, safe_div
 
 __all__ = ["PREFIX", "compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics",
@@ -100,7 +101,8 @@ def metrics_to_floats(metrics: dict[str, torch.Tensor | float]) -> dict[str, flo
 
 def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                               response_mask: torch.Tensor, process_group: Optional[object] = None,
-                              on_nonfinite: str = "reject") -> dict[str, torch.Tensor]:
+                              on_nonfinite: str = "reject", *,
+                              sequence_group: Optional[object] = None) -> dict[str, torch.Tensor]:
     """Off-policy diagnostics of π_train vs π_rollout, keys ``rollout_corr/<name>``.
 
     Args:
@@ -109,9 +111,25 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         response_mask: (B, T) bool or 0/1, non-zero on valid tokens.
         process_group: reduce the statistics over this ``torch.distributed`` group, so every
             rank gets the metrics of the whole (split) batch.
+        sequence_group: every sequence is split across this group (context parallelism), as in
+            :func:`rollout_correction.compute_rollout_correction`: one all-gather of per-row
+            partials, metrics of the unsplit sequences.
     Returns:
         dict of 0-d float64 tensors (see the module docstring for the formulas).
     """
+    if sequence_group is not None:
+        check_sequence_group(sequence_group)
+        owner = stats_owner(sequence_group, process_group)
+        rows = RowExchange(sequence_group)
+        for _ in rows.passes():
+            batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite, rows=rows)
+            stats = SufficientStats()
+            batch.add_counts(stats)
+            add_offpolicy_statistics(stats, batch)
+        if on_nonfinite == "raise":
+            raise_nonfinite(batch.bad_rows)
+        reduced = reduce_owned(stats, process_group, owner)
+        return prefixed({**offpolicy_metrics(reduced), **nonfinite_metrics(reduced)})
     acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite)
     acc.update(old_log_prob, rollout_log_prob, response_mask)
     return acc.compute(process_group)

@@ -29,7 +29,7 @@ sg(·) stop-gradient.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
@@ -69,14 +69,18 @@ def sequence_advantage(advantages: torch.Tensor, valid: torch.Tensor) -> torch.T
 
 
 def gspo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor,
-              valid: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              valid: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+              seq_log_ratio: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO per-token loss (module docstring); returns (ℓ (B, T), clipped (B, T) bool).
 
-    ``valid`` (B, T) bool selects the tokens of each sequence's mean log-ratio.
+    ``valid`` (B, T) bool selects the tokens of each sequence's mean log-ratio;
+    ``seq_log_ratio`` (B,), when given, is that mean (e.g. reduced over a context-parallel group).
     """
-    lr = torch.where(valid, log_prob - prox_log_prob, torch.zeros((), device=log_prob.device))
-    seq = lr.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
+    if seq_log_ratio is None:
+        lr = torch.where(valid, log_prob - prox_log_prob, torch.zeros((), device=log_prob.device))
+        seq = lr.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
+    else:
+        seq = seq_log_ratio.to(log_prob.dtype).unsqueeze(-1)
     log_s = (seq.detach() + log_prob - log_prob.detach()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     s = log_s.exp()
     l1 = -advantages * s
@@ -117,17 +121,27 @@ def dppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: t
 
 
 def topr_weights(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
-                 valid: torch.Tensor) -> torch.Tensor:
+                 valid: torch.Tensor, seq_log_ratio_sum: Optional[torch.Tensor] = None,
+                 seq_advantage: Optional[torch.Tensor] = None) -> torch.Tensor:
     """TOPR sequence weights (B,): 1 where A(y) ≥ 0, min(exp(clamp(Σ_t log r_t, ±20)), 1) where
-    A(y) < 0 (log r_t = log π_θ − log π_rollout over valid tokens). Detached."""
-    lr = torch.where(valid, (log_prob - rollout_log_prob).detach(), torch.zeros((), device=log_prob.device))
-    seq_ratio = lr.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().clamp(max=1.0)
-    return torch.where(sequence_advantage(advantages, valid) >= 0, torch.ones_like(seq_ratio), seq_ratio)
+    A(y) < 0 (log r_t = log π_θ − log π_rollout over valid tokens). Detached.
+
+    ``seq_log_ratio_sum`` / ``seq_advantage`` (B,), when given, are Σ_t log r_t and A(y) (e.g.
+    reduced over a context-parallel group)."""
+    if seq_log_ratio_sum is None:
+        lr = torch.where(valid, (log_prob - rollout_log_prob).detach(), torch.zeros((), device=log_prob.device))
+        seq_log_ratio_sum = lr.sum(-1)
+    if seq_advantage is None:
+        seq_advantage = sequence_advantage(advantages, valid)
+    seq_ratio = seq_log_ratio_sum.float().clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().clamp(max=1.0)
+    return torch.where(seq_advantage >= 0, torch.ones_like(seq_ratio), seq_ratio)
 
 
 def topr_loss(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
-              valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              valid: torch.Tensor, seq_log_ratio_sum: Optional[torch.Tensor] = None,
+              seq_advantage: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """TOPR per-token loss −sg(w)·A_t·log π_θ(y_t); returns (ℓ (B, T), tapered (B,) bool — the
-    negative-advantage sequences whose weight is below 1)."""
-    w = topr_weights(log_prob, rollout_log_prob, advantages, valid)
+    negative-advantage sequences whose weight is below 1). The optional per-sequence values are
+    passed to :func:`topr_weights`."""
+    w = topr_weights(log_prob, rollout_log_prob, advantages, valid, seq_log_ratio_sum, seq_advantage)
     return -(w.unsqueeze(-1) * advantages) * log_prob, w < 1.0

@@ -33,7 +33,9 @@ from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["RowExchange", "group_ranks", "stats_owner", "check_sequence_group"]
+from .stats import SufficientStats
+
+__all__ = ["RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite"]
 
 
 def _dist():
@@ -93,6 +95,26 @@ def stats_owner(sequence_group: object, process_group: Optional[object]) -> Opti
         "data-parallel group without context parallelism (one rank per sequence group, e.g. "
         "mpu.get_data_parallel_group()) or the one with it (all ranks holding a part of the batch, e.g. "
         "mpu.get_data_parallel_group(with_context_parallel=True))")
+
+
+def reduce_owned(stats: SufficientStats, process_group: Optional[object], owner: Optional[bool]) -> SufficientStats:
+    """Batch statistics recorded from the group's per-row values, reduced over ``process_group``
+    and counted once per sequence (``owner`` from :func:`stats_owner`)."""
+    sums, maxes = stats.sums, stats.maxes
+    if owner is False:  # another rank of the sequence group counts these sequences
+        sums = {k: torch.zeros_like(v) for k, v in sums.items()}
+        maxes = {k: torch.full_like(v, -torch.inf) for k, v in maxes.items()}
+    return SufficientStats.from_values(sums, maxes).all_reduce(process_group if owner is not None else None)
+
+
+def raise_nonfinite(bad_rows: torch.Tensor, what: str = "log-prob") -> None:
+    """``on_nonfinite="raise"`` with split rows: raised on every rank of the group alike (after the
+    exchange, so that no rank is left waiting in it)."""
+    if bool(bad_rows.any()):
+        b = int(bad_rows.nonzero()[0, 0])
+        raise ValueError(f"non-finite {what} at a valid position of row {b} (on this rank or another rank of "
+                         "sequence_group; |log-ratio| ≥ 1e30 counts as non-finite); fix the producer, or set "
+                         "on_nonfinite='reject' to drop such rows")
 
 
 class RowExchange:
