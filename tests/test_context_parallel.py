@@ -9,6 +9,9 @@ in the mask, NaN/inf in padding. Every result of every rank — weights and mask
 every metric, the loss shares (they add up to the unsplit loss) and the gradients of its tokens —
 is compared with one process computing on the whole, unsplit rows.
 
+The default run covers one preset per family and the hand-picked chains at CP = 2 (every group
+flavour) and a few at CP = 3; ``-m slow`` runs every preset and every loss type at CP = 2 and 3.
+
 The collectives are counted by wrapping ``torch.distributed``'s functions in each rank: a call
 with ``sequence_group`` makes exactly one ``all_gather_into_tensor`` over the sequence group, of a
 (B, k) tensor (k per-row scalars, independent of the sequence length), and no other collective
@@ -93,7 +96,7 @@ def take(x: torch.Tensor, cols: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(cols >= 0, out, torch.full_like(out, fill))
 
 
-def compute_all(old, rollout, mask, log_prob, adv, names, *, sequence_group=None, process_group=None):
+def compute_all(old, rollout, mask, log_prob, adv, names, losses, *, sequence_group=None, process_group=None):
     """Everything compared, for one call site."""
     out = {}
     for name in names:
@@ -103,7 +106,7 @@ def compute_all(old, rollout, mask, log_prob, adv, names, *, sequence_group=None
     offpolicy = compute_offpolicy_metrics(old, rollout, mask, process_group, sequence_group=sequence_group)
     out["offpolicy"] = (None, mask, {k: float(v) for k, v in offpolicy.items()})
     for mode in LOSS_AGG_MODES:
-        for name in LOSS_PRESETS:
+        for name in losses:
             lp = log_prob.clone().requires_grad_(True)
             loss, metrics = compute_policy_loss(
                 lp, old, adv, mask, config(name), rollout_log_prob=rollout, loss_agg_mode=mode,
@@ -135,7 +138,7 @@ def count_collectives(calls: list):
         setattr(dist, name, wrapper)
 
 
-def _worker(rank, world_size, cp, names, port, result_dir):
+def _worker(rank, world_size, cp, names, losses, thorough, port, result_dir):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -156,9 +159,9 @@ def _worker(rank, world_size, cp, names, port, result_dir):
                                                   take(rows[2], cols, 0.0), take(rows[3], cols, 0.0),
                                                   take(rows[4], cols, 0.0))
             for pg_name, pg in (("dp", dp_group), ("dp_cp", dist.group.WORLD), ("none", None)):
-                if pg_name != "dp" and layout == "zigzag" and cp == 3:
-                    continue  # keep the run short: the group semantics are covered by the other layouts
-                results[(layout, pg_name)] = compute_all(old, rollout, mask, log_prob, adv, names,
+                if pg_name != "dp" and layout == "zigzag" and not thorough:
+                    continue  # keep the fast run short: the group semantics are covered by the other layout
+                results[(layout, pg_name)] = compute_all(old, rollout, mask, log_prob, adv, names, losses,
                                                          sequence_group=cp_group, process_group=pg)
             # Collective count of single calls.
             cfg = config("decoupled_geo_rs_token_tis")
@@ -253,16 +256,16 @@ def _tensor_close(whole: torch.Tensor | None, got: torch.Tensor | None, cols: to
         torch.testing.assert_close(got[:, real], expected[:, real], rtol=2e-5, atol=1e-6, msg=lambda m: f"{context}: {m}")
 
 
-def run_grid(cp: int, dp: int, names: list[str], tmp_path):
+def run_grid(cp: int, dp: int, names: list[str], losses: list[str], tmp_path, thorough: bool = False):
     world = cp * dp
-    mp.start_processes(_worker, args=(world, cp, names, _free_port(), str(tmp_path)), nprocs=world, join=True,
-                       start_method="fork")
+    mp.start_processes(_worker, args=(world, cp, names, losses, thorough, _free_port(), str(tmp_path)), nprocs=world,
+                       join=True, start_method="fork")
     per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     dp_rows = [make_rows(d) for d in range(dp)]
     everything = [torch.cat([r[i] for r in dp_rows]) for i in range(5)]
     n_tok = int(everything[2].sum())
-    whole_all = compute_all(*everything, names)  # the whole batch: what "dp" and "dp_cp" must give
-    whole_dp = [compute_all(*r, names) for r in dp_rows]  # one DP rank's rows: what "none" must give
+    whole_all = compute_all(*everything, names, losses)  # the whole batch: what "dp" and "dp_cp" must give
+    whole_dp = [compute_all(*r, names, losses) for r in dp_rows]  # one DP rank's rows: what "none" must give
 
     # The comparison is sensitive: one DP rank's rows alone give different metrics.
     m_all, m_one = whole_all[names[0]][2], whole_dp[0][names[0]][2]
@@ -287,7 +290,7 @@ def run_grid(cp: int, dp: int, names: list[str], tmp_path):
                 _tensor_close(None if ew is None else ew[rows], w, cols, f"{ctx} {name} weights")
                 _tensor_close(em[rows], m, cols, f"{ctx} {name} mask", exact=True)
             for mode in LOSS_AGG_MODES:
-                for name in LOSS_PRESETS:
+                for name in losses:
                     loss, grad, metrics = got_all[f"loss/{name}/{mode}"]
                     e_loss, e_grad, e_metrics = whole_dp[dp_rank][f"loss/{name}/{mode}"]
                     if pg_name == "none":
@@ -357,16 +360,17 @@ def run_grid(cp: int, dp: int, names: list[str], tmp_path):
 
 def test_context_parallel_equals_unsplit(tmp_path):
     """CP = 2 × DP = 2 (4 processes), one preset per family and the hand-picked configurations."""
-    run_grid(2, 2, FAMILY_PRESETS + list(EXTRA), tmp_path)
+    run_grid(2, 2, FAMILY_PRESETS + list(EXTRA), ["decoupled_seq_is_rs", "bypass_pg_geo_rs_token_tis",
+                                                  "decoupled_gspo_geo_is"], tmp_path)
 
 
 def test_context_parallel_three_ranks(tmp_path):
     """CP = 3 × DP = 2 (6 processes; one rank's contiguous slice is empty), a few configurations."""
-    run_grid(3, 2, ["decoupled_geo_rs_token_tis", "rs_chain", "veto_legacy"], tmp_path)
+    run_grid(3, 2, ["decoupled_geo_rs_token_tis", "rs_chain", "veto_legacy"], ["bypass_topr"], tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 3])
 def test_context_parallel_every_preset(cp, tmp_path):
-    """CP = 2 and 3 × DP = 2 (4 and 6 processes), every preset."""
-    run_grid(cp, 2, ALL_PRESETS + list(EXTRA), tmp_path)
+    """CP = 2 and 3 × DP = 2 (4 and 6 processes), every preset, every loss type."""
+    run_grid(cp, 2, ALL_PRESETS + list(EXTRA), LOSS_PRESETS, tmp_path, thorough=True)

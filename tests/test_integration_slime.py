@@ -461,3 +461,15 @@ def test_context_parallel_equals_whole_responses(cp, tmp_path):
         for k, v in whole_metrics.items():
             want = float(sum_of_sample_mean(torch.cat(v), resps, masks))
             assert reduced[k] == pytest.approx(want, rel=1e-5, abs=1e-6), (opts, k)
+
+
+def test_example_script_runs(capsys):
+    """examples/integration_slime.py, as the docs say to run it: the veto drops sample 3 and the
+    printed metrics include slime's names and this library's."""
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "integration_slime.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "kept tokens per sample: [5, 6, 3, 0] of [5, 6, 3, 6]" in out
+    assert "mis_rs_catastrophic_seq_fraction" in out and "rollout_corr/rollout_is_mean" in out
