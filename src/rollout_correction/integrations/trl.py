@@ -256,6 +256,42 @@ class SamplingLogProbRecorder(contextlib.AbstractContextManager):
         return [rows[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
+def _check_supported(rollout_correction: Any, grpo_args: Any,
+                     rollout_autocast_dtype: Optional[torch.dtype]) -> RolloutCorrectionConfig:
+    """The config for ``grpo_args`` (a ``GRPOConfig``), or a ValueError naming what to change."""
+    cfg = resolve_config(rollout_correction, grpo_args)
+    loss_type = grpo_args.loss_type
+    if loss_type not in TRL_LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not one of TRL 1.16's {list(TRL_LOSS_TYPES)}")
+    if cfg.loss_type != "ppo_clip":
+        raise ValueError(
+            f"rollout_correction has loss_type={cfg.loss_type!r}, a policy loss of this library; "
+            f"under TRL the policy loss is TRL's own (GRPOConfig.loss_type={loss_type!r}). Keep "
+            f"loss_type='ppo_clip' in the correction config and choose the loss in GRPOConfig "
+            f"(e.g. loss_type='cispo'; importance_sampling_level='sequence' for GSPO); TRL has no "
+            f"REINFORCE loss, so the bypass_pg_* presets have no TRL counterpart"
+        )
+    if cfg.rollout_opsm_delta is not None:
+        raise ValueError(
+            "rollout_opsm_delta (off-policy sequence masking) acts inside this library's loss, which "
+            "TRL does not call; use TRL's own GRPOConfig.off_policy_mask_threshold instead"
+        )
+    if loss_type == "vespo" and cfg.rollout_is is not None and cfg.rollout_is != "token" and not cfg.bypass_mode:
+        raise ValueError(
+            f"loss_type='vespo' takes token-level IS weights into its gamma weight (as TRL's own "
+            f"VESPO accepts only vllm_importance_sampling_mode='token_truncate'/'token_mask'); "
+            f"rollout_is={cfg.rollout_is!r} is not supported with it: use rollout_is='token' "
+            f"(or, with rollout_correction=None, vllm_importance_sampling_mode='token_truncate' or "
+            f"'token_mask') or another loss_type"
+        )
+    if rollout_autocast_dtype is not None and (grpo_args.use_vllm or grpo_args.use_transformers_continuous_batching):
+        raise ValueError(
+            "rollout_autocast_dtype applies to plain transformers generate only; with use_vllm or "
+            "use_transformers_continuous_batching the sampler's precision is its own: leave it None"
+        )
+    return cfg
+
+
 @contextlib.contextmanager
 def _recording_generate_batch(model: torch.nn.Module):
     """While active, ``model.generate_batch`` (transformers continuous batching) stores, in the
@@ -300,39 +336,16 @@ if _GRPOTrainer is not None:
             **kwargs: Any,
         ):
             check_trl_version()
+            # Refuse what cannot work before TRL loads models or starts vLLM (GRPOTrainer's third
+            # positional argument is its GRPOConfig); without one, after TRL has built its default.
+            grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+            if grpo_args is not None:
+                config = _check_supported(rollout_correction, grpo_args, rollout_autocast_dtype)
             super().__init__(*args, **kwargs)
-            self.rollout_correction = resolve_config(rollout_correction, self.args)
+            if grpo_args is None:
+                config = _check_supported(rollout_correction, self.args, rollout_autocast_dtype)
+            self.rollout_correction = config
             self.rollout_autocast_dtype = rollout_autocast_dtype
-            cfg = self.rollout_correction
-            if self.loss_type not in TRL_LOSS_TYPES:
-                raise ValueError(f"loss_type={self.loss_type!r} is not one of TRL 1.16's {list(TRL_LOSS_TYPES)}")
-            if cfg.loss_type != "ppo_clip":
-                raise ValueError(
-                    f"rollout_correction has loss_type={cfg.loss_type!r}, a policy loss of this library; "
-                    f"under TRL the policy loss is TRL's own (GRPOConfig.loss_type={self.loss_type!r}). Keep "
-                    f"loss_type='ppo_clip' in the correction config and choose the loss in GRPOConfig "
-                    f"(e.g. loss_type='cispo'; importance_sampling_level='sequence' for GSPO); TRL has no "
-                    f"REINFORCE loss, so the bypass_pg_* presets have no TRL counterpart"
-                )
-            if cfg.rollout_opsm_delta is not None:
-                raise ValueError(
-                    "rollout_opsm_delta (off-policy sequence masking) acts inside this library's loss, which "
-                    "TRL does not call; use TRL's own GRPOConfig.off_policy_mask_threshold instead"
-                )
-            if self.loss_type == "vespo" and cfg.rollout_is is not None and cfg.rollout_is != "token" \
-                    and not cfg.bypass_mode:
-                raise ValueError(
-                    f"loss_type='vespo' takes token-level IS weights into its gamma weight (as TRL's own "
-                    f"VESPO accepts only vllm_importance_sampling_mode='token_truncate'/'token_mask'); "
-                    f"rollout_is={cfg.rollout_is!r} is not supported with it: use rollout_is='token' "
-                    f"(or, with rollout_correction=None, vllm_importance_sampling_mode='token_truncate' or "
-                    f"'token_mask') or another loss_type"
-                )
-            if rollout_autocast_dtype is not None and (self.use_vllm or self.use_transformers_continuous_batching):
-                raise ValueError(
-                    "rollout_autocast_dtype applies to plain transformers generate only; with use_vllm or "
-                    "use_transformers_continuous_batching the sampler's precision is its own: leave it None"
-                )
             generate_every = self.args.steps_per_generation * self.num_iterations
             trl_computes_old = (self.use_vllm and self.vllm_importance_sampling_correction) or \
                 self.args.gradient_accumulation_steps % generate_every != 0
