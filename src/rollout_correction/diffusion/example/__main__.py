@@ -1,0 +1,3 @@
+from rollout_correction.diffusion.example.cli import main
+
+raise SystemExit(main())
