@@ -10,183 +10,65 @@
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "rollout_correction"
-PKG = "rollout_correction"
-SURFACES = ("compat", "integrations", "diagnose", "demo", "diffusion", "monitor")
-
-
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-MODULES = {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
-
-
-def _is_package(module: str) -> bool:
-    return MODULES[module].name == "__init__.py"
-
-
-def _resolve(module: str, node: ast.ImportFrom) -> str:
-    if node.level == 0:
-        return node.module or ""
-    base = module.split(".") if _is_package(module) else module.split(".")[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
-def _imports(module: str, *, top_level_only: bool) -> list[tuple[str, str | None, int]]:
-    """(imported module, imported name or None, line) for every import of ``module``."""
-    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
-    nodes = ast.walk(tree) if not top_level_only else _top_level(tree)
-    out = []
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            out += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == PKG]
-        elif isinstance(node, ast.ImportFrom):
-            target = _resolve(module, node)
-            if target.split(".")[0] != PKG:
-                continue
-            for a in node.names:
-                sub = f"{target}.{a.name}"
-                if sub in MODULES:  # "from pkg import module"
-                    out.append((sub, None, node.lineno))
-                else:
-                    out.append((target, a.name, node.lineno))
-    return out
-
-
-def _top_level(tree: ast.Module):
-    """Statements executed at import time: the module body, including if/try blocks."""
-    stack = list(tree.body)
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, (ast.If, ast.Try)):
-            for block in (node.body, node.orelse, getattr(node, "finalbody", []),
-                          *[h.body for h in getattr(node, "handlers", [])]):
-                stack.extend(block)
-
-
-def _where(module: str) -> str:
-    path = MODULES[module]
-    return str(path.relative_to(SRC)) if path.is_relative_to(SRC) else path.name
-
-
-def _surface(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in SURFACES else None
-
-
-def _all(module: str) -> set[str]:
-    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
-            return set(ast.literal_eval(node.value))
-    return set()
-
-
-def _graph() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
-    for m in MODULES:
-        deps = set()
-        for target, _, _ in _imports(m, top_level_only=True):
-            # importing a.b.c runs a/__init__, a/b/__init__ and a/b/c
-            parts = target.split(".")
-            for i in range(1, len(parts) + 1):
-                name = ".".join(parts[:i])
-                if name in MODULES and name != m:
-                    deps.add(name)
-        graph[m] = deps
-    return graph
-
-
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    WHITE, GREY, BLACK = 0, 1, 2
-    color = dict.fromkeys(graph, WHITE)
-    path: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        color[n] = GREY
-        path.append(n)
-        for d in sorted(graph[n]):
-            # A package importing its own submodules is how packages are built, not a cycle.
-            if n == d.rsplit(".", 1)[0] and _is_package(n):
-                continue
-            if color[d] == GREY:
-                return path[path.index(d):] + [d]
-            if color[d] == WHITE:
-                found = visit(d)
-                if found:
-                    return found
-        path.pop()
-        color[n] = BLACK
-        return None
-
-    for n in sorted(graph):
-        if color[n] == WHITE:
-            found = visit(n)
-            if found:
-                return found
-    return None
+_spec = importlib.util.spec_from_file_location(
+    "architecture", Path(__file__).resolve().parents[1] / "tools" / "architecture.py")
+A = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(A)
 
 
 def test_scanner_sees_the_package():
-    assert "rollout_correction.correction" in MODULES and "rollout_correction.compat.verl" in MODULES
-    g = _graph()
+    assert "rollout_correction.correction" in A.MODULES and "rollout_correction.compat.verl" in A.MODULES
+    g = A.graph()
     assert "rollout_correction.metrics" in g["rollout_correction.correction"]
     assert "rollout_correction.config" in g["rollout_correction.weights"]
 
 
 def test_cycle_finder_finds_a_planted_cycle():
     g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
-    assert _find_cycle(g) == ["a", "b", "c", "a"]
-    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+    assert A.find_cycle(g) == ["a", "b", "c", "a"]
+    assert A.find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_no_import_cycle():
-    cycle = _find_cycle(_graph())
+    cycle = A.find_cycle(A.graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
 def test_core_never_imports_a_surface():
     bad = []
-    for m in MODULES:
-        if _surface(m) is not None or m == PKG:
+    for m in A.MODULES:
+        if A.surface(m) is not None or m == A.PKG:
             continue
-        for target, _, line in _imports(m, top_level_only=False):
-            if _surface(target) is not None:
-                bad.append(f"{MODULES[m].name}:{line} imports {target}")
+        for target, _, line in A.imports(m, top_level_only=False):
+            if A.surface(target) is not None:
+                bad.append(f"{A.MODULES[m].name}:{line} imports {target}")
     assert not bad, "the core imports a surface:\n" + "\n".join(bad)
 
 
 def _surface_imports():
     """(surface, importing module, imported module, imported name or None, line) for every import
     made by a module of a surface."""
-    for m in MODULES:
-        surface = _surface(m)
+    for m in A.MODULES:
+        surface = A.surface(m)
         if surface is not None:
-            for target, name, line in _imports(m, top_level_only=False):
+            for target, name, line in A.imports(m, top_level_only=False):
                 yield surface, m, target, name, line
 
 
 def _private_core_imports() -> list[str]:
     bad = []
     for _, m, target, name, line in _surface_imports():
-        if _surface(target) is not None:
+        if A.surface(target) is not None:
             continue  # within the surfaces
-        where = f"{_where(m)}:{line}"
+        where = f"{A.where(m)}:{line}"
         if any(part.startswith("_") and part != "__init__" for part in target.split(".")):
             bad.append(f"{where} imports the private module {target}")
-        elif name is not None and (name.startswith("_") or name not in _all(target)):
+        elif name is not None and (name.startswith("_") or name not in A.public_names(target)):
             bad.append(f"{where} imports {target}.{name}, which is not in {target}.__all__")
     return bad
 
@@ -197,8 +79,8 @@ def test_surfaces_use_only_the_public_api_of_the_core():
 
 
 def test_surfaces_do_not_import_each_other():
-    bad = [f"{_where(m)}:{line} imports {target}" for surface, m, target, _, line in _surface_imports()
-           if _surface(target) not in (None, surface)]
+    bad = [f"{A.where(m)}:{line} imports {target}" for surface, m, target, _, line in _surface_imports()
+           if A.surface(target) not in (None, surface)]
     assert not bad, "a surface depends on another surface:\n" + "\n".join(bad)
 
 
@@ -208,9 +90,13 @@ def test_surfaces_do_not_import_each_other():
 ])
 def test_private_import_check_catches_a_planted_violation(tmp_path, monkeypatch, source, expected):
     # a module of the compat surface (relative imports resolve as for compat/verl.py)
-    monkeypatch.setitem(MODULES, "rollout_correction.compat.planted", tmp_path / "planted.py")
+    monkeypatch.setitem(A.MODULES, "rollout_correction.compat.planted", tmp_path / "planted.py")
     (tmp_path / "planted.py").write_text(source, encoding="utf-8")
-    bad = [b for b in _private_core_imports() if "planted" in b]
+    A.imports.cache_clear()  # the scanner caches what it read; this file is new each time
+    try:
+        bad = [b for b in _private_core_imports() if "planted" in b]
+    finally:
+        A.imports.cache_clear()
     assert len(bad) == 1 and expected in bad[0].replace("rollout_correction.", ""), bad
 
 
@@ -220,9 +106,36 @@ def test_every_subcommand_suggests_an_extra_that_exists():
 
     from rollout_correction import cli
 
-    pyproject = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    pyproject = tomllib.loads((A.SRC.parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
     extras = set(pyproject["project"]["optional-dependencies"])
     for command in cli._COMMANDS:
         hint = cli.install_hint(command)
         (extra,) = re.findall(r"rollout-correction\[([\w-]+)\]", hint)
         assert extra in extras, f"`rollout-correction {command}` suggests {hint!r}, but pyproject has no [{extra}]"
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in A.MODULES if A.layer_of(m) is None)
+    assert not unplaced, (f"modules without a layer: {unplaced}; add each to LAYERS in tools/architecture.py "
+                          "(then run: python tools/architecture.py)")
+
+
+def test_modules_import_only_from_lower_layers():
+    bad = []
+    for m in A.MODULES:
+        mine = A.layer_of(m)
+        for target, _, line in A.imports(m, top_level_only=True):
+            theirs = A.layer_of(target)
+            if A.box_name(target) != A.box_name(m) and theirs is not None and theirs >= mine:
+                bad.append(f"{A.where(m)}:{line} ({A.LAYERS[mine][0]}) imports {target} ({A.LAYERS[theirs][0]})")
+    assert not bad, ("imports that do not go down the stack (move the module to a higher layer in "
+                     "tools/architecture.py, or the import down):\n" + "\n".join(bad))
+
+
+def test_layer_check_catches_an_upward_import(monkeypatch):
+    monkeypatch.setattr(A, "LAYERS", [("low", "", ["correction", "metrics"]), ("high", "", ["logratio"])]
+                        + [(n, w, [x for x in mods if x not in ("correction", "metrics", "logratio")])
+                           for n, w, mods in A.LAYERS])
+    assert A.layer_of("rollout_correction.metrics") == 0 and A.layer_of("rollout_correction.logratio") == 1
+    with pytest.raises(AssertionError, match="metrics.py:.*imports rollout_correction.logratio"):
+        test_modules_import_only_from_lower_layers()
