@@ -1,15 +1,19 @@
 """OpenRLHF: swap the correction step of ``PolicyLoss`` for this library's.
 
-In OpenRLHF's ``openrlhf/trainer/ray/ppo_actor.py`` the actor builds ``self.actor_loss_fn =
-PolicyLoss(...)``. Replace that statement with (docs/integrations.md)::
+In OpenRLHF's ``openrlhf/trainer/ray/ppo_actor.py`` make the two edits of docs/integrations.md::
 
+    # ActorPPOTrainer.__init__: replaces `self.actor_loss_fn = PolicyLoss(...)`
     from rollout_correction.integrations.openrlhf import RolloutCorrectionPolicyLoss
     self.actor_loss_fn = RolloutCorrectionPolicyLoss.from_args(self.args)
+    # PolicyModelActor.append: replaces `self.trainer.replay_buffer.append(experience)`
+    self.trainer.replay_buffer.append(self.trainer.actor_loss_fn.prepare_experience(experience))
 
-and keep the CLI flags as they are (``--algo.advantage.is_correction_enable``,
-``--algo.advantage.is_correction_type seq-mask-tis``, ``--algo.advantage.is_correction_threshold
-0.5 5.0``). This script runs both losses on one batch where a single token's log-ratio is +100
-inside an accepted sequence (OpenRLHF #1295): OpenRLHF's ``seq-mask-tis`` overflows, ours does not.
+and keep the CLI flags (``--algo.advantage.is_correction_enable
+--algo.advantage.is_correction_type seq-mask-tis --algo.advantage.is_correction_threshold 0.5 5.0``).
+This script parses that command line with OpenRLHF's own parser, then on one batch shows
+(1) a single token's log-ratio of +100 inside an accepted sequence: OpenRLHF's ``seq-mask-tis``
+overflows, ours does not; (2) ``prepare_experience`` taking a rejected sequence out of the action
+mask OpenRLHF counts its denominators from.
 
     pip install --no-deps openrlhf==0.10.4     # or a full OpenRLHF install
     python examples/integration_openrlhf.py
@@ -17,6 +21,7 @@ inside an accepted sequence (OpenRLHF #1295): OpenRLHF's ``seq-mask-tis`` overfl
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 import types
@@ -38,7 +43,9 @@ def policy_loss_class():
     # Installed with --no-deps: run openrlhf/models/{utils,loss}.py without the package __init__
     # (which needs DeepSpeed); utils.py imports deepspeed but PolicyLoss never uses it.
     models_dir = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0]) / "models"
-    sys.modules.setdefault("deepspeed", types.ModuleType("deepspeed"))
+    stand_in = "deepspeed" not in sys.modules
+    if stand_in:
+        sys.modules["deepspeed"] = types.ModuleType("deepspeed")
     package = types.ModuleType("openrlhf_models")
     package.__path__ = [str(models_dir)]
     sys.modules["openrlhf_models"] = package
@@ -48,21 +55,45 @@ def policy_loss_class():
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
+    if stand_in:
+        del sys.modules["deepspeed"]
     return module.PolicyLoss
+
+
+def openrlhf_args(argv: list[str]):
+    """The args ``python -m openrlhf.cli.train_ppo_ray <argv>`` hands to ``train``: the body of its
+    ``__main__`` block (argparse, ``hierarchize``, validation) without the final ``train(args)``."""
+    path = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0]) / "cli" / "train_ppo_ray.py"
+    tree = ast.parse(path.read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
+    imports = [n for n in tree.body if isinstance(n, ast.Import) and n.names[0].name in ("argparse", "os")]
+    imports += [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "datetime"]
+    config_dir = path.parent.parent / "utils"  # openrlhf/utils/config.py, without openrlhf/utils/__init__
+    spec = importlib.util.spec_from_file_location("openrlhf_utils_config", config_dir / "config.py")
+    config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(config)
+    body = [n for n in block.body[:-1]
+            if not (isinstance(n, ast.ImportFrom) and n.module == "openrlhf.utils.config")]
+    namespace = {"hierarchize": config.hierarchize, "__name__": "__main__"}
+    old_argv, sys.argv = sys.argv, ["train_ppo_ray.py", *argv]
+    try:
+        exec(compile(ast.Module(body=imports + body, type_ignores=[]), str(path), "exec"), namespace)
+    finally:
+        sys.argv = old_argv
+    return namespace["args"]
 
 
 def main() -> None:
     torch.manual_seed(0)
     PolicyLoss = policy_loss_class()
-    args = SimpleNamespace(  # the fields of OpenRLHF's parsed CLI that the loss reads
-        actor=SimpleNamespace(eps_clip_low_high=(0.2, 0.2), dual_clip=None, loss_agg_mode="token-mean",
-                              policy_loss_type="ppo"),
-        algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_enable=True, is_correction_type="seq-mask-tis",
-                                                       is_correction_threshold=[0.5, 5.0])),
-    )
+    args = openrlhf_args([
+        "--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--algo.advantage.estimator", "group_norm",
+        "--rollout.n_samples_per_prompt", "4", "--algo.advantage.is_correction_enable",
+        "--algo.advantage.is_correction_type", "seq-mask-tis", "--algo.advantage.is_correction_threshold", "0.5", "5.0",
+    ])
     theirs = PolicyLoss(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 5.0],
                         vllm_is_correction_type="seq-mask-tis")
-    ours = RolloutCorrectionPolicyLoss.from_args(args, PolicyLoss)
+    ours = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=PolicyLoss)
 
     B, T = 4, 200
     rollout = -torch.rand(B, T) - 0.1
@@ -71,16 +102,21 @@ def main() -> None:
     # inside [0.5, 5] both raw (OpenRLHF) and with each log-ratio clamped to ±20 (ours), so both
     # accept the row; OpenRLHF then multiplies the loss by exp(100) = inf in fp32.
     old[0] = rollout[0] + torch.tensor([100.0] + [-99.0 / (T - 1)] * (T - 1))
+    # Row 3: every ratio e^-3, outside the band: the sequence is rejected.
+    old[3] = rollout[3] - 3.0
     advantages = torch.randn(B, 1).expand(B, T).clone()
-    mask = torch.ones(B, T)
-    for name, fn in (("OpenRLHF seq-mask-tis", theirs), ("rollout-correction", ours)):
+    mask = torch.ones(B, T, dtype=torch.bool)
+    # What PolicyModelActor.append hands the replay buffer after the second edit.
+    experience = SimpleNamespace(action_mask=mask.clone(), action_log_probs=old, rollout_log_probs=rollout, info={})
+    ours.prepare_experience(experience)
+    print("action tokens OpenRLHF counts:", int(mask.sum()), "->", int(experience.action_mask.sum()))
+    print("rejected token fraction per sample:", experience.info["rollout_corr/openrlhf_rejected_token_fraction"].tolist())
+    for name, fn, m in (("OpenRLHF seq-mask-tis", theirs, mask), ("rollout-correction", ours, experience.action_mask)):
         log_probs = (old + 0.05 * torch.randn(B, T)).requires_grad_(True)
-        loss, clip_ratio, ppo_kl, vllm_kl = fn(log_probs, old, advantages, action_mask=mask,
+        loss, clip_ratio, ppo_kl, vllm_kl = fn(log_probs, old, advantages, action_mask=m,
                                               rollout_log_probs=rollout)
         loss.backward()
         print(f"{name:24s} loss {loss.item(): .4f}  gradient finite: {bool(torch.isfinite(log_probs.grad).all())}")
-    print("metrics of the last call:", {k: round(float(v), 4) for k, v in ours.last_metrics.items()
-                                        if "rs_seq_masked" in k or k.endswith("rollout_is_max")})
 
 
 if __name__ == "__main__":

@@ -1,29 +1,21 @@
-"""OpenRLHF adapter, tested against OpenRLHF's real ``PolicyLoss`` (``pip install --no-deps openrlhf==0.10.4``).
+"""OpenRLHF adapter, against OpenRLHF's real ``PolicyLoss`` (``pip install --no-deps openrlhf==0.10.4``).
 
-The full OpenRLHF install pulls DeepSpeed, vLLM, Ray and flash-attn, far too heavy for CI, so the
-wheel is installed without dependencies and the two files the tested path runs are loaded
-unmodified from it: ``openrlhf/models/loss.py`` (``PolicyLoss``, ``aggregate_loss``) and
-``openrlhf/models/utils.py`` (``masked_mean``). Light stand-ins are used only for what those files
-import but the tested path never touches: the package ``__init__`` files (they import the actor,
-DeepSpeed strategy and trainers) are replaced by bare package modules pointing at the real
-directories, and ``deepspeed`` (imported at the top of ``utils.py``, used only by a model-loading
-helper) by an empty module. All stand-ins are removed from ``sys.modules`` after loading.
+``PolicyLoss`` is loaded unmodified from the installed release by tests/openrlhf_reference.py,
+which says what it stands in for (heavy imports the loss never runs: DeepSpeed, Ray, vLLM, the
+package ``__init__`` files) and why. Args come from OpenRLHF's own CLI parser. The actor-level
+tests (the recipe's edits in ``ppo_actor.py``, the denominators OpenRLHF counts) are in
+tests/test_integration_openrlhf_actor.py.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import math
-import sys
-import types
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+import openrlhf_reference as ref
+from rollout_correction import compute_rollout_correction
 from rollout_correction.integrations.openrlhf import (
     RolloutCorrectionPolicyLoss,
     config_from_openrlhf,
@@ -32,42 +24,9 @@ from rollout_correction.integrations.openrlhf import (
 
 torch.set_num_threads(1)
 
-OPENRLHF_VERSION = "0.10.4"
-
-
-def _load_openrlhf_loss() -> types.ModuleType:
-    version = importlib.metadata.version("openrlhf")  # raises if not installed: CI must install it
-    assert version == OPENRLHF_VERSION, f"tests pin openrlhf=={OPENRLHF_VERSION}, found {version}"
-    root = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0])
-    stand_ins = {"openrlhf": [root], "openrlhf.models": [root / "models"]}
-    inserted = []
-    try:
-        for name, path in stand_ins.items():
-            if name not in sys.modules:
-                pkg = types.ModuleType(name)
-                pkg.__path__ = [str(p) for p in path]
-                sys.modules[name] = pkg
-                inserted.append(name)
-        if importlib.util.find_spec("deepspeed") is None and "deepspeed" not in sys.modules:
-            sys.modules["deepspeed"] = types.ModuleType("deepspeed")
-            inserted.append("deepspeed")
-        loaded = {}
-        for sub in ("utils", "loss"):
-            name = f"openrlhf.models.{sub}"
-            spec = importlib.util.spec_from_file_location(name, root / "models" / f"{sub}.py")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            inserted.append(name)
-            spec.loader.exec_module(module)
-            loaded[sub] = module
-        return loaded["loss"]
-    finally:
-        for name in inserted:
-            sys.modules.pop(name, None)
-
-
-LOSS = _load_openrlhf_loss()
-PolicyLoss = LOSS.PolicyLoss
+PolicyLoss = ref.policy_loss_class()
+CLI = ["--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--algo.advantage.estimator", "group_norm",
+       "--rollout.n_samples_per_prompt", "4"]
 
 
 def _batch(B=5, T=6, seed=0, scale=0.3):
@@ -158,36 +117,22 @@ def test_seq_mask_tis_overflow_is_fixed():
     assert w[0, 0].item() == pytest.approx(5.0)
 
 
-def test_openrlhf_0_11_options_map_like_the_named_types():
-    band = [0.5, 5.0]
-    assert config_from_openrlhf(None, band, is_correction_level="token", is_correction_mode="clip") == \
-        config_from_openrlhf("tis", band)
-    assert config_from_openrlhf(None, band, is_correction_level="token", is_correction_mode="mask") == \
-        config_from_openrlhf("icepop", band)
-    assert config_from_openrlhf(None, band, is_correction_level="seq", is_correction_mode="mask") == \
-        config_from_openrlhf("seq-mask-tis", band)
-    assert config_from_openrlhf(None, band, is_correction_level="off") == RolloutCorrectionConfig.disabled()
-    with pytest.raises(ValueError, match="is_correction_gating"):
-        config_from_openrlhf(None, [0.01], is_correction_level="seq", is_correction_gating="binary_kl")
-    with pytest.raises(ValueError, match="not a valid OpenRLHF combination"):
-        config_from_openrlhf(None, band, is_correction_level="seq", is_correction_mode="clip")
+def test_option_errors_name_the_problem():
     with pytest.raises(ValueError, match="is_correction_type"):
-        config_from_openrlhf("tls", band)
+        config_from_openrlhf("tls", [0.5, 5.0])
     with pytest.raises(ValueError, match="LOW < HIGH"):
         config_from_openrlhf("tis", [5.0, 0.5])
-    # A single value is an upper bound only (0.11): TIS then has lower bound 0.
-    spec = config_from_openrlhf("tis", [3.0]).is_spec
-    assert (spec.lower, spec.upper) == (0.0, 3.0)
+    with pytest.raises(ValueError, match="two values"):
+        config_from_openrlhf("tis", [3.0])
+    with pytest.raises(ValueError, match="positive LOW"):
+        config_from_openrlhf("seq-mask-tis", [0.0, 5.0])
 
 
-def test_from_args_builds_the_real_policy_loss_and_matches():
-    args = SimpleNamespace(
-        actor=SimpleNamespace(eps_clip_low_high=(0.2, 0.28), dual_clip=None, loss_agg_mode="token-mean",
-                              policy_loss_type="ppo"),
-        algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_enable=True, is_correction_type="icepop",
-                                                       is_correction_threshold=[0.5, 1.5])),
-    )
-    ours = RolloutCorrectionPolicyLoss.from_args(args, PolicyLoss)
+def test_from_args_on_openrlhf_cli_builds_the_real_policy_loss_and_matches():
+    args = ref.parse_cli(CLI + ["--actor.eps_clip_low_high", "0.2", "0.28", "--algo.advantage.is_correction_enable",
+                                "--algo.advantage.is_correction_type", "icepop",
+                                "--algo.advantage.is_correction_threshold", "0.5", "1.5"])
+    ours = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=PolicyLoss)
     assert isinstance(ours.policy_loss, PolicyLoss) and not ours.policy_loss.enable_vllm_is_correction
     assert config_from_openrlhf_args(args) == config_from_openrlhf("icepop", [0.5, 1.5])
     theirs = _theirs("icepop", 0.5, 1.5, clip_eps_low=0.2, clip_eps_high=0.28)
@@ -195,8 +140,9 @@ def test_from_args_builds_the_real_policy_loss_and_matches():
     (l_t, *_), _ = _run(theirs, *batch)
     (l_o, *_), _ = _run(ours, *batch)
     torch.testing.assert_close(l_o, l_t, rtol=1e-5, atol=1e-7)
-    args.algo.advantage.is_correction_enable = False
-    assert config_from_openrlhf_args(args) == RolloutCorrectionConfig.disabled()
+    # A preset of this library in place of OpenRLHF's type.
+    assert RolloutCorrectionPolicyLoss.from_args(args, "decoupled_geo_rs_token_tis", policy_loss_cls=PolicyLoss
+                                                 ).config.rs_options[0].name == "seq_mean_k1"
 
 
 def test_wrapping_a_correcting_loss_is_refused():
@@ -207,3 +153,17 @@ def test_wrapping_a_correcting_loss_is_refused():
     with pytest.raises(ValueError, match="rollout_log_probs"):
         loss(lp, old, adv, action_mask=mask)
     assert math.isfinite(loss(lp, old, adv, action_mask=mask, rollout_log_probs=rollout)[0].item())
+
+
+def test_example_runs_as_documented(capsys):
+    """examples/integration_openrlhf.py, as the docs say to run it: args from OpenRLHF's parser,
+    row 3 rejected (800 → 600 counted tokens), OpenRLHF's seq-mask-tis overflows, ours does not."""
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "integration_openrlhf.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "action tokens OpenRLHF counts: 800 -> 600" in out
+    assert "rejected token fraction per sample: [0.0, 0.0, 0.0, 1.0]" in out
+    assert "OpenRLHF seq-mask-tis    loss -inf  gradient finite: False" in out
+    assert "gradient finite: True" in out.split("rollout-correction", 1)[1]

@@ -1,113 +1,120 @@
-"""OpenRLHF: its train/rollout correction options mapped onto ours, and a drop-in policy loss.
+"""OpenRLHF: its rollout correction options mapped onto ours, and a drop-in policy loss.
 
-OpenRLHF's ``PolicyLoss`` (``openrlhf/models/loss.py``) corrects the vLLM/DeepSpeed mismatch
-inside its forward. Two generations of options exist:
+OpenRLHF (0.10.4 to 0.11.x) corrects the vLLM/DeepSpeed mismatch inside ``PolicyLoss.forward``
+(``openrlhf/models/loss.py``), driven by three options of ``openrlhf.cli.train_ppo_ray``:
+``--algo.advantage.is_correction_enable``, ``--algo.advantage.is_correction_type``
+``tis | icepop | seq-mask-tis`` (default ``tis``) and ``--algo.advantage.is_correction_threshold
+LOW HIGH`` (default ``0.5 5.0``).
 
-* 0.10.x: ``--algo.advantage.is_correction_enable``, ``--algo.advantage.is_correction_type``
-  ``tis | icepop | seq-mask-tis`` and ``--algo.advantage.is_correction_threshold LOW HIGH``
-  (``PolicyLoss(enable_vllm_is_correction, vllm_is_truncated_threshold, vllm_is_correction_type)``);
-* 0.11.x: ``--algo.advantage.is_correction_level off | token | seq``, ``..._mode mask | clip``,
-  ``..._gating ratio | binary_kl | tv`` and the same threshold (one value = upper bound only).
-
-:func:`config_from_openrlhf` maps either onto a :class:`~rollout_correction.RolloutCorrectionConfig`
+:func:`config_from_openrlhf` maps them onto a :class:`~rollout_correction.RolloutCorrectionConfig`
 (ρ_t = π_old(y_t)/π_rollout(y_t), ``[lo, hi]`` the threshold):
 
 =================================  ==============================================================
 OpenRLHF                           ours
 =================================  ==============================================================
-``tis`` (token + clip)             token IS, w_t = clamp(ρ_t, lo, hi)  (``rollout_is_mode="clip"``)
-``icepop`` (token + mask)          token IcePop, w_t = ρ_t·1[lo ≤ ρ_t ≤ hi], mask unchanged
-``seq-mask-tis`` (seq + mask)      rejection of sequences whose geometric mean ρ̄ = exp(mean log ρ_t)
+``tis``                            token IS, w_t = clamp(ρ_t, lo, hi)  (``rollout_is_mode="clip"``)
+``icepop``                         token IcePop, w_t = ρ_t·1[lo ≤ ρ_t ≤ hi]; the token keeps its
+                                   place in the denominator (a zero weight, as in OpenRLHF)
+``seq-mask-tis``                   rejection of sequences whose geometric mean ρ̄ = exp(mean log ρ_t)
                                    lies outside [lo, hi] (``seq_mean_k1``) and token IS
                                    w_t = clamp(ρ_t, lo, hi) on the kept ones
 =================================  ==============================================================
 
 Two deliberate differences, both fixes:
 
-* ``seq-mask-tis`` in OpenRLHF multiplies the loss by the *unclamped* token ratio exp(log ρ_t)
-  (no bound at all, OpenRLHF #1295): one token with log ρ_t ≳ 89 in an accepted sequence makes
-  the fp32 loss ``inf`` and its gradient NaN. Here the token weight is clamped to [lo, hi]
-  (OpenRLHF's own TIS bound) after a ±20 log-space clamp.
-* a rejected sequence leaves the loss denominator (its tokens are removed from the action mask);
-  OpenRLHF only zeroes their loss, so they still dilute the token mean.
+* ``seq-mask-tis`` in OpenRLHF multiplies the loss by the *unclamped* token ratio exp(log ρ_t):
+  one token with log ρ_t ≳ 89 in an accepted sequence makes the fp32 loss ``inf`` and its
+  gradient NaN. Here the token weight is clamped to [lo, hi] (OpenRLHF's own TIS bound) after a
+  ±20 log-space clamp.
+* rejected tokens and sequences leave the loss denominators. OpenRLHF's actor divides by
+  ``batch_num_tokens`` / ``global_batch_size``, which ``utils/loss_utils.py`` counts from the
+  action masks of the whole optimizer step (all gradient-accumulation micro-batches, all
+  data-parallel ranks) *before* the first micro-batch's loss is computed; OpenRLHF itself only
+  zeroes the rejected tokens' loss. A loss module sees one micro-batch and cannot know how many
+  tokens the other micro-batches and ranks reject, so the rejection is applied where the
+  counts come from: :meth:`RolloutCorrectionPolicyLoss.prepare_experience` removes the rejected
+  tokens from ``experience.action_mask`` when the experience enters the actor's replay buffer
+  (π_old and π_rollout are fixed for the whole step, so the decision is the same in every PPO
+  epoch). Every action-mask reduction of the step then counts accepted tokens only: the policy
+  loss, its KL and entropy terms, and the token / sample counts OpenRLHF logs.
 
 The geometric mean is taken over per-token log-ratios clamped to ±20 (OpenRLHF: unclamped), so a
 row whose band decision hinges on one log-ratio beyond ±20 can be decided differently.
 
-:class:`RolloutCorrectionPolicyLoss` is the drop-in: it wraps an OpenRLHF ``PolicyLoss`` built
-with its own correction off, computes our correction, and hands the wrapped loss the advantages
-scaled by the weights and the action mask with the rejections applied:
+:class:`RolloutCorrectionPolicyLoss` wraps an OpenRLHF ``PolicyLoss`` built with its own
+correction off and hands it the advantages scaled by our weights:
 ``−min(r·wA, clip(r)·wA) = −w·min(r·A, clip(r)·A)`` for w ≥ 0, and the same holds for dual clip,
-so the per-token loss is exactly ``w_t`` times OpenRLHF's, and OpenRLHF's aggregation
-(token-level or per-sample mean, data-parallel denominators) is used unchanged.
+so the per-token loss is exactly ``w_t`` times OpenRLHF's and OpenRLHF's aggregation is used
+unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Sequence
 
 import torch
 
-from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+from rollout_correction import RolloutCorrectionConfig, as_config, compute_rollout_correction
 
 __all__ = [
     "OPENRLHF_CORRECTION_TYPES",
+    "SUPPORTED_OPENRLHF",
+    "check_openrlhf_version",
     "config_from_openrlhf",
     "config_from_openrlhf_args",
     "RolloutCorrectionPolicyLoss",
 ]
 
+logger = logging.getLogger(__name__)
+
 OPENRLHF_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
-_LEVEL_MODE_TO_TYPE = {("token", "clip"): "tis", ("token", "mask"): "icepop", ("seq", "mask"): "seq-mask-tis"}
+"""The values of ``--algo.advantage.is_correction_type``."""
+
+SUPPORTED_OPENRLHF = ">=0.10.4,<0.12"
+"""OpenRLHF releases whose ``PolicyLoss``, ``ppo_actor`` loss call and replay buffer are tested."""
+
+ACTIVE_METRIC = "rollout_corr/openrlhf_rejected_token_fraction"
+"""Per-sample info key that only this library writes: its presence in OpenRLHF's logs shows the
+correction ran at experience time."""
 
 
-def _band(threshold: Sequence[float] | float) -> tuple[float, float]:
-    values = [float(threshold)] if isinstance(threshold, (int, float)) else [float(v) for v in threshold]
-    if len(values) == 1:  # OpenRLHF 0.11: a single value is an upper bound only
-        values = [0.0, values[0]]
+def check_openrlhf_version(version: Optional[str] = None) -> None:
+    """Raise unless ``version`` (default: the installed OpenRLHF's) is in :data:`SUPPORTED_OPENRLHF`."""
+    from packaging.specifiers import SpecifierSet
+
+    if version is None:
+        import importlib.metadata
+
+        try:
+            version = importlib.metadata.version("openrlhf")
+        except importlib.metadata.PackageNotFoundError:
+            raise ImportError(
+                f"RolloutCorrectionPolicyLoss needs OpenRLHF: pip install 'rollout-correction[openrlhf]' "
+                f"(openrlhf{SUPPORTED_OPENRLHF})"
+            ) from None
+    if version not in SpecifierSet(SUPPORTED_OPENRLHF, prereleases=True):
+        raise RuntimeError(
+            f"RolloutCorrectionPolicyLoss is tested with openrlhf{SUPPORTED_OPENRLHF} (its PolicyLoss "
+            f"arguments, the actor's loss call and replay buffer); the installed openrlhf is {version}. "
+            f"Install a supported release: pip install 'rollout-correction[openrlhf]'"
+        )
+
+
+def _band(threshold: Sequence[float]) -> tuple[float, float]:
+    values = [float(v) for v in threshold]
     if len(values) != 2:
-        raise ValueError(f"is_correction_threshold={threshold!r}: expected HIGH or LOW HIGH")
+        raise ValueError(f"is_correction_threshold={threshold!r}: expected two values, LOW HIGH")
     lo, hi = values
     if not (0.0 <= lo < hi):
         raise ValueError(f"is_correction_threshold={threshold!r}: need 0 <= LOW < HIGH")
     return lo, hi
 
 
-def _fmt(x: float) -> str:
-    return repr(float(x))
-
-
 def config_from_openrlhf(
-    is_correction_type: Optional[str] = "tis",
-    is_correction_threshold: Sequence[float] | float = (0.5, 5.0),
-    *,
-    is_correction_level: Optional[str] = None,
-    is_correction_mode: str = "mask",
-    is_correction_gating: str = "ratio",
+    is_correction_type: str = "tis", is_correction_threshold: Sequence[float] = (0.5, 5.0)
 ) -> RolloutCorrectionConfig:
-    """Our config for OpenRLHF's correction options (see the module table).
-
-    Give ``is_correction_type`` (0.10.x) or ``is_correction_level``/``_mode``/``_gating`` (0.11.x;
-    ``level="off"`` gives the disabled config). ``gating`` other than ``"ratio"`` (OpenRLHF's
-    binary-KL / TV trust regions) has no counterpart here and raises.
-    """
-    if is_correction_level is not None:
-        if is_correction_level == "off":
-            return RolloutCorrectionConfig.disabled()
-        if is_correction_gating != "ratio":
-            raise ValueError(
-                f"is_correction_gating={is_correction_gating!r} has no rollout-correction counterpart; "
-                "only 'ratio' gating maps (tis / icepop / seq-mask-tis)"
-            )
-        key = (is_correction_level, is_correction_mode)
-        if key not in _LEVEL_MODE_TO_TYPE:
-            raise ValueError(
-                f"is_correction_level={is_correction_level!r} with is_correction_mode={is_correction_mode!r} "
-                f"is not a valid OpenRLHF combination; valid: {sorted(_LEVEL_MODE_TO_TYPE)}"
-            )
-        is_correction_type = _LEVEL_MODE_TO_TYPE[key]
-    if is_correction_type is None:
-        return RolloutCorrectionConfig.disabled()
+    """Our config for ``--algo.advantage.is_correction_type`` / ``_threshold`` (see the module table)."""
     if is_correction_type not in OPENRLHF_CORRECTION_TYPES:
         raise ValueError(
             f"is_correction_type={is_correction_type!r} is not one of {list(OPENRLHF_CORRECTION_TYPES)}"
@@ -127,21 +134,23 @@ def config_from_openrlhf(
             "seq-mask-tis needs a positive LOW bound: the geometric-mean ratio band is [LOW, HIGH]"
         )
     return RolloutCorrectionConfig.from_dict(
-        {**token_clip, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": f"{_fmt(lo)}_{_fmt(hi)}"}
+        {**token_clip, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": f"{lo!r}_{hi!r}"}
     )
 
 
 def config_from_openrlhf_args(args: Any) -> RolloutCorrectionConfig:
-    """Read OpenRLHF's parsed CLI namespace (``args.algo.advantage.is_correction_*``), either generation."""
+    """Our config from OpenRLHF's parsed CLI (``train_ppo_ray`` + ``hierarchize``).
+
+    ``--algo.advantage.is_correction_enable`` must be on: it is what makes OpenRLHF request the
+    vLLM sampling log-probs (``experience.rollout_log_probs``) the correction needs.
+    """
     adv = args.algo.advantage
-    if hasattr(adv, "is_correction_level"):
-        return config_from_openrlhf(
-            None, adv.is_correction_threshold, is_correction_level=adv.is_correction_level,
-            is_correction_mode=getattr(adv, "is_correction_mode", "mask"),
-            is_correction_gating=getattr(adv, "is_correction_gating", "ratio"),
+    if not adv.is_correction_enable:
+        raise ValueError(
+            "add --algo.advantage.is_correction_enable to the OpenRLHF command line: without it vLLM "
+            "returns no sampling log-probs (experience.rollout_log_probs is None) and there is nothing "
+            "to correct"
         )
-    if not getattr(adv, "is_correction_enable", False):
-        return RolloutCorrectionConfig.disabled()
     return config_from_openrlhf(adv.is_correction_type, adv.is_correction_threshold)
 
 
@@ -149,25 +158,22 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
     """Drop-in for OpenRLHF's ``PolicyLoss`` with this library's correction step.
 
     Args:
-        policy_loss: an OpenRLHF ``PolicyLoss`` built with its own correction off
-            (``enable_vllm_is_correction=False`` in 0.10.x, ``is_correction_level="off"`` in 0.11.x).
+        policy_loss: an OpenRLHF ``PolicyLoss`` built with ``enable_vllm_is_correction=False``.
         config: the correction (e.g. from :func:`config_from_openrlhf_args`).
 
-    ``forward`` takes OpenRLHF's arguments and returns what the wrapped loss returns, with
-    ``vllm_kl`` = mean over valid tokens of (log π_rollout − log π_old) and, for the 0.11.x
-    five-tuple, ``is_filter_ratio`` = the fraction of valid tokens whose ratio lies outside the
-    band (tis / icepop) or of sequences rejected (seq-mask-tis). Our metrics of the last call
+    :meth:`prepare_experience` applies the rejection to an experience's action mask (call it
+    where the actor appends to its replay buffer); ``forward`` takes OpenRLHF's loss arguments and
+    returns its four-tuple ``(loss, clip_ratio, ppo_kl, vllm_kl)`` with ``vllm_kl`` = mean over
+    the (accepted) action tokens of log π_rollout − log π_old. Our metrics of the last forward
     (``rollout_corr/...``, 0-d tensors) are in ``self.last_metrics``.
     """
 
     def __init__(self, policy_loss: torch.nn.Module, config: RolloutCorrectionConfig):
         super().__init__()
-        if getattr(policy_loss, "enable_vllm_is_correction", False) or getattr(
-            policy_loss, "is_correction_level", "off"
-        ) != "off":
+        if getattr(policy_loss, "enable_vllm_is_correction", False):
             raise ValueError(
-                "wrap a PolicyLoss whose own correction is off (enable_vllm_is_correction=False / "
-                "is_correction_level='off'); otherwise the correction would be applied twice"
+                "wrap a PolicyLoss built with enable_vllm_is_correction=False; otherwise the "
+                "correction would be applied twice"
             )
         if config.bypass_mode:
             raise ValueError("bypass configs replace π_old by π_rollout before the loss; pass "
@@ -175,22 +181,66 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         self.policy_loss = policy_loss
         self.config = config
         self.last_metrics: dict[str, torch.Tensor] = {}
+        self._warned_unprepared = False
 
     @classmethod
-    def from_args(cls, args: Any, policy_loss_cls: Any = None) -> "RolloutCorrectionPolicyLoss":
-        """Build from OpenRLHF's parsed args, as ``ppo_actor.py`` builds its ``PolicyLoss``."""
+    def from_args(
+        cls,
+        args: Any,
+        config: Any = None,
+        *,
+        policy_loss_cls: Any = None,
+    ) -> "RolloutCorrectionPolicyLoss":
+        """Build from OpenRLHF's parsed args exactly as ``ppo_actor.py`` builds its ``PolicyLoss``.
+
+        ``args`` is the namespace ``train_ppo_ray`` produces (``self.args`` in the actor).
+        ``config`` (a config, preset name or mapping) replaces the mapping of OpenRLHF's
+        ``is_correction_type`` by any correction of this library, e.g. a token-level rejection
+        (``--algo.advantage.is_correction_enable`` is still required for the log-probs).
+        ``policy_loss_cls`` defaults to ``openrlhf.models.PolicyLoss``.
+        """
+        check_openrlhf_version()
+        mapped = config_from_openrlhf_args(args)
         if policy_loss_cls is None:
             from openrlhf.models import PolicyLoss as policy_loss_cls  # noqa: N813
-        kwargs = dict(
-            clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
-            dual_clip=args.actor.dual_clip, token_level_loss=args.actor.loss_agg_mode == "token-mean",
+        policy_loss = policy_loss_cls(
+            clip_eps_low=args.actor.eps_clip_low_high[0],
+            clip_eps_high=args.actor.eps_clip_low_high[1],
+            dual_clip=args.actor.dual_clip,
             policy_loss_type=args.actor.policy_loss_type,
+            enable_vllm_is_correction=False,
         )
-        if hasattr(args.algo.advantage, "is_correction_level"):
-            kwargs["is_correction_level"] = "off"
-        else:
-            kwargs["enable_vllm_is_correction"] = False
-        return cls(policy_loss_cls(**kwargs), config_from_openrlhf_args(args))
+        return cls(policy_loss, mapped if config is None else as_config(config))
+
+    @torch.no_grad()
+    def prepare_experience(self, experience: Any) -> Any:
+        """Remove the rejected tokens from ``experience.action_mask`` (in place) and return it.
+
+        Call it on each experience before it enters the actor's replay buffer, so that the token
+        and sequence counts OpenRLHF divides by (``batch_num_tokens`` / ``global_batch_size``)
+        count accepted tokens only. Adds per-sample ``rollout_corr/...`` entries to
+        ``experience.info`` (logged by OpenRLHF like its own): the rejected-token fraction of each
+        sample (:data:`ACTIVE_METRIC`) and this micro-batch's correction metrics.
+        """
+        mask = experience.action_mask
+        if experience.rollout_log_probs is None:
+            raise ValueError(
+                "experience.rollout_log_probs is None: add --algo.advantage.is_correction_enable so "
+                "vLLM returns its sampling log-probs"
+            )
+        result = compute_rollout_correction(
+            experience.action_log_probs, experience.rollout_log_probs, mask, self.config
+        )
+        kept = result.response_mask.to(torch.bool) & mask.to(torch.bool)
+        n_valid = mask.to(torch.float32).sum(-1)
+        rejected = n_valid - kept.to(torch.float32).sum(-1)
+        experience.action_mask = kept.to(mask.dtype)
+        batch = mask.shape[0]
+        info = experience.info
+        info[ACTIVE_METRIC] = torch.where(n_valid > 0, rejected / n_valid.clamp(min=1), 0.0)
+        for key, value in result.metrics.items():
+            info[key] = value.detach().float().reshape(()).expand(batch).clone()
+        return experience
 
     def forward(
         self,
@@ -206,27 +256,29 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         if action_mask is None:
             action_mask = torch.ones_like(log_probs)
         if rollout_log_probs is None:
-            raise ValueError("rollout_log_probs is required: enable vLLM log-probs in OpenRLHF's sampler")
+            raise ValueError(
+                "rollout_log_probs is None: add --algo.advantage.is_correction_enable so vLLM returns "
+                "its sampling log-probs"
+            )
         result = compute_rollout_correction(old_log_probs.detach(), rollout_log_probs, action_mask, self.config)
         self.last_metrics = result.metrics
         mask = result.response_mask.to(action_mask.dtype)
+        if not self._warned_unprepared and bool((mask.to(torch.bool) != action_mask.to(torch.bool)).any()):
+            self._warned_unprepared = True
+            logger.warning(
+                "rollout-correction rejected tokens inside the loss: they are left out of the loss but "
+                "still counted in batch_num_tokens / global_batch_size. Call "
+                "actor_loss_fn.prepare_experience(experience) where the actor appends to its replay "
+                "buffer (docs/integrations.md, OpenRLHF)"
+            )
         if result.weights is not None:
             advantages = advantages * result.weights.to(advantages.dtype)
-        out = self.policy_loss(
+        loss, clip_ratio, ppo_kl, _ = self.policy_loss(
             log_probs, old_log_probs, advantages, action_mask=mask, rollout_log_probs=rollout_log_probs,
             dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
         )
-        valid = action_mask.bool()
-        n_valid = valid.sum().clamp(min=1)
-        diff = torch.where(valid, rollout_log_probs.float() - old_log_probs.float(), 0.0)
+        valid = mask.to(torch.bool)
+        diff = torch.where(valid, rollout_log_probs.float() - old_log_probs.detach().float(), 0.0)
         diff = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0)
-        vllm_kl = diff.sum() / n_valid
-        out = list(out)
-        out[3] = vllm_kl
-        if len(out) >= 5:  # 0.11.x: the fraction of gated units, at the gate's own granularity
-            m = result.metrics
-            if self.config.rs_options:
-                out[4] = m["rollout_corr/rollout_rs_seq_masked_fraction"]
-            else:
-                out[4] = m["rollout_corr/rollout_is_ratio_fraction_high"] + m["rollout_corr/rollout_is_ratio_fraction_low"]
-        return tuple(out)
+        vllm_kl = diff.sum() / valid.sum().clamp(min=1)
+        return loss, clip_ratio, ppo_kl, vllm_kl

@@ -1,0 +1,340 @@
+"""The OpenRLHF recipe of docs/integrations.md, run through OpenRLHF's own code.
+
+Args come from OpenRLHF's CLI parser (``train_ppo_ray``'s argparse block + ``hierarchize`` and its
+validation, with its defaults); ``trainer/ray/ppo_actor.py`` is loaded from the installed release
+with the two documented edits applied to its source text, and its real ``ppo_train`` runs: the
+replay buffer splits and re-collates experiences, ``iter_grad_accum_global_norm`` counts
+``batch_num_tokens`` / ``global_batch_size`` per optimizer step, and ``training_step`` makes the
+loss call. What is stood in and why: tests/openrlhf_reference.py (heavy imports the numerics never
+touch), plus here a tiny policy in place of the transformer, a CPU stand-in for the DeepSpeed
+engine (:class:`CpuStrategy`) and ``torch.cuda.current_device`` (no GPU in CI).
+
+The gradient of every optimizer step is compared with a loss written independently here over the
+accepted tokens only, on a batch where some tokens and whole sequences are rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import openrlhf_reference as ref
+from rollout_correction.integrations.openrlhf import (
+    ACTIVE_METRIC,
+    RolloutCorrectionPolicyLoss,
+    check_openrlhf_version,
+    config_from_openrlhf,
+)
+
+torch.set_num_threads(1)
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+
+# The two edits of docs/integrations.md (OpenRLHF, step 2), as (OpenRLHF's statement, replacement).
+LOSS_STATEMENT = "self.actor_loss_fn = PolicyLoss(...)"
+LOSS_REPLACEMENT = """\
+from rollout_correction.integrations.openrlhf import RolloutCorrectionPolicyLoss
+self.actor_loss_fn = RolloutCorrectionPolicyLoss.from_args(self.args)"""
+APPEND_STATEMENT = "self.trainer.replay_buffer.append(experience)"
+APPEND_REPLACEMENT = "self.trainer.replay_buffer.append(self.trainer.actor_loss_fn.prepare_experience(experience))"
+RECIPE = [(LOSS_STATEMENT, LOSS_REPLACEMENT), (APPEND_STATEMENT, APPEND_REPLACEMENT)]
+
+# The recipe's command-line flags (step 3), on a GRPO command line.
+CLI = ["--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--algo.advantage.estimator", "group_norm",
+       "--rollout.n_samples_per_prompt", "4"]
+FLAGS = ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "seq-mask-tis",
+         "--algo.advantage.is_correction_threshold", "0.5", "5.0"]
+
+ROOTS = ref.source_roots()
+ROOT_IDS = [ref.release_of(r) if i else "installed" for i, r in enumerate(ROOTS)]
+
+V, P, A, N = 12, 2, 6, 8  # vocabulary, prompt length, action length, samples
+LENGTHS = [6, 5, 4, 6, 3, 6, 5, 2]  # valid response tokens per sample
+
+
+class TinyPolicy(torch.nn.Module):
+    """Stands in for ``openrlhf.models.Actor``: log π(y_j | y_{j−1}) from a V×V logit table."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.W = torch.nn.Parameter(0.7 * torch.randn(V, V, generator=torch.Generator().manual_seed(seed)))
+        self.seen: list[list[int]] = []
+
+    def token_log_probs(self, sequences, n_actions):
+        logp = torch.log_softmax(self.W[sequences[:, :-1]], -1).gather(-1, sequences[:, 1:, None]).squeeze(-1)
+        return logp[:, -n_actions:]
+
+    def forward(self, sequences, action_mask, return_output=False, **kwargs):
+        self.seen.append([int(s) - 1 for s in sequences[:, 0]])  # token 0 of sample i is i + 1
+        out = self.token_log_probs(sequences, action_mask.shape[1]) * action_mask.float()
+        return (out, SimpleNamespace(aux_loss=None, entropy=None)) if return_output else out
+
+
+class CpuStrategy:
+    """Stands in for OpenRLHF's DeepSpeed strategy: DeepSpeed divides each micro-batch loss by gas
+    and steps once per gas micro-batches; here the step records the accumulated gradient."""
+
+    def __init__(self, args, gas):
+        self.args, self.accumulated_gradient, self.ring_attn_group = args, gas, None
+        self.calls, self.step_grads = 0, []
+
+    def backward(self, loss, model, optimizer):
+        (loss / self.accumulated_gradient).backward()
+
+    def optimizer_step(self, optimizer, model, scheduler, name="model"):
+        self.calls += 1
+        if self.calls % self.accumulated_gradient == 0:
+            self.step_grads.append(model.W.grad.clone())
+            model.W.grad = None
+
+    def all_reduce(self, data):
+        return data
+
+    def is_rank_0(self):
+        return True
+
+    def get_grad_norm(self, model):
+        return 0.0
+
+
+def _batch(seed=0):
+    """Sequences, masks, π_old and π_rollout log-probs and advantages for N samples.
+
+    π_rollout differs from π_old by small noise, except: every token of sample 2 (ρ = e³ ≈ 20) and
+    sample 5 (ρ = e⁻³) lies far outside the band, and tokens (0, 1), (3, 0), (6, 2) have ρ = e^±1.5.
+    """
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(1, V, (N, P + A), generator=g)
+    seq[:, 0] = torch.arange(1, N + 1)
+    attn = torch.ones(N, P + A, dtype=torch.long)
+    mask = torch.zeros(N, A, dtype=torch.bool)
+    for i, n in enumerate(LENGTHS):
+        mask[i, :n] = True
+        attn[i, P + n:] = 0
+        seq[i, P + n:] = 0
+    with torch.no_grad():
+        old = (TinyPolicy().token_log_probs(seq, A) + 0.1 * torch.randn(N, A, generator=g)) * mask
+    rollout = old + 0.15 * torch.randn(N, A, generator=g)
+    rollout[2] -= 3.0
+    rollout[5] += 3.0
+    rollout[0, 1] -= 1.5
+    rollout[3, 0] += 1.5
+    rollout[6, 2] -= 1.5
+    rollout = rollout * mask
+    adv = (torch.randn(N, 1, generator=g) * mask).float()
+    return seq, attn, mask, old, rollout, adv
+
+
+def _experiences(ns, batch, per=4):
+    seq, attn, mask, old, rollout, adv = batch
+    out = []
+    for s in range(0, N, per):
+        sl = slice(s, s + per)
+        out.append(ns.experience.Experience(
+            sequences=seq[sl].clone(), attention_mask=attn[sl].clone(), action_mask=mask[sl].clone(),
+            action_log_probs=old[sl].clone(), rollout_log_probs=rollout[sl].clone(),
+            advantages=adv[sl].expand(-1, A).clone() * mask[sl], returns=adv[sl].expand(-1, A).clone() * mask[sl],
+            rewards=adv[sl, 0].clone(), index=list(range(s, s + per)), info={},
+        ))
+    return out
+
+
+def _train(root, edits, args, batch, monkeypatch, gas=2, micro=2):
+    """OpenRLHF's actor after ``edits``: build the trainer, append the experiences through
+    ``PolicyModelActor.append``, run ``ppo_train``. Returns (trainer, status, per-step gradients,
+    the samples of each optimizer step)."""
+    with ref.ppo_actor(root, edits) as ns:
+        return _train_in(ns, args, batch, monkeypatch, gas, micro)
+
+
+def _train_in(ns, args, batch, monkeypatch, gas, micro):
+    policy = TinyPolicy()
+    optim = torch.optim.SGD(policy.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0)
+    strategy = CpuStrategy(args, gas)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the replay buffer names a CUDA device
+    trainer = ns.ppo_actor.ActorPPOTrainer(strategy, policy, None, optim, sched, micro_train_batch_size=micro,
+                                           dataloader_pin_memory=False)
+    actor = object.__new__(ns.ppo_actor.PolicyModelActor)
+    actor.trainer = trainer
+    for exp in _experiences(ns, batch):
+        actor.append(exp)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    torch.manual_seed(0)  # OpenRLHF's DataLoader shuffles: the same micro-batches in every run
+    status = trainer.ppo_train(kl_ctl=0.0)
+    windows = [sum(policy.seen[i:i + gas], []) for i in range(0, len(policy.seen), gas)]
+    return trainer, status, strategy.step_grads, windows
+
+
+def _expected_grads(batch, windows, keep, weight, sequence_mean=False, clip=0.2):
+    """∇ of the PPO-clip loss Σ w·ℓ over accepted tokens / (accepted tokens) per optimizer step,
+    or (GSPO) the mean over accepted sequences of their per-token means."""
+    seq, attn, mask, old, rollout, adv = batch
+    grads = []
+    for rows in windows:
+        policy = TinyPolicy()
+        rows = torch.tensor(rows)
+        logp = policy.token_log_probs(seq[rows], A)
+        k = keep[rows].float()
+        a = adv[rows].expand(-1, A) * weight[rows]
+        if sequence_mean:
+            n = k.sum(-1)
+            ratio = torch.exp(((logp - old[rows]) * k).sum(-1) / n.clamp(min=1)).unsqueeze(-1) * k
+        else:
+            ratio = torch.exp(logp - old[rows])
+        per_token = -torch.min(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
+        if sequence_mean:
+            n = k.sum(-1)
+            seq_loss = (per_token * k).sum(-1) / (n + 1e-8)
+            loss = (seq_loss * (n > 0)).sum() / (n > 0).sum()
+        else:
+            loss = (per_token * k).sum() / k.sum()
+        loss.backward()
+        grads.append(policy.W.grad)
+    return grads
+
+
+def _seq_mask_tis(batch, lo=0.5, hi=5.0):
+    """Independently: accepted = valid tokens of rows whose exp(mean log ρ) ∈ [lo, hi]; w = clamp(ρ)."""
+    _, _, mask, old, rollout, _ = batch
+    log_rho = (old - rollout) * mask
+    geo = torch.exp(log_rho.sum(-1) / mask.sum(-1))
+    keep = mask & ((geo >= lo) & (geo <= hi)).unsqueeze(-1)
+    return keep, torch.exp(log_rho).clamp(lo, hi) * mask
+
+
+@pytest.fixture(params=range(len(ROOTS)), ids=ROOT_IDS)
+def root(request):
+    return ROOTS[request.param]
+
+
+def test_recipe_edits_and_flags_are_the_documented_ones():
+    text = DOCS.read_text()
+    section = text[text.index("## OpenRLHF"):]
+    section = section[: section.index("\n## ", 1)]
+    for snippet in (LOSS_REPLACEMENT, APPEND_REPLACEMENT, APPEND_STATEMENT, "self.actor_loss_fn = PolicyLoss(",
+                    " ".join(FLAGS), "pip install 'rollout-correction[openrlhf]'", ACTIVE_METRIC):
+        assert snippet in section, snippet
+
+
+def test_documented_statement_on_args_from_openrlhf_cli(root):
+    args = ref.parse_cli(CLI + FLAGS, root)
+    policy_loss_cls = ref.policy_loss_class(root)
+    ours = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls)
+    assert isinstance(ours.policy_loss, policy_loss_cls)
+    assert not ours.policy_loss.enable_vllm_is_correction
+    # OpenRLHF's defaults: eps_clip 0.2 both sides (filled in by its validation), no dual clip, ppo.
+    assert (ours.policy_loss.clip_eps_low, ours.policy_loss.clip_eps_high) == (0.2, 0.2)
+    assert ours.policy_loss.dual_clip is None and ours.policy_loss.token_level_loss
+    assert ours.config == config_from_openrlhf("seq-mask-tis", [0.5, 5.0])
+    # The default correction type of OpenRLHF's CLI is tis, threshold 0.5 5.0.
+    args = ref.parse_cli(CLI + ["--algo.advantage.is_correction_enable"], root)
+    assert RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls).config == \
+        config_from_openrlhf("tis", [0.5, 5.0])
+    # Without is_correction_enable OpenRLHF asks vLLM for no log-probs: refused with the flag to add.
+    args = ref.parse_cli(CLI, root)
+    with pytest.raises(ValueError, match="--algo.advantage.is_correction_enable"):
+        RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls)
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop"])
+@pytest.mark.parametrize("extra", [[], ["--actor.dual_clip", "3.0"], ["--actor.eps_clip_low_high", "0.2", "0.28"]])
+def test_token_types_equal_openrlhf_loss_call(root, kind, extra):
+    """tis / icepop reject nothing: the recipe's actor trains exactly as OpenRLHF's own correction."""
+    argv = CLI + extra + ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", kind,
+                          "--algo.advantage.is_correction_threshold", "0.8", "1.25"]
+    args = ref.parse_cli(argv, root)
+    batch = _batch(seed=1)
+    grads = {}
+    for name, edits in (("openrlhf", []), ("ours", RECIPE)):
+        with pytest.MonkeyPatch.context() as mp:
+            _, status, grads[name], _ = _train(root, edits, args, batch, mp)
+    assert len(grads["ours"]) == 2
+    for ours, theirs in zip(grads["ours"], grads["openrlhf"]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+        assert ours.abs().sum() > 0
+    assert status[ACTIVE_METRIC] == 0.0  # nothing rejected, and the key shows the correction ran
+
+
+def test_seq_mask_tis_rejected_sequences_leave_batch_num_tokens(root, monkeypatch):
+    args = ref.parse_cli(CLI + FLAGS, root)
+    batch = _batch()
+    keep, weight = _seq_mask_tis(batch)
+    assert keep.any(-1).tolist() == [i not in (2, 5) for i in range(N)]  # rows 2 and 5 rejected
+    trainer, status, grads, windows = _train(root, RECIPE, args, batch, monkeypatch)
+    assert len(grads) == 2 and sorted(sum(windows, [])) == list(range(N))
+    for got, want in zip(grads, _expected_grads(batch, windows, keep, weight)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # What OpenRLHF logs: the per-sample rejected fraction (2 of 8 samples fully rejected).
+    assert status[ACTIVE_METRIC] == pytest.approx(2 / N)
+    assert status["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / N)
+    # The replay buffer holds the accepted masks, which is what loss_utils counted.
+    assert sum(int(item.action_mask.sum()) for item in trainer.replay_buffer.items) == int(keep.sum())
+
+
+def test_openrlhf_own_seq_mask_tis_counts_rejected_tokens(root, monkeypatch):
+    """Contrast: OpenRLHF's own loss divides by all tokens of the step, rejected ones included."""
+    args = ref.parse_cli(CLI + FLAGS, root)
+    batch = _batch()
+    keep, _ = _seq_mask_tis(batch)
+    _, _, mask, old, rollout, _ = batch
+    weight = torch.exp(old - rollout) * mask  # OpenRLHF's seq-mask-tis: the unclamped token ratio
+    _, _, grads, windows = _train(root, [], args, batch, monkeypatch)
+    for got, want, rows in zip(grads, _expected_grads(batch, windows, keep, weight), windows):
+        rows = torch.tensor(rows)
+        scale = keep[rows].sum() / mask[rows].sum()
+        torch.testing.assert_close(got, want * scale, rtol=1e-5, atol=1e-7)
+    assert any(keep[torch.tensor(r)].sum() < mask[torch.tensor(r)].sum() for r in windows)
+
+
+TOKEN_RS = {"rollout_is": "token", "rollout_is_mode": "clip", "rollout_is_threshold": 2.0,
+            "rollout_is_threshold_lower": 0.5, "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"}
+
+
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
+def test_token_rejection_leaves_token_and_sequence_counts(root, loss_type, monkeypatch):
+    """A config of this library with a token-level rejection (``from_args(self.args, config)``):
+    three single tokens and two whole rows are rejected. ppo divides by accepted tokens
+    (batch_num_tokens); OpenRLHF's gspo averages per sequence over accepted sequences (global_batch_size)."""
+    args = ref.parse_cli(CLI + ["--actor.policy_loss_type", loss_type] + FLAGS[:1], root)
+    replacement = LOSS_REPLACEMENT.replace("from_args(self.args)", f"from_args(self.args, {TOKEN_RS!r})")
+    edits = [(LOSS_STATEMENT, replacement), (APPEND_STATEMENT, APPEND_REPLACEMENT)]
+    batch = _batch()
+    _, _, mask, old, rollout, _ = batch
+    rho = torch.exp(old - rollout)
+    keep = mask & (rho >= 0.5) & (rho <= 2.0)
+    weight = rho.clamp(0.5, 2.0) * mask
+    assert sorted(map(tuple, (mask & ~keep).nonzero().tolist())) == sorted(
+        [(0, 1), (3, 0), (6, 2)] + [(2, t) for t in range(LENGTHS[2])] + [(5, t) for t in range(LENGTHS[5])])
+    _, status, grads, windows = _train(root, edits, args, batch, monkeypatch)
+    for got, want in zip(grads, _expected_grads(batch, windows, keep, weight, sequence_mean=loss_type == "gspo")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    per_sample = [(LENGTHS[i] - int(keep[i].sum())) / LENGTHS[i] for i in range(N)]
+    assert status[ACTIVE_METRIC] == pytest.approx(sum(per_sample) / N)
+
+
+def test_unprepared_experience_is_reported(root, caplog):
+    """Only step 1 of the recipe applied: the loss still corrects, and warns once that the
+    rejected tokens remain in OpenRLHF's denominators."""
+    args = ref.parse_cli(CLI + FLAGS, root)
+    loss = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=ref.policy_loss_class(root))
+    seq, attn, mask, old, rollout, adv = _batch()
+    lp = old.clone().requires_grad_(True)
+    with caplog.at_level(logging.WARNING, logger="rollout_correction.integrations.openrlhf"):
+        for _ in range(2):
+            out = loss(lp, old, adv.expand(-1, A), action_mask=mask, rollout_log_probs=rollout)
+    assert len(out) == 4 and torch.isfinite(out[0])
+    assert sum("prepare_experience" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_version_check_names_the_supported_range():
+    check_openrlhf_version("0.10.4")
+    check_openrlhf_version("0.11.0")
+    for bad in ("0.10.3", "0.12.0", "0.9.1"):
+        with pytest.raises(RuntimeError, match=re.escape("openrlhf>=0.10.4,<0.12") + ".*" + re.escape(bad)):
+            check_openrlhf_version(bad)
