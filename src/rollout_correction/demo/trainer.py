@@ -67,9 +67,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int,
 
 def accepted_mask(rc_cfg, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                   mask: torch.Tensor) -> torch.Tensor | None:
-    """The response mask after rejection sampling on the whole batch, or None when the method
-    rejects nothing (then every row enters its group's baseline)."""
-    if rc_cfg is None or not rc_cfg.rs_enabled:
+    """The response mask after the correction's rejection (RS options, veto, M2PO, non-finite
+    rows) on the whole batch, or None for uncorrected methods (then every row enters its group's
+    baseline)."""
+    if rc_cfg is None:
         return None
     return compute_rollout_correction(old_log_prob, rollout_log_prob, mask, rc_cfg).response_mask
 
