@@ -88,7 +88,7 @@ def main() -> None:
     PolicyLoss = policy_loss_class()
     args = openrlhf_args([
         "--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--algo.advantage.estimator", "group_norm",
-        "--rollout.n_samples_per_prompt", "4", "--algo.advantage.is_correction_enable",
+        "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "4", "--algo.advantage.is_correction_enable",
         "--algo.advantage.is_correction_type", "seq-mask-tis", "--algo.advantage.is_correction_threshold", "0.5", "5.0",
     ])
     theirs = PolicyLoss(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 5.0],
@@ -107,7 +107,8 @@ def main() -> None:
     advantages = torch.randn(B, 1).expand(B, T).clone()
     mask = torch.ones(B, T, dtype=torch.bool)
     # What PolicyModelActor.append hands the replay buffer after the second edit.
-    experience = SimpleNamespace(action_mask=mask.clone(), action_log_probs=old, rollout_log_probs=rollout, info={})
+    experience = SimpleNamespace(action_mask=mask.clone(), action_log_probs=old, rollout_log_probs=rollout,
+                                 advantages=advantages.clone(), info={})
     ours.prepare_experience(experience)
     print("action tokens OpenRLHF counts:", int(mask.sum()), "->", int(experience.action_mask.sum()))
     print("rejected token fraction per sample:", experience.info["rollout_corr/openrlhf_rejected_token_fraction"].tolist())

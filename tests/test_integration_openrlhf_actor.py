@@ -15,8 +15,11 @@ accepted tokens only, on a batch where some tokens and whole sequences are rejec
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 import re
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +29,7 @@ import torch
 import openrlhf_reference as ref
 from rollout_correction.integrations.openrlhf import (
     ACTIVE_METRIC,
+    PLACEHOLDER_METRIC,
     RolloutCorrectionPolicyLoss,
     check_openrlhf_version,
     config_from_openrlhf,
@@ -46,7 +50,7 @@ RECIPE = [(LOSS_STATEMENT, LOSS_REPLACEMENT), (APPEND_STATEMENT, APPEND_REPLACEM
 
 # The recipe's command-line flags (step 3), on a GRPO command line.
 CLI = ["--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--algo.advantage.estimator", "group_norm",
-       "--rollout.n_samples_per_prompt", "4"]
+       "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "4"]
 FLAGS = ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "seq-mask-tis",
          "--algo.advantage.is_correction_threshold", "0.5", "5.0"]
 
@@ -92,8 +96,16 @@ class CpuStrategy:
             self.step_grads.append(model.W.grad.clone())
             model.W.grad = None
 
-    def all_reduce(self, data):
-        return data
+    def all_reduce(self, data):  # DeepspeedStrategy.all_reduce(op="mean") over the ranks, as floats
+        if not torch.distributed.is_initialized():
+            return data
+        world = torch.distributed.get_world_size()
+        out = {}
+        for k, v in data.items():
+            t = torch.tensor([float(v)], dtype=torch.float32) / world
+            torch.distributed.all_reduce(t)
+            out[k] = t.item()
+        return out
 
     def is_rank_0(self):
         return True
@@ -144,25 +156,26 @@ def _experiences(ns, batch, per=4):
     return out
 
 
-def _train(root, edits, args, batch, monkeypatch, gas=2, micro=2):
+def _train(root, edits, args, batch, monkeypatch, gas=1, part=None):
     """OpenRLHF's actor after ``edits``: build the trainer, append the experiences through
     ``PolicyModelActor.append``, run ``ppo_train``. Returns (trainer, status, per-step gradients,
     the samples of each optimizer step)."""
     with ref.ppo_actor(root, edits) as ns:
-        return _train_in(ns, args, batch, monkeypatch, gas, micro)
+        return _train_in(ns, args, batch, monkeypatch, gas, part)
 
 
-def _train_in(ns, args, batch, monkeypatch, gas, micro):
+def _train_in(ns, args, batch, monkeypatch, gas, part):
     policy = TinyPolicy()
     optim = torch.optim.SGD(policy.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0)
     strategy = CpuStrategy(args, gas)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the replay buffer names a CUDA device
-    trainer = ns.ppo_actor.ActorPPOTrainer(strategy, policy, None, optim, sched, micro_train_batch_size=micro,
+    trainer = ns.ppo_actor.ActorPPOTrainer(strategy, policy, None, optim, sched, micro_train_batch_size=args.train.micro_batch_size,
                                            dataloader_pin_memory=False)
     actor = object.__new__(ns.ppo_actor.PolicyModelActor)
     actor.trainer = trainer
-    for exp in _experiences(ns, batch):
+    experiences = _experiences(ns, batch)
+    for exp in experiences if part is None else experiences[part:part + 1]:  # part: this DP rank's share
         actor.append(exp)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     torch.manual_seed(0)  # OpenRLHF's DataLoader shuffles: the same micro-batches in every run
@@ -316,6 +329,61 @@ def test_token_rejection_leaves_token_and_sequence_counts(root, loss_type, monke
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     per_sample = [(LENGTHS[i] - int(keep[i].sum())) / LENGTHS[i] for i in range(N)]
     assert status[ACTIVE_METRIC] == pytest.approx(sum(per_sample) / N)
+
+
+def _dp_worker(rank, root, port, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        args = ref.parse_cli(CLI + ["--train.micro_batch_size", "2"] + FLAGS, Path(root))
+        with pytest.MonkeyPatch.context() as mp:
+            _, _, grads, windows = _train(Path(root), RECIPE, args, _batch(), mp, gas=2, part=rank)
+        torch.save({"grads": grads, "windows": windows}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_seq_mask_tis_two_data_parallel_ranks(root, tmp_path):
+    """Two gloo ranks, four samples each (rank 0 holds rejected row 2, rank 1 rejected row 5), two
+    micro-batches of two per optimizer step: ``loss_utils`` all-reduces the accepted counts, and the
+    ranks' mean gradient (what DeepSpeed applies) equals the loss over both ranks' accepted tokens."""
+    import torch.multiprocessing as tmp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tmp.spawn(_dp_worker, args=(str(root), port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    batch = _batch()
+    keep, weight = _seq_mask_tis(batch)
+    windows = [w0 + w1 for w0, w1 in zip(ranks[0]["windows"], ranks[1]["windows"])]
+    assert len(windows) == 1 and sorted(sum(windows, [])) == list(range(N))
+    for k, want in enumerate(_expected_grads(batch, windows, keep, weight)):
+        torch.testing.assert_close((ranks[0]["grads"][k] + ranks[1]["grads"][k]) / 2, want, rtol=1e-5, atol=1e-7)
+
+
+def test_default_micro_batch_of_one_keeps_placeholders(root, monkeypatch):
+    """OpenRLHF's default ``--train.micro_batch_size 1``: a fully rejected sequence alone in a
+    micro-batch would leave it without tokens (OpenRLHF's ppo_train then divides by zero). Each
+    fully rejected row keeps its first token with advantage 0: training runs, the loss over the
+    accepted tokens is unchanged, and each such row counts one token instead of its length."""
+    args = ref.parse_cli(CLI + FLAGS + ["--train.micro_batch_size", "1"], root)
+    assert args.train.micro_batch_size == 1
+    batch = _batch()
+    keep, weight = _seq_mask_tis(batch)
+    keep, weight = keep.clone(), weight.clone()
+    for row in (2, 5):
+        keep[row, 0], weight[row, 0] = True, 0.0  # the placeholder: counted, zero loss
+    trainer, status, grads, windows = _train(root, RECIPE, args, batch, monkeypatch, gas=2)
+    assert len(grads) == 4
+    for got, want in zip(grads, _expected_grads(batch, windows, keep, weight)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert status[PLACEHOLDER_METRIC] == pytest.approx(2 / N)
+    assert status[ACTIVE_METRIC] == pytest.approx(2 / N)  # still reported as fully rejected
+    assert sum(int(item.action_mask.sum()) for item in trainer.replay_buffer.items) == int(keep.sum())
 
 
 def test_unprepared_experience_is_reported(root, caplog):

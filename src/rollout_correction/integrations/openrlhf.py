@@ -36,7 +36,9 @@ Two deliberate differences, both fixes:
   tokens from ``experience.action_mask`` when the experience enters the actor's replay buffer
   (π_old and π_rollout are fixed for the whole step, so the decision is the same in every PPO
   epoch). Every action-mask reduction of the step then counts accepted tokens only: the policy
-  loss, its KL and entropy terms, and the token / sample counts OpenRLHF logs.
+  loss, its KL and entropy terms, and the token / sample counts OpenRLHF logs. The one exception,
+  so that no micro-batch is left without tokens (OpenRLHF's logging divides by its token count),
+  is described in :meth:`RolloutCorrectionPolicyLoss.prepare_experience`.
 
 The geometric mean is taken over per-token log-ratios clamped to ±20 (OpenRLHF: unclamped), so a
 row whose band decision hinges on one log-ratio beyond ±20 can be decided differently.
@@ -61,6 +63,8 @@ __all__ = [
     "OPENRLHF_CORRECTION_TYPES",
     "SUPPORTED_OPENRLHF",
     "check_openrlhf_version",
+    "ACTIVE_METRIC",
+    "PLACEHOLDER_METRIC",
     "config_from_openrlhf",
     "config_from_openrlhf_args",
     "RolloutCorrectionPolicyLoss",
@@ -73,6 +77,10 @@ OPENRLHF_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
 
 SUPPORTED_OPENRLHF = ">=0.10.4,<0.12"
 """OpenRLHF releases whose ``PolicyLoss``, ``ppo_actor`` loss call and replay buffer are tested."""
+
+PLACEHOLDER_METRIC = "rollout_corr/openrlhf_placeholder"
+"""Per-sample info key: 1 for a fully rejected sample kept as a one-token placeholder
+(:meth:`RolloutCorrectionPolicyLoss.prepare_experience`)."""
 
 ACTIVE_METRIC = "rollout_corr/openrlhf_rejected_token_fraction"
 """Per-sample info key that only this library writes: its presence in OpenRLHF's logs shows the
@@ -160,6 +168,8 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
     Args:
         policy_loss: an OpenRLHF ``PolicyLoss`` built with ``enable_vllm_is_correction=False``.
         config: the correction (e.g. from :func:`config_from_openrlhf_args`).
+        micro_batch_size: OpenRLHF's ``--train.micro_batch_size`` (``from_args`` reads it); bounds
+            how many fully rejected sequences :meth:`prepare_experience` may leave empty.
 
     :meth:`prepare_experience` applies the rejection to an experience's action mask (call it
     where the actor appends to its replay buffer); ``forward`` takes OpenRLHF's loss arguments and
@@ -168,7 +178,7 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
     (``rollout_corr/...``, 0-d tensors) are in ``self.last_metrics``.
     """
 
-    def __init__(self, policy_loss: torch.nn.Module, config: RolloutCorrectionConfig):
+    def __init__(self, policy_loss: torch.nn.Module, config: RolloutCorrectionConfig, micro_batch_size: int = 1):
         super().__init__()
         if getattr(policy_loss, "enable_vllm_is_correction", False):
             raise ValueError(
@@ -181,6 +191,8 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         self.policy_loss = policy_loss
         self.config = config
         self.last_metrics: dict[str, torch.Tensor] = {}
+        self.micro_batch_size = int(micro_batch_size)
+        self._empty_rows = 0  # fully rejected rows left empty since the last training phase
         self._warned_unprepared = False
 
     @classmethod
@@ -210,7 +222,8 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
             policy_loss_type=args.actor.policy_loss_type,
             enable_vllm_is_correction=False,
         )
-        return cls(policy_loss, mapped if config is None else as_config(config))
+        return cls(policy_loss, mapped if config is None else as_config(config),
+                   micro_batch_size=args.train.micro_batch_size)
 
     @torch.no_grad()
     def prepare_experience(self, experience: Any) -> Any:
@@ -220,7 +233,15 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         and sequence counts OpenRLHF divides by (``batch_num_tokens`` / ``global_batch_size``)
         count accepted tokens only. Adds per-sample ``rollout_corr/...`` entries to
         ``experience.info`` (logged by OpenRLHF like its own): the rejected-token fraction of each
-        sample (:data:`ACTIVE_METRIC`) and this micro-batch's correction metrics.
+        sample (:data:`ACTIVE_METRIC`), whether the sample keeps a placeholder token (below) and
+        this micro-batch's correction metrics.
+
+        A micro-batch whose sequences are all fully rejected would have no action tokens, and
+        OpenRLHF's ``ppo_train`` divides its logged token metrics by that count. So per actor
+        process and training step at most ``micro_batch_size − 1`` fully rejected sequences are
+        left empty (then no micro-batch can be all empty); each further one keeps its first
+        action token with advantage 0 as a placeholder: its loss is 0, and it counts as one token
+        and one sequence in the denominators instead of its length.
         """
         mask = experience.action_mask
         if experience.rollout_log_probs is None:
@@ -231,13 +252,25 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         result = compute_rollout_correction(
             experience.action_log_probs, experience.rollout_log_probs, mask, self.config
         )
-        kept = result.response_mask.to(torch.bool) & mask.to(torch.bool)
-        n_valid = mask.to(torch.float32).sum(-1)
-        rejected = n_valid - kept.to(torch.float32).sum(-1)
+        valid = mask.to(torch.bool)
+        kept = result.response_mask.to(torch.bool) & valid
+        n_valid = valid.sum(-1)
+        rejected = (n_valid - kept.sum(-1)).float()
+        placeholder = torch.zeros_like(n_valid, dtype=torch.bool)
+        for row in ((n_valid > 0) & ~kept.any(-1)).nonzero().flatten().tolist():
+            if self._empty_rows < self.micro_batch_size - 1:
+                self._empty_rows += 1
+                continue
+            first = int(valid[row].to(torch.int8).argmax())
+            kept[row, first] = True
+            placeholder[row] = True
+            if getattr(experience, "advantages", None) is not None:
+                experience.advantages[row, first] = 0.0
         experience.action_mask = kept.to(mask.dtype)
         batch = mask.shape[0]
         info = experience.info
         info[ACTIVE_METRIC] = torch.where(n_valid > 0, rejected / n_valid.clamp(min=1), 0.0)
+        info[PLACEHOLDER_METRIC] = placeholder.float()
         for key, value in result.metrics.items():
             info[key] = value.detach().float().reshape(()).expand(batch).clone()
         return experience
@@ -260,10 +293,13 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
                 "rollout_log_probs is None: add --algo.advantage.is_correction_enable so vLLM returns "
                 "its sampling log-probs"
             )
+        self._empty_rows = 0  # a training phase: the next prepare_experience starts a new step
         result = compute_rollout_correction(old_log_probs.detach(), rollout_log_probs, action_mask, self.config)
         self.last_metrics = result.metrics
         mask = result.response_mask.to(action_mask.dtype)
-        if not self._warned_unprepared and bool((mask.to(torch.bool) != action_mask.to(torch.bool)).any()):
+        # Tokens rejected here but counted by OpenRLHF (placeholders have advantage 0 and do not count).
+        counted = action_mask.to(torch.bool) & ~mask.to(torch.bool) & (advantages != 0)
+        if not self._warned_unprepared and bool(counted.any()):
             self._warned_unprepared = True
             logger.warning(
                 "rollout-correction rejected tokens inside the loss: they are left out of the loss but "
