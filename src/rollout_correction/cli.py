@@ -20,6 +20,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "diffusion-demo": ("rollout_correction.diffusion.cli",
                        "toy FlowGRPO: a reduced-precision rollout engine with and without rollout correction"),
     "presets": ("rollout_correction.presets_cli", "list the configuration presets"),
+    "monitor": ("rollout_correction.monitor.cli",
+                "replay a logged metrics history through the training health monitor: plot, alerts, summary"),
 }
 # sub-command -> the pyproject extra that installs what it needs (when it is not the command's name)
 _EXTRAS: dict[str, str] = {"diffusion-demo": "plot", "presets": "cli"}

@@ -44,10 +44,51 @@ def _tenth(xs, last: bool) -> float:
     return _mean(xs[-k:] if last else xs[:k])
 
 
+FALL = 0.1  # a run "falls" when the trainer's exact match drops this far below its best
+
+
+def fall_step(evals: dict) -> int | None:
+    """First evaluation step after the best at which the trainer's exact match is ≤ best − FALL."""
+    trainer, steps = evals["trainer"], evals["step"]
+    best = max(trainer)
+    i_best = trainer.index(best)
+    return next((int(steps[i]) for i in range(i_best, len(trainer)) if trainer[i] <= best - FALL), None)
+
+
+def run_health(r: dict, **monitor_options) -> dict:
+    """The health monitor replayed on a run's per-step ``rollout_corr/*`` metrics (step i = the
+    GRPO step after i updates, the same numbering as the evaluations): first warning, first static
+    and trend alerts, the fall step and the lead time (fall − first warning)."""
+    from rollout_correction.monitor import HealthMonitor
+
+    hist = r["history"]
+    keys = [k for k in hist if k.startswith("rollout_corr/")]
+    mon = HealthMonitor(log_alerts=False, **monitor_options)
+    for i in range(len(hist.get("reward", []))):
+        mon.update(i, {k: hist[k][i] for k in keys if i < len(hist[k])})
+    first, static, trend = mon.first_alert(), mon.first_alert("static"), mon.first_alert("trend")
+    fall = fall_step(r["evals"])
+    by_rule: dict[str, int] = {}
+    for a in mon.alerts:
+        by_rule.setdefault(a.name, a.step)
+    return {
+        "monitored": bool(keys),
+        "first_warning": first.step if first else None,
+        "first_warning_rule": first.name if first else None,
+        "first_static": static.step if static else None,
+        "first_trend": trend.step if trend else None,
+        "first_alert_by_rule": by_rule,
+        "fall_step": fall,
+        "lead": fall - first.step if first and fall is not None else None,
+        "alerts": len(mon.alerts),
+    }
+
+
 def summarize_run(r: dict, sft_reward: float) -> dict:
     trainer, engine, kl = r["evals"]["trainer"], r["evals"]["engine"], r["history"].get("kl", [])
     best = max(trainer)
     return {
+        "health": run_health(r),
         "method": r["method"],
         "seed": r["seed"],
         "sft_reward": sft_reward,
@@ -338,12 +379,37 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
                                                f"KL {_kl(r['final_mismatch_kl'])}")
         lines.append(f"| {METHODS[m].label} | " + " | ".join(cells) + " |")
     lines += ["", "## Checks", ""] + checks_text(summary["checks"])
+    lines += ["", "## Health monitor", ""] + health_lines(cfg, summary)
     if cfg.steps < 300:
         lines += ["", f"This run has only {cfg.steps} GRPO steps: the mismatch builds up over hundreds of steps, "
                   "so a short run (such as `--quick`) shows the machinery, not the effect."]
     lines += ["", "## Plots", ""]
     lines += [f"![{f[:-4]}]({f})" for f in files]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def health_lines(cfg: DemoConfig, summary: dict) -> list[str]:
+    """Per method and seed: the monitor's first warning and the step the trainer's exact match fell
+    0.1 below its best (docs/monitoring.md)."""
+    lines = ["`rollout_correction.monitor.HealthMonitor` (default rules) replayed on each run's "
+             f"`rollout_corr/*` metrics. *Fall*: the first evaluation at which the trainer's exact match is "
+             f"{FALL} or more below its best; *lead*: fall − first warning, in GRPO steps.", "",
+             "| method | " + " | ".join(f"seed {s}: first warning · fall · lead" for s in cfg.seeds) + " |",
+             "|---|" + "---|" * len(cfg.seeds)]
+    for m in cfg.methods:
+        cells = []
+        for s in cfg.seeds:
+            r = next((r for r in summary["runs"] if r["method"] == m and r["seed"] == s), None)
+            h = r and r.get("health")
+            if not h or not h["monitored"]:
+                cells.append("—")
+                continue
+            warn = f"{h['first_warning']} ({h['first_warning_rule']})" if h["first_warning"] is not None else "none"
+            fall = h["fall_step"] if h["fall_step"] is not None else "no fall"
+            lead = f"{h['lead']:+d}" if h["lead"] is not None else "—"
+            cells.append(f"{warn} · {fall} · {lead}")
+        lines.append(f"| {METHODS[m].label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def print_table(summary: dict, console=None) -> None:
