@@ -59,10 +59,11 @@ def run_health(r: dict, **monitor_options) -> dict:
     """The health monitor replayed on a run's per-step ``rollout_corr/*`` metrics (step i = the
     GRPO step after i updates, the same numbering as the evaluations): first warning, first static
     and trend alerts, the fall step and the lead time (fall − first warning)."""
+    from rollout_correction import METRIC_PREFIX
     from rollout_correction.monitor import HealthMonitor
 
     hist = r["history"]
-    keys = [k for k in hist if k.startswith("rollout_corr/")]
+    keys = [k for k in hist if k.startswith(METRIC_PREFIX)]
     mon = HealthMonitor(log_alerts=False, **monitor_options)
     for i in range(len(hist.get("reward", []))):
         mon.update(i, {k: hist[k][i] for k in keys if i < len(hist[k])})

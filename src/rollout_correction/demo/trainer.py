@@ -236,7 +236,7 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
             if name in m:
                 metrics.setdefault(key, []).append(m[name])
         for name, value in m.items():  # every rollout_corr/* metric, for the health monitor
-            if name.startswith("rollout_corr/"):
+            if name.startswith(METRIC_PREFIX):
                 metrics.setdefault(name, []).append(value)
     stats = {k: sum(v) / len(v) for k, v in metrics.items()}
     stats["reward"] = rewards.mean().item()

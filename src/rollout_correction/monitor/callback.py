@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 from transformers import TrainerCallback
 
-from .monitor import HealthMonitor
+from .monitor import HealthMonitor, canonical_metrics
 
 __all__ = ["HealthMonitorCallback"]
 
@@ -46,8 +46,7 @@ class HealthMonitorCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None:
             return
-        if self.only_with_metrics and not any("rollout_corr/" in str(k) and "rollout_corr/health/" not in str(k)
-                                              for k in logs):
+        if self.only_with_metrics and not canonical_metrics(logs):
             return
         self.monitor.update(state.global_step, logs)
         logs.update(self.monitor.health_metrics())

@@ -20,12 +20,13 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
+from rollout_correction import METRIC_PREFIX
+
 from .rules import Alert, NonFiniteRule, static_rules, trend_rules
 
 __all__ = ["HealthMonitor", "HEALTH_PREFIX", "METRIC_PREFIX", "canonical_metrics"]
 
-METRIC_PREFIX = "rollout_corr/"
-HEALTH_PREFIX = "rollout_corr/health/"
+HEALTH_PREFIX = METRIC_PREFIX + "health/"
 logger = logging.getLogger("rollout_correction.monitor")
 
 
