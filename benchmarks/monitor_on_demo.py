@@ -49,10 +49,12 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=None)
     ap.add_argument("--min-duration", type=int, default=None)
     ap.add_argument("--baseline-steps", type=int, default=None)
+    ap.add_argument("--static-window", type=int, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
     opts = {k: v for k, v in (("trend_factor", args.trend_factor), ("window", args.window),
-                              ("min_duration", args.min_duration), ("baseline_steps", args.baseline_steps))
+                              ("min_duration", args.min_duration), ("baseline_steps", args.baseline_steps),
+                              ("static_window", args.static_window))
             if v is not None}
 
     rows = []

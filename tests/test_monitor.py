@@ -42,26 +42,38 @@ STATIC_CASES = [  # rule, metric, healthy value, alarming value
 
 
 @pytest.mark.parametrize("rule,metric,ok,bad", STATIC_CASES)
-def test_static_rule_fires_at_the_first_crossing(rule, metric, ok, bad):
-    mon = HealthMonitor(trends=False, log_alerts=False)
+def test_static_rule_per_step_fires_at_the_first_crossing(rule, metric, ok, bad):
+    """static_window=1: seed 001's check of every step on its own."""
+    mon = HealthMonitor(trends=False, log_alerts=False, static_window=1)
     first = feed(mon, [ok] * 7 + [bad] + [ok, bad], metric)
     assert first == {rule: 7}
     # edge-triggered: one alert per entry into the firing state (step 7, then step 9 after clearing)
     assert [a.step for a in mon.alerts] == [7, 9]
     assert mon.alerts[0].severity == "warn" and mon.alerts[0].kind == "static"
-    assert mon.alerts[0].value == pytest.approx(bad)
+    assert mon.alerts[0].value == pytest.approx(abs(bad) if rule == "kl_high" else bad)
+
+
+@pytest.mark.parametrize("rule,metric,ok,bad", STATIC_CASES)
+def test_static_rule_default_median_of_five(rule, metric, ok, bad):
+    """Default static_window=5: isolated spikes (2 of 5 steps) never fire; the rule fires at the
+    step where 3 of the last 5 values are across the line."""
+    mon = HealthMonitor(trends=False, log_alerts=False)
+    # steps 5–24: spikes at most 2 in any 5 consecutive steps; steps 27–29 across the line
+    first = feed(mon, [ok] * 5 + ([bad, ok, ok, bad, ok] * 4) + [ok, ok, bad, bad, bad, ok], metric)
+    assert first == {rule: 29}
+    assert mon.alerts[0].value == pytest.approx(abs(bad) if rule == "kl_high" else bad)
 
 
 @pytest.mark.parametrize("rule,metric,ok,bad", STATIC_CASES)
 def test_static_rule_silent_at_the_threshold_and_on_healthy_values(rule, metric, ok, bad):
     name = {"is_mean_low": 0.5, "is_mean_high": 2.0}.get(rule, STATIC_THRESHOLDS[rule])
     at = math.copysign(name, bad)
-    mon = HealthMonitor(trends=False, log_alerts=False)
+    mon = HealthMonitor(trends=False, log_alerts=False, static_window=1)
     assert feed(mon, [ok] * 5 + [at] * 3, metric) == {}
 
 
 def test_thresholds_override_and_disable():
-    mon = HealthMonitor({"ess_low": 0.5, "kl_high": None}, trends=False, log_alerts=False)
+    mon = HealthMonitor({"ess_low": 0.5, "kl_high": None}, trends=False, log_alerts=False, static_window=1)
     mon.update(0, {P + "rollout_is_eff_sample_size": 0.45, P + "kl": 5.0})
     assert [a.name for a in mon.alerts] == ["ess_low"]
     with pytest.raises(ValueError, match="unknown threshold"):
@@ -69,11 +81,12 @@ def test_thresholds_override_and_disable():
 
 
 # ---------------------------------------------------------------------------------------------
-# Trend rules. With B=20, W=10, D=5: 20 baseline steps at b, then x from step 20. The window
+# Trend rules. With B=20, W=10, D=5, F=2: 20 baseline steps at b, then x from step 20. The window
 # median at step t is b while ≤ 4 of its 10 values are x, (b + x)/2 with 5 (step 24), x after.
 # For x = 10·b every rule's limit (F·b, or √F·b, F = 2) is exceeded from step 24, so the rule
 # fires at step 24 + D − 1 = 28.
 
+F2W10 = dict(trend_factor=2.0, window=10)
 TRENDS = {name: (metric, transform, scale, floor) for name, metric, transform, scale, floor, _ in TREND_SPEC}
 
 
@@ -88,7 +101,7 @@ def test_trend_rule_fires_at_the_exact_step(name):
     metric, transform, scale, floor = TRENDS[name]
     b = 20 * floor if transform != "deficit" else 0.02
     base, high = _trend_values(transform, b, 10 * b)
-    mon = HealthMonitor(trends=True, log_alerts=False, thresholds={k: None for k in STATIC_THRESHOLDS})
+    mon = HealthMonitor(log_alerts=False, thresholds={k: None for k in STATIC_THRESHOLDS}, **F2W10)
     first = feed(mon, [base] * 20 + [high] * 20, metric)
     assert first.get(name) == 28
     a = next(a for a in mon.alerts if a.name == name)
@@ -99,10 +112,10 @@ def test_trend_rule_fires_at_the_exact_step(name):
 @pytest.mark.parametrize("name", list(TRENDS))
 def test_trend_rule_silent_below_its_factor(name):
     metric, transform, scale, floor = TRENDS[name]
-    factor = 2.0 if scale == 2 else math.sqrt(2.0)
+    factor = 2.0 if scale == 2 else math.sqrt(2.0)  # F2W10
     b = 20 * floor if transform != "deficit" else 0.02
     base, high = _trend_values(transform, b, 0.95 * factor * b)
-    mon = HealthMonitor(log_alerts=False, thresholds={k: None for k in STATIC_THRESHOLDS})
+    mon = HealthMonitor(log_alerts=False, thresholds={k: None for k in STATIC_THRESHOLDS}, **F2W10)
     assert name not in feed(mon, [base] * 20 + [high] * 100, metric)
 
 
@@ -112,39 +125,54 @@ def test_trend_rule_ignores_changes_under_its_noise_floor(name):
     of that noise is not an alarm."""
     metric, transform, scale, floor = TRENDS[name]
     base, high = _trend_values(transform, floor * 1e-4, floor * 0.9)
-    mon = HealthMonitor(log_alerts=False, thresholds={k: None for k in STATIC_THRESHOLDS})
+    mon = HealthMonitor(log_alerts=False, thresholds={k: None for k in STATIC_THRESHOLDS}, **F2W10)
     assert name not in feed(mon, [base] * 20 + [high] * 100, metric)
 
 
+def test_default_trend_parameters():
+    """Defaults B = W = 20, D = 5, F = 3: with x = 10·b from step 20 the median of the last 20 is b
+    while ≤ 9 are high, (b + 10b)/2 = 5.5·b > 3·b with 10 (step 29): fires at 29 + 4 = 33. A rise
+    to 2.9·b never fires."""
+    mon = HealthMonitor(log_alerts=False)
+    assert feed(mon, [0.01] * 20 + [0.1] * 20, "kl")["kl_rising"] == 33
+    mon = HealthMonitor(log_alerts=False)
+    assert "kl_rising" not in feed(mon, [0.01] * 20 + [0.029] * 200, "kl")
+    # first-order rule (log-PPL gap) at √3: 1.8·b fires, 1.7·b does not
+    mon = HealthMonitor(log_alerts=False)
+    assert "log_ppl_gap_rising" in feed(mon, [0.01] * 20 + [0.018] * 40, "log_ppl_abs_diff")
+    mon = HealthMonitor(log_alerts=False)
+    assert "log_ppl_gap_rising" not in feed(mon, [0.01] * 20 + [0.017] * 200, "log_ppl_abs_diff")
+
+
 def test_trend_needs_min_duration_and_ignores_spikes():
-    mon = HealthMonitor(log_alerts=False, trend_factor=2.0)
+    mon = HealthMonitor(log_alerts=False, **F2W10)
     # isolated spikes (4 of every 10 steps at 100× the baseline) never move the window median
     vals = [0.01] * 20 + ([1.0] * 4 + [0.01] * 6) * 10
     assert "kl_rising" not in feed(mon, vals, "kl")
     # an excursion of L steps from step 20 keeps ≥ 5 of the 10 window values high from step 24 to
     # step 20 + L − 1 + 5, i.e. L + 1 steps: with D = 8, L = 5 stays silent and L = 7 fires at 31
-    mon = HealthMonitor(log_alerts=False, min_duration=8)
+    mon = HealthMonitor(log_alerts=False, trend_factor=2.0, window=10, min_duration=8)
     assert "kl_rising" not in feed(mon, [0.01] * 20 + [0.1] * 5 + [0.01] * 30, "kl")
-    mon = HealthMonitor(log_alerts=False, min_duration=8)
+    mon = HealthMonitor(log_alerts=False, trend_factor=2.0, window=10, min_duration=8)
     assert feed(mon, [0.01] * 20 + [0.1] * 7 + [0.01] * 30, "kl")["kl_rising"] == 31
 
 
 def test_trend_parameters_change_the_step():
     # F = 4: x = 10·b, limit 4·b: the median (b + 10b)/2 = 5.5·b > 4·b at step 24 -> fires at 24 + D − 1
-    mon = HealthMonitor(log_alerts=False, trend_factor=4.0, min_duration=3)
+    mon = HealthMonitor(log_alerts=False, trend_factor=4.0, window=10, min_duration=3)
     assert feed(mon, [0.01] * 20 + [0.1] * 20, "k3_kl")["k3_kl_rising"] == 26
     # F = 6: 5.5·b is not enough; from step 25 the median is 10·b -> fires at 25 + 3 − 1
-    mon = HealthMonitor(log_alerts=False, trend_factor=6.0, min_duration=3)
+    mon = HealthMonitor(log_alerts=False, trend_factor=6.0, window=10, min_duration=3)
     assert feed(mon, [0.01] * 20 + [0.1] * 20, "k3_kl")["k3_kl_rising"] == 27
     # B = 5, W = 1, D = 1: the first step above 2·b fires
-    mon = HealthMonitor(log_alerts=False, baseline_steps=5, window=1, min_duration=1)
+    mon = HealthMonitor(log_alerts=False, trend_factor=2.0, baseline_steps=5, window=1, min_duration=1)
     assert feed(mon, [0.01] * 5 + [0.015, 0.019, 0.021], "k3_kl")["k3_kl_rising"] == 7
     with pytest.raises(ValueError, match="factor"):
         HealthMonitor(trend_factor=1.0)
 
 
 def test_baseline_is_the_median_of_the_first_steps():
-    mon = HealthMonitor(log_alerts=False, baseline_steps=5, window=1, min_duration=1)
+    mon = HealthMonitor(log_alerts=False, trend_factor=2.0, baseline_steps=5, window=1, min_duration=1)
     # baseline median(0.01, 0.02, 0.03, 0.5, 0.01) = 0.02 -> limit 0.04
     first = feed(mon, [0.01, 0.02, 0.03, 0.5, 0.01, 0.039, 0.041], "kl")
     assert first.get("kl_rising") == 6
@@ -177,7 +205,7 @@ def test_nan_metric_is_critical_and_skipped_by_other_rules():
 
 
 def test_inputs_tensors_prefixes_and_missing_keys():
-    mon = HealthMonitor(log_alerts=False, trends=False)
+    mon = HealthMonitor(log_alerts=False, trends=False, static_window=1)
     mon.update(0, {"train/rollout_corr/rollout_is_eff_sample_size": torch.tensor(0.2, dtype=torch.float64),
                    "loss": 1.0, "note": "text", P + "health/status": 5.0})
     assert mon.history == [{"step": 0, P + "rollout_is_eff_sample_size": pytest.approx(0.2)}]
@@ -189,7 +217,7 @@ def test_inputs_tensors_prefixes_and_missing_keys():
 
 
 def test_health_metrics():
-    mon = HealthMonitor(log_alerts=False)
+    mon = HealthMonitor(log_alerts=False, static_window=1)
     h = mon.health_metrics()
     assert h[P + "health/status"] == 0.0 and h[P + "health/alerts"] == 0.0
     assert set(k.split("/")[-1] for k in h) >= set(STATIC_THRESHOLDS) | set(TRENDS) | {"nonfinite"}
@@ -210,14 +238,14 @@ def _rising_run(n=80):
 
 def test_save_load_roundtrip_and_resume(tmp_path):
     steps = list(_rising_run())
-    full = HealthMonitor(log_alerts=False, trend_factor=3.0)
+    full = HealthMonitor(log_alerts=False, trend_factor=2.0)
     full.replay(steps)
     assert full.alerts  # the run does trigger something
-    half = HealthMonitor(log_alerts=False, trend_factor=3.0)
+    half = HealthMonitor(log_alerts=False, trend_factor=2.0)
     half.replay(steps[:40])
     half.save(tmp_path / "h.jsonl")
     lines = (tmp_path / "h.jsonl").read_text().splitlines()
-    assert json.loads(lines[0])["config"]["trend_factor"] == 3.0 and len(lines) == 41
+    assert json.loads(lines[0])["config"]["trend_factor"] == 2.0 and len(lines) == 41
     loaded = HealthMonitor.load(tmp_path / "h.jsonl")
     assert loaded.history == half.history and loaded.alerts == half.alerts
     loaded.replay(steps[40:])  # continues exactly as if never saved

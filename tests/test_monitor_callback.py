@@ -70,7 +70,7 @@ def test_callback_in_a_trainer_loop_reports_to_tensorboard(tmp_path):
         report_to=["tensorboard"], use_cpu=True, save_strategy="no",
         remove_unused_columns=False, disable_tqdm=True, learning_rate=1e-3)
     trainer = ToyRLTrainer(model=model, args=args, train_dataset=Tokens())
-    cb = HealthMonitorCallback(save_path="health.jsonl").add_to(trainer)
+    cb = HealthMonitorCallback(HealthMonitor(trend_factor=2.0, window=10), save_path="health.jsonl").add_to(trainer)
     assert trainer.callback_handler.callbacks[0] is cb
     trainer.train()
 
@@ -78,8 +78,8 @@ def test_callback_in_a_trainer_loop_reports_to_tensorboard(tmp_path):
     steps = [h["step"] for h in mon.history]
     assert steps == list(range(1, 41))  # one entry per training log, not the final summary log
     assert [h[P + "kl"] for h in mon.history] == pytest.approx([-_delta(s) for s in steps], rel=1e-5)
-    # baseline: steps 1–20 (|k1| = 0.01); δ = 0.05 from step 26; 5 of the last 10 values are high at
-    # step 30 (median 0.03 > 2 × 0.01); D = 5 consecutive steps -> step 34
+    # F = 2, W = 10: baseline steps 1–20 (|k1| = 0.01); δ = 0.05 from step 26; 5 of the last 10
+    # values are high at step 30 (median 0.03 > 2 × 0.01); D = 5 consecutive steps -> step 34
     first = {}
     for a in mon.alerts:
         first.setdefault(a.name, a.step)
@@ -93,7 +93,7 @@ def test_callback_in_a_trainer_loop_reports_to_tensorboard(tmp_path):
     assert tb[34]["train/rollout_corr/health/status"] == 1.0
     assert tb[40]["train/rollout_corr/health/alerts"] == float(len(mon.alerts))
     # ...and replaying what TensorBoard recorded gives the same alerts (float32 values)
-    replay = HealthMonitor(log_alerts=False)
+    replay = HealthMonitor(log_alerts=False, trend_factor=2.0, window=10)
     replay.replay(sorted(tb.items()))
     assert [(a.name, a.step) for a in replay.alerts] == [(a.name, a.step) for a in mon.alerts]
     # the history file written at the end of training

@@ -13,7 +13,8 @@ P = "rollout_corr/"
 
 
 def _steps(n=60):
-    """A run whose KL triples at step 30 and whose ESS crosses seed 001's 0.3 line at step 45.
+    """A run whose KL triples at step 30 and whose ESS crosses seed 001's 0.3 line at step 45
+    (ess_low fires at 47, when 3 of the last 5 steps are below the line).
 
     KL: the window median is (b + 3b)/2 = 2b (not above the limit 2b) at step 34, 3b from step 35:
     kl_rising fires at 35 + D − 1 = 39. ESS deficit 0.1 → 0.75: the median (0.1 + 0.75)/2 exceeds
@@ -25,16 +26,19 @@ def _steps(n=60):
     return out
 
 
+OPTS = dict(trend_factor=2.0, window=10)  # the step computations below are for F = 2, W = 10
+
+
 def _expected():
-    mon = HealthMonitor(log_alerts=False)
+    mon = HealthMonitor(log_alerts=False, **OPTS)
     mon.replay(_steps())
-    assert [(a.name, a.step) for a in mon.alerts] == [("kl_rising", 39), ("k3_kl_rising", 39), ("ess_low", 45),
+    assert [(a.name, a.step) for a in mon.alerts] == [("kl_rising", 39), ("k3_kl_rising", 39), ("ess_low", 47),
                                                         ("ess_falling", 53)]
     return mon
 
 
 def _alerts(history):
-    mon = HealthMonitor(log_alerts=False)
+    mon = HealthMonitor(log_alerts=False, **OPTS)
     mon.replay(history)
     return [(a.name, a.step, a.value) for a in mon.alerts]
 
@@ -133,14 +137,14 @@ def test_monitor_command(tmp_path, capsys):
     p = tmp_path / "h.jsonl"
     p.write_text("\n".join(json.dumps({"step": s, **m}) for s, m in _steps()) + "\n")
     out = tmp_path / "report"
-    assert main(["monitor", str(p), "--out", str(out)]) == 0
+    assert main(["monitor", str(p), "--out", str(out), "--trend-factor", "2", "--window", "10"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["first_alert"]["name"] == "kl_rising" and summary["first_alert"]["step"] == 39
-    assert summary["first_alert_step_by_rule"] == {"kl_rising": 39, "k3_kl_rising": 39, "ess_low": 45,
+    assert summary["first_alert_step_by_rule"] == {"kl_rising": 39, "k3_kl_rising": 39, "ess_low": 47,
                                                   "ess_falling": 53}
     assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG" and (out / "metrics.svg").stat().st_size > 0
     timeline = (out / "alerts.md").read_text()
-    assert "| 39 | kl_rising | warn |" in timeline and "| 45 | ess_low | warn |" in timeline
+    assert "| 39 | kl_rising | warn |" in timeline and "| 47 | ess_low | warn |" in timeline
     assert HealthMonitor.load(out / "history.jsonl").alerts == _expected().alerts
     assert "first: kl_rising at step 39" in capsys.readouterr().out
     # options reach the monitor: static rules only, a changed threshold

@@ -14,10 +14,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="monitor-report", help="output folder (default: monitor-report)")
     parser.add_argument("--format", dest="fmt", choices=("auto", "jsonl", "csv", "tensorboard"), default="auto",
                         help="history format (default: from the file name)")
-    parser.add_argument("--trend-factor", type=float, default=2.0, help="trend rules: rise factor F (default 2)")
-    parser.add_argument("--baseline-steps", type=int, default=20, help="trend rules: baseline steps B (default 20)")
-    parser.add_argument("--window", type=int, default=10, help="trend rules: median window W (default 10)")
-    parser.add_argument("--min-duration", type=int, default=5, help="trend rules: consecutive steps D (default 5)")
+    parser.add_argument("--trend-factor", type=float, default=None, help="trend rules: rise factor F (default 3)")
+    parser.add_argument("--baseline-steps", type=int, default=None, help="trend rules: baseline steps B (default 20)")
+    parser.add_argument("--window", type=int, default=None, help="trend rules: median window W (default 20)")
+    parser.add_argument("--min-duration", type=int, default=None, help="trend rules: consecutive steps D (default 5)")
+    parser.add_argument("--static-window", type=int, default=None,
+                        help="static rules: median over this many steps (default 5; 1 = every step on its own)")
     parser.add_argument("--no-trends", action="store_true", help="only seed 001's static thresholds")
     parser.add_argument("--threshold", action="append", default=[], metavar="NAME=VALUE",
                         help="override a static threshold, e.g. --threshold ess_low=0.2 (repeatable; "
@@ -43,9 +45,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         history = read_history(args.history, args.fmt)
-        mon = HealthMonitor(_thresholds(args.threshold), trend_factor=args.trend_factor,
-                            baseline_steps=args.baseline_steps, window=args.window,
-                            min_duration=args.min_duration, trends=not args.no_trends, log_alerts=False)
+        options = {k: v for k, v in (("trend_factor", args.trend_factor), ("baseline_steps", args.baseline_steps),
+                                     ("window", args.window), ("min_duration", args.min_duration),
+                                     ("static_window", args.static_window)) if v is not None}
+        mon = HealthMonitor(_thresholds(args.threshold), trends=not args.no_trends, log_alerts=False, **options)
     except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"rollout-correction monitor: {exc}", file=sys.stderr)
         return 2

@@ -75,17 +75,19 @@ class HealthMonitor:
         window: W, trend rules compare the median of the last W reported steps.
         min_duration: D, a trend rule fires after D consecutive steps over its limit.
         trends: False disables the trend rules.
+        static_window: S, static rules judge the median of the last S reported steps (1: every
+            step on its own, as seed 001's example does; the default 5 ignores 1–2-step spikes).
         log_alerts: send each alert to the ``rollout_correction.monitor`` logger
             (warning, or error when critical).
     """
 
-    def __init__(self, thresholds: Optional[dict[str, Optional[float]]] = None, *, trend_factor: float = 2.0,
-                 baseline_steps: int = 20, window: int = 10, min_duration: int = 5, trends: bool = True,
-                 log_alerts: bool = True) -> None:
+    def __init__(self, thresholds: Optional[dict[str, Optional[float]]] = None, *, trend_factor: float = 3.0,
+                 baseline_steps: int = 20, window: int = 20, min_duration: int = 5, trends: bool = True,
+                 static_window: int = 5, log_alerts: bool = True) -> None:
         self.config = {"thresholds": dict(thresholds or {}), "trend_factor": trend_factor,
                        "baseline_steps": baseline_steps, "window": window, "min_duration": min_duration,
-                       "trends": trends}
-        self.rules = [NonFiniteRule(), *static_rules(thresholds)]
+                       "trends": trends, "static_window": static_window}
+        self.rules = [NonFiniteRule(), *static_rules(thresholds, static_window)]
         if trends:
             self.rules += trend_rules(trend_factor, baseline_steps, window, min_duration)
         self.log_alerts = log_alerts

@@ -6,7 +6,9 @@ A rule sees one step's metrics at a time (names without the ``rollout_corr/`` pr
 metric (the rule keeps its previous state), otherwise whether the rule fires at this step, with
 the value it judged. The monitor turns state changes into :class:`Alert` objects.
 
-Static rules (seed 001, "Conditional Alerting"): fire at any step whose value crosses the line.
+Static rules (seed 001, "Conditional Alerting"): fire while the median of the metric over the last
+S reported steps (``static_window``, default 5) is across the seed's line; S = 1 is the seed's
+per-step check, which also fires on single-batch spikes.
 
 Trend rules: x_t is the rule's *badness* (|k1|, k3, χ², 1 − ESS, …; non-finite steps skipped).
 
@@ -15,10 +17,11 @@ Trend rules: x_t is the rule's *badness* (|k1|, k3, χ², 1 − ESS, …; non-fi
 * fires when s_t > f · max(b, ε) for D consecutive reported steps after the baseline
   (``min_duration``), where f is the rule's factor and ε its noise floor.
 
-Divergence-scale quantities (KL k1/k3, χ², 1 − ESS, rejected fraction) use f = F
-(``trend_factor``, default 2: the gap doubled); first-order quantities (log-PPL gap, weight std)
-use f = √F, the same doubling of the underlying divergence. The floors ε are fixed noise levels of
-fp32 arithmetic, not per-run settings.
+Defaults: B = W = 20 (the last 20 steps against the first 20), D = 5. Divergence-scale quantities
+(KL k1/k3, χ², 1 − ESS, rejected fraction) use f = F (``trend_factor``, default 3: the gap
+tripled); first-order quantities (log-PPL gap, weight std) use f = √F, the same rise of the
+underlying divergence. The floors ε are fixed noise levels of fp32 arithmetic, not per-run
+settings.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ _GAP = ("Large training-inference gap: enable a rollout correction (token TIS, g
 
 @dataclass
 class ThresholdRule:
-    """Fires while ``metric`` (or ``|metric|``) is below ``low`` / above ``high``."""
+    """Fires while the median of ``metric`` (or ``|metric|``) over the last ``window`` reported
+    steps is above (``above``) or below ``threshold``."""
 
     name: str
     metric: str
@@ -91,27 +95,37 @@ class ThresholdRule:
     above: bool
     message: str
     absolute: bool = False
+    window: int = 5
     severity: Severity = "warn"
     kind: str = "static"
+    _recent: deque = field(default_factory=deque, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"static_window must be >= 1, got {self.window}")
+        self._recent = deque(maxlen=self.window)
 
     def evaluate(self, metrics: dict[str, float]) -> tuple[Optional[bool], float]:
         v = _finite(metrics.get(self.metric))
         if v is None:
             return None, float("nan")
-        x = abs(v) if self.absolute else v
-        return (x > self.threshold if self.above else x < self.threshold), v
+        self._recent.append(abs(v) if self.absolute else v)
+        x = statistics.median(self._recent)
+        return (x > self.threshold if self.above else x < self.threshold), x
 
     def describe(self, value: float) -> str:
         what = f"|{self.metric}|" if self.absolute else self.metric
         op = ">" if self.above else "<"
-        return f"{what} = {value:.4g} {op} {self.threshold:g}. {self.message}"
+        over = f" (median of the last {self.window} steps)" if self.window > 1 else ""
+        return f"{what} = {value:.4g}{over} {op} {self.threshold:g}. {self.message}"
 
     def reset(self) -> None:
-        pass
+        self._recent.clear()
 
 
-def static_rules(thresholds: Optional[dict[str, Optional[float]]] = None) -> list[ThresholdRule]:
-    """Seed 001's checks with ``thresholds`` overriding the defaults (a value of None drops a rule)."""
+def static_rules(thresholds: Optional[dict[str, Optional[float]]] = None, window: int = 5) -> list[ThresholdRule]:
+    """Seed 001's checks with ``thresholds`` overriding the defaults (a value of None drops a rule),
+    on the median of the last ``window`` steps (1: the seed's per-step check)."""
     t = dict(STATIC_THRESHOLDS)
     unknown = set(thresholds or {}) - set(t)
     if unknown:
@@ -127,7 +141,7 @@ def static_rules(thresholds: Optional[dict[str, Optional[float]]] = None) -> lis
         ("chi2_token_high", "chi2_token", True, "Severe distribution shift (token χ²). " + _GAP, False),
         ("rejected_high", "rollout_rs_masked_fraction", True, _REJECTED, False),
     ]
-    return [ThresholdRule(name, metric, float(t[name]), above, msg, absolute=ab)
+    return [ThresholdRule(name, metric, float(t[name]), above, msg, absolute=ab, window=window)
             for name, metric, above, msg, ab in spec if t[name] is not None]
 
 
@@ -150,7 +164,7 @@ class TrendRule:
     message: str
     transform: str = "pos"
     baseline_steps: int = 20
-    window: int = 10
+    window: int = 20
     min_duration: int = 5
     severity: Severity = "warn"
     kind: str = "trend"
@@ -229,7 +243,7 @@ TREND_SPEC: tuple[tuple[str, str, str, int, float, str], ...] = (
 )
 
 
-def trend_rules(factor: float = 2.0, baseline_steps: int = 20, window: int = 10, min_duration: int = 5,
+def trend_rules(factor: float = 3.0, baseline_steps: int = 20, window: int = 20, min_duration: int = 5,
                 names: Optional[list[str]] = None) -> list[TrendRule]:
     """The trend rules (all, or those in ``names``)."""
     known = [s[0] for s in TREND_SPEC]

@@ -1,0 +1,101 @@
+"""The adapters feed the process's active health monitor: verl's driver-side correction step
+(called through verl 0.9.1's own ``rollout_corr_helper`` attribute after ``patch_driver``, as
+``RayPPOTrainer.fit`` calls it) and slime's custom TIS function (loaded by dotted path as slime's
+``--custom-tis-function-path`` does). The gap is a known shift δ of every log-prob, so
+|k1| = δ exactly: 0.01 for 20 steps, then 0.05."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollout_correction.monitor import HealthMonitor, set_active_monitor
+
+P = "rollout_corr/"
+
+
+def _delta(step):
+    return 0.01 if step < 20 else 0.05
+
+
+def _log_probs(step, B=4, T=6):
+    g = torch.Generator().manual_seed(step)
+    old = -torch.rand(B, T, generator=g) - 0.1
+    return old, old - _delta(step)   # rollout = old − δ: k1 = mean(rollout − old) = −δ
+
+
+@pytest.fixture
+def monitor():
+    mon = set_active_monitor(HealthMonitor(log_alerts=False, trend_factor=2.0, window=10))
+    yield mon
+    set_active_monitor(None)
+
+
+def _check(mon, returned):
+    # F = 2, W = 10: baseline steps 0–19 at 0.01; from step 20 at 0.05: the window median passes 2 × 0.01 at
+    # step 24 (5 of 10 high: 0.03), D = 5 -> kl_rising at step 28
+    assert [h["step"] for h in mon.history] == list(range(30))
+    assert [h[P + "kl"] for h in mon.history] == pytest.approx([-_delta(s) for s in range(30)], rel=1e-5)
+    first = {}
+    for a in mon.alerts:
+        first.setdefault(a.name, a.step)
+    assert first["kl_rising"] == 28
+    assert returned[27][P + "health/kl_rising"] == 0.0 and returned[28][P + "health/kl_rising"] == 1.0
+
+
+def test_verl_driver_step_feeds_the_monitor(monitor, monkeypatch):
+    from verl_reference import _import, load_verl_rollout_corr_helper
+
+    from rollout_correction.integrations import verl as rc_verl
+
+    helper = load_verl_rollout_corr_helper()
+    protocol = _import("verl.protocol")
+    name = "compute_rollout_correction_and_add_to_batch"
+    monkeypatch.setattr(helper, name, getattr(helper, name))  # restored after the test
+    rc_verl.patch_driver()
+    returned = []
+    for step in range(30):
+        old, rollout = _log_probs(step)
+        batch = protocol.DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout,
+                                                      "response_mask": torch.ones_like(old)})
+        _, metrics = getattr(helper, name)(batch, {"rollout_is": "token", "rollout_is_threshold": 2.0})
+        returned.append(metrics)  # what verl's fit merges into its tracker's metrics
+    _check(monitor, returned)
+    assert returned[0][P + "kl"] == pytest.approx(-0.01, rel=1e-5)
+
+
+def test_verl_driver_step_without_a_monitor_returns_only_the_metrics():
+    from verl_reference import _import
+
+    from rollout_correction.integrations import verl as rc_verl
+
+    protocol = _import("verl.protocol")
+    old, rollout = _log_probs(0)
+    batch = protocol.DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout,
+                                                  "response_mask": torch.ones_like(old)})
+    _, metrics = rc_verl.compute_rollout_correction_and_add_to_batch(batch, {"rollout_is": "token"})
+    assert not any(k.startswith(P + "health/") for k in metrics)
+
+
+def test_slime_tis_function_feeds_the_monitor(monitor):
+    module, attr = "rollout_correction.integrations.slime.tis_function".rsplit(".", 1)
+    fn = getattr(importlib.import_module(module), attr)
+    args = SimpleNamespace(use_tis=True, tis_mode="truncate", tis_level="token", tis_lower_bound=None,
+                           tis_upper_bound=2.0, tis_batch_normalize=False, use_rs=False, rs_level="token",
+                           rs_lower_bound=None, rs_upper_bound=None, rs_veto_threshold=None)
+    returned = []
+    for step in range(30):
+        old, rollout = _log_probs(step)
+        lengths = [6, 4, 5, 6]
+        train = [old[i, :n] for i, n in enumerate(lengths)]
+        roll = [rollout[i, :n] for i, n in enumerate(lengths)]
+        masks = [torch.ones(n) for n in lengths]
+        pg_loss = torch.ones(sum(lengths))
+        _, _, metrics = fn(args, pg_loss=pg_loss, train_log_probs=train, rollout_log_probs=roll, loss_masks=masks)
+        # slime averages each per-token metric over the loss masks: a repeated value stays itself
+        returned.append({k: float(v.mean()) for k, v in metrics.items()})
+        assert all(v.shape == pg_loss.shape for v in metrics.values())
+    _check(monitor, returned)
