@@ -45,10 +45,11 @@ STATIC_CASES = [  # rule, metric, healthy value, alarming value
 def test_static_rule_per_step_fires_at_the_first_crossing(rule, metric, ok, bad):
     """static_window=1: seed 001's check of every step on its own."""
     mon = HealthMonitor(trends=False, log_alerts=False, static_window=1)
-    first = feed(mon, [ok] * 7 + [bad] + [ok, bad], metric)
+    first = feed(mon, [ok] * 7 + [bad, ok, bad] + [ok] * 6 + [bad], metric)
     assert first == {rule: 7}
-    # edge-triggered: one alert per entry into the firing state (step 7, then step 9 after clearing)
-    assert [a.step for a in mon.alerts] == [7, 9]
+    # edge-triggered: one alert per entry into the firing state; the rule is clear again after 5
+    # clear steps (10–14), so step 9 raises nothing and step 16 raises the second alert
+    assert [a.step for a in mon.alerts] == [7, 16]
     assert mon.alerts[0].severity == "warn" and mon.alerts[0].kind == "static"
     assert mon.alerts[0].value == pytest.approx(abs(bad) if rule == "kl_high" else bad)
 
@@ -224,7 +225,10 @@ def test_health_metrics():
     mon.update(0, {P + "kl": 0.5})
     h = mon.health_metrics()
     assert h[P + "health/kl_high"] == 1.0 and h[P + "health/status"] == 1.0 and h[P + "health/alerts"] == 1.0
-    mon.update(1, {P + "kl": 0.05})
+    for s in range(1, 5):
+        mon.update(s, {P + "kl": 0.05})
+    assert mon.health_metrics()[P + "health/kl_high"] == 1.0  # 4 clear steps: still firing
+    mon.update(5, {P + "kl": 0.05})
     assert mon.health_metrics()[P + "health/kl_high"] == 0.0
 
 

@@ -6,8 +6,9 @@
         alerts = mon.update(step, metrics)     # any dict with rollout_corr/* keys
         tracker.log(mon.health_metrics(), step=step)
 
-Alerts are edge-triggered: a rule raises one :class:`Alert` when it starts to fire and again only
-after it has been clear for a step. ``health_metrics()`` gives the level view for a tracker:
+Alerts are edge-triggered: a rule raises one :class:`Alert` when it starts to fire, and a firing
+rule counts as clear again only after ``clear_steps`` consecutive clear steps (default 5), so a
+value hovering at a limit does not raise an alert every few steps. ``health_metrics()`` gives the level view for a tracker:
 ``rollout_corr/health/<rule>`` is 1 while the rule fires and 0 otherwise, plus
 ``rollout_corr/health/status`` (0 healthy, 1 warning, 2 critical) and
 ``rollout_corr/health/alerts`` (alerts raised so far).
@@ -77,16 +78,20 @@ class HealthMonitor:
         trends: False disables the trend rules.
         static_window: S, static rules judge the median of the last S reported steps (1: every
             step on its own, as seed 001's example does; the default 5 ignores 1–2-step spikes).
+        clear_steps: a firing rule is clear again after this many consecutive clear steps.
         log_alerts: send each alert to the ``rollout_correction.monitor`` logger
             (warning, or error when critical).
     """
 
     def __init__(self, thresholds: Optional[dict[str, Optional[float]]] = None, *, trend_factor: float = 3.0,
                  baseline_steps: int = 20, window: int = 20, min_duration: int = 5, trends: bool = True,
-                 static_window: int = 5, log_alerts: bool = True) -> None:
+                 static_window: int = 5, clear_steps: int = 5, log_alerts: bool = True) -> None:
         self.config = {"thresholds": dict(thresholds or {}), "trend_factor": trend_factor,
                        "baseline_steps": baseline_steps, "window": window, "min_duration": min_duration,
-                       "trends": trends, "static_window": static_window}
+                       "trends": trends, "static_window": static_window, "clear_steps": clear_steps}
+        if clear_steps < 1:
+            raise ValueError(f"clear_steps must be >= 1, got {clear_steps}")
+        self.clear_steps = clear_steps
         self.rules = [NonFiniteRule(), *static_rules(thresholds, static_window)]
         if trends:
             self.rules += trend_rules(trend_factor, baseline_steps, window, min_duration)
@@ -94,6 +99,7 @@ class HealthMonitor:
         self.history: list[dict[str, float]] = []
         self.alerts: list[Alert] = []
         self._firing: dict[str, bool] = {r.name: False for r in self.rules}
+        self._clear_run: dict[str, int] = {r.name: 0 for r in self.rules}
 
     # -----------------------------------------------------------------------------------------
 
@@ -114,7 +120,11 @@ class HealthMonitor:
                 if self.log_alerts:
                     level = logging.ERROR if rule.severity == "critical" else logging.WARNING
                     logger.log(level, "step %d: %s [%s] %s", step, rule.name, rule.severity, alert.message)
-            self._firing[rule.name] = firing
+            self._clear_run[rule.name] = 0 if firing else self._clear_run[rule.name] + 1
+            if firing:
+                self._firing[rule.name] = True
+            elif self._clear_run[rule.name] >= self.clear_steps:
+                self._firing[rule.name] = False
         self.alerts.extend(new)
         return new
 

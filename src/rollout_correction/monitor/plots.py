@@ -54,7 +54,8 @@ def plot_metrics(history: Any, path: Union[str, Path], alerts: Optional[Iterable
     ``history``: a :class:`HealthMonitor` (its alerts are drawn unless ``alerts`` is given), a list
     of ``{"step": s, "rollout_corr/...": v}`` dicts, a list of ``(step, metrics)`` pairs, or a dict
     of lists as in seed 001's ``metrics_history``. Alerts are drawn as vertical lines on every
-    panel (orange: warning, red: critical) and labelled on the panel of their metric.
+    panel at each rule's first alert (orange: warning, red: critical), labelled on the panel of the
+    rule's metric.
     """
     import matplotlib
 
@@ -86,13 +87,15 @@ def plot_metrics(history: Any, path: Union[str, Path], alerts: Optional[Iterable
         ax.grid(alpha=0.3)
     labels: dict[tuple[int, int], list[Alert]] = {}
     seen: set[str] = set()
-    for a in alerts:
+    for a in alerts:  # each rule's first alert: a line on every panel, labelled on its metric's panel
+        if a.name in seen:
+            continue
+        seen.add(a.name)
         colour = "red" if a.severity == "critical" else "darkorange"
         for ax in axes.flat:
-            ax.axvline(a.step, color=colour, lw=0.8, alpha=0.35)
+            ax.axvline(a.step, color=colour, lw=0.9, alpha=0.5)
         panel = _PANEL_OF_METRIC.get(_alert_metric(a.name))
-        if panel is not None and a.name not in seen:  # label each rule's first alert on its panel
-            seen.add(a.name)
+        if panel is not None:
             labels.setdefault((panel, a.step), []).append(a)
     for (panel, step), group in labels.items():
         colour = "red" if any(a.severity == "critical" for a in group) else "darkorange"
