@@ -77,7 +77,6 @@ from rollout_correction.config import config_value
 from rollout_correction.constants import SAFETY_BOUND
 from rollout_correction.correction import correction_pass
 from rollout_correction.sequence_group import RowExchange
-from rollout_correction.monitor import active_monitor, observe
 
 __all__ = ["SlimeOptions", "options_from_args", "config_from_slime_args", "tis_function"]
 
@@ -396,6 +395,8 @@ def tis_function(
     with torch.no_grad():
         for _ in rows.passes():
             weights, new_mask, row_keep, per_token = _tis_pass(opts, cfg, train, rollout, mask, rows)
+    from rollout_correction.monitor import active_monitor, observe  # beside the adapters, not below
+
     if active_monitor() is not None:  # feed the health monitor; its numbers go back as slime metrics
         batch = {k: v.reshape(-1)[0] for k, v in per_token.items() if k.startswith(METRIC_PREFIX) and v.numel()}
         per_token.update({k: torch.full_like(train, x) for k, x in observe(batch).items()})

@@ -44,7 +44,6 @@ from rollout_correction.config import config_value as _get
 from rollout_correction.config import settings_dict
 from rollout_correction.advantages import group_advantages
 from rollout_correction.metrics import metrics_to_floats
-from rollout_correction.monitor import observe
 
 __all__ = [
     "LOSS_NAME",
@@ -91,6 +90,8 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
     tensors["response_mask"] = out.response_mask
     if out.weights is not None:
         tensors["rollout_is_weights"] = out.weights
+    from rollout_correction.monitor import observe  # the monitor sits beside the adapters, not below
+
     metrics = out.metrics_as_floats()
     return batch, {**metrics, **observe(metrics)}  # + rollout_corr/health/* when a monitor is active
 
