@@ -100,3 +100,36 @@ def test_callback_in_a_trainer_loop_reports_to_tensorboard(tmp_path):
     saved = HealthMonitor.load(tmp_path / "out" / "health.jsonl")
     assert saved.alerts == mon.alerts
     assert math.isclose(saved.history[-1][P + "kl"], -0.05, rel_tol=1e-5)
+
+
+def test_callback_in_trls_grpo_trainer_with_the_adapter(tmp_path):
+    """TRL's real GRPOTrainer (through this library's adapter) logs rollout_corr/* metrics each
+    step; the callback feeds each of those logs to the monitor, at the step TRL logged it."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from rollout_correction.integrations.trl import RolloutCorrectionGRPOTrainer
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{chr(97 + i): i + 2 for i in range(12)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                   pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", max_steps=3,
+                          max_completion_length=8, logging_steps=1, bf16=False, disable_tqdm=True)
+    trainer = RolloutCorrectionGRPOTrainer(
+        model=model, reward_funcs=lambda completions, **kw: [float(len(set(c))) for c in completions], args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["abc", "def", "ghi", "jkl", "bad", "cab", "fed", "hig"]}),
+        processing_class=tokenizer, rollout_correction="decoupled_token_is")
+    cb = HealthMonitorCallback().add_to(trainer)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if P + "kl" in e]
+    assert [h["step"] for h in cb.monitor.history] == [e["step"] for e in logged] == [1, 2, 3]
+    for h, e in zip(cb.monitor.history, logged):
+        for key in (P + "kl", P + "rollout_is_eff_sample_size", P + "chi2_token"):
+            assert h[key] == pytest.approx(e[key])
