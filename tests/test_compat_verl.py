@@ -276,3 +276,54 @@ def test_apply_bypass_mode_like_verl():
     no_rollout = DataProto.from_dict(tensors={"old_log_probs": old, "response_mask": mask})
     with pytest.raises(ValueError, match="rollout_log_probs"):
         compat.apply_bypass_mode(no_rollout)
+
+
+# ----------------------------------------------------------------------------- one batch step, strict
+
+
+def _surfaces():
+    import rollout_correction.integrations.verl as adapter
+
+    return [compat.compute_rollout_correction_and_add_to_batch, adapter.compute_rollout_correction_and_add_to_batch]
+
+
+def test_both_surfaces_honour_the_token_veto():
+    """The veto rejects a whole sequence holding one token with π_old/π_rollout below the threshold
+    (expected mask written by hand); the drop-in and the adapter give the same mask."""
+    old = torch.zeros(3, 4)
+    rollout = torch.zeros(3, 4)
+    rollout[1, 2] = 12.0  # ratio exp(-12) ≈ 6e-6 < 1e-4 at a valid token of row 1
+    rollout[2, 3] = 12.0  # same ratio, but at row 2's padding: no veto
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.float32)
+    block = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_token_veto_threshold": 1e-4}
+    expected = mask.clone()
+    expected[1] = 0.0
+    for step in _surfaces():
+        out, metrics = step(_data_proto(old, rollout, mask.clone()), dict(block))
+        assert torch.equal(out.batch["response_mask"], expected), step.__module__
+        assert "rollout_is_weights" in out.batch.keys()
+
+
+@pytest.mark.parametrize("key, hint", [("rollout_iss", "rollout_is"), ("rollout_rs_treshold", "rollout_rs_threshold")])
+def test_a_misspelt_key_fails_naming_it_on_both_surfaces(key, hint):
+    from rollout_correction import ConfigError
+
+    old, rollout, mask = make_batch(4, 6, 0.3, 1)
+    for step in _surfaces():
+        with pytest.raises(ConfigError, match=f"{key}.*did you mean '{hint}'") as info:
+            step(_data_proto(old, rollout, mask), {key: "token", "rollout_is": "token"})
+        assert isinstance(info.value, ValueError)
+
+
+def test_a_missing_tensor_raises_keyerror_like_verls_function():
+    old, rollout, mask = make_batch(4, 6, 0.3, 2)
+    from verl.protocol import DataProto
+
+    def data():
+        return DataProto.from_dict(tensors={"old_log_probs": old, "response_mask": mask})
+
+    with pytest.raises(KeyError):
+        VERL.compute_rollout_correction_and_add_to_batch(data(), VerlConfig.decoupled_token_is())
+    for step in _surfaces():
+        with pytest.raises(KeyError, match="rollout_log_probs"):
+            step(data(), VerlConfig.decoupled_token_is())

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import RS_OPTIONS, SAFETY_BOUND, RolloutCorrectionConfig, RSOption
+from ..config import RS_OPTIONS, SAFETY_BOUND, ConfigError, RolloutCorrectionConfig, RSOption, as_config
 from ..config import config_value as _get
 from ..constants import METRIC_PREFIX as PREFIX
 from ..correction import compute_rollout_correction
@@ -357,34 +357,30 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
 
     ``response_mask`` is always replaced by the rejection-adjusted mask; ``rollout_is_weights``
     is added when weights are requested. ``rollout_corr_config`` may be verl's
-    ``RolloutCorrectionConfig``, a dict / DictConfig, or a :class:`RolloutCorrectionConfig`.
+    ``RolloutCorrectionConfig``, a dict / DictConfig, a preset name or a
+    :class:`RolloutCorrectionConfig`. Every setting of the block is honoured (including
+    ``rollout_token_veto_threshold`` and the ``*_lower`` bounds); a key this library does not know
+    raises :class:`~rollout_correction.ConfigError` (a ``ValueError``) naming it, with the closest
+    known key. A missing tensor raises ``KeyError`` naming it, as verl's ``DataProto`` does.
 
     Returns:
         (batch, metrics) with ``rollout_corr/``-prefixed float metrics.
     """
+    if rollout_corr_config is None:
+        raise ConfigError("rollout_corr_config is None: pass verl's algorithm.rollout_correction block")
+    cfg = as_config(rollout_corr_config)
     tensors = batch.batch
-    if isinstance(rollout_corr_config, RolloutCorrectionConfig):
-        cfg = rollout_corr_config
-        group = _resolve_group(_AUTO, cfg.is_spec is not None and cfg.is_spec.batch_normalize)
-        out = compute_rollout_correction(tensors["old_log_probs"], tensors["rollout_log_probs"],
-                                         tensors["response_mask"], cfg, process_group=group)
-        weights, new_mask, metrics = out.weights, out.response_mask, out.metrics_as_floats()
-    else:
-        holder, new_mask, metrics = compute_rollout_correction_and_rejection_mask(
-            old_log_prob=tensors["old_log_probs"],
-            rollout_log_prob=tensors["rollout_log_probs"],
-            response_mask=tensors["response_mask"],
-            rollout_is=_get(rollout_corr_config, "rollout_is", None),
-            rollout_is_threshold=_get(rollout_corr_config, "rollout_is_threshold", 2.0),
-            rollout_is_batch_normalize=_get(rollout_corr_config, "rollout_is_batch_normalize", False),
-            rollout_rs=_get(rollout_corr_config, "rollout_rs", None),
-            rollout_rs_threshold=_get(rollout_corr_config, "rollout_rs_threshold", None),
-        )
-        weights = None if holder is None else holder.batch["rollout_is_weights"]
-    tensors["response_mask"] = new_mask
-    if weights is not None:
-        tensors["rollout_is_weights"] = weights
-    return batch, metrics
+    for key in ("old_log_probs", "rollout_log_probs", "response_mask"):
+        if key not in tensors.keys():
+            raise KeyError(f"batch.batch has no {key!r}; the decoupled correction needs old_log_probs, "
+                           "rollout_log_probs (verl: rollout.calculate_log_probs=true) and response_mask")
+    group = _resolve_group(_AUTO, cfg.is_spec is not None and cfg.is_spec.batch_normalize)
+    out = compute_rollout_correction(tensors["old_log_probs"], tensors["rollout_log_probs"],
+                                     tensors["response_mask"], cfg, process_group=group)
+    tensors["response_mask"] = out.response_mask
+    if out.weights is not None:
+        tensors["rollout_is_weights"] = out.weights
+    return batch, out.metrics_as_floats()
 
 
 def apply_bypass_mode(batch: Any, rollout_corr_config: Any = None, policy_loss_config: Any = None) -> None:

@@ -72,28 +72,15 @@ def config_from_verl(cfg: Any) -> Optional[RolloutCorrectionConfig]:
 def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any) -> tuple[Any, dict[str, float]]:
     """Replacement for verl's function of this name (decoupled mode).
 
-    Reads ``old_log_probs``, ``rollout_log_probs`` and ``response_mask`` from ``batch.batch``;
-    always writes the rejection-adjusted ``response_mask`` back and, when IS is configured,
-    adds ``rollout_is_weights`` (float32, detached, 0 on padding and rejected-for-NaN rows).
-    Returns ``(batch, metrics)`` with ``rollout_corr/...`` floats, as verl's does.
+    The batch step is :func:`rollout_correction.compat.verl.compute_rollout_correction_and_add_to_batch`
+    (one implementation: strict about unknown keys, honours every setting of the block); this
+    adds the health monitor's ``rollout_corr/health/*`` metrics when a monitor is active.
     """
-    cfg = config_from_verl(rollout_corr_config)
-    if cfg is None:
-        raise ValueError("rollout_corr_config is None: pass verl's algorithm.rollout_correction block")
-    tensors = batch.batch
-    for key in ("old_log_probs", "rollout_log_probs", "response_mask"):
-        if key not in tensors.keys():
-            raise KeyError(f"batch.batch has no {key!r}; the decoupled correction needs old_log_probs, "
-                           "rollout_log_probs (rollout.calculate_log_probs=true) and response_mask")
-    out = compute_rollout_correction(tensors["old_log_probs"], tensors["rollout_log_probs"],
-                                     tensors["response_mask"], cfg)
-    tensors["response_mask"] = out.response_mask
-    if out.weights is not None:
-        tensors["rollout_is_weights"] = out.weights
-    from rollout_correction.monitor import observe  # the monitor sits beside the adapters, not below
+    from rollout_correction.compat.verl import compute_rollout_correction_and_add_to_batch as batch_step
+    from rollout_correction.monitor import observe  # both sit beside the adapters, not below
 
-    metrics = out.metrics_as_floats()
-    return batch, {**metrics, **observe(metrics)}  # + rollout_corr/health/* when a monitor is active
+    batch, metrics = batch_step(batch, rollout_corr_config)
+    return batch, {**metrics, **observe(metrics)}
 
 
 def policy_loss(
