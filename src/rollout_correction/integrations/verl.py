@@ -35,6 +35,7 @@ Wiring traps of verl that this path avoids:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch
@@ -55,6 +56,12 @@ __all__ = [
     "wire_trainer_config",
     "patch_driver",
     "register",
+    "BACKEND_KEY",
+    "BACKEND_NAME",
+    "BACKEND_METRIC",
+    "backend_requested",
+    "install_dispatcher",
+    "plugin_active",
 ]
 
 LOSS_NAME = "rollout_correction"
@@ -219,7 +226,84 @@ def register(core_algos: Any = None) -> None:
         core_algos.register_adv_est(ADV_ESTIMATOR_NAME)(grpo_accepted_advantage)
 
 
-try:  # register on import when verl is importable (in every verl process via the plugin entry point)
+#: ``+algorithm.rollout_correction.backend=rollout_correction`` routes verl's correction step here.
+BACKEND_KEY = "backend"
+BACKEND_NAME = "rollout_correction"
+#: Logged with value 1.0 by every correction step this library runs inside verl.
+BACKEND_METRIC = "rollout_corr/backend/rollout_correction"
+_TRAINER_MODULES = ("verl.trainer.ppo.rollout_corr_helper", "verl.trainer.ppo.v1.trainer_base")
+_announced = False
+
+
+def backend_requested(rollout_corr_config: Any) -> bool:
+    """True when verl's ``algorithm.rollout_correction`` block says ``backend: rollout_correction``.
+
+    Any other value of ``backend`` raises (naming it), so a typo cannot fall back to verl silently.
+    """
+    try:
+        value = _get(rollout_corr_config, BACKEND_KEY, None) if rollout_corr_config is not None else None
+    except (AttributeError, KeyError):  # verl's config dataclass has no such field
+        value = None
+    if value is None or str(value) == "verl":
+        return False
+    if str(value) != BACKEND_NAME:
+        raise ValueError(f"algorithm.rollout_correction.backend={value!r}: use {BACKEND_NAME!r} "
+                         "(this library) or 'verl' (verl's own correction step)")
+    return True
+
+
+def _dispatching(original: Any) -> Any:
+    def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any):  # noqa: F811
+        if not backend_requested(rollout_corr_config):
+            return original(batch, rollout_corr_config)
+        global _announced
+        if not _announced:
+            import logging
+
+            logging.getLogger(__name__).warning("rollout_correction: verl's rollout-correction step runs this "
+                                                "library (algorithm.rollout_correction.backend=%s)", BACKEND_NAME)
+            _announced = True
+        block = {k: v for k, v in settings_dict(rollout_corr_config).items() if k != BACKEND_KEY}
+        batch, metrics = globals()["compute_rollout_correction_and_add_to_batch"](batch, block)
+        return batch, {**metrics, BACKEND_METRIC: 1.0}
+
+    compute_rollout_correction_and_add_to_batch.verl_original = original
+    compute_rollout_correction_and_add_to_batch.__doc__ = (
+        "verl's correction step, or this library's when algorithm.rollout_correction.backend=rollout_correction")
+    return compute_rollout_correction_and_add_to_batch
+
+
+def install_dispatcher() -> None:
+    """Put the dispatching correction step where verl's trainers look the function up.
+
+    The legacy ``RayPPOTrainer`` imports it from ``rollout_corr_helper`` at each step; the V1
+    trainer binds it when ``trainer_base`` is imported. Both module attributes are replaced (the
+    second only if ``trainer_base`` is already imported; otherwise it binds the helper's, which is
+    already the dispatcher). Idempotent. Without ``backend: rollout_correction`` in the block the
+    dispatcher calls verl's original function unchanged.
+    """
+    import importlib
+
+    helper = importlib.import_module(_TRAINER_MODULES[0])
+    current = helper.compute_rollout_correction_and_add_to_batch
+    original = getattr(current, "verl_original", current)
+    dispatcher = current if hasattr(current, "verl_original") else _dispatching(original)
+    helper.compute_rollout_correction_and_add_to_batch = dispatcher
+    v1 = sys.modules.get(_TRAINER_MODULES[1])
+    if v1 is not None and getattr(v1, "compute_rollout_correction_and_add_to_batch", None) is original:
+        v1.compute_rollout_correction_and_add_to_batch = dispatcher
+
+
+def plugin_active() -> bool:
+    """True when verl's correction step in this process goes through the dispatcher."""
+    helper = sys.modules.get(_TRAINER_MODULES[0])
+    v1 = sys.modules.get(_TRAINER_MODULES[1])
+    return (helper is not None and hasattr(helper.compute_rollout_correction_and_add_to_batch, "verl_original")
+            and (v1 is None or hasattr(v1.compute_rollout_correction_and_add_to_batch, "verl_original")))
+
+
+try:  # on import when verl is importable (in every verl process via the plugin entry point)
     register()
+    install_dispatcher()
 except ImportError:
     pass
