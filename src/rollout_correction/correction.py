@@ -11,20 +11,21 @@ import functools
 import types
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Callable, Optional, Union
 
 import torch
 
-from .alignment import MisalignmentWarning, alignment_metrics, alignment_report, alignment_statistics
+from .alignment import MisalignmentWarning, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
 from .logratio import LogRatioBatch
 from .m2po import m2po_keep, second_moment
-from .metrics import (Accumulator, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
+from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
                       offpolicy_metrics, prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
 from .sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite, reduce_owned,
                              stats_owner)
-from .stats import SufficientStats
+from .stats import SufficientStats, Value, maximum
 from .validation import check_pair
 from .weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
@@ -39,15 +40,17 @@ class CorrectionOutput:
     weights: (B, T) float32 IS weights (detached, 0 at padding and at rows dropped for
         non-finite input), or None when ``rollout_is`` is None.
     response_mask: (B, T) input mask with rejected tokens set to 0, same dtype as the input.
-    metrics: ``rollout_corr/<name>`` → 0-d tensor.
+    metrics: ``rollout_corr/<name>`` → 0-d tensor; a :class:`~rollout_correction.metrics.Metrics`
+        mapping that derives the tensors on first access (on the device, without a sync).
     """
 
     weights: Optional[torch.Tensor]
     response_mask: torch.Tensor
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def metrics_as_floats(self) -> dict[str, float]:
-        """All metrics as Python floats, with one device sync."""
+        """All metrics as Python floats, with one device sync (the packed statistics are copied
+        to the host once; every metric is derived there in float64)."""
         return metrics_to_floats(self.metrics)
 
 
@@ -72,6 +75,14 @@ _ALIGN_KEYS = ("align.n", "align.d0", "align.late", "align.early")
 
 def _alignment_sums(stats: SufficientStats) -> torch.Tensor:
     return torch.stack([stats.sum(k) for k in _ALIGN_KEYS])
+
+
+def _alignment_metrics(stats) -> dict[str, Value]:
+    """``alignment_pairs`` and the mean |old − rollout| at shifts 0, +1, −1 (0 with no pair)."""
+    n = stats.sum("align.n")
+    den = maximum(n, 1.0)
+    return {"alignment_pairs": n, "alignment_mae": stats.sum("align.d0") / den,
+            "alignment_late_mae": stats.sum("align.late") / den, "alignment_early_mae": stats.sum("align.early") / den}
 
 
 def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -157,12 +168,12 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         kept_tokens, m2po = m2po_keep(m2, kept_tokens, float(config.rollout_m2po_threshold), groups)
         keep = kept_tokens.to(keep.dtype)
     reduced = reduce_owned(stats, process_group, owner)
-    metrics = correction_metrics(reduced, config)
+    metrics = Metrics.derived(reduced, functools.partial(correction_metrics, config=config))
     if config.rollout_m2po_threshold is not None:
-        metrics.update(m2po)
+        metrics.update(prefixed(m2po))
     if weights is not None and config.is_spec.batch_normalize:
         weights = weights / batch_norm_factor(reduced, config.is_spec).to(weights.dtype)
-    out = CorrectionOutput(weights, keep.to(response_mask.dtype), prefixed(metrics))
+    out = CorrectionOutput(weights, keep.to(response_mask.dtype), metrics)
     return out, values
 
 
@@ -170,6 +181,14 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
 #: temporary): temporaries stay cache-sized, and peak memory does not grow with the batch
 #: beyond the outputs. Statistics of all blocks are reduced together, so results are identical.
 BLOCK_TOKENS = 1 << 17
+#: On an accelerator the blocks are larger (16 MiB per float32 temporary): every block costs its
+#: own kernel launches, and device memory bandwidth, not cache, is what a block must saturate.
+DEVICE_BLOCK_TOKENS = 1 << 22
+
+
+def block_tokens(device: torch.device) -> int:
+    """Tokens per block of the eager pass on ``device``."""
+    return BLOCK_TOKENS if device.type == "cpu" else DEVICE_BLOCK_TOKENS
 
 
 def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -177,10 +196,13 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     """:func:`_local_pass` over blocks of whole rows, writing straight into the outputs."""
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     B, T = old_log_prob.shape
-    rows = max(1, BLOCK_TOKENS // max(T, 1))
-    if B <= rows:
-        return _local_pass(old_log_prob, rollout_log_prob, response_mask, config)
+    rows = max(1, block_tokens(old_log_prob.device) // max(T, 1))
     stats = SufficientStats()
+    if B <= rows:
+        batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite)
+        batch.add_counts(stats)
+        isw, rej = local_correction(batch, config, stats)
+        return (isw.weights if isw is not None else None), rej.keep_mask(batch), stats
     device = old_log_prob.device
     weights = torch.empty((B, T), device=device) if config.is_spec is not None else None
     keep = torch.empty((B, T), dtype=response_mask.dtype, device=device)
@@ -188,12 +210,14 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
         block = slice(start, start + rows)
         batch = LogRatioBatch(old_log_prob[block], rollout_log_prob[block], response_mask[block],
                               config.on_nonfinite, row_offset=start)
-        batch.add_counts(stats)
-        isw, rej = local_correction(batch, config, stats)
+        local = SufficientStats()  # one packed vector per block, added into the running one
+        batch.add_counts(local)
+        isw, rej = local_correction(batch, config, local)
         if weights is not None:
             weights[block] = isw.weights
         keep[block] = rej.keep_mask(batch)
-    return weights, keep, stats.sums, stats.maxes
+        stats.merge(local)
+    return weights, keep, stats
 
 
 _COMPILED: dict[RolloutCorrectionConfig, Callable] = {}
@@ -213,9 +237,10 @@ def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
     return fn
 
 
-def correction_metrics(stats: SufficientStats, config: RolloutCorrectionConfig) -> dict[str, torch.Tensor]:
-    """Every metric of ``config`` from reduced statistics (unprefixed names)."""
-    m: dict[str, torch.Tensor] = {}
+def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Value]:
+    """Every metric of ``config`` from reduced statistics (unprefixed names): 0-d tensors from a
+    :class:`SufficientStats`, Python floats from a :class:`~rollout_correction.stats.HostStats`."""
+    m: dict[str, Value] = {}
     if config.is_spec is not None:
         m.update(is_metrics(stats, config.is_spec))
     m.update(rs_metrics(stats, config.rs_options))
@@ -224,7 +249,7 @@ def correction_metrics(stats: SufficientStats, config: RolloutCorrectionConfig) 
     m.update(offpolicy_metrics(stats))
     m.update(nonfinite_metrics(stats))
     if config.check_alignment:
-        m.update(alignment_metrics(_alignment_sums(stats), prefix=""))
+        m.update(_alignment_metrics(stats))
     return m
 
 
@@ -288,24 +313,27 @@ def compute_rollout_correction(
                                                process_group, rows, owner)
         return out
     with torch.no_grad():
-        local = _compiled_local_pass(config) if compile else functools.partial(_blocked_local_pass, config=config)
-        weights, keep, sums, maxes = local(old_log_prob, rollout_log_prob, response_mask)
-        stats = SufficientStats.from_values(sums, maxes).all_reduce(process_group)
-        metrics = correction_metrics(stats, config)
+        if compile:
+            weights, keep, sums, maxes = _compiled_local_pass(config)(old_log_prob, rollout_log_prob, response_mask)
+            stats = SufficientStats.from_values(sums, maxes)
+        else:
+            weights, keep, stats = _blocked_local_pass(old_log_prob, rollout_log_prob, response_mask, config)
+        stats.all_reduce(process_group)
+        metrics = Metrics.derived(stats, functools.partial(correction_metrics, config=config))
         if weights is not None and config.is_spec.batch_normalize:
-            weights = weights / batch_norm_factor(stats, config.is_spec).to(weights.dtype)
+            weights = weights.div_(batch_norm_factor(stats, config.is_spec))
         if config.rollout_m2po_threshold is not None:
             kept = keep > 0
             m2 = second_moment(old_log_prob, rollout_log_prob, kept)
             kept, m2po = m2po_keep(m2, kept, float(config.rollout_m2po_threshold), (process_group,))
             keep = kept
-            metrics.update(m2po)
+            metrics.update(prefixed(m2po))
         out_mask = keep.to(response_mask.dtype)
-        if config.check_alignment:
+        if config.check_alignment:  # the warning needs the values: one sync, only with this option
             report = alignment_report(_alignment_sums(stats))
             if report.misaligned:
                 warnings.warn(report.message, MisalignmentWarning, stacklevel=2)
-    return CorrectionOutput(weights=weights, response_mask=out_mask, metrics=prefixed(metrics))
+    return CorrectionOutput(weights=weights, response_mask=out_mask, metrics=metrics)
 
 
 #: ``on_batch(batch, weights, keep)``: called by :class:`CorrectionAccumulator` once per chunk.

@@ -107,7 +107,8 @@ class LogRatioBatch:
         torch.nan_to_num_(lr, nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
         lr.mul_(mask_in)
         if lr.shape[-1] > 0:
-            bad_rows = (lr.amax(-1) >= NONFINITE_SENTINEL) | (lr.amin(-1) <= -NONFINITE_SENTINEL)
+            lo, hi = torch.aminmax(lr, dim=-1)
+            bad_rows = (hi >= NONFINITE_SENTINEL) | (lo <= -NONFINITE_SENTINEL)
         else:
             bad_rows = torch.zeros(lr.shape[0], dtype=torch.bool, device=lr.device)
         n_row_input = mask_in.sum(-1)
@@ -121,15 +122,12 @@ class LogRatioBatch:
         self.input_mask = mask_in
         self.bad_rows = bad_rows
         self.n_row_input = n_row_input
-        # Dropping rows costs two full passes; on CPU, where checking is free (no device sync),
-        # skip them when no row is bad.
-        if lr.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(bad_rows.any()):
-            self.mask, self.log_ratio, self.n_row = mask_in, lr, self.n_row_input
-        else:
-            keep_row = (~bad_rows).to(torch.float32)
-            self.mask = mask_in * keep_row.unsqueeze(-1)
-            self.log_ratio = lr.mul_(keep_row.unsqueeze(-1))
-            self.n_row = self.n_row_input * keep_row
+        # Rows are dropped arithmetically whether or not any is bad: no data-dependent branch,
+        # so the call never waits for the device (and can be captured in a CUDA graph).
+        keep_row = (~bad_rows).to(torch.float32)
+        self.mask = mask_in * keep_row.unsqueeze(-1)
+        self.log_ratio = lr.mul_(keep_row.unsqueeze(-1))
+        self.n_row = self.n_row_input * keep_row
         self.row_sum = self.row_total(self.log_ratio)
         self.row_valid = self.n_row > 0
 
@@ -194,14 +192,23 @@ class LogRatioBatch:
                              "(LogRatioBatch.from_log_ratio); the perplexity metrics need the log-probs: "
                              "build it as LogRatioBatch(old_log_prob, rollout_log_prob, response_mask)")
         s = self.reduce_sum(torch.nansum(self.old_log_prob * self.mask, -1).double())
-        bound = NONFINITE_SENTINEL * self.n_row.double()
-        s = torch.where(self.row_valid, torch.nan_to_num(s, nan=0.0).clamp(-bound, bound), 0.0)
-        return s / self.n_row.double().clamp_min(1.0)
+        # s is 0 on empty and dropped rows (mask 0); bounding the mean bounds the sum per token.
+        return torch.nan_to_num(s / self._n_row64, nan=0.0).clamp(-NONFINITE_SENTINEL, NONFINITE_SENTINEL)
+
+    @cached
+    def _n_row64(self) -> torch.Tensor:
+        """max(n_row, 1) in float64, the denominator of the per-row means."""
+        return self.n_row.double().clamp_min(1.0)
 
     @cached
     def rollout_row_mean(self) -> torch.Tensor:
         """mean_t log π_rollout per row, float64, from old and the log-ratio (no extra pass)."""
-        return self.old_row_mean - self.row_sum.double() / self.n_row.double().clamp_min(1.0)
+        return self.old_row_mean - self.row_sum64 / self._n_row64
+
+    @cached
+    def row_sum64(self) -> torch.Tensor:
+        """Σ_t log ρ_t per row in float64."""
+        return self.row_sum.double()
 
     # -- helpers for statistics ----------------------------------------------------------
     # Each returns a per-row (B,) part; SufficientStats reduces parts in float64, batched.

@@ -30,10 +30,11 @@ import torch
 from .config import RolloutCorrectionConfig, as_config
 from .constants import SAFETY_BOUND
 from .correction import compute_rollout_correction, correction_pass
-from .metrics import prefixed
+from .metrics import Metrics, prefixed
 from .opsm import compute_opsm
 from .policy_losses import cispo_loss, dppo_loss, gspo_loss, topr_loss, topr_weights
 from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, stats_owner
+from .stats import SufficientStats, Value, maximum
 from .validation import check_same, first_nonfinite
 
 __all__ = ["LossAggMode", "LOSS_AGG_MODES", "agg_loss", "ppo_clip_loss", "compute_policy_loss"]
@@ -163,9 +164,15 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
     return ppo_clip_loss(lp, prox, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
 
 
-def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    x = x.detach().to(torch.float64)
-    return torch.where(valid, x, 0.0).sum() / valid.sum().clamp_min(1)
+def _actor_metrics(stats) -> dict[str, Value]:
+    """``actor/*`` metrics from the sums recorded by :func:`compute_policy_loss` (means over the
+    tokens in the loss; the non-finite share over sequences with ≥ 1 valid input token)."""
+    out = {"actor/nonfinite_seq_fraction": stats.sum("bad_rows") / maximum(stats.sum("input_rows"), 1.0)}
+    n = maximum(stats.sum("n"), 1.0)
+    for name in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_lower"):
+        if name in stats.sums:
+            out["actor/" + name] = stats.sum(name) / n
+    return out
 
 
 def _split_masked_mean(x: torch.Tensor, token_keep: torch.Tensor, row_keep: torch.Tensor, kept: torch.Tensor,
@@ -267,9 +274,12 @@ def compute_policy_loss(
 
     # Drop (or refuse) rows with a non-finite value at a valid position; sanitise the rest.
     input_valid = response_mask.bool()
-    finite = torch.isfinite(log_prob.detach()) & torch.isfinite(prox) & torch.isfinite(advantages)
+    # One test for all inputs: a sum is finite iff every term is (barring a float32 overflow of
+    # absurd values ~1e38, which then also drops the row).
+    total = log_prob.detach().float() + prox.float() + advantages.float()
     if rollout_is_weights is not None:
-        finite &= torch.isfinite(rollout_is_weights)
+        total = total + rollout_is_weights.float()
+    finite = torch.isfinite(total)
     bad = input_valid & ~finite
     if config.on_nonfinite == "raise":
         pos = first_nonfinite(bad)
@@ -283,10 +293,11 @@ def compute_policy_loss(
     lp = torch.where(valid, log_prob.float(), zero)
     prox_s = torch.where(valid, prox.float(), zero)
     adv = torch.where(valid, advantages.float(), zero)
-    metrics: dict[str, torch.Tensor] = {}
+    metrics = Metrics()  # derived on demand from packed statistics: no kernel per metric, no sync
+    actor = SufficientStats()
     input_rows = input_valid.any(-1)
-    metrics["actor/nonfinite_seq_fraction"] = (
-        (bad_rows & input_rows).sum(dtype=torch.float64) / input_rows.sum().clamp_min(1))
+    actor.add_sum("bad_rows", bad_rows & input_rows)
+    actor.add_sum("input_rows", input_rows)
 
     weights = None
     mask = valid
@@ -309,10 +320,14 @@ def compute_policy_loss(
                                                  clip_ratio_low, clip_ratio_high, clip_ratio_c)
     if weights is not None and (not bypass or config.loss_type == "reinforce"):
         pg = pg * weights.detach()  # bypass PPO-clip / GSPO / …: the ratio to π_rollout is the correction
-    metrics["actor/ppo_kl"] = _masked_mean(prox_s - lp, mask)
-    if clipped is not None:
-        metrics["actor/pg_clipfrac"] = _masked_mean(clipped.float(), mask)
-        metrics["actor/pg_clipfrac_lower"] = _masked_mean(clipped_lower.float(), mask)
+    in_loss = mask.bool()
+    names = ["ppo_kl"] + (["pg_clipfrac", "pg_clipfrac_lower"] if clipped is not None else [])
+    parts = [prox_s - lp.detach()] + ([clipped, clipped_lower] if clipped is not None else [])
+    sums = torch.where(in_loss, torch.stack(parts), 0.0).sum(dim=(1, 2), dtype=torch.float64)
+    for name, value in zip(names, sums.unbind()):
+        actor.add_sum(name, value)
+    actor.add_sum("n", in_loss)
+    metrics.add_derived(actor, _actor_metrics, prefix="")
     loss = agg_loss(pg, mask, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     return loss, metrics
 

@@ -15,17 +15,18 @@ sequence statistics over sequences with ≥ 1 valid token; exponents clamped to 
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Mapping, MutableMapping
+from typing import Callable, Optional, Union
 
 import torch
 
 from .constants import METRIC_PREFIX, SAFETY_BOUND
 from .logratio import LogRatioBatch
 from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, reduce_owned, stats_owner
-from .stats import SufficientStats, safe_div
+from .stats import HostStats, SufficientStats, Value, safe_div, where
 
 __all__ = ["PREFIX", "compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics",
-           "nonfinite_metrics", "metrics_to_floats", "prefixed", "Accumulator", "OffPolicyAccumulator"]
+           "nonfinite_metrics", "Metrics", "metrics_to_floats", "prefixed", "Accumulator", "OffPolicyAccumulator"]
 
 PREFIX = METRIC_PREFIX  # the name this module has always exported
 _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
@@ -33,31 +34,32 @@ _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
 
 def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
     """Record the sufficient statistics of the off-policy metrics."""
+    rows = batch.row_valid
     stats.add_sum("op.sum_lr", batch.row_sum)
     stats.add_sum("op.sum_k3", batch.token_sum(batch.k3))
     stats.add_sum("op.sum_rho2", batch.token_sum(batch.ratio * batch.ratio))
     old_nll = -batch.old_row_mean
     roll_nll = -batch.rollout_row_mean
     d = old_nll - roll_nll  # = mean log π_rollout − mean log π_train
-    stats.add_sum("op.train_log_ppl", batch.row_sum_of(old_nll))
-    stats.add_sum("op.train_ppl", batch.row_sum_of(old_nll.clamp(max=_PPL_EXP_MAX).exp()))
-    stats.add_sum("op.roll_log_ppl", batch.row_sum_of(roll_nll))
-    stats.add_sum("op.roll_ppl", batch.row_sum_of(roll_nll.clamp(max=_PPL_EXP_MAX).exp()))
-    stats.add_sum("op.d", batch.row_sum_of(d))
-    stats.add_sum("op.abs_d", batch.row_sum_of(d.abs()))
-    stats.add_max("op.d_max", batch.row_max(d))
-    stats.add_min("op.d_min", batch.row_min(d))
-    stats.add_sum("op.ppl_ratio", batch.row_sum_of(d.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()))
-    seq_log = batch.row_sum.double().clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    stats.add_sum("op.rho2_seq", batch.row_sum_of((2.0 * seq_log).exp()))
+    stats.add_sum("op.train_log_ppl", old_nll, rows=rows)
+    stats.add_sum("op.train_ppl", old_nll.clamp(max=_PPL_EXP_MAX).exp(), rows=rows)
+    stats.add_sum("op.roll_log_ppl", roll_nll, rows=rows)
+    stats.add_sum("op.roll_ppl", roll_nll.clamp(max=_PPL_EXP_MAX).exp(), rows=rows)
+    stats.add_sum("op.d", d, rows=rows)
+    stats.add_sum("op.abs_d", d.abs(), rows=rows)
+    stats.add_max("op.d_max", d, rows=rows)
+    stats.add_min("op.d_min", d, rows=rows)
+    stats.add_sum("op.ppl_ratio", d.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp(), rows=rows)
+    seq_log = batch.row_sum64.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    stats.add_sum("op.rho2_seq", (2.0 * seq_log).exp(), rows=rows)
 
 
-def offpolicy_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
-    """The 13 off-policy metrics (see module docstring) from reduced statistics; 0 when empty."""
+def offpolicy_metrics(stats) -> dict[str, Value]:
+    """The 13 off-policy metrics (see module docstring) from reduced statistics; 0 when empty.
+    0-d tensors from :class:`SufficientStats`, floats from :class:`HostStats`."""
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
-    zero = torch.zeros_like(n_tok)
 
-    def seq_mean(k: str) -> torch.Tensor:
+    def seq_mean(k: str) -> Value:
         return safe_div(stats.sum(k), n_rows)
 
     has_rows = n_rows > 0
@@ -70,15 +72,15 @@ def offpolicy_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
         "rollout_log_ppl": seq_mean("op.roll_log_ppl"),
         "log_ppl_diff": seq_mean("op.d"),
         "log_ppl_abs_diff": seq_mean("op.abs_d"),
-        "log_ppl_diff_max": torch.where(has_rows, stats.max("op.d_max"), zero),
-        "log_ppl_diff_min": torch.where(has_rows, stats.min("op.d_min"), zero),
+        "log_ppl_diff_max": where(has_rows, stats.max("op.d_max"), 0.0),
+        "log_ppl_diff_min": where(has_rows, stats.min("op.d_min"), 0.0),
         "ppl_ratio": seq_mean("op.ppl_ratio"),
-        "chi2_token": torch.where(n_tok > 0, safe_div(stats.sum("op.sum_rho2"), n_tok) - 1.0, zero),
-        "chi2_seq": torch.where(has_rows, seq_mean("op.rho2_seq") - 1.0, zero),
+        "chi2_token": where(n_tok > 0, safe_div(stats.sum("op.sum_rho2"), n_tok) - 1.0, 0.0),
+        "chi2_seq": where(has_rows, seq_mean("op.rho2_seq") - 1.0, 0.0),
     }
 
 
-def nonfinite_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
+def nonfinite_metrics(stats) -> dict[str, Value]:
     """``nonfinite_seq_fraction``: share of sequences dropped for a NaN/±inf log-prob at a
     valid position (denominator: sequences with ≥ 1 valid token in the input)."""
     return {"nonfinite_seq_fraction": safe_div(stats.sum("nonfinite_rows"), stats.sum("n_rows_input"))}
@@ -89,8 +91,141 @@ def prefixed(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {METRIC_PREFIX + k: v for k, v in metrics.items()}
 
 
-def metrics_to_floats(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
-    """Convert a dict of 0-d tensors to Python floats with a single device sync."""
+class Metrics(MutableMapping):
+    """Metrics derived on demand from reduced statistics: ``name`` → 0-d tensor.
+
+    Holds the packed statistics (:class:`SufficientStats`) and the function that derives the
+    metrics from them, so the call that returns it launches no kernel per metric and never
+    syncs. Reading it as a mapping derives every value once as 0-d tensors on the statistics'
+    device (no sync); :meth:`as_floats` instead copies the packed statistics to the host once
+    (one sync) and derives every value there in float64. Values set with ``m[name] = value``
+    (tensors or floats) are kept as given.
+    """
+
+    def __init__(self) -> None:
+        self._sources: list[tuple[SufficientStats, Callable, str]] = []
+        self._extra: dict[str, Union[torch.Tensor, float]] = {}
+        self._deleted: set[str] = set()
+        self._tensors: Optional[dict[str, torch.Tensor]] = None
+        self._keys: Optional[list[str]] = None
+
+    @classmethod
+    def derived(cls, stats: SufficientStats, derive: Callable, prefix: str = METRIC_PREFIX) -> "Metrics":
+        """Metrics ``prefix + name`` → ``derive(stats)[name]``; ``derive`` must work on
+        :class:`SufficientStats` and on :class:`HostStats` alike (see :mod:`rollout_correction.stats`)."""
+        out = cls()
+        out.add_derived(stats, derive, prefix)
+        return out
+
+    def add_derived(self, stats: SufficientStats, derive: Callable, prefix: str = METRIC_PREFIX) -> None:
+        self._sources.append((stats, derive, prefix))
+        self._tensors = self._keys = None
+
+    def update(self, other=(), /, **kwargs) -> None:
+        """Like dict.update; another :class:`Metrics` is added lazily (nothing is derived)."""
+        if isinstance(other, Metrics):
+            for stats, derive, prefix in other._sources:
+                self.add_derived(stats, derive, prefix)
+            for k, v in other._extra.items():
+                self[k] = v
+            for k in other._deleted:
+                self._deleted.add(k)
+        else:
+            super().update(other, **kwargs)
+        for k, v in kwargs.items():
+            self[k] = v
+
+    # -- mapping --------------------------------------------------------------------------
+    def _derived_keys(self) -> list[str]:
+        if self._keys is None:
+            keys: list[str] = []
+            for stats, derive, prefix in self._sources:  # names depend on the config only: derive on zeros
+                names_s, _, names_m, _ = stats.packed()
+                zeros = HostStats(dict.fromkeys(names_s, 0.0), dict.fromkeys(names_m, 0.0))
+                keys += [prefix + k for k in derive(zeros)]
+            self._keys = keys
+        return self._keys
+
+    def __iter__(self):
+        seen = set()
+        for k in [*self._derived_keys(), *self._extra]:
+            if k not in seen and k not in self._deleted:
+                seen.add(k)
+                yield k
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, key) -> bool:
+        return key not in self._deleted and (key in self._extra or key in self._derived_keys())
+
+    def __getitem__(self, key: str):
+        if key in self._deleted:
+            raise KeyError(key)
+        if key in self._extra:
+            return self._extra[key]
+        return self.tensors()[key]
+
+    def __setitem__(self, key: str, value) -> None:
+        self._extra[key] = value
+        self._deleted.discard(key)
+
+    def __delitem__(self, key: str) -> None:
+        if key not in self:
+            raise KeyError(key)
+        self._extra.pop(key, None)
+        self._deleted.add(key)
+
+    def __repr__(self) -> str:
+        return f"Metrics({dict(self)!r})"
+
+    # -- values ---------------------------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every derived metric as a 0-d tensor (derived once, on the statistics' device)."""
+        if self._tensors is None:
+            out: dict[str, torch.Tensor] = {}
+            for stats, derive, prefix in self._sources:
+                out.update((prefix + k, v) for k, v in derive(stats).items())
+            self._tensors = out
+        return self._tensors
+
+    def as_floats(self) -> dict[str, float]:
+        """Every metric as a Python float, with one device sync: the packed statistics (and
+        any tensor values set directly) are copied to the host together and every metric is
+        derived there in float64."""
+        packed: list[torch.Tensor] = []
+        layout = []
+        for stats, derive, prefix in self._sources:
+            names_s, vs, names_m, vm = stats.packed()
+            layout.append((names_s, names_m, derive, prefix))
+            packed += [v for v in (vs, vm) if v is not None]
+        extra_t = [k for k, v in self._extra.items() if isinstance(v, torch.Tensor)]
+        if extra_t:
+            packed.append(torch.stack([self._extra[k].detach().reshape(()).to(torch.float64, copy=False)
+                                       .to(packed[0].device if packed else self._extra[k].device) for k in extra_t]))
+        if packed:
+            values = (packed[0] if len(packed) == 1 else torch.cat([p.to(packed[0].device) for p in packed])).tolist()
+        else:
+            values = []
+        out: dict[str, float] = {}
+        i = 0
+        for names_s, names_m, derive, prefix in layout:
+            host = HostStats(dict(zip(names_s, values[i:i + len(names_s)])),
+                             dict(zip(names_m, values[i + len(names_s):i + len(names_s) + len(names_m)])))
+            i += len(names_s) + len(names_m)
+            out.update((prefix + k, float(v)) for k, v in derive(host).items())
+        for k in extra_t:
+            out[k] = values[i]
+            i += 1
+        out.update((k, float(v)) for k, v in self._extra.items() if not isinstance(v, torch.Tensor))
+        return {k: out[k] for k in self}
+
+
+def metrics_to_floats(metrics: Mapping[str, Union[torch.Tensor, float]]) -> dict[str, float]:
+    """Convert metrics (0-d tensors, floats, or a :class:`Metrics`) to Python floats with a
+    single device sync."""
+    if isinstance(metrics, Metrics):
+        return metrics.as_floats()
     keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
     out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
     if keys:

@@ -28,7 +28,7 @@ import torch
 
 from .config import RSOption
 from .logratio import LogRatioBatch
-from .stats import SufficientStats, safe_div, seq_summary
+from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
 __all__ = ["token_divergence", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics", "rs_metrics",
            "veto_metrics"]
@@ -53,6 +53,8 @@ class RejectionResult:
 
     token_keep: Optional[torch.Tensor]
     row_keep: torch.Tensor
+    #: False when no sequence-level criterion ran (``row_keep`` is then all True).
+    rows_filtered: bool = True
 
     def kept_per_row(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B,) float32 count of valid tokens accepted by every criterion."""
@@ -62,6 +64,8 @@ class RejectionResult:
 
     def keep_mask(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B, T) float32 0/1: valid and accepted by every criterion."""
+        if not self.rows_filtered:
+            return batch.mask if self.token_keep is None else batch.mask * self.token_keep
         keep = batch.mask * self.row_keep.to(torch.float32).unsqueeze(-1)
         return keep.mul_(self.token_keep) if self.token_keep is not None else keep
 
@@ -101,8 +105,7 @@ def option_keep(batch: LogRatioBatch, opt: RSOption, statistic: torch.Tensor,
 def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_threshold: Optional[float],
                    stats: Optional[SufficientStats] = None) -> RejectionResult:
     """Keep masks for the chained ``options`` and the veto; records statistics when given ``stats``."""
-    B = batch.log_ratio.shape[0]
-    row_keep = torch.ones(B, dtype=torch.bool, device=batch.log_ratio.device)
+    row_keep: Optional[torch.Tensor] = None  # None: no sequence-level criterion so far
     token_keep: Optional[torch.Tensor] = None
     cache: dict[str, torch.Tensor] = {}
     for opt in options:
@@ -113,21 +116,25 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
             keep = option_keep(batch, opt, per_token, stats)
             token_keep = keep if token_keep is None else token_keep.mul_(keep)
         else:
-            row_keep = row_keep & option_keep(batch, opt, _row_stat(batch, per_token, opt.agg), stats)
+            keep = option_keep(batch, opt, _row_stat(batch, per_token, opt.agg), stats)
+            row_keep = keep if row_keep is None else row_keep & keep
     if stats is not None and options:
-        kept = batch.n_row * row_keep
-        if token_keep is not None:
-            kept = batch.row_total(token_keep * batch.mask) * row_keep
+        kept = batch.n_row if token_keep is None else batch.row_total(token_keep * batch.mask)
+        if row_keep is not None:
+            kept = kept * row_keep
         rejected = batch.n_row - kept  # valid tokens rejected by the chained options, per row
         stats.add_sum("rs.masked", rejected)
-        stats.add_sum("rs.seq_masked", batch.row_count(rejected > 0))
+        stats.add_sum("rs.seq_masked", rejected > 0, rows=batch.row_valid)
     if veto_threshold is not None:
         catastrophic = batch.row_total(batch.below(batch.log_ratio, math.log(veto_threshold)))
         vetoed = catastrophic > 0
-        row_keep = row_keep & ~vetoed
+        row_keep = ~vetoed if row_keep is None else row_keep & ~vetoed
         if stats is not None:
             stats.add_sum("veto.tok", catastrophic)
-            stats.add_sum("veto.rows", batch.row_count(vetoed))
+            stats.add_sum("veto.rows", vetoed, rows=batch.row_valid)
+    if row_keep is None:
+        ones = torch.ones(batch.log_ratio.shape[0], dtype=torch.bool, device=batch.log_ratio.device)
+        return RejectionResult(token_keep, ones, rows_filtered=False)
     return RejectionResult(token_keep, row_keep)
 
 
@@ -156,36 +163,40 @@ def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: R
     seq = batch.row_total(x) / batch.n_row.clamp_min(1.0)
     _add_seq_values(stats, batch, opt, seq)
     stats.add_sum(p + "masked", rejected)
-    stats.add_sum(p + "seq_masked", batch.row_count(rejected > 0))
+    stats.add_sum(p + "seq_masked", rejected > 0, rows=batch.row_valid)
 
 
 def _add_row_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
                           s: torch.Tensor, keep: torch.Tensor) -> None:
     p = f"rs.{opt.name}."
-    c = _std_clamp(opt, s)
-    stats.add_sum(p + "sum", batch.tokens_weighted_row_sum(s))
-    stats.add_sum(p + "c_sum", batch.tokens_weighted_row_sum(c))
-    stats.add_sum(p + "c_sum2", batch.tokens_weighted_row_sum(c.double() ** 2))
-    stats.add_sum(p + "high", batch.row_count(s > opt.stat_upper))
+    c = _std_clamp(opt, s).double()
+    rows, n = batch.row_valid, batch.n_row
+    rejected = ~keep
+    stats.add_sum(p + "sum", s, rows=rows, weight=n)
+    stats.add_sum(p + "c_sum", c, rows=rows, weight=n)
+    stats.add_sum(p + "c_sum2", c * c, rows=rows, weight=n)
+    stats.add_sum(p + "masked", rejected, rows=rows, weight=n)
+    stats.add_sum(p + "high", s > opt.stat_upper, rows=rows)
     if opt.stat_lower is not None:
-        stats.add_sum(p + "low", batch.row_count(s < opt.stat_lower))
+        stats.add_sum(p + "low", s < opt.stat_lower, rows=rows)
     _add_seq_values(stats, batch, opt, s)
-    stats.add_sum(p + "masked", batch.tokens_weighted_row_sum((~keep).double()))
-    stats.add_sum(p + "seq_masked", batch.row_count(~keep))
+    stats.add_sum(p + "seq_masked", rejected, rows=rows)
 
 
 def _add_seq_values(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, seq: torch.Tensor) -> None:
     p = f"rs.{opt.name}.seq"
-    stats.add_sum(p + "_sum", batch.row_sum_of(seq))
-    stats.add_sum(p + "_sum2", batch.row_sum_of(seq.double() ** 2))
-    stats.add_max(p + "_max", batch.row_max(seq))
-    stats.add_min(p + "_min", batch.row_min(seq))
-    stats.add_sum(p + "_high", batch.row_count(seq > opt.stat_upper))
+    rows = batch.row_valid
+    seq64 = seq.double()
+    stats.add_sum(p + "_sum", seq, rows=rows)
+    stats.add_sum(p + "_sum2", seq64 * seq64, rows=rows)
+    stats.add_max(p + "_max", seq, rows=rows)
+    stats.add_min(p + "_min", seq, rows=rows)
+    stats.add_sum(p + "_high", seq > opt.stat_upper, rows=rows)
     if opt.stat_lower is not None:
-        stats.add_sum(p + "_low", batch.row_count(seq < opt.stat_lower))
+        stats.add_sum(p + "_low", seq < opt.stat_lower, rows=rows)
 
 
-def rs_option_metrics(stats: SufficientStats, opt: RSOption) -> dict[str, torch.Tensor]:
+def rs_option_metrics(stats, opt: RSOption) -> dict[str, Value]:
     """``rollout_rs_<option>_*`` metrics of one option from reduced statistics (recorded by
     :func:`option_keep` with ``stats``, plus the counts of ``LogRatioBatch.add_counts``).
 
@@ -198,23 +209,21 @@ def rs_option_metrics(stats: SufficientStats, opt: RSOption) -> dict[str, torch.
     seq_masked_fraction = share of sequences with at least one token it rejects.
     """
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
-    zero = torch.zeros_like(n_tok)
     p, out = f"rs.{opt.name}.", f"rollout_rs_{opt.name}_"
-    m: dict[str, torch.Tensor] = {}
+    m: dict[str, Value] = {}
     seq = seq_summary(stats, p + "seq", n_rows, center=0.0)
     m[out + "mean"] = safe_div(stats.sum(p + "sum"), n_tok)
     if opt.agg == "token":
-        m[out + "max"] = torch.where(n_tok > 0, stats.max(p + "max"), zero)
-        m[out + "min"] = torch.where(n_tok > 0, stats.min(p + "min"), zero)
+        m[out + "max"] = where(n_tok > 0, stats.max(p + "max"), 0.0)
+        m[out + "min"] = where(n_tok > 0, stats.min(p + "min"), 0.0)
         den = n_tok
     else:
         m[out + "max"], m[out + "min"] = seq["max"], seq["min"]
         den = n_rows
     m[out + "fraction_high"] = safe_div(stats.sum(p + "high"), den)
-    m[out + "fraction_low"] = safe_div(stats.sum(p + "low"), den) if opt.stat_lower is not None else zero
+    m[out + "fraction_low"] = safe_div(stats.sum(p + "low"), den) if opt.stat_lower is not None else 0.0 * den
     cm = safe_div(stats.sum(p + "c_sum"), n_tok)
-    var = (safe_div(stats.sum(p + "c_sum2"), n_tok) - cm * cm).clamp_min(0)
-    m[out + "std"] = torch.where(n_tok > 1, var.sqrt(), zero)
+    m[out + "std"] = where(n_tok > 1, sqrt0(safe_div(stats.sum(p + "c_sum2"), n_tok) - cm * cm), 0.0)
     for k, v in seq.items():
         m[out + "seq_" + k] = v
     m[out + "seq_fraction_high"] = safe_div(stats.sum(p + "seq_high"), n_rows)
@@ -225,14 +234,14 @@ def rs_option_metrics(stats: SufficientStats, opt: RSOption) -> dict[str, torch.
     return m
 
 
-def rs_metrics(stats: SufficientStats, options: tuple[RSOption, ...]) -> dict[str, torch.Tensor]:
+def rs_metrics(stats, options: tuple[RSOption, ...]) -> dict[str, Value]:
     """Every option's metrics (:func:`rs_option_metrics`) and the chain's ``rollout_rs_masked_fraction``
     (share of valid tokens rejected by any option) and ``rollout_rs_seq_masked_fraction`` (share of
     sequences with at least one rejected token), from statistics recorded by :func:`rejection_keep`."""
     if not options:
         return {}
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
-    m: dict[str, torch.Tensor] = {}
+    m: dict[str, Value] = {}
     for opt in options:
         m.update(rs_option_metrics(stats, opt))
     m["rollout_rs_masked_fraction"] = safe_div(stats.sum("rs.masked"), n_tok)
@@ -243,7 +252,7 @@ def rs_metrics(stats: SufficientStats, options: tuple[RSOption, ...]) -> dict[st
     return m
 
 
-def veto_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
+def veto_metrics(stats) -> dict[str, Value]:
     """``rollout_is_veto_fraction`` (share of sequences vetoed) and
     ``rollout_is_catastrophic_token_fraction`` (share of valid tokens with ρ_t < C)."""
     return {

@@ -28,7 +28,7 @@ import torch
 from .config import ISSpec
 from .constants import SAFETY_BOUND
 from .logratio import LogRatioBatch
-from .stats import SufficientStats, safe_div, seq_summary
+from .stats import SufficientStats, Value, clamp, exp, safe_div, seq_summary, sqrt0, where
 
 __all__ = ["ISWeights", "importance_weights", "bound_weights", "add_is_statistics", "is_metrics",
            "batch_norm_factor"]
@@ -102,40 +102,43 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
             stats.add_sum("is.oob", high + low)
     else:
         rw, rlog, rraw = isw.row_weight, isw.row_log, isw.row_raw
-        stats.add_sum("is.sum_w", batch.tokens_weighted_row_sum(rw))
-        stats.add_sum("is.sum_w2", batch.tokens_weighted_row_sum(rw.double() ** 2))
-        stats.add_sum("is.high", batch.row_count(rlog > _log(U)))
-        stats.add_sum("is.low", batch.row_count(rlog < _log(L)))
-        stats.add_max("is.max_log", batch.row_max(rlog))
-        stats.add_min("is.min_log", batch.row_min(rlog))
+        rw64 = rw.double()
+        rows, n = batch.row_valid, batch.n_row
+        stats.add_sum("is.sum_w", rw64, rows=rows, weight=n)
+        stats.add_sum("is.sum_w2", rw64 * rw64, rows=rows, weight=n)
+        stats.add_sum("is.high", rlog > _log(U), rows=rows)
+        stats.add_sum("is.low", rlog < _log(L), rows=rows)
+        stats.add_max("is.max_log", rlog, rows=rows)
+        stats.add_min("is.min_log", rlog, rows=rows)
         seq_w, seq_raw = rw, rraw
         # Pre-truncation (length-aware) statistics of the row weights, one value per sequence.
         raw = rraw.double()
-        stats.add_sum("is.raw_sum", batch.row_sum_of(raw))
-        stats.add_sum("is.raw_sum2", batch.row_sum_of(raw * raw))
-        stats.add_sum("is.log_sum", batch.row_sum_of(rlog.double()))
-        stats.add_sum("is.collapsed", batch.row_count(rlog < COLLAPSED_LOG_WEIGHT))
+        stats.add_sum("is.raw_sum", raw, rows=rows)
+        stats.add_sum("is.raw_sum2", raw * raw, rows=rows)
+        stats.add_sum("is.log_sum", rlog, rows=rows)
+        stats.add_sum("is.collapsed", rlog < COLLAPSED_LOG_WEIGHT, rows=rows)
         if spec.mode == "mask":
-            oob = ((rraw < spec.lower) | (rraw > U)).double()
-            stats.add_sum("is.oob", batch.tokens_weighted_row_sum(oob))
-    stats.add_sum("is.seq_sum", batch.row_sum_of(seq_w))
-    stats.add_sum("is.seq_sum2", batch.row_sum_of(seq_w.double() ** 2))
-    stats.add_max("is.seq_max", batch.row_max(seq_w))
-    stats.add_min("is.seq_min", batch.row_min(seq_w))
-    stats.add_sum("is.seq_high", batch.row_count(seq_raw > U))
-    stats.add_sum("is.seq_low", batch.row_count(seq_raw < L))
+            stats.add_sum("is.oob", (rraw < spec.lower) | (rraw > U), rows=rows, weight=n)
+    rows = batch.row_valid
+    seq_w64 = seq_w.double()
+    stats.add_sum("is.seq_sum", seq_w, rows=rows)
+    stats.add_sum("is.seq_sum2", seq_w64 * seq_w64, rows=rows)
+    stats.add_max("is.seq_max", seq_w, rows=rows)
+    stats.add_min("is.seq_min", seq_w, rows=rows)
+    stats.add_sum("is.seq_high", seq_raw > U, rows=rows)
+    stats.add_sum("is.seq_low", seq_raw < L, rows=rows)
 
 
-def batch_norm_factor(stats: SufficientStats, spec: ISSpec) -> torch.Tensor:
+def batch_norm_factor(stats, spec: ISSpec) -> Value:
     """Mean bounded weight (over tokens, or over valid sequences); 1 when it is ≤ 1e-8."""
     if spec.level == "token":
         mean = safe_div(stats.sum("is.sum_w"), stats.sum("n_tok"))
     else:
         mean = safe_div(stats.sum("is.seq_sum"), stats.sum("n_rows"))
-    return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
+    return where(mean > 1e-8, mean, 1.0)
 
 
-def is_metrics(stats: SufficientStats, spec: ISSpec) -> dict[str, torch.Tensor]:
+def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     """``rollout_is_*`` metrics from reduced statistics (values before batch normalisation).
 
     mean / std / ESS are token-weighted over valid tokens (for every level):
@@ -152,21 +155,18 @@ def is_metrics(stats: SufficientStats, spec: ISSpec) -> dict[str, torch.Tensor]:
     show it before truncation hides it.
     """
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
-    zero = torch.zeros_like(n_tok)
     mean = safe_div(stats.sum("is.sum_w"), n_tok)
     ew2 = safe_div(stats.sum("is.sum_w2"), n_tok)
-    var = (ew2 - mean * mean).clamp_min(0)
-    std = torch.where(n_tok > 1, var.sqrt(), zero)
-    ess = torch.where(ew2 > 0, (mean + 1e-8) ** 2 / ew2.clamp_min(1e-300), zero)
-    m: dict[str, torch.Tensor] = {"rollout_is_mean": mean, "rollout_is_std": std, "rollout_is_eff_sample_size": ess}
+    std = where(n_tok > 1, sqrt0(ew2 - mean * mean), 0.0)
+    ess = safe_div((mean + 1e-8) ** 2, ew2)
+    m: dict[str, Value] = {"rollout_is_mean": mean, "rollout_is_std": std, "rollout_is_eff_sample_size": ess}
     if spec.level == "token":
-        m["rollout_is_max"] = torch.where(n_tok > 0, stats.max("is.max"), zero)
-        m["rollout_is_min"] = torch.where(n_tok > 0, stats.min("is.min"), zero)
+        m["rollout_is_max"] = where(n_tok > 0, stats.max("is.max"), 0.0)
+        m["rollout_is_min"] = where(n_tok > 0, stats.min("is.min"), 0.0)
         den = n_tok
     else:
-        bound = (-SAFETY_BOUND, SAFETY_BOUND)
-        m["rollout_is_max"] = torch.where(n_rows > 0, stats.max("is.max_log").clamp(*bound).exp(), zero)
-        m["rollout_is_min"] = torch.where(n_rows > 0, stats.min("is.min_log").clamp(*bound).exp(), zero)
+        m["rollout_is_max"] = where(n_rows > 0, exp(clamp(stats.max("is.max_log"), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
+        m["rollout_is_min"] = where(n_rows > 0, exp(clamp(stats.min("is.min_log"), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
         den = n_rows
     m["rollout_is_ratio_fraction_high"] = safe_div(stats.sum("is.high"), den)
     m["rollout_is_ratio_fraction_low"] = safe_div(stats.sum("is.low"), den)
@@ -178,8 +178,7 @@ def is_metrics(stats: SufficientStats, spec: ISSpec) -> dict[str, torch.Tensor]:
     if spec.level != "token":
         raw_sum, raw_sum2 = stats.sum("is.raw_sum"), stats.sum("is.raw_sum2")
         m["rollout_is_seq_raw_mean"] = safe_div(raw_sum, n_rows)
-        m["rollout_is_seq_raw_ess"] = torch.where(raw_sum2 > 0, raw_sum * raw_sum / (n_rows * raw_sum2).clamp_min(1e-300),
-                                                  zero)
+        m["rollout_is_seq_raw_ess"] = safe_div(raw_sum * raw_sum, n_rows * raw_sum2)
         m["rollout_is_seq_log_mean"] = safe_div(stats.sum("is.log_sum"), n_rows)
         m["rollout_is_seq_collapsed_fraction"] = safe_div(stats.sum("is.collapsed"), n_rows)
     if spec.mode == "mask":
