@@ -38,20 +38,24 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     stats.add_sum("op.sum_lr", batch.row_sum)
     stats.add_sum("op.sum_k3", batch.token_sum(batch.k3))
     stats.add_sum("op.sum_rho2", batch.token_sum(batch.ratio * batch.ratio))
-    old_nll = -batch.old_row_mean
-    roll_nll = -batch.rollout_row_mean
-    d = old_nll - roll_nll  # = mean log π_rollout − mean log π_train
-    stats.add_sum("op.train_log_ppl", old_nll, rows=rows)
-    stats.add_sum("op.train_ppl", old_nll.clamp(max=_PPL_EXP_MAX).exp(), rows=rows)
-    stats.add_sum("op.roll_log_ppl", roll_nll, rows=rows)
-    stats.add_sum("op.roll_ppl", roll_nll.clamp(max=_PPL_EXP_MAX).exp(), rows=rows)
+    # The per-row values are computed stacked, so each elementwise step is one operation.
+    nll = torch.stack([batch.old_row_mean, batch.rollout_row_mean]).neg_()  # float64 (2, B)
+    d = nll[0] - nll[1]  # = mean log π_rollout − mean log π_train
+    e = torch.stack([nll[0], nll[1], d, batch.row_sum64])
+    e[:2].clamp_(max=_PPL_EXP_MAX)
+    e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
+    e[3].mul_(2.0)
+    e.exp_()  # training PPL, rollout PPL, ppl ratio, (∏ρ)² per row
+    stats.add_sum("op.train_log_ppl", nll[0], rows=rows)
+    stats.add_sum("op.train_ppl", e[0], rows=rows)
+    stats.add_sum("op.roll_log_ppl", nll[1], rows=rows)
+    stats.add_sum("op.roll_ppl", e[1], rows=rows)
     stats.add_sum("op.d", d, rows=rows)
     stats.add_sum("op.abs_d", d.abs(), rows=rows)
     stats.add_max("op.d_max", d, rows=rows)
     stats.add_min("op.d_min", d, rows=rows)
-    stats.add_sum("op.ppl_ratio", d.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp(), rows=rows)
-    seq_log = batch.row_sum64.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    stats.add_sum("op.rho2_seq", (2.0 * seq_log).exp(), rows=rows)
+    stats.add_sum("op.ppl_ratio", e[2], rows=rows)
+    stats.add_sum("op.rho2_seq", e[3], rows=rows)
 
 
 def offpolicy_metrics(stats) -> dict[str, Value]:
