@@ -1,14 +1,15 @@
-"""verl 0.9.1: route the trainer's rollout correction through this library.
+"""verl 0.9.1: verl's correction step, policy loss and GRPO estimator from this library.
 
-In your verl entry point (the script that builds ``RayPPOTrainer``), add two lines before the
-trainer is constructed (docs/integrations.md)::
+Installed, the package is imported by ``import verl`` in every process (its ``verl.plugins``
+entry point); the run's config then decides (docs/integrations.md, verl recipe)::
 
-    from rollout_correction.integrations.verl import wire_trainer_config
-    wire_trainer_config(config)          # config: the Hydra/OmegaConf trainer config
+    +algorithm.rollout_correction.backend=rollout_correction
+    actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction      # optional
+    algorithm.adv_estimator=grpo_accepted                                 # optional
 
-and keep ``algorithm.rollout_correction`` exactly as verl documents it. This script does the same
-on verl's own default trainer YAML and then runs, on one synthetic batch, the three pieces a
-training step uses: the correction on a ``DataProto`` (decoupled mode), the GRPO advantage over
+This script applies those lines to verl's own default trainer YAML and runs, on one synthetic
+batch, what a training step calls: verl's own ``rollout_corr_helper`` entry (now switched by the
+config, with the ``rollout_corr/backend/rollout_correction`` metric), the GRPO advantage over
 accepted rows, and the registered policy loss, next to verl's own functions.
 
     pip install verl==0.9.1               # with its dependencies (ray, ...)
@@ -38,8 +39,9 @@ def main() -> None:
     config.algorithm.rollout_correction = OmegaConf.create({  # verl's block, unchanged
         "rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k3",
         "rollout_rs_threshold": 0.01, "bypass_mode": False, "loss_type": "ppo_clip",
-        "rollout_is_batch_normalize": False})
-    rc_verl.wire_trainer_config(config, driver=False)  # driver=True also routes RayPPOTrainer.fit's step
+        "rollout_is_batch_normalize": False, "backend": rc_verl.BACKEND_NAME})
+    config.actor_rollout_ref.actor.policy_loss.loss_mode = rc_verl.LOSS_NAME
+    config.algorithm.adv_estimator = rc_verl.ADV_ESTIMATOR_NAME
     print("actor.policy_loss.loss_mode:", config.actor_rollout_ref.actor.policy_loss.loss_mode)
     print("algorithm.adv_estimator:    ", config.algorithm.adv_estimator)
 
@@ -54,7 +56,11 @@ def main() -> None:
                                          "response_mask": torch.ones(B, T), "token_level_rewards": rewards},
                                 non_tensors={"uid": np.array([f"p{i // 4}" for i in range(B)], dtype=object)})
 
-    batch, metrics = rc_verl.compute_rollout_correction_and_add_to_batch(batch, config.algorithm.rollout_correction)
+    from verl.trainer.ppo import rollout_corr_helper  # where verl's trainers look the step up
+
+    batch, metrics = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(
+        batch, config.algorithm.rollout_correction)
+    print(rc_verl.BACKEND_METRIC, "=", metrics.get(rc_verl.BACKEND_METRIC))
     print("rejected rows:", (batch.batch["response_mask"].sum(-1) == 0).nonzero().flatten().tolist(),
           " rollout_corr/kl = %.4f" % metrics["rollout_corr/kl"])
 
