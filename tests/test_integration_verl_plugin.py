@@ -129,3 +129,15 @@ def test_the_documented_loss_and_estimator_lines_resolve_to_this_library():
                                   "algorithm.adv_estimator=grpo_accepted"])
     assert core_algos.get_policy_loss_fn(config.actor_rollout_ref.actor.policy_loss.loss_mode) is rc_verl.policy_loss
     assert core_algos.get_adv_estimator_fn(config.algorithm.adv_estimator) is rc_verl.grpo_accepted_advantage
+
+
+@pytest.mark.parametrize("plugins, code, says", [("auto", 0, "active in verl"), ("none", 1, "NOT active")])
+def test_verl_check_reports_whether_the_plugin_loaded(plugins, code, says):
+    script = ("import sys\nfrom verl_reference import _ray_stand_in\nsys.modules['ray'] = _ray_stand_in()\n"
+              "from rollout_correction.cli import main\nsys.exit(main(['verl-check']))\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path]), "VERL_USE_EXTERNAL_PLUGINS": plugins}
+    done = subprocess.run([sys.executable, "-c", script], cwd=here, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == code, done.stderr[-2000:]
+    assert says in done.stdout + done.stderr

@@ -22,9 +22,11 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "presets": ("rollout_correction.presets_cli", "list the configuration presets"),
     "monitor": ("rollout_correction.monitor.cli",
                 "replay a logged metrics history through the training health monitor: plot, alerts, summary"),
+    "verl-check": ("rollout_correction.integrations.verl_cli",
+                   "check that `import verl` loads this library's plugin in this environment"),
 }
 # sub-command -> the pyproject extra that installs what it needs (when it is not the command's name)
-_EXTRAS: dict[str, str] = {"diffusion-demo": "plot", "presets": "cli"}
+_EXTRAS: dict[str, str] = {"diffusion-demo": "plot", "presets": "cli", "verl-check": "verl"}
 
 
 def install_hint(command: str) -> str:
