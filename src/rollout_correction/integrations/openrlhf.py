@@ -57,7 +57,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from rollout_correction import RolloutCorrectionConfig, as_config, compute_rollout_correction
+from rollout_correction import METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_rollout_correction
 
 __all__ = [
     "OPENRLHF_CORRECTION_TYPES",
@@ -78,11 +78,11 @@ OPENRLHF_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
 SUPPORTED_OPENRLHF = ">=0.10.4,<0.12"
 """OpenRLHF releases whose ``PolicyLoss``, ``ppo_actor`` loss call and replay buffer are tested."""
 
-PLACEHOLDER_METRIC = "rollout_corr/openrlhf_placeholder"
+PLACEHOLDER_METRIC = f"{METRIC_PREFIX}openrlhf_placeholder"
 """Per-sample info key: 1 for a fully rejected sample kept as a one-token placeholder
 (:meth:`RolloutCorrectionPolicyLoss.prepare_experience`)."""
 
-ACTIVE_METRIC = "rollout_corr/openrlhf_rejected_token_fraction"
+ACTIVE_METRIC = f"{METRIC_PREFIX}openrlhf_rejected_token_fraction"
 """Per-sample info key that only this library writes: its presence in OpenRLHF's logs shows the
 correction ran at experience time."""
 

@@ -305,7 +305,7 @@ def _tis_pass(opts: SlimeOptions, cfg: RolloutCorrectionConfig, train: torch.Ten
     else:
         m[prefix + "_low"] = (before < opts.tis_lower).float()
         m[prefix + "_high"] = (before > opts.tis_upper).float()
-    bn = result.metrics.get("rollout_corr/rollout_is_batch_norm_factor")
+    bn = result.metrics.get(f"{METRIC_PREFIX}rollout_is_batch_norm_factor")
     after = values.weights  # before batch normalisation
     m["mis_tis_weight_after_bound"] = after
     if opts.use_rs:
