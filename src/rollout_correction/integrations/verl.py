@@ -35,6 +35,7 @@ Wiring traps of verl that this path avoids:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Optional
 
@@ -109,6 +110,11 @@ def policy_loss(
     Bypass (``bypass_mode`` true; verl's trainer has set ``old_log_prob`` to the rollout
     log-probs): the correction is computed here from π_θ vs π_rollout; ``loss_type="ppo_clip"``
     clips against π_rollout with the rejection mask applied, ``"reinforce"`` is −sg(w)·A·log π_θ.
+    The worker only sees the actor's block: neither verl trainer passes ``algorithm.rollout_correction``
+    to it in time, hence the line
+    ``+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}``.
+    The rejection happens per micro-batch, after verl counted ``batch_num_tokens``, so rejected
+    tokens stay in that denominator (as in verl's own bypass loss).
 
     Args follow verl: (B, T) tensors; ``config`` is the actor config (``clip_ratio``,
     ``clip_ratio_low``/``_high``, ``clip_ratio_c``, ``policy_loss``, ``global_batch_info``).
@@ -122,10 +128,15 @@ def policy_loss(
     high = _get(config, "clip_ratio_high", None)
     clip_c = _get(config, "clip_ratio_c", 3.0)
     info = dict(_get(config, "global_batch_info", None) or {})
-    rc = config_from_verl(_get(_get(config, "policy_loss", None), "rollout_correction", None))
+    rc = _actor_block(config)
     bypass = rc is not None and rc.bypass_mode
     if not bypass:
         # Decoupled: the driver already computed weights and rejection; the loss only weights PPO.
+        if rc is None and rollout_is_weights is None:
+            _say_once("no_block", "rollout_correction loss: no IS weights from the driver and no "
+                      "actor_rollout_ref.actor.policy_loss.rollout_correction block, so this is PPO on the "
+                      "driver's rejection mask only; for bypass mode add "
+                      "'+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}'")
         rc = RolloutCorrectionConfig.disabled()
     loss, metrics = compute_policy_loss(
         log_prob, None if bypass else old_log_prob, advantages, response_mask, rc,
@@ -138,6 +149,32 @@ def policy_loss(
         dp_size=int(info.get("dp_size", 1) or 1), loss_scale_factor=info.get("loss_scale_factor"),
     )
     return loss, metrics_to_floats(metrics)
+
+
+def _actor_block(config: Any) -> Optional[RolloutCorrectionConfig]:
+    """The actor's ``policy_loss.rollout_correction`` block, or None when the user gave none.
+
+    verl's worker config fills an absent block with its ``RolloutCorrectionConfig()`` dataclass
+    defaults (``_target_`` empty, ``rollout_is="sequence"`` unlike the YAML): that counts as none.
+    The block may be an interpolation of ``algorithm.rollout_correction``, so the ``backend`` key of
+    the correction-step switch is dropped here; any other unknown key raises, naming it.
+    """
+    block = _get(_get(config, "policy_loss", None), "rollout_correction", None)
+    if block is None or (dataclasses.is_dataclass(block) and type(block).__module__.startswith("verl.")
+                         and block == type(block)()):
+        return None
+    return config_from_verl({k: v for k, v in settings_dict(block).items() if k not in (BACKEND_KEY, "_target_")})
+
+
+_said: set[str] = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        import logging
+
+        logging.getLogger(__name__).warning(message)
 
 
 def grpo_accepted_advantage(
