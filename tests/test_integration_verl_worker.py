@@ -133,7 +133,8 @@ ENGINE_UTILS = _engine_utils()
 class Rollout:
     """A small left/right padded rollout batch in verl's DataProto layout."""
 
-    def __init__(self, seed: int, rows: int = 8, prompt: int = 4, width: int = 6, far=(1, 5), noise=0.04):
+    def __init__(self, seed: int, rows: int = 8, prompt: int = 4, width: int = 6, far=(1, 5), noise=0.04,
+                 grad: bool = False):
         g = torch.Generator().manual_seed(seed)
         self.prompt_len = torch.randint(1, prompt + 1, (rows,), generator=g)
         self.response_len = torch.randint(1, width + 1, (rows,), generator=g)
@@ -151,6 +152,7 @@ class Rollout:
         self.old, self.rollout = old * rm, rollout * rm
         self.advantages = torch.randn(rows, width, generator=g) * rm
         self.log_prob = (old + torch.randn(rows, width, generator=g) * 0.15) * rm  # π_θ during the update
+        self.log_prob.requires_grad_(grad)
         self.tensors = dict(prompts=prompts, responses=responses, input_ids=torch.cat([prompts, responses], 1),
                             attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp_min(0),
                             response_mask=rm.clone(), old_log_probs=self.old.clone(),
@@ -183,26 +185,30 @@ def _legacy_correction_step(batch: DataProto, config) -> tuple[DataProto, dict]:
     return compute_rollout_correction_and_add_to_batch(batch, config.algorithm.rollout_correction)
 
 
-def _worker_update(batch: DataProto, config, actor, rollout: Rollout):
-    """verl's actor update for one mini-batch on one data-parallel rank; returns the per-micro-batch
-    (loss, metrics) pairs and the mini-batch TensorDict."""
+def _worker_update(batch: DataProto, config, actor, rollout: Rollout, dp: int = 1):
+    """verl's actor update for one mini-batch split over ``dp`` data-parallel ranks (contiguous rows,
+    as verl's dispatch splits); returns every rank's per-micro-batch (loss, metrics) and rank 0's data.
+    With dp > 1, FSDP averages the ranks' gradients: the effective loss is the sum over ranks / dp."""
     data = left_right_2_no_padding(batch.to_tensordict())  # RayPPOTrainer._update_actor
     mini = config.actor_rollout_ref.actor.ppo_mini_batch_size * config.actor_rollout_ref.rollout.n
     tu.assign_non_tensor(data, global_batch_size=mini, mini_batch_size=mini,
                          micro_batch_size_per_gpu=config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
                          use_dynamic_bsz=config.actor_rollout_ref.actor.use_dynamic_bsz)
-    # FSDPEngine.forward_backward_batch (one data-parallel rank: the all-reduce is the identity)
-    tu.assign_non_tensor(data, sp_size=1)
-    tu.assign_non_tensor(data, batch_num_tokens=data["loss_mask"].sum().item())
-    tu.assign_non_tensor(data, dp_size=1)
-    micro_batches, _ = ENGINE_UTILS.prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)
+    ranks = tu.chunk_tensordict(data, dp) if dp > 1 else [data]
+    # FSDPEngine.forward_backward_batch: loss_mask summed and all-reduced over the data-parallel group
+    batch_num_tokens = sum(rank["loss_mask"].sum().item() for rank in ranks)
     out, start = [], 0
-    for micro in micro_batches:
-        rows = range(start, start + len(micro))
-        start += len(micro)
-        out.append(ppo_loss(actor, {"log_probs": rollout.model_log_probs(rows)}, micro))
+    for rank in ranks:
+        tu.assign_non_tensor(rank, sp_size=1)
+        tu.assign_non_tensor(rank, batch_num_tokens=batch_num_tokens)
+        tu.assign_non_tensor(rank, dp_size=dp)
+        micro_batches, _ = ENGINE_UTILS.prepare_micro_batches(data=rank, dp_group=None, same_micro_num_in_dp=True)
+        for micro in micro_batches:
+            rows = range(start, start + len(micro))
+            start += len(micro)
+            out.append(ppo_loss(actor, {"log_probs": rollout.model_log_probs(rows)}, micro))
     assert start == len(batch)
-    return out, data
+    return out, ranks[0]
 
 
 def _aggregate(results, key: str) -> float:
@@ -249,7 +255,8 @@ def _grpo_accepted_by_hand(scores, uids, accepted, eps=1e-6, norm=True):
 # ----------------------------------------------------------------------------- 1. policy loss in the worker
 
 
-def test_documented_decoupled_lines_run_our_loss_in_verls_worker_with_accepted_token_denominator():
+@pytest.mark.parametrize("dp", [1, 2])
+def test_documented_decoupled_lines_run_our_loss_in_verls_worker_with_accepted_token_denominator(dp):
     lines = _doc_lines("actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction", "trainer.use_v1=false")
     config = _compose(lines + SIZES)
     actor = _worker_actor_config(config)
@@ -258,7 +265,7 @@ def test_documented_decoupled_lines_run_our_loss_in_verls_worker_with_accepted_t
     block = config.algorithm.rollout_correction
     assert not block.bypass_mode and block.rollout_is == "token" and block.rollout_rs == "seq_mean_k3"
 
-    r = Rollout(seed=3)
+    r = Rollout(seed=3, grad=True)
     batch, metrics = _legacy_correction_step(r.proto(), config)
     assert metrics[rc_verl.BACKEND_METRIC] == 1.0
 
@@ -270,16 +277,22 @@ def test_documented_decoupled_lines_run_our_loss_in_verls_worker_with_accepted_t
     assert torch.equal(batch.batch["response_mask"].bool(), keep)
     weights = log_ratio.double().exp().clamp(max=float(block.rollout_is_threshold))
 
-    results, data = _worker_update(batch, config, actor, r)
+    results, data = _worker_update(batch, config, actor, r, dp=dp)
     # verl's legacy path rebuilds loss_mask from the corrected response_mask: only accepted tokens count
     assert data["batch_num_tokens"] == int(keep.sum()) < int(r.mask.sum())
     assert actor.global_batch_info["batch_num_tokens"] == int(keep.sum())  # filled by verl's ppo_loss
-    assert actor.global_batch_info["dp_size"] == 1
-    total = sum(loss for loss, _ in results)
+    assert actor.global_batch_info["dp_size"] == dp
+    total = sum(loss for loss, _ in results) / dp
     expected = (_ppo_clip(r.log_prob, r.old, r.advantages) * weights * keep).sum() / keep.sum()
     torch.testing.assert_close(total.double(), expected, rtol=1e-6, atol=1e-7)
-    # verl sums the micro-batch pg_loss metrics when global denominators are used
-    assert math.isclose(_aggregate(results, "actor/pg_loss"), float(expected), rel_tol=1e-6, abs_tol=1e-7)
+    # the gradient verl's backward takes through the nested model output: only accepted tokens, / N_accepted
+    (grad,) = torch.autograd.grad(total, r.log_prob)
+    (grad_hand,) = torch.autograd.grad(expected, r.log_prob)
+    torch.testing.assert_close(grad, grad_hand, rtol=1e-5, atol=1e-7)
+    assert torch.all(grad[~keep] == 0) and torch.any(grad[keep] != 0)
+    expected = expected.detach()
+    if dp == 1:  # verl sums the micro-batch pg_loss metrics when global denominators are used
+        assert math.isclose(_aggregate(results, "actor/pg_loss"), float(expected), rel_tol=1e-6, abs_tol=1e-7)
     assert all("actor/pg_clipfrac" in m and "actor/ppo_kl" in m for _, m in results)
 
 
@@ -333,6 +346,26 @@ def test_documented_bypass_lines_reach_the_worker_and_run_the_correction_in_the_
     expected = (_ppo_clip(r.log_prob, r.rollout, r.advantages) * keep).sum() / r.mask.sum()
     torch.testing.assert_close(sum(loss for loss, _ in results).double(), expected, rtol=1e-6, atol=1e-7)
     assert all("rollout_corr/rollout_rs_masked_fraction" in m for _, m in results)
+
+
+def test_bypass_reinforce_with_token_is_from_the_block_in_the_worker():
+    lines = _doc_lines("bypass_mode=true") + ["algorithm.rollout_correction.loss_type=reinforce",
+                                             "algorithm.rollout_correction.rollout_is=token"]
+    config = _compose(lines + SIZES)
+    actor = _worker_actor_config(config)
+    r = Rollout(seed=11)
+    batch = r.proto()
+    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]  # V1's bypass step (and the legacy one's)
+    results, data = _worker_update(batch, config, actor, r)
+    block = config.algorithm.rollout_correction
+    log_ratio = r.log_prob - r.rollout
+    accepted = _k3_seq_mean(log_ratio, r.mask) <= float(block.rollout_rs_threshold)
+    keep = r.mask.bool() & accepted.unsqueeze(-1)
+    assert 0 < int(accepted.sum()) < len(accepted)
+    weights = log_ratio.double().exp().clamp(max=float(block.rollout_is_threshold))  # π_θ / π_rollout, TIS
+    expected = (-r.advantages.double() * r.log_prob.double() * weights * keep).sum() / r.mask.sum()
+    torch.testing.assert_close(sum(loss for loss, _ in results).double(), expected, rtol=1e-6, atol=1e-7)
+    assert all("rollout_corr/rollout_is_mean" in m for _, m in results)
 
 
 def test_bypass_without_the_actor_line_runs_plain_ppo_and_says_so_once(monkeypatch, caplog):
