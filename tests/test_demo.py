@@ -169,3 +169,20 @@ def test_saved_runs_are_reused_only_with_identical_settings(tmp_path):
     assert _load_run(cfg.replace(workers=1, seeds=(0, 1)), "naive", 0) is not None  # not result-relevant
     assert _load_run(cfg.replace(lr=1e-4), "naive", 0) is None                      # different result
     assert _load_run(cfg, "naive", 1) is None
+
+
+def test_checks_text_says_above_or_below_and_keeps_the_deciding_digit():
+    from rollout_correction.demo.report import checks_text
+
+    checks = {"available": True, "on_policy_final": 0.868, "naive_final": 0.591, "naive_gap": 0.277,
+              "naive_degrades": False, "naive_kl_growth": 6.9, "naive_kl_rises_5x": True,
+              "best_correction": "token_tis", "best_correction_final": 0.787, "best_minus_naive": 0.196,
+              "best_beats_naive_by_0.2": False, "best_within_0.1_of_on_policy": True, "all_hold": False}
+    lines = checks_text(checks)
+    # 0.196 must not print as "0.20" next to "no": three decimals show why the check failed
+    assert "beats naive by ≥ 0.2: **no** — by 0.196." in lines[2]
+    assert lines[3].endswith("yes — 0.081 below on-policy.")
+    assert lines[-1].startswith("**Not every claim holds")
+    above = dict(checks, best_correction_final=0.898, best_minus_naive=0.416,
+                 **{"best_beats_naive_by_0.2": True})
+    assert checks_text(above)[3].endswith("yes — 0.030 above on-policy.")

@@ -322,6 +322,13 @@ TABLE_HEADER = ["method", "preset", "trainer final", "trainer best", "engine fin
 _TERMINAL_COLUMNS = (0, 2, 3, 4, 5, 6, 7)
 
 
+def _above_below(diff: float) -> str:
+    """``diff`` = correction − on-policy, in words (three decimals: the checks compare at that precision)."""
+    if abs(diff) < 5e-4:
+        return "level with on-policy"
+    return f"{abs(diff):.3f} {'above' if diff > 0 else 'below'} on-policy"
+
+
 def checks_text(c: dict) -> list[str]:
     if not c.get("available"):
         return [f"Checks not evaluated: {c.get('reason')}."]
@@ -331,15 +338,15 @@ def checks_text(c: dict) -> list[str]:
 
     lines = [
         f"- Naive PPO ends ≥ 0.3 below on-policy (or collapses): {yn(c['naive_degrades'])} — on-policy "
-        f"{c['on_policy_final']:.2f}, naive {c['naive_final']:.2f}, gap {c['naive_gap']:.2f}.",
+        f"{c['on_policy_final']:.2f}, naive {c['naive_final']:.2f}, gap {c['naive_gap']:.3f}.",
         f"- Naive mismatch KL rises ≥ 5×: {yn(c['naive_kl_rises_5x'])} — ×{c['naive_kl_growth']:.1f}.",
     ]
     if "best_correction" in c:
         lines += [
             f"- Best correction ({METHODS[c['best_correction']].label}, {c['best_correction_final']:.2f}) beats "
-            f"naive by ≥ 0.2: {yn(c['best_beats_naive_by_0.2'])} — by {c['best_minus_naive']:.2f}.",
+            f"naive by ≥ 0.2: {yn(c['best_beats_naive_by_0.2'])} — by {c['best_minus_naive']:.3f}.",
             f"- …and ends within 0.1 of on-policy: {yn(c['best_within_0.1_of_on_policy'])} — "
-            f"{c['on_policy_final'] - c['best_correction_final']:+.2f} below.",
+            f"{_above_below(c['best_correction_final'] - c['on_policy_final'])}.",
         ]
     lines.append("All claims hold." if c["all_hold"] else "**Not every claim holds in this run; see above.**")
     return lines
