@@ -204,6 +204,12 @@ def _smooth(ys, window: int):
     return out
 
 
+def _line_style(i: int) -> tuple[str, str]:
+    """Colour and dash of the i-th method: the ten default colours solid, then again dashed, so
+    up to 30 methods stay distinguishable."""
+    return f"C{i % 10}", ("-", "--", ":")[(i // 10) % 3]
+
+
 def _draw(ax, cfg: DemoConfig, raw: dict, stem: str) -> None:
     key, title, ylabel, log = PLOTS[stem]
     window = 1 if key.startswith("evals:") else max(1, cfg.steps // 30)
@@ -213,8 +219,8 @@ def _draw(ax, cfg: DemoConfig, raw: dict, stem: str) -> None:
             continue
         ys = [_smooth(y, window) for y in ys]
         mean = [_mean(col) for col in zip(*ys)]
-        color = f"C{i}"
-        ax.plot(x, mean, color=color, label=METHODS[m].label, lw=1.6)
+        color, style = _line_style(i)
+        ax.plot(x, mean, color=color, ls=style, label=METHODS[m].label, lw=1.6)
         if len(ys) > 1:
             lo, hi = [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)]
             ax.fill_between(x, lo, hi, color=color, alpha=0.15, lw=0)
@@ -249,9 +255,11 @@ def plot_all(cfg: DemoConfig, raw: dict, out_dir: Path) -> list[str]:
     for ax, stem in zip(axes.flat, OVERVIEW):
         _draw(ax, cfg, raw, stem)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    ncol = min(4, len(labels))
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
     fig.suptitle(_scenario_line(cfg), fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+    legend_rows = -(-len(labels) // ncol) if labels else 0
+    fig.tight_layout(rect=(0, 0.02 + 0.028 * legend_rows, 1, 0.96))
     fig.savefig(out_dir / "overview.png", dpi=110)
     plt.close(fig)
     files.append("overview.png")
