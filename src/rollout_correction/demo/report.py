@@ -384,16 +384,9 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
         "|" + "---|" * len(TABLE_HEADER),
     ]
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(summary)]
-    lines += ["", "Per seed — trainer final / engine final exact match, final mismatch KL:", "",
-              "| method | " + " | ".join(f"seed {s}" for s in cfg.seeds) + " |",
-              "|---|" + "---|" * len(cfg.seeds)]
-    for m in cfg.methods:
-        cells = []
-        for s in cfg.seeds:
-            r = next((r for r in summary["runs"] if r["method"] == m and r["seed"] == s), None)
-            cells.append("—" if r is None else f"{r['final_reward']:.2f} / {r['final_engine_reward']:.2f}, "
-                                               f"KL {_kl(r['final_mismatch_kl'])}")
-        lines.append(f"| {METHODS[m].label} | " + " | ".join(cells) + " |")
+    lines += ["", "Per seed — trainer final / engine final exact match, final mismatch KL:", ""]
+    lines += _per_seed_table(cfg, summary, "seed {}", lambda r: (
+        f"{r['final_reward']:.2f} / {r['final_engine_reward']:.2f}, KL {_kl(r['final_mismatch_kl'])}"))
     lines += ["", "## Checks", ""] + checks_text(summary["checks"])
     lines += ["", "## Health monitor", ""] + health_lines(cfg, summary)
     if cfg.steps < 300:
@@ -409,22 +402,28 @@ def health_lines(cfg: DemoConfig, summary: dict) -> list[str]:
     0.1 below its best (docs/monitoring.md)."""
     lines = ["`rollout_correction.monitor.HealthMonitor` (default rules) replayed on each run's "
              f"`rollout_corr/*` metrics. *Fall*: the first evaluation at which the trainer's exact match is "
-             f"{FALL} or more below its best; *lead*: fall − first warning, in GRPO steps.", "",
-             "| method | " + " | ".join(f"seed {s}: first warning · fall · lead" for s in cfg.seeds) + " |",
+             f"{FALL} or more below its best; *lead*: fall − first warning, in GRPO steps.", ""]
+
+    def cell(r: dict) -> str:
+        h = r.get("health")
+        if not h or not h["monitored"]:
+            return "—"
+        warn = f"{h['first_warning']} ({h['first_warning_rule']})" if h["first_warning"] is not None else "none"
+        fall = h["fall_step"] if h["fall_step"] is not None else "no fall"
+        lead = f"{h['lead']:+d}" if h["lead"] is not None else "—"
+        return f"{warn} · {fall} · {lead}"
+
+    return lines + _per_seed_table(cfg, summary, "seed {}: first warning · fall · lead", cell)
+
+
+def _per_seed_table(cfg: DemoConfig, summary: dict, header: str, cell) -> list[str]:
+    """A markdown table, one row per method and one column per seed (``header`` formatted with
+    the seed); ``cell(run)`` writes a run's cell, "—" where the run is missing."""
+    lines = ["| method | " + " | ".join(header.format(s) for s in cfg.seeds) + " |",
              "|---|" + "---|" * len(cfg.seeds)]
     for m in cfg.methods:
-        cells = []
-        for s in cfg.seeds:
-            r = next((r for r in summary["runs"] if r["method"] == m and r["seed"] == s), None)
-            h = r and r.get("health")
-            if not h or not h["monitored"]:
-                cells.append("—")
-                continue
-            warn = f"{h['first_warning']} ({h['first_warning_rule']})" if h["first_warning"] is not None else "none"
-            fall = h["fall_step"] if h["fall_step"] is not None else "no fall"
-            lead = f"{h['lead']:+d}" if h["lead"] is not None else "—"
-            cells.append(f"{warn} · {fall} · {lead}")
-        lines.append(f"| {METHODS[m].label} | " + " | ".join(cells) + " |")
+        runs = [next((r for r in summary["runs"] if r["method"] == m and r["seed"] == s), None) for s in cfg.seeds]
+        lines.append(f"| {METHODS[m].label} | " + " | ".join("—" if r is None else cell(r) for r in runs) + " |")
     return lines
 
 
