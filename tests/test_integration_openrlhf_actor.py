@@ -172,7 +172,10 @@ def _train_in(ns, args, batch, monkeypatch, gas, part):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the replay buffer names a CUDA device
     trainer = ns.ppo_actor.ActorPPOTrainer(strategy, policy, None, optim, sched, micro_train_batch_size=args.train.micro_batch_size,
                                            dataloader_pin_memory=False)
-    actor = object.__new__(ns.ppo_actor.PolicyModelActor)
+    # with Ray installed, @ray.remote made PolicyModelActor an actor handle class; its original
+    # class (whose append the test calls) is __ray_actor_class__
+    actor_cls = getattr(ns.ppo_actor.PolicyModelActor, "__ray_actor_class__", ns.ppo_actor.PolicyModelActor)
+    actor = object.__new__(actor_cls)
     actor.trainer = trainer
     experiences = _experiences(ns, batch)
     for exp in experiences if part is None else experiences[part:part + 1]:  # part: this DP rank's share

@@ -479,8 +479,8 @@ def test_estimator_reads_norm_adv_by_std_from_verls_algorithm_config():
 
 _REGISTRY_PROBE = """
 import json, sys
-from verl_reference import _ray_stand_in
-sys.modules["ray"] = _ray_stand_in()
+from verl_reference import ray_or_stand_in
+ray_or_stand_in()
 import verl  # what every verl process does first
 from verl.trainer.ppo import core_algos
 print(json.dumps({

@@ -79,6 +79,12 @@ def _ray_importable() -> bool:
     return True
 
 
+def ray_or_stand_in() -> None:
+    """For a fresh process about to ``import verl``: the stand-in only where ray is not installed."""
+    if not _ray_importable():
+        sys.modules["ray"] = _ray_stand_in()
+
+
 @functools.lru_cache(maxsize=None)
 def _import(module_name: str) -> types.ModuleType:
     try:

@@ -1,0 +1,191 @@
+"""verl's default trainer (V1, ``trainer.use_v1: true``) with the documented config lines, run for real.
+
+Nothing here stands in for verl: a local Ray instance, verl's own ``TaskRunnerV1`` actor, verl's
+own TransferQueue (``transfer_queue``, the storage the V1 trainer reads and writes its batches
+through), verl's V1 trainer class and its ``_compute_advantage`` — the V1 correction step, which
+calls ``compute_rollout_correction_and_add_to_batch`` under the name ``trainer_base`` bound at
+import and then verl's ``compute_advantage_for_multi_trajectories``. The config is composed by
+Hydra from verl 0.9.1's ``ppo_trainer.yaml`` with the override lines of docs/integrations.md.
+
+The trainer object is made with ``object.__new__`` and given only its ``config``: its ``__init__``
+builds worker groups, models and data loaders, none of which ``_compute_advantage`` reads. Ray is
+started with 16 logical CPUs (Ray does not bind them to cores) because TransferQueue places one
+actor per storage unit; the config asks for one storage unit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from verl_reference import load_verl_rollout_corr_helper, require_verl
+
+require_verl()
+ray = pytest.importorskip("ray", reason="CI installs ray==2.60.0 (see .ci/run)")
+tq = pytest.importorskip("transfer_queue", reason="CI installs TransferQueue==0.1.11 (see .ci/run)")
+
+import rollout_correction.compat.verl as compat  # noqa: E402
+import rollout_correction.integrations.verl as rc_verl  # noqa: E402
+from rollout_correction.advantages import group_advantages  # noqa: E402
+
+HELPER = load_verl_rollout_corr_helper()
+ON = "+algorithm.rollout_correction.backend=rollout_correction"
+SETTINGS = ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0",
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.01"]
+ONE_STORAGE_UNIT = "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"
+GROUP = 4  # actor_rollout_ref.rollout.n: GRPO group size
+
+
+def _compose(overrides):
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer/config"),
+                               version_base=None):
+        return compose(config_name="ppo_trainer",
+                       overrides=[ONE_STORAGE_UNIT, f"actor_rollout_ref.rollout.n={GROUP}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def transfer_queue():
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    tq.init(_compose([]).transfer_queue)
+    try:
+        yield tq
+    finally:
+        tq.close()
+        ray.shutdown()
+
+
+def _rollout_batch(seed: int, rows: int = 8, length: int = 7):
+    """A batch as verl's V1 rollout leaves it in TransferQueue: jagged response tensors, uid per row."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, length + 1, (rows,), generator=gen)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    old = -torch.rand(rows, length, generator=gen) * 3.0 - 0.01
+    rollout = old + 0.12 * torch.randn(rows, length, generator=gen)
+    score = torch.randint(0, 2, (rows,), generator=gen).float()
+    scores = torch.zeros(rows, length).scatter(1, (lengths - 1)[:, None], score[:, None])
+    uid = torch.arange(rows) // GROUP
+    return lengths, mask, old * mask, rollout * mask, scores, uid
+
+
+def _put(seed: int, prefix: str):
+    from tensordict import TensorDict
+
+    lengths, mask, old, rollout, scores, uid = _rollout_batch(seed)
+    rows = len(lengths)
+
+    def jagged(x):
+        return torch.nested.as_nested_tensor([x[i, : lengths[i]] for i in range(rows)], layout=torch.jagged)
+
+    fields = TensorDict({"uid": uid, "response_mask": jagged(mask), "rm_scores": jagged(scores),
+                         "rollout_log_probs": jagged(rollout), "old_log_probs": jagged(old)}, batch_size=[rows])
+    # verl's V1 keys are "{uid}_{session}_{output index}": here one session and one output per row
+    keys = [f"{prefix}-{int(uid[i])}_{i}_0" for i in range(rows)]
+    meta = tq.kv_batch_put(keys=keys, partition_id="train", fields=fields)
+    return keys, meta, (mask, old, rollout, scores, uid)
+
+
+def _v1_correction_step(config, keys, meta):
+    """verl's V1 trainer runs its correction step (and its estimator) on the batch in TransferQueue."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    trainer = object.__new__(get_trainer_cls(config.trainer.v1.trainer_mode))
+    trainer.config = config
+    metrics: dict = {}
+    trainer._compute_advantage(meta, metrics)
+    out = tq.kv_batch_get(keys=keys, partition_id="train",
+                          select_fields=["response_mask", "rollout_is_weights", "advantages"])
+    return {k: out[k].to_padded_tensor(0.0) for k in out.keys()}, metrics
+
+
+def test_v1_is_the_default_and_binds_the_dispatcher_at_import():
+    config = _compose(SETTINGS + [ON])
+    assert config.trainer.use_v1 is True and config.trainer.v1.trainer_mode == "sync"
+    import verl.trainer.ppo.v1.trainer_base as trainer_base
+
+    # the name trainer_base bound when it was imported is the library's dispatcher (import verl
+    # loaded the plugin first), so the config line decides at every call
+    assert trainer_base.compute_rollout_correction_and_add_to_batch is HELPER.compute_rollout_correction_and_add_to_batch
+    assert trainer_base.compute_rollout_correction_and_add_to_batch.__module__ == rc_verl.__name__
+
+
+def test_v1_correction_step_runs_this_library_with_the_config_line(transfer_queue):
+    config = _compose(SETTINGS + [ON, "algorithm.adv_estimator=grpo_accepted"])
+    keys, meta, (mask, old, rollout, scores, uid) = _put(seed=3, prefix="on")
+    got, metrics = _v1_correction_step(config, keys, meta)
+
+    assert metrics[rc_verl.BACKEND_METRIC] == 1.0
+    settings = {k: v for k, v in dict(config.algorithm.rollout_correction).items() if k != "backend"}
+    from verl.protocol import DataProto
+
+    expected, expected_metrics = compat.compute_rollout_correction_and_add_to_batch(
+        DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask.clone()}),
+        settings)
+    kept = expected.batch["response_mask"]
+    assert 0 < int((kept.sum(1) == 0).sum()) < len(kept), "the batch must have accepted and rejected rows"
+    assert torch.equal(got["response_mask"], kept.to(got["response_mask"].dtype))
+    torch.testing.assert_close(got["rollout_is_weights"], expected.batch["rollout_is_weights"] * mask)
+    for name, value in expected_metrics.items():
+        assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+
+    # verl's compute_advantage_for_multi_trajectories looked up grpo_accepted: group statistics over
+    # the accepted rows only (computed here independently with the library's group_advantages)
+    adv = group_advantages(scores.sum(1), uid, response_mask=kept, epsilon=1e-6).advantages
+    torch.testing.assert_close(got["advantages"], adv[:, None] * kept, rtol=1e-5, atol=1e-6)
+
+
+def test_v1_without_the_line_runs_verls_own_step_unchanged(transfer_queue):
+    config = _compose(SETTINGS + ["algorithm.adv_estimator=grpo"])  # verl's default gae needs a critic
+    keys, meta, (mask, old, rollout, _, _) = _put(seed=3, prefix="off")
+    got, metrics = _v1_correction_step(config, keys, meta)
+
+    assert rc_verl.BACKEND_METRIC not in metrics
+    from verl.protocol import DataProto
+
+    original = HELPER.compute_rollout_correction_and_add_to_batch.verl_original
+    ref, ref_metrics = original(
+        DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask.clone()}),
+        config.algorithm.rollout_correction)
+    assert torch.equal(got["response_mask"], ref.batch["response_mask"].to(got["response_mask"].dtype))
+    torch.testing.assert_close(got["rollout_is_weights"], ref.batch["rollout_is_weights"] * mask)
+    assert {k: metrics[k] for k in ref_metrics} == pytest.approx(ref_metrics)
+
+
+def _inside_the_task_runner(runner):
+    """Runs in verl's TaskRunnerV1 actor process: what that process sees after verl's imports."""
+    import sys
+
+    loaded_by_verl = "rollout_correction.integrations.verl" in sys.modules  # nothing imported it yet
+    import verl.trainer.ppo.v1.trainer_base as trainer_base
+    from verl.trainer.ppo import core_algos
+
+    bound = trainer_base.compute_rollout_correction_and_add_to_batch
+    return {"process": os.getpid(), "runner": type(runner).__name__, "plugin_loaded_by_verl": loaded_by_verl,
+            "bound": f"{bound.__module__}.{bound.__name__}",
+            "policy_loss": "rollout_correction" in core_algos.POLICY_LOSS_REGISTRY,
+            "estimator": "grpo_accepted" in core_algos.ADV_ESTIMATOR_REGISTRY}
+
+
+def test_inside_verls_task_runner_actor_the_plugin_is_active(transfer_queue):
+    # verl's main() creates TaskRunnerV1 as a Ray actor: a fresh process whose code never names
+    # this library; the verl.plugins entry point is all that brings it in
+    import sys
+
+    from ray import cloudpickle
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probe travels by value
+    runner = TaskRunnerV1.remote()
+    try:
+        seen = ray.get(runner.__ray_call__.remote(_inside_the_task_runner), timeout=120)
+    finally:
+        ray.kill(runner)
+    assert seen["process"] != os.getpid() and seen["runner"] == "TaskRunnerV1"
+    assert seen["plugin_loaded_by_verl"] is True
+    assert seen["bound"] == f"{rc_verl.__name__}.compute_rollout_correction_and_add_to_batch"
+    assert seen["policy_loss"] and seen["estimator"]
