@@ -7,18 +7,21 @@ The public surface is small::
                                     compute_offpolicy_metrics, compute_policy_loss)
 """
 
-from .config import ConfigError, RolloutCorrectionConfig, as_config
+from .config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
 from .constants import METRIC_PREFIX, SAFETY_BOUND
 from .correction import CorrectionAccumulator, CorrectionOutput, compute_rollout_correction
 from .losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
 from .metrics import OffPolicyAccumulator, compute_offpolicy_metrics, metrics_to_floats
 from .packed import compute_rollout_correction_packed
+from .validation import ShapeMismatchError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RolloutCorrectionConfig",
     "ConfigError",
+    "MissingSettingError",
+    "ShapeMismatchError",
     "as_config",
     "compute_rollout_correction",
     "compute_rollout_correction_packed",

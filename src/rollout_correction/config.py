@@ -74,6 +74,11 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and what is allowed."""
 
 
+class MissingSettingError(ConfigError, TypeError):
+    """A setting the others require is None. Also a ``TypeError``: verl raises that type for a
+    missing threshold, and code written against verl may catch it."""
+
+
 @dataclass(frozen=True)
 class ISSpec:
     """Resolved importance-sampling settings.
@@ -263,7 +268,7 @@ class RolloutCorrectionConfig:
             raise _err("rollout_is", level, f"allowed values are None or {list(_IS_LEVELS)}")
         spec = self.rollout_is_threshold
         if spec is None:
-            raise _err("rollout_is_threshold", spec, f"required when rollout_is={level!r}")
+            raise MissingSettingError(_err("rollout_is_threshold", spec, f"required when rollout_is={level!r}"))
         lower: Optional[float] = None
         if isinstance(spec, str) and "_" in spec.strip():
             lower, upper = _parse_ratio_band("rollout_is_threshold", spec)
@@ -324,7 +329,7 @@ class RolloutCorrectionConfig:
                        "the k1/k2/k3 options take their bounds from rollout_rs_threshold ('lo_hi' for k1)")
         spec = self.rollout_rs_threshold
         if spec is None:
-            raise _err("rollout_rs_threshold", spec, f"required when rollout_rs={rs!r}")
+            raise MissingSettingError(_err("rollout_rs_threshold", spec, f"required when rollout_rs={rs!r}"))
         specs = [p.strip() for p in spec.split(",") if p.strip()] if isinstance(spec, str) else [spec]
         if len(specs) == 1:
             specs = specs * len(names)

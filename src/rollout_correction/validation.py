@@ -6,7 +6,12 @@ from typing import Optional
 
 import torch
 
-__all__ = ["check_pair", "check_same", "first_nonfinite"]
+__all__ = ["ShapeMismatchError", "check_pair", "check_same", "first_nonfinite"]
+
+
+class ShapeMismatchError(ValueError, RuntimeError):
+    """Inputs that must be aligned token by token have different shapes. Also a ``RuntimeError``,
+    the type torch (and so verl) raises when such tensors meet."""
 
 
 def _describe(name: str, t: torch.Tensor) -> str:
@@ -29,7 +34,7 @@ def check_same(names_tensors: list[tuple[str, Optional[torch.Tensor]]], *, float
         raise ValueError(f"{_describe(ref_name, ref)} must be 2-D (batch, response_length)")
     for n, t in present[1:]:
         if t.shape != ref.shape:
-            raise ValueError(f"shape mismatch: {_describe(ref_name, ref)} vs {_describe(n, t)}; "
+            raise ShapeMismatchError(f"shape mismatch: {_describe(ref_name, ref)} vs {_describe(n, t)}; "
                              "all inputs must be (batch, response_length) and aligned token by token")
         if t.device != ref.device:
             raise ValueError(f"device mismatch: {_describe(ref_name, ref)} vs {_describe(n, t)}")

@@ -47,6 +47,7 @@ from ..stats import SufficientStats
 from ..weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
 __all__ = [
+    "ConfigBlockError",
     "SAFETY_BOUND",
     "SUPPORTED_ROLLOUT_RS_OPTIONS",
     "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS",
@@ -83,6 +84,12 @@ class RolloutISWeights:
     def __repr__(self) -> str:
         w = self.batch["rollout_is_weights"]
         return f"RolloutISWeights(rollout_is_weights: {tuple(w.shape)} {w.dtype})"
+
+
+class ConfigBlockError(ConfigError, TypeError, AttributeError):
+    """The config block is not a config (None, a list, ...). verl fails on such a block with an
+    ``AttributeError``; this error is also that type (and a ``ValueError`` and ``TypeError``), so
+    an ``except`` written against verl still catches it."""
 
 
 def _weights_holder(weights: torch.Tensor) -> Any:
@@ -367,8 +374,13 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
         (batch, metrics) with ``rollout_corr/``-prefixed float metrics.
     """
     if rollout_corr_config is None:
-        raise ConfigError("rollout_corr_config is None: pass verl's algorithm.rollout_correction block")
-    cfg = as_config(rollout_corr_config)
+        raise ConfigBlockError("rollout_corr_config is None: pass verl's algorithm.rollout_correction block")
+    try:
+        cfg = as_config(rollout_corr_config)
+    except TypeError as exc:
+        if isinstance(exc, ConfigError):  # a value of the block: already says which key
+            raise
+        raise ConfigBlockError(str(exc)) from None
     tensors = batch.batch
     for key in ("old_log_probs", "rollout_log_probs", "response_mask"):
         if key not in tensors.keys():
