@@ -295,27 +295,33 @@ def test_the_bands_really_act_in_the_cases():
         assert changed or rejected, opts
 
 
-RECIPE_YAML = """\
-use_tis: true
-tis_mode: truncate
-tis_level: token
-tis_lower_bound: null
-tis_upper_bound: 2.0
-tis_batch_normalize: true
-use_rs: true
-rs_level: geometric
-rs_lower_bound: 0.9
-rs_upper_bound: 1.1
-rs_veto_threshold: 1.0e-4
-"""
+def _docs_section() -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    start = text.index("\n## slime")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def _recipe():
+    """The flags (step 2) and the YAML (step 3) of docs/integrations.md's slime section, as written."""
+    import re
+    import shlex
+
+    section = _docs_section()
+    install, flags = re.findall(r"```bash\n(.*?)```", section, re.S)
+    (yaml_text,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    assert install.strip() == "pip install rollout-correction"
+    return shlex.split(flags.replace("\\\n", " ")), yaml_text
 
 
 def test_recipe_flags_and_yaml_reach_the_function():
-    """The documented lines: slime's flags, the YAML merged into args, the dotted path loaded
-    by slime's rule, the call loss.py makes; the config is ours and the rollout_corr/ keys show
-    it is active."""
-    args = slime_args(RECIPE_YAML, "--use-tis", "--custom-config-path", "mis.yaml",
-                      "--custom-tis-function-path", FUNCTION_PATH)
+    """The documented lines, read from docs/integrations.md: slime's flags, the YAML merged into
+    args, the dotted path loaded by slime's rule, the call loss.py makes; the config is ours and
+    the rollout_corr/ keys show it is active."""
+    flags, yaml_text = _recipe()
+    assert flags == ["--use-tis", "--custom-config-path", "mis.yaml", "--custom-tis-function-path", FUNCTION_PATH]
+    args = slime_args(yaml_text, *flags)
     cfg = config_from_slime_args(args)
     assert cfg.rollout_is == "token" and cfg.rollout_is_threshold == 2.0 and cfg.rollout_is_batch_normalize
     assert cfg.rollout_rs == "seq_mean_k1" and cfg.rollout_token_veto_threshold == 1e-4
@@ -326,6 +332,29 @@ def test_recipe_flags_and_yaml_reach_the_function():
     # What slime logs: reported_loss[key] = sum_of_sample_mean(value) for every returned key.
     logged = {k: float(sum_of_sample_mean(v, lengths, masks)) / len(lengths) for k, v in out[2].items()}
     assert logged["rollout_corr/rollout_is_mean"] > 0 and "rollout_corr/rollout_rs_masked_fraction" in logged
+    # slime's --tis-clip / --tis-clip-low belong to its vanilla function: not read.
+    other = slime_args(yaml_text, *flags, "--tis-clip", "7.0", "--tis-clip-low", "0.3")
+    assert config_from_slime_args(other) == cfg
+
+
+def test_geometric_batch_normalisation_skips_empty_samples():
+    """Documented limit: at sequence/geometric level the batch-normalisation mean runs over the
+    samples with a valid token (slime's mis.py counts empty samples, and raises for geometric)."""
+    pg_loss, train, rollout, masks = _samples(scale=0.3)
+    masks[2] = torch.zeros_like(masks[2])  # a sample with no valid token (e.g. all tool output)
+    args = _args(tis_mode="truncate", tis_level="geometric", tis_upper_bound=1.2, tis_batch_normalize=True)
+    out_loss, out_masks, metrics = tis_function(args, pg_loss=pg_loss, train_log_probs=train,
+                                                rollout_log_probs=rollout, loss_masks=masks)
+    # Independently: w_i = min(exp(mean of log ρ over the sample's valid tokens), 1.2); the
+    # factor is the mean of w_i over the four non-empty samples.
+    w = [torch.exp(((t - r) * m).sum() / m.sum()).clamp(max=1.2) if m.sum() else None
+         for t, r, m in zip(train, rollout, masks)]
+    factor = sum(x for x in w if x is not None) / 4
+    for p, got, x, m in zip(pg_loss.split([len(t) for t in train]), out_loss.split([len(t) for t in train]), w, masks):
+        if x is not None:
+            torch.testing.assert_close(got[m.bool()], (p * x / factor)[m.bool()], rtol=1e-5, atol=1e-6)
+    assert float(metrics["mis_batch_norm_factor"][0]) == pytest.approx(float(factor), rel=1e-5)
+    assert float(out_masks[2].sum()) == 0 and torch.isfinite(out_loss).all()
 
 
 def test_veto_and_nonfinite():
@@ -432,10 +461,25 @@ def test_context_parallel_equals_whole_responses(cp, tmp_path):
                        start_method="fork")
     per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(cp)]
     pg_loss, train, rollout, masks, totals, resps = _cp_batch()
+    # slime's per-sample denominators, batch["rollout_mask_sums"]: the original mask total of the
+    # rollout each sample belongs to (samples 0-2 and 3-5 here), whatever the function rejects.
+    rollout_ids = [0, 0, 0, 1, 1, 1]
+    totals_by_rollout = defaultdict(float)
+    for rid, m in zip(rollout_ids, masks):
+        totals_by_rollout[rid] += float(m.sum())
+    denoms = [torch.tensor(totals_by_rollout[rid]) for rid in rollout_ids]
+    rejecting = 0
     for c, opts in enumerate(cases):
         args = _args(**opts)
         whole_loss, whole_masks, whole_metrics = call_like_slime(args, torch.cat(pg_loss), train, rollout, masks,
                                                                  totals, resps)
+        # The policy loss slime trains on, written independently: Σ over accepted tokens of w·pg
+        # divided by the sample's rollout_mask_sums (weights and acceptance from slime's mis.py rules).
+        ref_w, ref_m, _ = slime_mis(args, train, rollout, masks)
+        ref_w = ref_w if ref_w is not None else [torch.ones_like(m) for m in masks]
+        independent = sum(float((p * w * a).sum()) / max(float(d), 1.0)
+                          for p, w, a, d in zip(pg_loss, ref_w, ref_m, denoms))
+        reduced_pg = 0.0
         _check_against_slime(args, torch.cat(pg_loss), train, rollout, masks, whole_loss, whole_masks, whole_metrics)
         whole_loss = whole_loss.split(resps)
         whole_metrics = {k: v.split(resps) for k, v in whole_metrics.items()}
@@ -448,6 +492,9 @@ def test_context_parallel_equals_whole_responses(cp, tmp_path):
             for got, want, i, m in zip(new_masks, whole_masks, idx, masks):
                 assert got.shape == m.shape and got.dtype == m.dtype
                 assert torch.equal(got[i], want[i]), (opts, rank)  # the positions slime reads on this rank
+            # loss.py rebuilds its reducer from the returned masks (this rank's positions) and
+            # rollout_mask_sums; the CP ranks' shares add up (Megatron sums the CP gradients).
+            reduced_pg += float(sum_of_sample_mean(loss, local_n, [nm[i] for nm, i in zip(new_masks, idx)], denoms))
             assert set(metrics) == set(whole_metrics), opts
             for k, v in metrics.items():
                 torch.testing.assert_close(v, torch.cat([w[i] for w, i in zip(whole_metrics[k], idx)]),
@@ -461,6 +508,13 @@ def test_context_parallel_equals_whole_responses(cp, tmp_path):
         for k, v in whole_metrics.items():
             want = float(sum_of_sample_mean(torch.cat(v), resps, masks))
             assert reduced[k] == pytest.approx(want, rel=1e-5, abs=1e-6), (opts, k)
+        assert reduced_pg == pytest.approx(independent, rel=1e-5, abs=1e-7), opts
+        if any(not torch.equal(a, m) for a, m in zip(ref_m, masks)):  # the check sees the rejections
+            everything = sum(float((p * w * m).sum()) / max(float(d), 1.0)
+                             for p, w, m, d in zip(pg_loss, ref_w, masks, denoms))
+            assert abs(everything - independent) > 1e-4, opts
+            rejecting += 1
+    assert rejecting >= 2
 
 
 def test_example_script_runs(capsys):
