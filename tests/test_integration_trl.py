@@ -214,6 +214,8 @@ class _CheckedTrainer(RolloutCorrectionGRPOTrainer):
                              "kept_rows": int(accept.any(-1).sum()),
                              "full_rows_rejected": int((out["completion_mask"].bool().any(-1) & ~accept.any(-1)).sum()),
                              "partly_rejected": int((accept.any(-1) & (accept.sum(-1) < out["completion_mask"].sum(-1))).sum())})
+        self.batch_completion_rows = int(out["completion_mask"].bool().any(-1).sum())
+        self.batch_completion_mask = out["completion_mask"].float()
         out["check_base_advantages"] = base
         out["check_accept"] = accept
         return out
@@ -224,9 +226,9 @@ class _CheckedTrainer(RolloutCorrectionGRPOTrainer):
         seen = []
         forward = self._get_per_token_logps_and_entropies
 
-        def capture(*args, **kwargs):  # the log-probs TRL's loss is computed from
+        def capture(*args, **kwargs):  # the log-probs (and entropies) TRL's loss is computed from
             result = forward(*args, **kwargs)
-            seen.append(result[0].detach())
+            seen.append((result[0].detach(), None if result[1] is None else result[1].detach()))
             return result
 
         self._get_per_token_logps_and_entropies = capture
@@ -234,13 +236,15 @@ class _CheckedTrainer(RolloutCorrectionGRPOTrainer):
             loss = super()._compute_loss(model, inputs)
         finally:
             del self._get_per_token_logps_and_entropies
-        per_tok = _per_token_loss(self, seen[0], inputs["old_per_token_logps"], inputs["sampling_per_token_logps"],
+        logp, entropies = seen[0]
+        per_tok = _per_token_loss(self, logp, inputs["old_per_token_logps"], inputs["sampling_per_token_logps"],
                                   base, accept)
         kl = None
         if self.beta != 0.0:
-            d = inputs["ref_per_token_logps"] - seen[0]
+            d = inputs["ref_per_token_logps"] - logp
             kl = torch.where(accept, d.exp() - d - 1, 0.0)
-        self.records.append({"loss": loss.detach().clone(), "per_tok": per_tok, "accept": accept, "kl": kl})
+        self.records.append({"loss": loss.detach().clone(), "per_tok": per_tok, "accept": accept, "kl": kl,
+                             "entropies": entropies})
         return loss
 
 
@@ -300,6 +304,27 @@ def test_gradient_accumulation_denominators_span_the_generation_batch(tmp_path, 
     assert total == pytest.approx(whole, rel=1e-5)
 
 
+def test_entropy_bonus_and_rows_trl_empties(tmp_path):
+    """entropy_coef > 0: TRL subtracts coef × the entropy's token mean over the loss mask, hence over
+    the accepted tokens. mask_truncated_completions: rows TRL itself empties stay in the sequence
+    count (as in TRL); rows this library rejects leave it."""
+    coef = 0.1
+    trainer = _train(tmp_path, "grpo", model_seed=1, entropy_coef=coef, mask_truncated_completions=True)
+    (batch,), (record,) = trainer.batches, trainer.records
+    accept = record["accept"]
+    emptied_by_trl = batch["rows"] - int(trainer.batch_completion_rows)
+    assert emptied_by_trl >= 1 and batch["full_rows_rejected"] >= 1 and batch["kept_rows"] >= 1
+    rows_counted = batch["rows"] - batch["full_rows_rejected"]
+    row_mean = record["per_tok"].sum(-1) / accept.sum(-1).clamp(min=1)
+    entropy = (record["entropies"] * accept).sum() / accept.sum()
+    expected = row_mean.sum() / rows_counted - coef * entropy
+    torch.testing.assert_close(record["loss"], expected, rtol=1e-5, atol=1e-8)
+    # Discriminating: counting every valid token in the entropy mean gives another loss.
+    valid = record["entropies"].new_tensor(trainer.batch_completion_mask)
+    other = row_mean.sum() / rows_counted - coef * (record["entropies"] * valid).sum() / valid.sum()
+    assert abs(float(other) - float(expected)) > 1e-6
+
+
 def test_kl_term_gets_the_same_denominators(tmp_path):
     """beta > 0: TRL adds β·KL inside its per-token loss; it is averaged over the accepted
     sequences too. TRL loads the reference from the checkpoint the policy's config names; that
@@ -323,14 +348,17 @@ def test_kl_term_gets_the_same_denominators(tmp_path):
 
 def test_disabled_correction_leaves_trls_loss_unchanged(tmp_path):
     """With nothing rejected and no weights, the trainer's loss is GRPOTrainer's own (same seed)."""
-    losses = []
+    losses, logged = [], []
     for cls, extra in ((trl.GRPOTrainer, {}), (RolloutCorrectionGRPOTrainer, {"rollout_correction": "disabled"})):
         model, tokenizer = _tiny_lm()
         trainer = cls(model=model, reward_funcs=distinct_letters, args=_grpo_args(tmp_path, loss_type="grpo"),
                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer, **extra)
         trainer.train()
         losses.append(trainer.state.log_history[0]["loss"])
+        logged.append(any(k.startswith("rollout_corr/") for h in trainer.state.log_history for k in h))
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    # The documented check for "is it active": TRL itself never logs a rollout_corr/ key.
+    assert logged == [False, True]
 
 
 def test_default_maps_trls_own_settings(tmp_path):
@@ -480,6 +508,8 @@ def test_construction_refuses_what_it_cannot_do(tmp_path, monkeypatch):
         build(_grpo_args(tmp_path), rollout_correction={"rollout_is": "token", "rollout_opsm_delta": 0.05})
     with pytest.raises(ValueError, match="rollout_autocast_dtype"):
         build(_grpo_args(tmp_path, use_transformers_continuous_batching=True), rollout_autocast_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rollout_autocast_dtype"):  # refused before TRL looks for vLLM
+        build(_grpo_args(tmp_path, use_vllm=True), rollout_autocast_dtype=torch.bfloat16)
     # Refused before TRL loads anything (here: a model path that does not exist).
     with pytest.raises(ValueError, match="off_policy_mask_threshold"):
         RolloutCorrectionGRPOTrainer(str(tmp_path / "no-such-model"), distinct_letters, _grpo_args(tmp_path),
@@ -607,3 +637,55 @@ def test_evaluation_loss_uses_the_same_denominators(tmp_path):
         torch.testing.assert_close(record["loss"], _expected(trainer, record, batch), rtol=1e-5, atol=1e-8)
         assert metrics["eval_loss"] == pytest.approx(float(record["loss"]), rel=1e-5)
         assert "eval_rollout_corr/rollout_rs_masked_fraction" in metrics
+
+
+def _tiny_vlm():
+    """A tiny LLaVA (vision tower + the word-level tokenizer) and its processor, built in code."""
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    _, tokenizer = _tiny_lm()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0,
+                       eos_token_id=1)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              image_size=16, patch_size=8)
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text,
+                                                      image_token_index=len(tokenizer) - 1))
+    processor = LlavaProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size=16),
+                               tokenizer=tokenizer, patch_size=8, image_token="<image>")
+    return model, processor
+
+
+def test_vision_language_model_needs_trls_old_log_probs(tmp_path):
+    """Documented limit: with a processor (TRL's vision-language path) and no π_old from TRL, the
+    trainer refuses at construction, naming the settings that make TRL compute it."""
+    model, processor = _tiny_vlm()
+    data = Dataset.from_dict({"prompt": PROMPTS})
+
+    def build(**overrides):
+        return RolloutCorrectionGRPOTrainer(model=model, reward_funcs=distinct_letters, args=_grpo_args(tmp_path, **overrides),
+                                            train_dataset=data, processing_class=processor,
+                                            rollout_correction="decoupled_token_is")
+
+    with pytest.raises(ValueError, match="vision-language.*num_iterations > 1"):
+        build()
+    assert build(num_iterations=2)._is_vlm  # TRL computes π_old itself then: accepted
+
+
+def test_custom_rollout_func_without_log_probs_is_refused_at_the_first_generation(tmp_path):
+    """Documented limit: a rollout_func returning logprobs=None leaves nothing to correct against;
+    the first generation raises, naming the key to return."""
+    model, tokenizer = _tiny_lm()
+
+    def rollout_func(prompts, trainer):
+        ids = [tokenizer(p)["input_ids"] for p in prompts]
+        return {"prompt_ids": ids, "completion_ids": [[2, 3, 1]] * len(prompts), "logprobs": None}
+
+    trainer = RolloutCorrectionGRPOTrainer(model=model, reward_funcs=distinct_letters, args=_grpo_args(tmp_path),
+                                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                           processing_class=tokenizer, rollout_func=rollout_func,
+                                           rollout_correction="decoupled_token_is")
+    with pytest.raises(RuntimeError, match="rollout_func must return the sampled tokens' log-probs under the key 'logprobs'"):
+        trainer.train()
