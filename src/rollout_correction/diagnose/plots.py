@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from rollout_correction import METRIC_PREFIX
+
 from .histograms import Histogram, KeyedSums, key_bin_edges
 from .profile import HEALTHY_BAND, LOG_CLAMP, VETO_THRESHOLD, ProfileResult
 
@@ -87,7 +89,7 @@ def plot_log_ratio(res: ProfileResult) -> bytes:
     ax1.set_xlabel("log ρₜ (symmetric log axis: each side shows |log ρ| in decades)")
     ax1.set_title("tails (symmetric-log axis, linear inside ±1e-4)", fontsize=9)
     t = res.levels["token"]
-    fig.suptitle(f"Per-token log-ratio · {t['n']:,} tokens · k3 KL = {res.metrics['rollout_corr/k3_kl']:.3g}",
+    fig.suptitle(f"Per-token log-ratio · {t['n']:,} tokens · k3 KL = {res.metrics[METRIC_PREFIX + 'k3_kl']:.3g}",
                  fontsize=10)
     return _png(fig)
 

@@ -41,7 +41,8 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_correction import RolloutCorrectionConfig, as_config, compute_policy_loss, compute_rollout_correction
+from rollout_correction import (METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_policy_loss,
+                                compute_rollout_correction)
 from rollout_correction.config import config_value as _get
 from rollout_correction.config import settings_dict
 from rollout_correction.advantages import group_advantages
@@ -267,7 +268,7 @@ def register(core_algos: Any = None) -> None:
 BACKEND_KEY = "backend"
 BACKEND_NAME = "rollout_correction"
 #: Logged with value 1.0 by every correction step this library runs inside verl.
-BACKEND_METRIC = "rollout_corr/backend/rollout_correction"
+BACKEND_METRIC = f"{METRIC_PREFIX}backend/rollout_correction"
 _TRAINER_MODULES = ("verl.trainer.ppo.rollout_corr_helper", "verl.trainer.ppo.v1.trainer_base")
 _announced = False
 
