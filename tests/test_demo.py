@@ -43,6 +43,21 @@ def test_group_advantages_by_hand():
         group_advantages(rewards, 3)
 
 
+def test_group_baselines_leave_out_rejected_rows():
+    # Row 0 (reward 1) is rejected: group 1's baseline is over rows 1-3 (rewards 0, 0, 1:
+    # mean 1/3, population std sqrt(2)/3), row 0 gets 0; group 2 keeps all rows.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    mask = torch.ones(8, 3)
+    mask[0] = 0.0
+    adv = group_advantages(rewards, 4, response_mask=mask)
+    s = 2**0.5 / 3
+    expected = [0.0, -(1 / 3) / (s + 1e-6), -(1 / 3) / (s + 1e-6), (2 / 3) / (s + 1e-6), 0.5 / 0.5, -0.5 / 0.5,
+                0.5 / 0.5, -0.5 / 0.5]
+    assert adv.tolist() == pytest.approx(expected, abs=1e-4)
+    # Without the mask the rejected reward would have moved group 1's baseline to 0.5.
+    assert group_advantages(rewards, 4)[1].item() == pytest.approx(-1.0, abs=1e-4)
+
+
 @pytest.mark.parametrize("quant,bits", [("int3", 3), ("int4", 4), ("int8", 8)])
 def test_fake_quantize_integer_grid(quant, bits):
     w = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))

@@ -71,6 +71,18 @@ def test_group_advantages_by_hand():
         group_advantages(torch.zeros(5), group_size=2)
 
 
+def test_group_baselines_leave_out_rejected_trajectories():
+    # Group 1 = rewards (1, 0, 0) with trajectory 0 rejected: baseline over (0, 0) → identical
+    # rewards, every advantage 0 (with trajectory 0 it would be mean 1/3, std √2/3).
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    keep = torch.tensor([False, True, True, True, True, True])
+    adv = group_advantages(rewards, group_size=3, keep=keep)
+    s = 2**0.5 / 3
+    expected = [0.0, 0.0, 0.0, (1 / 3) / (s + 1e-4), -(2 / 3) / (s + 1e-4), (1 / 3) / (s + 1e-4)]
+    torch.testing.assert_close(adv, torch.tensor(expected))
+    assert group_advantages(rewards, group_size=3)[1].item() < -0.5
+
+
 def test_ring_reward_is_one_only_near_a_rewarded_mode():
     target = RingTarget()
     c = target.centers()
