@@ -200,9 +200,10 @@ class Metrics(MutableMapping):
         packed: list[torch.Tensor] = []
         layout = []
         for stats, derive, prefix in self._sources:
-            names_s, vs, names_m, vm = stats.packed()
+            names_s, names_m, vec = stats.packed_vector()
             layout.append((names_s, names_m, derive, prefix))
-            packed += [v for v in (vs, vm) if v is not None]
+            if vec is not None:
+                packed.append(vec)
         extra_t = [k for k, v in self._extra.items() if isinstance(v, torch.Tensor)]
         if extra_t:
             packed.append(torch.stack([self._extra[k].detach().reshape(()).to(torch.float64, copy=False)

@@ -39,28 +39,71 @@ class _Part:
         self.kind, self.name, self.value, self.rows, self.weight = kind, name, value.detach(), rows, weight
 
 
-def _reduce_group(kind: str, parts: list[_Part]) -> torch.Tensor:
-    """(P,) float64: each part of one group reduced to a scalar (sum, max or −min over its
-    elements, restricted to ``rows`` and weighted by ``weight``), with one stacked reduction."""
-    first = parts[0]
-    stacked = torch.stack([p.value for p in parts])
+def _order(parts: list[_Part]) -> tuple[list[_Part], list[_Part], list[_Part]]:
+    """Parts of one shape in reduction order: sums (unrestricted, then per ``rows`` mask:
+    unweighted, then by weight), maxima (unrestricted, then per mask), minima (per mask, then
+    unrestricted) — so that each restriction, weight and sign applies to one contiguous slice."""
+    def by_rows(ps: list[_Part], last_unrestricted: bool = False) -> list[_Part]:
+        keyed: dict[int, list[_Part]] = {}
+        for p in ps:
+            keyed.setdefault(id(p.rows) if p.rows is not None else 0, []).append(p)
+        free = keyed.pop(0, [])
+        masked = [p for g in keyed.values() for p in g]
+        return masked + free if last_unrestricted else free + masked
+
+    sums = by_rows([p for p in parts if p.kind == "sum"])
+    sums.sort(key=lambda p: (p.rows is not None, p.weight is not None))  # stable: keeps the mask grouping
+    return (sums, by_rows([p for p in parts if p.kind == "max"]),
+            by_rows([p for p in parts if p.kind == "min"], last_unrestricted=True))
+
+
+def _segments(parts: list[_Part], start: int, attr: str) -> list[tuple[int, int, Optional[torch.Tensor]]]:
+    """Maximal runs [a, b) of consecutive parts sharing the same ``attr`` tensor (not None)."""
+    out: list[tuple[int, int, Optional[torch.Tensor]]] = []
+    for i, p in enumerate(parts, start):
+        t = getattr(p, attr)
+        if t is None:
+            continue
+        if out and out[-1][2] is t and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1, t)
+        else:
+            out.append((i, i + 1, t))
+    return out
+
+
+def _reduce_shape(parts: list[_Part]) -> tuple[list[str], Optional[torch.Tensor], list[str], Optional[torch.Tensor]]:
+    """Parts of one shape reduced with one stacked tensor: (sum names, (K,) float64 sums,
+    max names, (M,) float64 maxima; a minimum is stored as the maximum of −x)."""
+    sums, maxes, mins = _order(parts)
+    ordered = sums + maxes + mins
+    ns, nx = len(sums), len(maxes)
+    stacked = torch.stack([p.value for p in ordered])  # one copy; dtypes promote (bool < float32 < float64)
     if stacked.dtype != torch.float64:
         stacked = stacked.to(torch.float64)
-    if first.value.dim() == 0:
-        return stacked if kind != "min" else -stacked
-    stacked = stacked.reshape(len(parts), -1)
-    if kind == "sum":
-        if first.weight is not None:
-            stacked = stacked * first.weight.reshape(1, -1)
-        if first.rows is not None:
-            stacked = torch.where(first.rows.reshape(1, -1), stacked, 0.0)
-        return stacked.sum(1)
-    fill = -math.inf if kind == "max" else math.inf
-    if first.rows is not None:
-        stacked = torch.where(first.rows.reshape(1, -1), stacked, fill)
-    if stacked.shape[1] == 0:
-        return torch.full((len(parts),), -math.inf, dtype=torch.float64, device=stacked.device)
-    return stacked.amax(1) if kind == "max" else -stacked.amin(1)
+    stacked = stacked.reshape(len(ordered), -1)
+    if mins:
+        stacked[ns + nx:].neg_()
+    for a, b, weight in _segments(sums, 0, "weight"):
+        stacked[a:b].mul_(weight.reshape(1, -1))
+    # Restricted to ``rows``: sums get 0, maxima (and negated minima) −inf elsewhere.
+    inverse: dict[int, torch.Tensor] = {}
+    for a, b, rows in _segments(ordered, 0, "rows"):
+        if a < ns < b:  # a run across the sums/maxima boundary: two fills
+            runs = [(a, ns, 0.0), (ns, b, -math.inf)]
+        else:
+            runs = [(a, b, 0.0 if a < ns else -math.inf)]
+        inv = inverse.get(id(rows))
+        if inv is None:
+            inv = inverse[id(rows)] = ~rows.reshape(1, -1)
+        for lo, hi, fill in runs:
+            stacked[lo:hi].masked_fill_(inv, fill)
+    vs = stacked[:ns].sum(1) if ns else None
+    vm = None
+    if nx + len(mins):
+        ext = stacked[ns:]
+        vm = ext.amax(1) if ext.shape[1] else torch.full((ext.shape[0],), -math.inf, dtype=torch.float64,
+                                                         device=ext.device)
+    return ([p.name for p in sums], vs, [p.name for p in maxes + mins], vm)
 
 
 class SufficientStats:
@@ -71,22 +114,27 @@ class SufficientStats:
     ``weight=`` (same shape) multiplies them first (sums only). Adding to an existing name
     accumulates. An empty maximum is ``-inf`` or a large negative number; the code that derives a
     metric checks the matching count before using it.
+
+    All values live in one packed float64 vector, sums first, then maxima: settling the
+    recorded parts costs one stacked reduction per part shape (a handful of operations
+    whatever the number of statistics), reading them on the host is one copy.
     """
 
     def __init__(self) -> None:
         self._parts: list[_Part] = []
         self._sum_names: list[str] = []
         self._max_names: list[str] = []
-        self._sum_vec: Optional[torch.Tensor] = None
-        self._max_vec: Optional[torch.Tensor] = None
+        self._vec: Optional[torch.Tensor] = None  # (K + M,) float64: sums, then maxima
         self._views: Optional[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = None
 
     @classmethod
     def from_values(cls, sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor]) -> "SufficientStats":
         """Statistics whose values are already reduced (0-d tensors, e.g. returned by a compiled pass)."""
         out = cls()
-        out._set("sum", list(sums), torch.stack([v.reshape(()) for v in sums.values()]).double() if sums else None)
-        out._set("max", list(maxes), torch.stack([v.reshape(()) for v in maxes.values()]).double() if maxes else None)
+        values = [v.reshape(()) for v in (*sums.values(), *maxes.values())]
+        if values:
+            vec = torch.stack(values)
+            out._set(list(sums), list(maxes), vec if vec.dtype == torch.float64 else vec.double())
         return out
 
     # -- recording ---------------------------------------------------------------------
@@ -100,50 +148,59 @@ class SufficientStats:
     def add_min(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
         self._parts.append(_Part("min", "-" + name, value, rows, None))
 
-    def _set(self, kind: str, names: list[str], vec: Optional[torch.Tensor]) -> None:
-        if kind == "sum":
-            self._sum_names, self._sum_vec = names, vec
-        else:
-            self._max_names, self._max_vec = names, vec
+    @property
+    def _sum_vec(self) -> Optional[torch.Tensor]:
+        return self._vec[:len(self._sum_names)] if self._vec is not None and self._sum_names else None
+
+    @property
+    def _max_vec(self) -> Optional[torch.Tensor]:
+        return self._vec[len(self._sum_names):] if self._vec is not None and self._max_names else None
+
+    def _set(self, sum_names: list[str], max_names: list[str], vec: Optional[torch.Tensor]) -> None:
+        self._sum_names, self._max_names, self._vec = sum_names, max_names, vec
         self._views = None
 
-    def _accumulate(self, kind: str, names: list[str], vec: torch.Tensor) -> None:
+    def _accumulate(self, names_s: list[str], names_m: list[str], vec: torch.Tensor) -> None:
         """Add (sums) or max (maxima) a packed vector into this object's packed vector."""
-        have = self._sum_names if kind == "sum" else self._max_names
-        old = self._sum_vec if kind == "sum" else self._max_vec
-        combine = torch.add if kind == "sum" else torch.maximum
-        if len(set(names)) < len(names):  # a name recorded twice in one settle: combine (rare)
-            merged: dict[str, torch.Tensor] = {}
-            for n, v in zip(names, vec.unbind()):
-                merged[n] = combine(merged[n], v) if n in merged else v
-            names, vec = list(merged), torch.stack(list(merged.values()))
-        if old is None:
-            self._set(kind, names, vec)
-        elif names == have:
-            self._set(kind, have, combine(old, vec))
-        else:  # different names (e.g. merging unrelated families): combine by name
-            merged = dict(zip(have, old.unbind()))
-            for n, v in zip(names, vec.unbind()):
-                merged[n] = combine(merged[n], v) if n in merged else v
-            self._set(kind, list(merged), torch.stack(list(merged.values())))
+        ns = len(names_s)
+        if self._vec is None and len(set(names_s)) == ns and len(set(names_m)) == len(names_m):
+            self._set(names_s, names_m, vec)
+            return
+        if self._vec is not None and names_s == self._sum_names and names_m == self._max_names:
+            k = len(self._sum_names)
+            parts = [self._vec[:k] + vec[:k]] if k else []
+            if names_m:
+                parts.append(torch.maximum(self._vec[k:], vec[k:]))
+            self._set(names_s, names_m, parts[0] if len(parts) == 1 else torch.cat(parts))
+            return
+        # different names, or a name recorded twice in one settle (rare): combine by name
+        merged_s: dict[str, torch.Tensor] = {}
+        merged_m: dict[str, torch.Tensor] = {}
+        sources = [(names_s, names_m, vec)]
+        if self._vec is not None:
+            sources.insert(0, (self._sum_names, self._max_names, self._vec))
+        for s_names, m_names, v in sources:
+            values = v.unbind()
+            for n, x in zip(s_names, values[:len(s_names)]):
+                merged_s[n] = merged_s[n] + x if n in merged_s else x
+            for n, x in zip(m_names, values[len(s_names):]):
+                merged_m[n] = torch.maximum(merged_m[n], x) if n in merged_m else x
+        self._set(list(merged_s), list(merged_m), torch.stack([*merged_s.values(), *merged_m.values()]))
 
     def _settle(self) -> None:
         if not self._parts:
             return
         groups: dict[tuple, list[_Part]] = {}
         for p in self._parts:
-            kind = "sum" if p.kind == "sum" else p.kind
-            key = (kind, tuple(p.value.shape), id(p.rows) if p.rows is not None else None,
-                   id(p.weight) if p.weight is not None else None, p.value.device)
-            groups.setdefault(key, []).append(p)
+            groups.setdefault((tuple(p.value.shape), p.value.device), []).append(p)
         self._parts = []
-        for target in ("sum", "max"):
-            kinds = ("sum",) if target == "sum" else ("max", "min")
-            reduced = [(g, _reduce_group(key[0], g)) for key, g in groups.items() if key[0] in kinds]
-            if reduced:
-                names = [p.name for g, _ in reduced for p in g]
-                vec = reduced[0][1] if len(reduced) == 1 else torch.cat([v for _, v in reduced])
-                self._accumulate(target, names, vec)
+        reduced = [_reduce_shape(g) for g in groups.values()]
+        names_s = [n for r in reduced for n in r[0]]
+        names_m = [n for r in reduced for n in r[2]]
+        pieces = [r[1] for r in reduced if r[1] is not None] + [r[3] for r in reduced if r[3] is not None]
+        device = pieces[0].device
+        vec = pieces[0] if len(pieces) == 1 else torch.cat([v.to(device) for v in pieces])
+        self._accumulate(names_s, names_m, vec)
 
     # -- reading -----------------------------------------------------------------------
     def packed(self) -> tuple[list[str], Optional[torch.Tensor], list[str], Optional[torch.Tensor]]:
@@ -151,12 +208,17 @@ class SufficientStats:
         self._settle()
         return self._sum_names, self._sum_vec, self._max_names, self._max_vec
 
+    def packed_vector(self) -> tuple[list[str], list[str], Optional[torch.Tensor]]:
+        """(sum names, max names, (K + M,) float64 vector: the sums, then the maxima)."""
+        self._settle()
+        return self._sum_names, self._max_names, self._vec
+
     def _named(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         self._settle()
         if self._views is None:
-            sums = dict(zip(self._sum_names, self._sum_vec.unbind())) if self._sum_vec is not None else {}
-            maxes = dict(zip(self._max_names, self._max_vec.unbind())) if self._max_vec is not None else {}
-            self._views = (sums, maxes)
+            values = self._vec.unbind() if self._vec is not None else ()
+            k = len(self._sum_names)
+            self._views = (dict(zip(self._sum_names, values[:k])), dict(zip(self._max_names, values[k:])))
         return self._views
 
     @property
@@ -178,23 +240,20 @@ class SufficientStats:
 
     def to_host(self) -> "HostStats":
         """Every value as a Python float, with one device-to-host copy (one sync)."""
-        names_s, vs, names_m, vm = self.packed()
-        parts = [v for v in (vs, vm) if v is not None]
-        if not parts:
+        names_s, names_m, vec = self.packed_vector()
+        if vec is None:
             return HostStats({}, {})
-        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-        k = len(names_s) if vs is not None else 0
+        values = vec.tolist()
+        k = len(names_s)
         return HostStats(dict(zip(names_s, values[:k])), dict(zip(names_m, values[k:])))
 
     # -- combining ---------------------------------------------------------------------
     def merge(self, other: "SufficientStats") -> "SufficientStats":
         """Accumulate ``other`` into ``self`` (sums add, maxima take the max)."""
         self._settle()
-        names_s, vs, names_m, vm = other.packed()
-        if vs is not None:
-            self._accumulate("sum", list(names_s), vs)
-        if vm is not None:
-            self._accumulate("max", list(names_m), vm)
+        names_s, names_m, vec = other.packed_vector()
+        if vec is not None:
+            self._accumulate(list(names_s), list(names_m), vec)
         return self
 
     def all_reduce(self, process_group: Optional[object] = None) -> "SufficientStats":
@@ -208,16 +267,20 @@ class SufficientStats:
         if process_group is None or not (dist.is_available() and dist.is_initialized()):
             return self
         self._settle()
-        if self._sum_vec is not None:
-            packed = self._sum_vec.clone()
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=process_group)
-            self._set("sum", self._sum_names, packed)
-        if self._max_vec is not None:
+        if self._vec is None:
+            return self
+        packed = self._vec.clone()
+        k = len(self._sum_names)
+        if k:
+            dist.all_reduce(packed[:k], op=dist.ReduceOp.SUM, group=process_group)
+        if self._max_names:
             # -inf is not transported reliably by every backend; use the float64 lowest value.
             lowest = torch.finfo(torch.float64).min
-            packed = self._max_vec.clamp_min(lowest)
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=process_group)
-            self._set("max", self._max_names, torch.where(packed <= lowest, -math.inf, packed))
+            maxes = packed[k:]
+            maxes.clamp_min_(lowest)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=process_group)
+            maxes.masked_fill_(maxes <= lowest, -math.inf)
+        self._set(self._sum_names, self._max_names, packed)
         return self
 
 
