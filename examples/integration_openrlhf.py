@@ -8,14 +8,16 @@ In OpenRLHF's ``openrlhf/trainer/ray/ppo_actor.py`` make the two edits of docs/i
     # PolicyModelActor.append: replaces `self.trainer.replay_buffer.append(experience)`
     self.trainer.replay_buffer.append(self.trainer.actor_loss_fn.prepare_experience(experience))
 
-and keep the CLI flags (``--algo.advantage.is_correction_enable
---algo.advantage.is_correction_type seq-mask-tis --algo.advantage.is_correction_threshold 0.5 5.0``).
-This script parses that command line with OpenRLHF's own parser, then on one batch shows
+and keep the CLI flags (OpenRLHF 0.10.4 – 0.11.1: ``--algo.advantage.is_correction_enable
+--algo.advantage.is_correction_type seq-mask-tis --algo.advantage.is_correction_threshold 0.5 5.0``;
+OpenRLHF 0.11.2: ``--algo.advantage.is_correction_level seq --algo.advantage.is_correction_mode mask
+--algo.advantage.is_correction_threshold 0.5 5.0``). This script parses that command line with the
+installed OpenRLHF's own parser (the flags of its release), then on one batch shows
 (1) a single token's log-ratio of +100 inside an accepted sequence: OpenRLHF's ``seq-mask-tis``
 overflows, ours does not; (2) ``prepare_experience`` taking a rejected sequence out of the action
 mask OpenRLHF counts its denominators from.
 
-    pip install --no-deps openrlhf==0.10.4     # or a full OpenRLHF install
+    pip install --no-deps openrlhf==0.11.2     # or 0.10.4 – 0.11.1, or a full OpenRLHF install
     python examples/integration_openrlhf.py
 """
 
@@ -60,10 +62,20 @@ def policy_loss_class():
     return module.PolicyLoss
 
 
+def cli_path() -> Path:
+    package = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0])
+    return package / "cli" / "train_ppo_ray.py"
+
+
+def gate_options() -> bool:
+    """Whether the installed OpenRLHF has 0.11.2's is_correction_level / _mode / _gating options."""
+    return "--algo.advantage.is_correction_level" in cli_path().read_text()
+
+
 def openrlhf_args(argv: list[str]):
     """The args ``python -m openrlhf.cli.train_ppo_ray <argv>`` hands to ``train``: the body of its
     ``__main__`` block (argparse, ``hierarchize``, validation) without the final ``train(args)``."""
-    path = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0]) / "cli" / "train_ppo_ray.py"
+    path = cli_path()
     tree = ast.parse(path.read_text())
     block = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
     imports = [n for n in tree.body if isinstance(n, ast.Import) and n.names[0].name in ("argparse", "os")]
@@ -86,13 +98,20 @@ def openrlhf_args(argv: list[str]):
 def main() -> None:
     torch.manual_seed(0)
     PolicyLoss = policy_loss_class()
+    if gate_options():  # OpenRLHF 0.11.2
+        flags = ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "mask"]
+        theirs = PolicyLoss(is_correction_level="seq", is_correction_mode="mask",
+                            is_correction_threshold=[0.5, 5.0])
+    else:  # OpenRLHF 0.10.4 – 0.11.1
+        flags = ["--algo.advantage.is_correction_enable",
+                 "--algo.advantage.is_correction_type", "seq-mask-tis"]
+        theirs = PolicyLoss(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 5.0],
+                            vllm_is_correction_type="seq-mask-tis")
     args = openrlhf_args([
         "--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--algo.advantage.estimator", "group_norm",
-        "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "4", "--algo.advantage.is_correction_enable",
-        "--algo.advantage.is_correction_type", "seq-mask-tis", "--algo.advantage.is_correction_threshold", "0.5", "5.0",
+        "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "4", *flags,
+        "--algo.advantage.is_correction_threshold", "0.5", "5.0",
     ])
-    theirs = PolicyLoss(enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 5.0],
-                        vllm_is_correction_type="seq-mask-tis")
     ours = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=PolicyLoss)
 
     B, T = 4, 200
@@ -114,8 +133,8 @@ def main() -> None:
     print("rejected token fraction per sample:", experience.info["rollout_corr/openrlhf_rejected_token_fraction"].tolist())
     for name, fn, m in (("OpenRLHF seq-mask-tis", theirs, mask), ("rollout-correction", ours, experience.action_mask)):
         log_probs = (old + 0.05 * torch.randn(B, T)).requires_grad_(True)
-        loss, clip_ratio, ppo_kl, vllm_kl = fn(log_probs, old, advantages, action_mask=m,
-                                              rollout_log_probs=rollout)
+        # four values up to OpenRLHF 0.11.1, five (is_filter_ratio last) in 0.11.2
+        loss = fn(log_probs, old, advantages, action_mask=m, rollout_log_probs=rollout)[0]
         loss.backward()
         print(f"{name:24s} loss {loss.item(): .4f}  gradient finite: {bool(torch.isfinite(log_probs.grad).all())}")
 

@@ -49,7 +49,8 @@ def installed_root() -> Path:
 
 
 def source_roots() -> list[Path]:
-    """The installed release, then every extra release root named in the environment (CI adds 0.11.0)."""
+    """The installed release, then every extra release root named in the environment (CI adds
+    0.11.0, 0.11.1 and 0.11.2: the recipe runs on every supported release)."""
     roots = [installed_root()]
     for entry in filter(None, os.environ.get(_EXTRA_SOURCES, "").split(os.pathsep)):
         root = Path(entry)
@@ -63,6 +64,34 @@ def release_of(root: Path) -> str:
         for dist_info in parent.glob("openrlhf-*.dist-info"):
             return dist_info.name[len("openrlhf-"):-len(".dist-info")]
     raise AssertionError(f"no dist-info next to {root}")
+
+
+def gate_options(root: Path | None = None) -> bool:
+    """Whether the release's CLI has 0.11.2's ``is_correction_level`` / ``_mode`` / ``_gating``
+    options (else ``is_correction_enable`` / ``is_correction_type``)."""
+    root = root or installed_root()
+    return "--algo.advantage.is_correction_level" in (root / "cli" / "train_ppo_ray.py").read_text()
+
+
+GATE_OF_TYPE = {"tis": ("token", "clip"), "icepop": ("token", "mask"), "seq-mask-tis": ("seq", "mask")}
+
+
+def correction_flags(root: Path | None, kind: str = "seq-mask-tis", threshold=("0.5", "5.0")) -> list[str]:
+    """The release's command-line flags for an OpenRLHF correction type (0.11.2: its level and mode,
+    gating ratio, which is the default)."""
+    if gate_options(root):
+        level, mode = GATE_OF_TYPE[kind]
+        flags = ["--algo.advantage.is_correction_level", level, "--algo.advantage.is_correction_mode", mode]
+    else:
+        flags = ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", kind]
+    return flags + ["--algo.advantage.is_correction_threshold", *map(str, threshold)]
+
+
+def enable_flags(root: Path | None) -> list[str]:
+    """The flags that turn the correction on with the release's default type (0.11.2: level token)."""
+    if gate_options(root):
+        return ["--algo.advantage.is_correction_level", "token"]
+    return ["--algo.advantage.is_correction_enable"]
 
 
 _PACKAGES = ("openrlhf", "openrlhf.cli", "openrlhf.models", "openrlhf.utils", "openrlhf.utils.deepspeed",

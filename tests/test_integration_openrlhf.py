@@ -1,4 +1,5 @@
-"""OpenRLHF adapter, against OpenRLHF's real ``PolicyLoss`` (``pip install --no-deps openrlhf==0.10.4``).
+"""OpenRLHF adapter, against OpenRLHF's real ``PolicyLoss`` (``pip install --no-deps openrlhf==0.10.4``;
+the option mapping of 0.11.2 is also checked here, its actor in tests/test_integration_openrlhf_actor.py).
 
 ``PolicyLoss`` is loaded unmodified from the installed release by tests/openrlhf_reference.py,
 which says what it stands in for (heavy imports the loss never runs: DeepSpeed, Ray, vLLM, the
@@ -17,9 +18,11 @@ import torch
 import openrlhf_reference as ref
 from rollout_correction import compute_rollout_correction
 from rollout_correction.integrations.openrlhf import (
+    OPENRLHF_CORRECTION_GATES,
     RolloutCorrectionPolicyLoss,
     config_from_openrlhf,
     config_from_openrlhf_args,
+    config_from_openrlhf_gate,
 )
 
 torch.set_num_threads(1)
@@ -124,8 +127,36 @@ def test_option_errors_name_the_problem():
         config_from_openrlhf("tis", [5.0, 0.5])
     with pytest.raises(ValueError, match="two values"):
         config_from_openrlhf("tis", [3.0])
-    with pytest.raises(ValueError, match="positive LOW"):
-        config_from_openrlhf("seq-mask-tis", [0.0, 5.0])
+    # OpenRLHF 0.11.2's options: the combinations without an equivalent are refused by name.
+    with pytest.raises(ValueError, match="is_correction_level is off"):
+        config_from_openrlhf_gate("off")
+    for gating in ("binary_kl", "tv"):
+        with pytest.raises(ValueError, match=f"is_correction_gating {gating} has no equivalent"):
+            config_from_openrlhf_gate("seq", "mask", gating, [0.01])
+    with pytest.raises(ValueError, match="is_correction_mode clip is not a correction"):
+        config_from_openrlhf_gate("seq", "clip")
+    with pytest.raises(ValueError, match=r"is_correction_mode 'clamp' is not one of \['mask', 'clip'\]"):
+        config_from_openrlhf_gate("token", "clamp")
+
+
+def test_gate_options_map_onto_the_three_types():
+    for gate, kind in OPENRLHF_CORRECTION_GATES.items():
+        assert config_from_openrlhf_gate(*gate, [0.5, 5.0]) == config_from_openrlhf(kind, [0.5, 5.0])
+    # A single HIGH (0.11.2's upper bound only) is LOW = 0.
+    upper_only = config_from_openrlhf_gate("token", "clip", "ratio", [2.0])
+    assert upper_only == config_from_openrlhf("tis", [0.0, 2.0])
+
+
+def test_seq_mask_tis_without_lower_bound_rejects_only_above():
+    """LOW = 0: a sequence whose geometric-mean ratio is e^-30 (every log-ratio beyond the ±20
+    clamp) is kept, one at e^3 > 5 is rejected."""
+    _, old, rollout, _, mask = _batch(B=3, T=4, scale=0.0)
+    mask = torch.ones_like(mask)
+    old = old.clone()
+    old[0] = rollout[0] - 30.0
+    old[1] = rollout[1] + 3.0
+    result = compute_rollout_correction(old, rollout, mask, config_from_openrlhf("seq-mask-tis", [0.0, 5.0]))
+    assert result.response_mask.bool().all(-1).tolist() == [True, False, True]
 
 
 def test_from_args_on_openrlhf_cli_builds_the_real_policy_loss_and_matches():
@@ -155,14 +186,31 @@ def test_wrapping_a_correcting_loss_is_refused():
     assert math.isfinite(loss(lp, old, adv, action_mask=mask, rollout_log_probs=rollout)[0].item())
 
 
-def test_example_runs_as_documented(capsys):
-    """examples/integration_openrlhf.py, as the docs say to run it: args from OpenRLHF's parser,
-    row 3 rejected (800 → 600 counted tokens), OpenRLHF's seq-mask-tis overflows, ours does not."""
-    import runpy
+ROOTS = ref.source_roots()
+
+
+ROOT_IDS = [ref.release_of(r) if i else "installed" for i, r in enumerate(ROOTS)]
+
+
+@pytest.mark.parametrize("root", ROOTS, ids=ROOT_IDS)
+def test_example_runs_as_documented(root):
+    """examples/integration_openrlhf.py, as the docs say to run it, with each release importable as
+    ``openrlhf``: args from its parser (its flags), row 3 rejected (800 → 600 counted tokens),
+    OpenRLHF's seq-mask-tis overflows, ours does not."""
+    import os
+    import subprocess
+    import sys
     from pathlib import Path
 
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "integration_openrlhf.py"), run_name="__main__")
-    out = capsys.readouterr().out
+    env = dict(os.environ)
+    if root != ROOTS[0]:  # the unpacked wheel's purelib directory holds the package `openrlhf`
+        env["PYTHONPATH"] = os.pathsep.join([str(root.parent), *filter(None, [env.get("PYTHONPATH")])])
+    example = Path(__file__).resolve().parents[1] / "examples" / "integration_openrlhf.py"
+    code = ("import importlib.util, runpy, sys; print('openrlhf at', importlib.util.find_spec('openrlhf')"
+            ".submodule_search_locations[0]); runpy.run_path(sys.argv[1], run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code, str(example)], env=env, capture_output=True, text=True,
+                         check=True, timeout=300).stdout
+    assert f"openrlhf at {root}" in out
     assert "action tokens OpenRLHF counts: 800 -> 600" in out
     assert "rejected token fraction per sample: [0.0, 0.0, 0.0, 1.0]" in out
     assert "OpenRLHF seq-mask-tis    loss -inf  gradient finite: False" in out

@@ -51,8 +51,16 @@ RECIPE = [(LOSS_STATEMENT, LOSS_REPLACEMENT), (APPEND_STATEMENT, APPEND_REPLACEM
 # The recipe's command-line flags (step 3), on a GRPO command line.
 CLI = ["--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--algo.advantage.estimator", "group_norm",
        "--rollout.n_samples_per_prompt", "4", "--train.micro_batch_size", "4"]
+# Per release: OpenRLHF 0.10.4 – 0.11.1 and OpenRLHF 0.11.2 name the same correction differently.
 FLAGS = ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "seq-mask-tis",
          "--algo.advantage.is_correction_threshold", "0.5", "5.0"]
+FLAGS_0112 = ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "mask",
+              "--algo.advantage.is_correction_threshold", "0.5", "5.0"]
+
+
+def flags(root):
+    """The recipe's flags for the release at ``root``."""
+    return FLAGS_0112 if ref.gate_options(root) else FLAGS
 
 ROOTS = ref.source_roots()
 ROOT_IDS = [ref.release_of(r) if i else "installed" for i, r in enumerate(ROOTS)]
@@ -234,27 +242,33 @@ def test_recipe_edits_and_flags_are_the_documented_ones():
     section = text[text.index("## OpenRLHF"):]
     section = section[: section.index("\n## ", 1)]
     for snippet in (LOSS_REPLACEMENT, APPEND_REPLACEMENT, APPEND_STATEMENT, "self.actor_loss_fn = PolicyLoss(",
-                    " ".join(FLAGS), "pip install 'rollout-correction[openrlhf]'", ACTIVE_METRIC):
+                    " ".join(FLAGS), " ".join(FLAGS_0112), "pip install 'rollout-correction[openrlhf]'", ACTIVE_METRIC):
         assert snippet in section, snippet
 
 
 def test_documented_statement_on_args_from_openrlhf_cli(root):
-    args = ref.parse_cli(CLI + FLAGS, root)
+    args = ref.parse_cli(CLI + flags(root), root)
     policy_loss_cls = ref.policy_loss_class(root)
     ours = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls)
     assert isinstance(ours.policy_loss, policy_loss_cls)
-    assert not ours.policy_loss.enable_vllm_is_correction
+    gate = ref.gate_options(root)
+    if gate:  # 0.11.2: the wrapped PolicyLoss has its correction level off
+        assert ours.policy_loss.is_correction_level == "off"
+    else:
+        assert not ours.policy_loss.enable_vllm_is_correction
     # OpenRLHF's defaults: eps_clip 0.2 both sides (filled in by its validation), no dual clip, ppo.
     assert (ours.policy_loss.clip_eps_low, ours.policy_loss.clip_eps_high) == (0.2, 0.2)
     assert ours.policy_loss.dual_clip is None and ours.policy_loss.token_level_loss
-    assert ours.config == config_from_openrlhf("seq-mask-tis", [0.5, 5.0])
-    # The default correction type of OpenRLHF's CLI is tis, threshold 0.5 5.0.
-    args = ref.parse_cli(CLI + ["--algo.advantage.is_correction_enable"], root)
+    assert ours.config == config_from_openrlhf("seq-mask-tis", [0.5, 5.0]) and ours.filter_level == "seq"
+    # The correction switched on with the CLI's defaults otherwise: up to 0.11.1 type tis; in
+    # 0.11.2 mode mask (IcePop) and gating ratio; threshold 0.5 5.0.
+    args = ref.parse_cli(CLI + ref.enable_flags(root), root)
     assert RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls).config == \
-        config_from_openrlhf("tis", [0.5, 5.0])
-    # Without is_correction_enable OpenRLHF asks vLLM for no log-probs: refused with the flag to add.
+        config_from_openrlhf("icepop" if gate else "tis", [0.5, 5.0])
+    # With the correction off OpenRLHF asks vLLM for no log-probs: refused with the flag to add.
     args = ref.parse_cli(CLI, root)
-    with pytest.raises(ValueError, match="--algo.advantage.is_correction_enable"):
+    flag = "--algo.advantage.is_correction_level" if gate else "--algo.advantage.is_correction_enable"
+    with pytest.raises(ValueError, match=flag):
         RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls)
 
 
@@ -262,23 +276,30 @@ def test_documented_statement_on_args_from_openrlhf_cli(root):
 @pytest.mark.parametrize("extra", [[], ["--actor.dual_clip", "3.0"], ["--actor.eps_clip_low_high", "0.2", "0.28"]])
 def test_token_types_equal_openrlhf_loss_call(root, kind, extra):
     """tis / icepop reject nothing: the recipe's actor trains exactly as OpenRLHF's own correction."""
-    argv = CLI + extra + ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", kind,
-                          "--algo.advantage.is_correction_threshold", "0.8", "1.25"]
-    args = ref.parse_cli(argv, root)
+    args = ref.parse_cli(CLI + extra + ref.correction_flags(root, kind, ("0.8", "1.25")), root)
     batch = _batch(seed=1)
-    grads = {}
+    grads, status = {}, {}
     for name, edits in (("openrlhf", []), ("ours", RECIPE)):
         with pytest.MonkeyPatch.context() as mp:
-            _, status, grads[name], _ = _train(root, edits, args, batch, mp)
+            _, status[name], grads[name], _ = _train(root, edits, args, batch, mp)
     assert len(grads["ours"]) == 2
     for ours, theirs in zip(grads["ours"], grads["openrlhf"]):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
         assert ours.abs().sum() > 0
-    assert status[ACTIVE_METRIC] == 0.0  # nothing rejected, and the key shows the correction ran
+    assert status["ours"][ACTIVE_METRIC] == 0.0  # nothing rejected, and the key shows the correction ran
+    assert status["ours"]["vllm_kl"] == pytest.approx(status["openrlhf"]["vllm_kl"], rel=1e-5, abs=1e-7)
+    if ref.gate_options(root):  # 0.11.2 logs the fifth value: the share of tokens outside the band
+        _, _, mask, old, rollout, _ = batch
+        rho = torch.exp(old - rollout)[mask]
+        share = float(((rho < 0.8) | (rho > 1.25)).float().mean())
+        assert 0 < share < 1
+        theirs = status["openrlhf"]["is_filter_ratio"]
+        assert status["ours"]["is_filter_ratio"] == pytest.approx(theirs, rel=1e-5)
+        assert status["ours"]["is_filter_ratio"] == pytest.approx(share, rel=1e-5)
 
 
 def test_seq_mask_tis_rejected_sequences_leave_batch_num_tokens(root, monkeypatch):
-    args = ref.parse_cli(CLI + FLAGS, root)
+    args = ref.parse_cli(CLI + flags(root), root)
     batch = _batch()
     keep, weight = _seq_mask_tis(batch)
     assert keep.any(-1).tolist() == [i not in (2, 5) for i in range(N)]  # rows 2 and 5 rejected
@@ -291,11 +312,13 @@ def test_seq_mask_tis_rejected_sequences_leave_batch_num_tokens(root, monkeypatc
     assert status["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / N)
     # The replay buffer holds the accepted masks, which is what loss_utils counted.
     assert sum(int(item.action_mask.sum()) for item in trainer.replay_buffer.items) == int(keep.sum())
+    if ref.gate_options(root):  # 0.11.2's fifth value at seq level: the share of sequences rejected
+        assert status["is_filter_ratio"] == pytest.approx(2 / N)
 
 
 def test_openrlhf_own_seq_mask_tis_counts_rejected_tokens(root, monkeypatch):
     """Contrast: OpenRLHF's own loss divides by all tokens of the step, rejected ones included."""
-    args = ref.parse_cli(CLI + FLAGS, root)
+    args = ref.parse_cli(CLI + flags(root), root)
     batch = _batch()
     keep, _ = _seq_mask_tis(batch)
     _, _, mask, old, rollout, _ = batch
@@ -317,7 +340,7 @@ def test_token_rejection_leaves_token_and_sequence_counts(root, loss_type, monke
     """A config of this library with a token-level rejection (``from_args(self.args, config)``):
     three single tokens and two whole rows are rejected. ppo divides by accepted tokens
     (batch_num_tokens); OpenRLHF's gspo averages per sequence over accepted sequences (global_batch_size)."""
-    args = ref.parse_cli(CLI + ["--actor.policy_loss_type", loss_type] + FLAGS[:1], root)
+    args = ref.parse_cli(CLI + ["--actor.policy_loss_type", loss_type] + ref.enable_flags(root), root)
     replacement = LOSS_REPLACEMENT.replace("from_args(self.args)", f"from_args(self.args, {TOKEN_RS!r})")
     edits = [(LOSS_STATEMENT, replacement), (APPEND_STATEMENT, APPEND_REPLACEMENT)]
     batch = _batch()
@@ -341,7 +364,7 @@ def _dp_worker(rank, root, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        args = ref.parse_cli(CLI + ["--train.micro_batch_size", "2"] + FLAGS, Path(root))
+        args = ref.parse_cli(CLI + ["--train.micro_batch_size", "2"] + flags(Path(root)), Path(root))
         with pytest.MonkeyPatch.context() as mp:
             _, _, grads, windows = _train(Path(root), RECIPE, args, _batch(), mp, gas=2, part=rank)
         torch.save({"grads": grads, "windows": windows}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -373,7 +396,7 @@ def test_default_micro_batch_of_one_keeps_placeholders(root, monkeypatch):
     micro-batch would leave it without tokens (OpenRLHF's ppo_train then divides by zero). Each
     fully rejected row keeps its first token with advantage 0: training runs, the loss over the
     accepted tokens is unchanged, and each such row counts one token instead of its length."""
-    args = ref.parse_cli(CLI + FLAGS + ["--train.micro_batch_size", "1"], root)
+    args = ref.parse_cli(CLI + flags(root) + ["--train.micro_batch_size", "1"], root)
     assert args.train.micro_batch_size == 1
     batch = _batch()
     keep, weight = _seq_mask_tis(batch)
@@ -392,20 +415,128 @@ def test_default_micro_batch_of_one_keeps_placeholders(root, monkeypatch):
 def test_unprepared_experience_is_reported(root, caplog):
     """Only step 1 of the recipe applied: the loss still corrects, and warns once that the
     rejected tokens remain in OpenRLHF's denominators."""
-    args = ref.parse_cli(CLI + FLAGS, root)
+    args = ref.parse_cli(CLI + flags(root), root)
     loss = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=ref.policy_loss_class(root))
     seq, attn, mask, old, rollout, adv = _batch()
     lp = old.clone().requires_grad_(True)
     with caplog.at_level(logging.WARNING, logger="rollout_correction.integrations.openrlhf"):
         for _ in range(2):
             out = loss(lp, old, adv.expand(-1, A), action_mask=mask, rollout_log_probs=rollout)
-    assert len(out) == 4 and torch.isfinite(out[0])
+    assert len(out) == (5 if ref.gate_options(root) else 4) and torch.isfinite(out[0])
     assert sum("prepare_experience" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_version_check_names_the_supported_range():
-    check_openrlhf_version("0.10.4")
-    check_openrlhf_version("0.11.0")
+    for good in ("0.10.4", "0.11.0", "0.11.1", "0.11.2"):
+        check_openrlhf_version(good)
     for bad in ("0.10.3", "0.12.0", "0.9.1"):
         with pytest.raises(RuntimeError, match=re.escape("openrlhf>=0.10.4,<0.12") + ".*" + re.escape(bad)):
             check_openrlhf_version(bad)
+
+
+GATE_ROOTS = [r for r in ROOTS if ref.gate_options(r)]
+GATE_IDS = [ref.release_of(r) if r != ROOTS[0] else "installed" for r in GATE_ROOTS]
+
+
+@pytest.fixture(params=range(len(GATE_ROOTS)), ids=GATE_IDS)
+def gate_root(request):
+    """A release with 0.11.2's ``is_correction_level`` / ``_mode`` / ``_gating`` options."""
+    return GATE_ROOTS[request.param]
+
+
+def _gate_argv(level, mode, gating, threshold):
+    return CLI + ["--algo.advantage.is_correction_level", level, "--algo.advantage.is_correction_mode", mode,
+                  "--algo.advantage.is_correction_gating", gating, "--algo.advantage.is_correction_threshold",
+                  *threshold]
+
+
+@pytest.mark.parametrize("threshold", [("0.5", "5.0"), ("2.0",)])
+@pytest.mark.parametrize("gating", ["ratio", "binary_kl", "tv"])
+@pytest.mark.parametrize("mode", ["mask", "clip"])
+@pytest.mark.parametrize("level", ["off", "token", "seq"])
+def test_every_gate_combination_of_the_cli_is_mapped_or_refused(gate_root, level, mode, gating, threshold):
+    """Every (level, mode, gating) that 0.11.2's parser accepts: mapped as docs/integrations.md's
+    table says, or refused with an error naming the option (and, for a threshold OpenRLHF's own
+    PolicyLoss accepts, only where this library has no equivalent)."""
+    args = ref.parse_cli(_gate_argv(level, mode, gating, threshold), gate_root)
+    band = [0.0, 2.0] if len(threshold) == 1 else [0.5, 5.0]  # a single HIGH: LOW = 0 (OpenRLHF's parser)
+    assert list(args.algo.advantage.is_correction_threshold) == band
+    policy_loss_cls = ref.policy_loss_class(gate_root)
+    kind = {("token", "clip", "ratio"): "tis", ("token", "mask", "ratio"): "icepop",
+            ("seq", "mask", "ratio"): "seq-mask-tis"}.get((level, mode, gating))
+    if kind is not None:
+        ours = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls)
+        assert ours.config == config_from_openrlhf(kind, band)
+        assert ours.filter_level == level
+        return
+    # off: no log-probs; binary_kl / tv: no equivalent here; seq + clip: not a correction.
+    name = "is_correction_gating" if level != "off" and gating != "ratio" else "is_correction_level"
+    with pytest.raises(ValueError, match=f"--algo.advantage.{name}"):
+        RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls)
+
+
+def test_divergence_gates_are_refused_although_openrlhf_runs_them(gate_root):
+    """binary_kl / tv with a single HIGH (FlashREINFORCE's trust region) is a valid OpenRLHF
+    correction; this library has no equivalent criterion, so from_args refuses it by name."""
+    args = ref.parse_cli(_gate_argv("seq", "mask", "binary_kl", ("0.01",)), gate_root)
+    policy_loss_cls = ref.policy_loss_class(gate_root)
+    adv = args.algo.advantage
+    policy_loss_cls(is_correction_level=adv.is_correction_level, is_correction_mode=adv.is_correction_mode,
+                    is_correction_gating=adv.is_correction_gating,
+                    is_correction_threshold=adv.is_correction_threshold)  # OpenRLHF accepts it
+    with pytest.raises(ValueError, match="is_correction_gating binary_kl has no equivalent"):
+        RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls)
+
+
+def test_upper_bound_only_threshold_trains_as_openrlhf(gate_root, monkeypatch):
+    """0.11.2's single HIGH (LOW = 0) on token clip: w = min(ρ, HIGH); the recipe's actor trains
+    exactly as OpenRLHF's own correction, and the seq-level band has no lower bound."""
+    args = ref.parse_cli(_gate_argv("token", "clip", "ratio", ("1.25",)), gate_root)
+    batch = _batch(seed=1)
+    grads = {}
+    for name, edits in (("openrlhf", []), ("ours", RECIPE)):
+        with pytest.MonkeyPatch.context() as mp:
+            _, _, grads[name], _ = _train(gate_root, edits, args, batch, mp)
+    for ours, theirs in zip(grads["ours"], grads["openrlhf"]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    # seq, mask, HIGH 5: row 2 (geometric mean e³ > 5) is rejected, row 5 (e⁻³) is not.
+    args = ref.parse_cli(_gate_argv("seq", "mask", "ratio", ("5.0",)), gate_root)
+    keep, weight = _seq_mask_tis(batch := _batch(), lo=0.0, hi=5.0)
+    assert keep.any(-1).tolist() == [i != 2 for i in range(N)]
+    _, status, grads, windows = _train(gate_root, RECIPE, args, batch, monkeypatch)
+    for got, want in zip(grads, _expected_grads(batch, windows, keep, weight)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert status["is_filter_ratio"] == pytest.approx(1 / N)
+
+
+def test_seq_mean_token_mean_aggregation_counts_accepted_sequences(gate_root, monkeypatch):
+    """0.11.2's ``--actor.loss_agg_mode seq-mean-token-mean``: ``from_args`` builds the PolicyLoss
+    with ``token_level_loss=False`` as ppo_actor does; each sequence's token mean over its accepted
+    tokens, averaged over accepted sequences (global_batch_size counts them)."""
+    args = ref.parse_cli(CLI + ["--actor.loss_agg_mode", "seq-mean-token-mean"] + FLAGS_0112, gate_root)
+    assert not RolloutCorrectionPolicyLoss.from_args(
+        args, policy_loss_cls=ref.policy_loss_class(gate_root)).policy_loss.token_level_loss
+    batch = _batch()
+    keep, weight = _seq_mask_tis(batch)
+    _, _, grads, windows = _train(gate_root, RECIPE, args, batch, monkeypatch)
+    assert len(grads) == 2
+    for got, want in zip(grads, _expected_seq_mean_grads(batch, windows, keep, weight)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _expected_seq_mean_grads(batch, windows, keep, weight, clip=0.2):
+    """∇ of the mean over accepted sequences of each one's mean PPO-clip loss over its accepted tokens."""
+    seq, attn, mask, old, rollout, adv = batch
+    grads = []
+    for rows in windows:
+        policy = TinyPolicy()
+        rows = torch.tensor(rows)
+        ratio = torch.exp(policy.token_log_probs(seq[rows], A) - old[rows])
+        a = adv[rows].expand(-1, A) * weight[rows]
+        per_token = -torch.min(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
+        k = keep[rows].float()
+        n = k.sum(-1)
+        losses = [(per_token[i] * k[i]).sum() / n[i] for i in range(len(rows)) if n[i] > 0]
+        (sum(losses) / len(losses)).backward()
+        grads.append(policy.W.grad)
+    return grads

@@ -1,28 +1,46 @@
 """OpenRLHF: its rollout correction options mapped onto ours, and a drop-in policy loss.
 
 OpenRLHF (0.10.4 to 0.11.x) corrects the vLLM/DeepSpeed mismatch inside ``PolicyLoss.forward``
-(``openrlhf/models/loss.py``), driven by three options of ``openrlhf.cli.train_ppo_ray``:
-``--algo.advantage.is_correction_enable``, ``--algo.advantage.is_correction_type``
-``tis | icepop | seq-mask-tis`` (default ``tis``) and ``--algo.advantage.is_correction_threshold
-LOW HIGH`` (default ``0.5 5.0``).
+(``openrlhf/models/loss.py``), driven by options of ``openrlhf.cli.train_ppo_ray``. Two
+generations of options exist:
 
-:func:`config_from_openrlhf` maps them onto a :class:`~rollout_correction.RolloutCorrectionConfig`
-(ρ_t = π_old(y_t)/π_rollout(y_t), ``[lo, hi]`` the threshold):
+* 0.10.4 – 0.11.1: ``--algo.advantage.is_correction_enable``, ``--algo.advantage.is_correction_type
+  tis | icepop | seq-mask-tis`` (default ``tis``) and ``--algo.advantage.is_correction_threshold
+  LOW HIGH`` (default ``0.5 5.0``); ``PolicyLoss.forward`` returns four values.
+* 0.11.2: ``--algo.advantage.is_correction_level off | token | seq`` (default ``off``),
+  ``--algo.advantage.is_correction_mode mask | clip`` (default ``mask``),
+  ``--algo.advantage.is_correction_gating ratio | binary_kl | tv`` (default ``ratio``) and
+  ``--algo.advantage.is_correction_threshold HIGH`` or ``LOW HIGH`` (a single HIGH means LOW = 0);
+  ``PolicyLoss.forward`` returns five values, the fifth being ``is_filter_ratio`` (the share of
+  units, tokens or sequences, outside the band), logged by the actor beside ``vllm_kl``.
 
-=================================  ==============================================================
-OpenRLHF                           ours
-=================================  ==============================================================
-``tis``                            token IS, w_t = clamp(ρ_t, lo, hi)  (``rollout_is_mode="clip"``)
-``icepop``                         token IcePop, w_t = ρ_t·1[lo ≤ ρ_t ≤ hi]; the token keeps its
-                                   place in the denominator (a zero weight, as in OpenRLHF)
-``seq-mask-tis``                   rejection of sequences whose geometric mean ρ̄ = exp(mean log ρ_t)
-                                   lies outside [lo, hi] (``seq_mean_k1``) and token IS
-                                   w_t = clamp(ρ_t, lo, hi) on the kept ones
-=================================  ==============================================================
+:func:`config_from_openrlhf` (first generation) and :func:`config_from_openrlhf_gate` (0.11.2)
+map them onto a :class:`~rollout_correction.RolloutCorrectionConfig` (ρ_t = π_old(y_t)/π_rollout(y_t),
+``[lo, hi]`` the threshold):
+
+=================================  ==================  ==========================================
+OpenRLHF ≤ 0.11.1                  OpenRLHF 0.11.2     ours
+=================================  ==================  ==========================================
+``tis``                            token, clip, ratio  token IS, w_t = clamp(ρ_t, lo, hi)
+                                                       (``rollout_is_mode="clip"``)
+``icepop``                         token, mask, ratio  token IcePop, w_t = ρ_t·1[lo ≤ ρ_t ≤ hi];
+                                                       the token keeps its place in the
+                                                       denominator (a zero weight, as in OpenRLHF)
+``seq-mask-tis``                   seq, mask, ratio    rejection of sequences whose geometric
+                                                       mean ρ̄ = exp(mean log ρ_t) lies outside
+                                                       [lo, hi] (``seq_mean_k1``) and token IS
+                                                       w_t = clamp(ρ_t, lo, hi) on the kept ones
+=================================  ==================  ==========================================
+
+0.11.2's other combinations are refused by name: ``seq`` + ``clip`` (OpenRLHF refuses it too), and
+the ``binary_kl`` / ``tv`` gatings (a divergence between the sampled token's probabilities under
+the two policies, e.g. FlashREINFORCE's trust region): this library's rejection criteria are
+functions of log ρ (k1/k2/k3), none equals those divergences. LOW = 0 means no lower bound.
 
 Two deliberate differences, both fixes:
 
-* ``seq-mask-tis`` in OpenRLHF multiplies the loss by the *unclamped* token ratio exp(log ρ_t):
+* ``seq-mask-tis`` in OpenRLHF (0.11.2: ``seq`` / ``mask`` / ``ratio``) multiplies the loss by the
+  *unclamped* token ratio exp(log ρ_t):
   one token with log ρ_t ≳ 89 in an accepted sequence makes the fp32 loss ``inf`` and its
   gradient NaN. Here the token weight is clamped to [lo, hi] (OpenRLHF's own TIS bound) after a
   ±20 log-space clamp.
@@ -52,12 +70,14 @@ unchanged.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Optional, Sequence
 
 import torch
 
 from rollout_correction import METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_rollout_correction
+from rollout_correction.constants import SAFETY_BOUND
 
 __all__ = [
     "OPENRLHF_CORRECTION_TYPES",
@@ -65,7 +85,9 @@ __all__ = [
     "check_openrlhf_version",
     "ACTIVE_METRIC",
     "PLACEHOLDER_METRIC",
+    "OPENRLHF_CORRECTION_GATES",
     "config_from_openrlhf",
+    "config_from_openrlhf_gate",
     "config_from_openrlhf_args",
     "RolloutCorrectionPolicyLoss",
 ]
@@ -73,7 +95,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OPENRLHF_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
-"""The values of ``--algo.advantage.is_correction_type``."""
+"""The values of ``--algo.advantage.is_correction_type`` (OpenRLHF 0.10.4 – 0.11.1)."""
+
+OPENRLHF_CORRECTION_GATES = {
+    ("token", "clip", "ratio"): "tis",
+    ("token", "mask", "ratio"): "icepop",
+    ("seq", "mask", "ratio"): "seq-mask-tis",
+}
+"""OpenRLHF 0.11.2's (``is_correction_level``, ``_mode``, ``_gating``) combinations that have an
+equivalent here, and the first-generation type each one is."""
+
+_TINY_RATIO = 1e-30  # a positive ratio bound below every geometric mean of ±20-clamped log-ratios
 
 SUPPORTED_OPENRLHF = ">=0.10.4,<0.12"
 """OpenRLHF releases whose ``PolicyLoss``, ``ppo_actor`` loss call and replay buffer are tested."""
@@ -137,22 +169,76 @@ def config_from_openrlhf(
                   "rollout_is_threshold_lower": lo}
     if is_correction_type == "tis":
         return RolloutCorrectionConfig.from_dict(token_clip)
-    if lo <= 0.0:
-        raise ValueError(
-            "seq-mask-tis needs a positive LOW bound: the geometric-mean ratio band is [LOW, HIGH]"
-        )
+    # LOW = 0 (0.11.2's single HIGH): no lower bound. Our geometric mean is taken over log-ratios
+    # clamped to ±20, so it is ≥ e⁻²⁰ and a bound of 1e-30 rejects nothing.
+    rs_lo = lo if lo > 0.0 else _TINY_RATIO
     return RolloutCorrectionConfig.from_dict(
-        {**token_clip, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": f"{lo!r}_{hi!r}"}
+        {**token_clip, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": f"{rs_lo!r}_{hi!r}"}
     )
 
 
-def config_from_openrlhf_args(args: Any) -> RolloutCorrectionConfig:
-    """Our config from OpenRLHF's parsed CLI (``train_ppo_ray`` + ``hierarchize``).
+def _flag(name: str) -> str:
+    return f"--algo.advantage.is_correction_{name}"
 
-    ``--algo.advantage.is_correction_enable`` must be on: it is what makes OpenRLHF request the
-    vLLM sampling log-probs (``experience.rollout_log_probs``) the correction needs.
+
+def config_from_openrlhf_gate(
+    is_correction_level: str,
+    is_correction_mode: str = "mask",
+    is_correction_gating: str = "ratio",
+    is_correction_threshold: Sequence[float] = (0.5, 5.0),
+) -> RolloutCorrectionConfig:
+    """Our config for OpenRLHF 0.11.2's ``--algo.advantage.is_correction_level`` / ``_mode`` /
+    ``_gating`` / ``_threshold`` (see the module table); the other combinations raise, naming them."""
+    level, mode, gating = is_correction_level, is_correction_mode, is_correction_gating
+    for name, value, allowed in (("level", level, ("off", "token", "seq")), ("mode", mode, ("mask", "clip")),
+                                 ("gating", gating, ("ratio", "binary_kl", "tv"))):
+        if value not in allowed:
+            raise ValueError(f"{_flag(name)} {value!r} is not one of {list(allowed)}")
+    if level == "off":
+        raise ValueError(
+            f"{_flag('level')} is off: set it to token or seq on the OpenRLHF command line; without it "
+            "vLLM returns no sampling log-probs (experience.rollout_log_probs is None) and there is "
+            "nothing to correct"
+        )
+    if gating != "ratio":
+        raise ValueError(
+            f"{_flag('gating')} {gating} has no equivalent in rollout-correction: it gates on a "
+            "divergence between the sampled token's probabilities under the rollout and training "
+            "policies, and this library's rejection criteria are functions of the log-ratio only "
+            "(token_k1/k2/k3, seq_*_k1/k2/k3). Use gating ratio, pass a config of this library to "
+            "from_args (e.g. a seq_mean_k3 rejection), or keep OpenRLHF's own PolicyLoss"
+        )
+    kind = OPENRLHF_CORRECTION_GATES.get((level, mode, gating))
+    if kind is None:
+        raise ValueError(
+            f"{_flag('level')} {level} with {_flag('mode')} {mode} is not a correction: only a "
+            "per-token ratio can be clipped (OpenRLHF refuses it as well); use mode mask"
+        )
+    threshold = [float(v) for v in is_correction_threshold]
+    if len(threshold) == 1:  # HIGH alone: an upper bound only, as OpenRLHF's parser reads it
+        threshold = [0.0, threshold[0]]
+    return config_from_openrlhf(kind, threshold)
+
+
+def _gate_level(args: Any) -> str:
+    """``token`` or ``seq``: the unit OpenRLHF's correction filters, for the args' release."""
+    adv = args.algo.advantage
+    if hasattr(adv, "is_correction_level"):
+        return "seq" if adv.is_correction_level == "seq" else "token"
+    return "seq" if getattr(adv, "is_correction_type", "tis") == "seq-mask-tis" else "token"
+
+
+def config_from_openrlhf_args(args: Any) -> RolloutCorrectionConfig:
+    """Our config from OpenRLHF's parsed CLI (``train_ppo_ray`` + ``hierarchize``), either generation.
+
+    The correction must be on (``--algo.advantage.is_correction_enable`` up to 0.11.1,
+    ``--algo.advantage.is_correction_level token|seq`` from 0.11.2): it is what makes OpenRLHF
+    request the vLLM sampling log-probs (``experience.rollout_log_probs``) the correction needs.
     """
     adv = args.algo.advantage
+    if hasattr(adv, "is_correction_level"):  # OpenRLHF 0.11.2
+        return config_from_openrlhf_gate(adv.is_correction_level, adv.is_correction_mode,
+                                         adv.is_correction_gating, adv.is_correction_threshold)
     if not adv.is_correction_enable:
         raise ValueError(
             "add --algo.advantage.is_correction_enable to the OpenRLHF command line: without it vLLM "
@@ -166,33 +252,50 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
     """Drop-in for OpenRLHF's ``PolicyLoss`` with this library's correction step.
 
     Args:
-        policy_loss: an OpenRLHF ``PolicyLoss`` built with ``enable_vllm_is_correction=False``.
+        policy_loss: an OpenRLHF ``PolicyLoss`` built with its own correction off
+            (``enable_vllm_is_correction=False`` up to 0.11.1, ``is_correction_level="off"`` in 0.11.2).
         config: the correction (e.g. from :func:`config_from_openrlhf_args`).
         micro_batch_size: OpenRLHF's ``--train.micro_batch_size`` (``from_args`` reads it); bounds
             how many fully rejected sequences :meth:`prepare_experience` may leave empty.
+        filter_level: ``token`` or ``seq``, the unit ``is_filter_ratio`` counts (``from_args``:
+            OpenRLHF's correction level, ``seq`` for ``seq-mask-tis``).
 
     :meth:`prepare_experience` applies the rejection to an experience's action mask (call it
     where the actor appends to its replay buffer); ``forward`` takes OpenRLHF's loss arguments and
-    returns its four-tuple ``(loss, clip_ratio, ppo_kl, vllm_kl)`` with ``vllm_kl`` = mean over
-    the (accepted) action tokens of log π_rollout − log π_old. Our metrics of the last forward
-    (``rollout_corr/...``, 0-d tensors) are in ``self.last_metrics``.
+    returns what the wrapped ``PolicyLoss`` returns: ``(loss, clip_ratio, ppo_kl, vllm_kl)`` up to
+    0.11.1, ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`` in 0.11.2. ``vllm_kl`` is the
+    mean over the (accepted) action tokens of log π_rollout − log π_old. ``is_filter_ratio`` is the
+    share of this training step's units (in this actor process) that the correction filtered,
+    counted by :meth:`prepare_experience` on the masks before rejection: at ``token`` level the
+    action tokens rejected or whose token IS weight was clamped or zeroed (ρ_t outside the band),
+    at ``seq`` level the sequences rejected. (Without ``prepare_experience``, it is counted on the
+    micro-batch at loss time.) Our metrics of the last forward (``rollout_corr/...``, 0-d tensors)
+    are in ``self.last_metrics``.
     """
 
-    def __init__(self, policy_loss: torch.nn.Module, config: RolloutCorrectionConfig, micro_batch_size: int = 1):
+    def __init__(self, policy_loss: torch.nn.Module, config: RolloutCorrectionConfig,
+                 micro_batch_size: int = 1, filter_level: str = "token"):
         super().__init__()
-        if getattr(policy_loss, "enable_vllm_is_correction", False):
+        if getattr(policy_loss, "enable_vllm_is_correction", False) or \
+                getattr(policy_loss, "is_correction_level", "off") != "off":
             raise ValueError(
-                "wrap a PolicyLoss built with enable_vllm_is_correction=False; otherwise the "
-                "correction would be applied twice"
+                "wrap a PolicyLoss built with its own correction off (enable_vllm_is_correction=False, "
+                "or is_correction_level='off' in OpenRLHF 0.11.2); otherwise the correction would be "
+                "applied twice"
             )
         if config.bypass_mode:
             raise ValueError("bypass configs replace π_old by π_rollout before the loss; pass "
                              "rollout log-probs as old_log_probs instead of wrapping the loss")
+        if filter_level not in ("token", "seq"):
+            raise ValueError(f"filter_level={filter_level!r}: expected 'token' or 'seq'")
         self.policy_loss = policy_loss
         self.config = config
+        self.filter_level = filter_level
         self.last_metrics: dict[str, torch.Tensor] = {}
         self.micro_batch_size = int(micro_batch_size)
         self._empty_rows = 0  # fully rejected rows left empty since the last training phase
+        self._pending_filter = [0, 0]  # (filtered units, units) counted by prepare_experience
+        self._step_filter_ratio: Optional[float] = None  # of the step being trained on
         self._warned_unprepared = False
 
     @classmethod
@@ -205,25 +308,47 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
     ) -> "RolloutCorrectionPolicyLoss":
         """Build from OpenRLHF's parsed args exactly as ``ppo_actor.py`` builds its ``PolicyLoss``.
 
-        ``args`` is the namespace ``train_ppo_ray`` produces (``self.args`` in the actor).
-        ``config`` (a config, preset name or mapping) replaces the mapping of OpenRLHF's
-        ``is_correction_type`` by any correction of this library, e.g. a token-level rejection
-        (``--algo.advantage.is_correction_enable`` is still required for the log-probs).
+        ``args`` is the namespace ``train_ppo_ray`` produces (``self.args`` in the actor), of any
+        supported release. ``config`` (a config, preset name or mapping) replaces the mapping of
+        OpenRLHF's correction options by any correction of this library, e.g. a token-level
+        rejection (the correction must still be on, for the log-probs).
         ``policy_loss_cls`` defaults to ``openrlhf.models.PolicyLoss``.
         """
         check_openrlhf_version()
         mapped = config_from_openrlhf_args(args)
         if policy_loss_cls is None:
             from openrlhf.models import PolicyLoss as policy_loss_cls  # noqa: N813
-        policy_loss = policy_loss_cls(
+        kwargs = dict(
             clip_eps_low=args.actor.eps_clip_low_high[0],
             clip_eps_high=args.actor.eps_clip_low_high[1],
             dual_clip=args.actor.dual_clip,
             policy_loss_type=args.actor.policy_loss_type,
-            enable_vllm_is_correction=False,
         )
-        return cls(policy_loss, mapped if config is None else as_config(config),
-                   micro_batch_size=args.train.micro_batch_size)
+        if hasattr(args.actor, "loss_agg_mode"):  # --actor.loss_agg_mode (0.11.2), read as ppo_actor does
+            kwargs["token_level_loss"] = args.actor.loss_agg_mode == "token-mean"
+        if "is_correction_level" in inspect.signature(policy_loss_cls).parameters:
+            kwargs["is_correction_level"] = "off"
+        else:
+            kwargs["enable_vllm_is_correction"] = False
+        return cls(policy_loss_cls(**kwargs), mapped if config is None else as_config(config),
+                   micro_batch_size=args.train.micro_batch_size,
+                   filter_level=_gate_level(args) if config is None else "token")
+
+    def _filter_counts(self, old_log_probs, rollout_log_probs, valid, kept):
+        """(filtered units, units) at ``self.filter_level``: ``valid`` the action tokens before
+        rejection, ``kept`` after it."""
+        if self.filter_level == "seq":
+            rows = valid.any(-1)
+            return (rows & ~(kept & valid).any(-1)).sum(), rows.sum()
+        filtered = valid & ~kept
+        spec = self.config.is_spec
+        if spec is not None and spec.level == "token":
+            log_rho = (old_log_probs.float() - rollout_log_probs.float()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+            out = log_rho.exp() > spec.upper
+            if spec.lower is not None:
+                out = out | (log_rho.exp() < spec.lower)
+            filtered = filtered | (kept & valid & out)
+        return filtered.sum(), valid.sum()
 
     @torch.no_grad()
     def prepare_experience(self, experience: Any) -> Any:
@@ -246,14 +371,19 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         mask = experience.action_mask
         if experience.rollout_log_probs is None:
             raise ValueError(
-                "experience.rollout_log_probs is None: add --algo.advantage.is_correction_enable so "
-                "vLLM returns its sampling log-probs"
+                "experience.rollout_log_probs is None: turn OpenRLHF's correction on "
+                "(--algo.advantage.is_correction_enable, or --algo.advantage.is_correction_level "
+                "token|seq from 0.11.2) so vLLM returns its sampling log-probs"
             )
         result = compute_rollout_correction(
             experience.action_log_probs, experience.rollout_log_probs, mask, self.config
         )
         valid = mask.to(torch.bool)
         kept = result.response_mask.to(torch.bool) & valid
+        filtered, units = self._filter_counts(
+            experience.action_log_probs, experience.rollout_log_probs, valid, kept)
+        self._pending_filter[0] += int(filtered)
+        self._pending_filter[1] += int(units)
         n_valid = valid.sum(-1)
         rejected = (n_valid - kept.sum(-1)).float()
         placeholder = torch.zeros_like(n_valid, dtype=torch.bool)
@@ -290,10 +420,15 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
             action_mask = torch.ones_like(log_probs)
         if rollout_log_probs is None:
             raise ValueError(
-                "rollout_log_probs is None: add --algo.advantage.is_correction_enable so vLLM returns "
-                "its sampling log-probs"
+                "rollout_log_probs is None: turn OpenRLHF's correction on "
+                "(--algo.advantage.is_correction_enable, or --algo.advantage.is_correction_level token|seq "
+                "from 0.11.2) so vLLM returns its sampling log-probs"
             )
         self._empty_rows = 0  # a training phase: the next prepare_experience starts a new step
+        if self._pending_filter[1] or self._pending_filter[0]:
+            filtered, units = self._pending_filter
+            self._step_filter_ratio = filtered / units if units else 0.0
+            self._pending_filter = [0, 0]
         result = compute_rollout_correction(old_log_probs.detach(), rollout_log_probs, action_mask, self.config)
         self.last_metrics = result.metrics
         mask = result.response_mask.to(action_mask.dtype)
@@ -309,12 +444,22 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
             )
         if result.weights is not None:
             advantages = advantages * result.weights.to(advantages.dtype)
-        loss, clip_ratio, ppo_kl, _ = self.policy_loss(
+        out = self.policy_loss(
             log_probs, old_log_probs, advantages, action_mask=mask, rollout_log_probs=rollout_log_probs,
             dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
         )
+        loss, clip_ratio, ppo_kl = out[:3]
         valid = mask.to(torch.bool)
         diff = torch.where(valid, rollout_log_probs.float() - old_log_probs.detach().float(), 0.0)
         diff = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0)
         vllm_kl = diff.sum() / valid.sum().clamp(min=1)
-        return loss, clip_ratio, ppo_kl, vllm_kl
+        if len(out) == 4:  # OpenRLHF 0.10.4 – 0.11.1
+            return loss, clip_ratio, ppo_kl, vllm_kl
+        # OpenRLHF 0.11.2: a fifth value, is_filter_ratio, logged by the actor beside vllm_kl.
+        if self._step_filter_ratio is not None:
+            filter_ratio = torch.tensor(self._step_filter_ratio, dtype=torch.float32, device=log_probs.device)
+        else:  # no prepare_experience: what this micro-batch's loss filtered
+            filtered, units = self._filter_counts(old_log_probs.detach(), rollout_log_probs,
+                                                  action_mask.to(torch.bool), valid)
+            filter_ratio = filtered.float() / units.clamp(min=1).float()
+        return loss, clip_ratio, ppo_kl, vllm_kl, filter_ratio
