@@ -40,6 +40,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("pure_is", "pure IS (REINFORCE)", "bypass_pg_is", True,
            "−sg(w)·A·log π_θ with sequence-level w = π_θ/π_rollout, no clipping"),
     # The methods below run with ``--methods all`` (or by name).
+    Method("seq_is", "decoupled seq TIS", "decoupled_seq_is", True,
+           "sequence ratio ∏ρₜ truncated at 2 times the PPO-clip term; no rejection"),
+    Method("icepop", "decoupled token IcePop", "decoupled_token_icepop", True,
+           "ρₜ kept where it lies in [0.5, 5] and set to 0 outside, times the PPO-clip term"),
+    Method("k3_rs", "k3 RS + token TIS", "decoupled_k3_rs_token_tis", True,
+           "token TIS; sequences whose mean k3 = mean(ρₜ − 1 − log ρₜ) exceeds 0.01 rejected"),
     Method("geo_is", "decoupled geometric TIS", "decoupled_geo_is", True,
            "length-normalised sequence weight min(exp(mean log ρₜ), 2) times the PPO-clip term"),
     Method("opsm", "token TIS + OPSM", "decoupled_token_is_opsm", True,
