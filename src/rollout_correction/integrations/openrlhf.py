@@ -1,6 +1,6 @@
 """OpenRLHF: its rollout correction options mapped onto ours, and a drop-in policy loss.
 
-OpenRLHF (0.10.4 to 0.11.x) corrects the vLLM/DeepSpeed mismatch inside ``PolicyLoss.forward``
+OpenRLHF (0.10.4 to 0.11.2) corrects the vLLM/DeepSpeed mismatch inside ``PolicyLoss.forward``
 (``openrlhf/models/loss.py``), driven by options of ``openrlhf.cli.train_ppo_ray``. Two
 generations of options exist:
 
@@ -107,7 +107,7 @@ equivalent here, and the first-generation type each one is."""
 
 _TINY_RATIO = 1e-30  # a positive ratio bound below every geometric mean of ±20-clamped log-ratios
 
-SUPPORTED_OPENRLHF = ">=0.10.4,<0.12"
+SUPPORTED_OPENRLHF = ">=0.10.4,<0.11.3"
 """OpenRLHF releases whose ``PolicyLoss``, ``ppo_actor`` loss call and replay buffer are tested."""
 
 PLACEHOLDER_METRIC = f"{METRIC_PREFIX}openrlhf_placeholder"
