@@ -30,6 +30,7 @@ import openrlhf_reference as ref
 from rollout_correction.integrations.openrlhf import (
     ACTIVE_METRIC,
     PLACEHOLDER_METRIC,
+    SUPPORTED_OPENRLHF,
     RolloutCorrectionPolicyLoss,
     check_openrlhf_version,
     config_from_openrlhf,
@@ -429,6 +430,11 @@ def test_unprepared_experience_is_reported(root, caplog):
 def test_version_check_names_the_supported_range():
     for good in ("0.10.4", "0.11.0", "0.11.1", "0.11.2"):
         check_openrlhf_version(good)
+    import tomllib
+
+    pyproject = tomllib.loads((DOCS.parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["openrlhf"] == [f"openrlhf{SUPPORTED_OPENRLHF}"]
+    assert f"`openrlhf{SUPPORTED_OPENRLHF}`" in DOCS.read_text()
     for bad in ("0.10.3", "0.11.3", "0.12.0", "0.9.1"):  # 0.11.3: not tested yet
         with pytest.raises(RuntimeError, match=re.escape("openrlhf>=0.10.4,<0.11.3") + ".*" + re.escape(bad)):
             check_openrlhf_version(bad)
