@@ -76,10 +76,7 @@ class LogRatioBatch:
         self.rows = rows
         self.old_log_prob = old_log_prob
         self.rollout_log_prob = rollout_log_prob
-        # Upcast in one step (no separate copies of both inputs); sanitised and masked in place.
-        lr = old_log_prob.to(torch.float32, copy=True)
-        lr.sub_(rollout_log_prob)
-        self._setup(lr, response_mask, on_nonfinite, row_offset)
+        self._setup(None, response_mask, on_nonfinite, row_offset)
 
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor,
@@ -95,41 +92,81 @@ class LogRatioBatch:
         batch.rows = None
         batch.old_log_prob = batch.rollout_log_prob = None
         batch._source_log_ratio = log_ratio
-        batch._setup(log_ratio.to(torch.float32, copy=True), response_mask, on_nonfinite, row_offset)
+        batch._setup(log_ratio, response_mask, on_nonfinite, row_offset)
         return batch
 
-    def _setup(self, lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row_offset: int) -> None:
-        """Sanitise and mask the float32 log-ratio ``lr`` (owned, modified in place), find rows
-        with a non-finite valid value, and derive the masks and counts."""
+    #: Slots of the stacked (B, T) token tensors whose per-row sums one reduction gives:
+    #: input mask, mask used, log ρ, then (with the log-probs) π_train log-prob (masked), k3, ρ, ρ².
+    _SLOTS = ("input_mask", "mask", "log_ratio", "old", "k3", "ratio", "ratio2")
+
+    def _setup(self, source: Optional[torch.Tensor], response_mask: torch.Tensor, on_nonfinite: str,
+               row_offset: int) -> None:
+        """The float32 log-ratio (from ``source``, or old − rollout), sanitised and masked; rows with
+        a non-finite valid value; the masks; and, in one stacked reduction, the per-row sums of
+        the mask, the log-ratio and (with the log-probs) everything the off-policy metrics need."""
         self.response_mask = response_mask
+        full = self.old_log_prob is not None
+        B, T = response_mask.shape
+        device = response_mask.device
+        # Every (B, T) temporary whose row sum is needed is written into one buffer, so one sum
+        # reduces them all (and the float64 per-row values are derived from one small matrix).
+        buf = torch.empty((len(self._SLOTS) if full else 3, B, T), dtype=torch.float32, device=device)
+        mask_in, mask, lr = buf[0], buf[1], buf[2]
+        if full:
+            old, roll = self.old_log_prob, self.rollout_log_prob
+            if torch.result_type(old, roll) == torch.float32:
+                torch.sub(old, roll, out=lr)  # upcast inside the subtraction
+            else:  # e.g. both bf16: upcast first (a subtraction in bf16 would round)
+                lr.copy_(old).sub_(roll)
+        else:
+            lr.copy_(source)
         # Non-zero marks a valid token, whatever the mask's dtype or values.
-        mask_in = (response_mask if response_mask.dtype == torch.bool else response_mask != 0).to(torch.float32)
+        if response_mask.dtype == torch.bool:
+            mask_in.copy_(response_mask)
+        else:
+            torch.ne(response_mask, 0, out=mask_in)
+        # Sanitise (NaN / ±inf → ±1e30) and mask: a valid |log ρ| ≥ 1e30 marks the row as bad.
         torch.nan_to_num_(lr, nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
         lr.mul_(mask_in)
-        if lr.shape[-1] > 0:
-            lo, hi = torch.aminmax(lr, dim=-1)
-            bad_rows = (hi >= NONFINITE_SENTINEL) | (lo <= -NONFINITE_SENTINEL)
+        if T > 0:
+            good = torch.linalg.vector_norm(lr, float("inf"), dim=-1) < NONFINITE_SENTINEL
         else:
-            bad_rows = torch.zeros(lr.shape[0], dtype=torch.bool, device=lr.device)
-        n_row_input = mask_in.sum(-1)
+            good = torch.ones(B, dtype=torch.bool, device=device)
         rows = self.rows
         if rows is not None:  # split rows: the group decides; the caller raises for on_nonfinite="raise"
-            bad_rows = rows.max(bad_rows)
-            n_row_input = rows.sum(n_row_input)
-            rows.drop(bad_rows)
-        elif on_nonfinite == "raise" and bool(bad_rows.any()):
-            raise self._nonfinite_error(mask_in, bad_rows, row_offset)
-        self.input_mask = mask_in
-        self.bad_rows = bad_rows
-        self.n_row_input = n_row_input
+            good = ~rows.max(~good)
+        elif on_nonfinite == "raise" and not bool(good.all()):
+            raise self._nonfinite_error(mask_in, ~good, row_offset)
+        self._good_rows = good
         # Rows are dropped arithmetically whether or not any is bad: no data-dependent branch,
         # so the call never waits for the device (and can be captured in a CUDA graph).
-        keep_row = (~bad_rows).to(torch.float32)
-        self.mask = mask_in * keep_row.unsqueeze(-1)
-        self.log_ratio = lr.mul_(keep_row.unsqueeze(-1))
-        self.n_row = self.n_row_input * keep_row
-        self.row_sum = self.row_total(self.log_ratio)
-        self.row_valid = self.n_row > 0
+        keep_row = good.unsqueeze(-1)
+        torch.mul(mask_in, keep_row, out=mask)
+        lr.mul_(keep_row)
+        self.input_mask, self.mask, self.log_ratio = mask_in, mask, lr
+        if full:
+            lrc = self._cached_log_ratio_clamped = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+            ratio = self._cached_ratio = torch.exp(lrc, out=buf[5]).mul_(mask)
+            self._cached_k3 = torch.sub(ratio, mask, out=buf[4]).sub_(lrc).clamp_min_(0.0)
+            torch.mul(ratio, ratio, out=buf[6])
+            # log π_train at the positions used; NaN·0 (a NaN or ±inf in padding or a dropped row) → 0
+            torch.mul(self.old_log_prob, mask, out=buf[3]).nan_to_num_(nan=0.0)
+        # One reduction for every per-row sum, spanning the group when the rows are split. The
+        # partials exchanged come from the collect pass, where a rank may not yet know that a row
+        # is dropped: the group's sums of a dropped row are set to those of an empty row (0) here.
+        sums = self.reduce_sum(buf.sum(-1))
+        if rows is not None:
+            sums[1:].mul_(good)
+            rows.drop(~good)
+        self.row_sums = sums  # (slots, B) float32
+        self.n_row_input, self.n_row, self.row_sum = sums[0], sums[1], sums[2]
+        counted = sums[:2] > 0
+        self.input_rows, self.row_valid = counted[0], counted[1]
+
+    @cached
+    def bad_rows(self) -> torch.Tensor:
+        """(B,) bool: rows dropped for a non-finite value at a valid position."""
+        return ~self._good_rows
 
     def _nonfinite_error(self, mask_in: torch.Tensor, bad_rows: torch.Tensor, row_offset: int) -> ValueError:
         b = int(bad_rows.nonzero()[0, 0])
@@ -181,34 +218,40 @@ class LogRatioBatch:
         return self.row_sum / self.n_row.clamp_min(1.0)
 
     @cached
-    def old_row_mean(self) -> torch.Tensor:
-        """mean_t log π_train per row, float64, shape (B,).
+    def row_sums64(self) -> torch.Tensor:
+        """:attr:`row_sums` in float64, (slots, B)."""
+        return self.row_sums.double()
 
-        NaN·0 at padding is skipped by nansum; rows with a non-finite valid value are dropped
-        rows (their sum is discarded); absurd finite values are bounded at ±1e30 per token.
+    @cached
+    def row_means64(self) -> torch.Tensor:
+        """(2, B) float64: mean_t log ρ_t and mean_t log π_train per row (0 for empty rows).
+
+        NaN·0 at padding counts 0; rows with a non-finite valid value are dropped rows (their sum
+        is discarded); absurd finite values are bounded at ±1e30 per token.
         """
         if self.old_log_prob is None:
             raise ValueError("this LogRatioBatch was built from a log-ratio alone "
                              "(LogRatioBatch.from_log_ratio); the perplexity metrics need the log-probs: "
                              "build it as LogRatioBatch(old_log_prob, rollout_log_prob, response_mask)")
-        s = self.reduce_sum(torch.nansum(self.old_log_prob * self.mask, -1).double())
-        # s is 0 on empty and dropped rows (mask 0); bounding the mean bounds the sum per token.
-        return torch.nan_to_num(s / self._n_row64, nan=0.0).clamp(-NONFINITE_SENTINEL, NONFINITE_SENTINEL)
+        r = self.row_sums64
+        means = r[2:4] / r[1].clamp_min(1.0)
+        # the sums are 0 on empty and dropped rows (mask 0); bounding the mean bounds the sum per token
+        return means.nan_to_num_(nan=0.0).clamp_(-NONFINITE_SENTINEL, NONFINITE_SENTINEL)
 
-    @cached
-    def _n_row64(self) -> torch.Tensor:
-        """max(n_row, 1) in float64, the denominator of the per-row means."""
-        return self.n_row.double().clamp_min(1.0)
+    @property
+    def old_row_mean(self) -> torch.Tensor:
+        """mean_t log π_train per row, float64, shape (B,)."""
+        return self.row_means64[1]
 
     @cached
     def rollout_row_mean(self) -> torch.Tensor:
         """mean_t log π_rollout per row, float64, from old and the log-ratio (no extra pass)."""
-        return self.old_row_mean - self.row_sum64 / self._n_row64
+        return self.row_means64[1] - self.row_means64[0]
 
-    @cached
+    @property
     def row_sum64(self) -> torch.Tensor:
         """Σ_t log ρ_t per row in float64."""
-        return self.row_sum.double()
+        return self.row_sums64[2]
 
     # -- helpers for statistics ----------------------------------------------------------
     # Each returns a per-row (B,) part; SufficientStats reduces parts in float64, batched.
@@ -285,12 +328,11 @@ class LogRatioBatch:
         return self.n_row.double() * torch.where(self.row_valid, x.double(), 0.0)
 
     def add_counts(self, stats: SufficientStats) -> None:
-        """Counts every statistic family divides by (recorded once per call)."""
+        """Counts every statistic family divides by (recorded once per call). The rows dropped for
+        a non-finite value are ``n_rows_input − n_rows`` (see ``nonfinite_metrics``)."""
         stats.add_sum("n_tok", self.n_row)
         stats.add_sum("n_rows", self.row_valid)
-        input_rows = self.n_row_input > 0
-        stats.add_sum("n_rows_input", input_rows)
-        stats.add_sum("nonfinite_rows", self.bad_rows & input_rows)
+        stats.add_sum("n_rows_input", self.input_rows)
 
     def expand_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Broadcast a per-row (B,) value over the row's valid tokens, 0 elsewhere; (B, T)."""

@@ -36,19 +36,20 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     """Record the sufficient statistics of the off-policy metrics."""
     rows = batch.row_valid
     stats.add_sum("op.sum_lr", batch.row_sum)
-    stats.add_sum("op.sum_k3", batch.token_sum(batch.k3))
-    stats.add_sum("op.sum_rho2", batch.token_sum(batch.ratio * batch.ratio))
+    stats.add_sum("op.sum_k3", batch.row_sums[4])  # Σ_t k3 and Σ_t ρ² per row, from the batch's one reduction
+    stats.add_sum("op.sum_rho2", batch.row_sums[6])
     # The per-row values are computed stacked, so each elementwise step is one operation.
-    nll = torch.stack([batch.old_row_mean, batch.rollout_row_mean]).neg_()  # float64 (2, B)
-    d = nll[0] - nll[1]  # = mean log π_rollout − mean log π_train
-    e = torch.stack([nll[0], nll[1], d, batch.row_sum64])
+    neg = batch.row_means64.neg()  # float64 (2, B): d = mean log π_rollout − mean log π_train, −mean log π_train
+    d, train_nll = neg[0], neg[1]
+    rollout_nll = batch.row_means64[0] - batch.row_means64[1]
+    e = torch.stack([train_nll, rollout_nll, d, batch.row_sum64])
     e[:2].clamp_(max=_PPL_EXP_MAX)
     e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     e[3].mul_(2.0)
     e.exp_()  # training PPL, rollout PPL, ppl ratio, (∏ρ)² per row
-    stats.add_sum("op.train_log_ppl", nll[0], rows=rows)
+    stats.add_sum("op.train_log_ppl", train_nll, rows=rows)
     stats.add_sum("op.train_ppl", e[0], rows=rows)
-    stats.add_sum("op.roll_log_ppl", nll[1], rows=rows)
+    stats.add_sum("op.roll_log_ppl", rollout_nll, rows=rows)
     stats.add_sum("op.roll_ppl", e[1], rows=rows)
     stats.add_sum("op.d", d, rows=rows)
     stats.add_sum("op.abs_d", d.abs(), rows=rows)
@@ -86,8 +87,10 @@ def offpolicy_metrics(stats) -> dict[str, Value]:
 
 def nonfinite_metrics(stats) -> dict[str, Value]:
     """``nonfinite_seq_fraction``: share of sequences dropped for a NaN/±inf log-prob at a
-    valid position (denominator: sequences with ≥ 1 valid token in the input)."""
-    return {"nonfinite_seq_fraction": safe_div(stats.sum("nonfinite_rows"), stats.sum("n_rows_input"))}
+    valid position (denominator: sequences with ≥ 1 valid token in the input). A row with a
+    valid input token is used unless dropped, so the dropped ones are ``n_rows_input − n_rows``."""
+    n_input = stats.sum("n_rows_input")
+    return {"nonfinite_seq_fraction": safe_div(n_input - stats.sum("n_rows"), n_input)}
 
 
 def prefixed(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

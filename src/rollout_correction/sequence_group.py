@@ -158,7 +158,7 @@ class RowExchange:
 
     # -- reductions -------------------------------------------------------------------
     def sum(self, partial: torch.Tensor) -> torch.Tensor:
-        """Group sum of a per-row partial sum (B,)."""
+        """Group sum of a per-row partial sum (B,), or of k of them stacked (k, B)."""
         return self._op("sum", partial)
 
     def max(self, partial: torch.Tensor) -> torch.Tensor:
@@ -196,18 +196,24 @@ class RowExchange:
         dist = _dist()
         if not self._parts:
             return
-        B = self._parts[0][1].shape[0]
+        B = self._parts[0][1].shape[-1]
         for _, p in self._parts:
-            if p.dim() != 1 or p.shape[0] != B:
-                raise RuntimeError(f"per-row partials must be (B,) = ({B},), got {tuple(p.shape)}")
+            if p.dim() not in (1, 2) or p.shape[-1] != B:
+                raise RuntimeError(f"per-row partials must be (B,) or (k, B) with B = {B}, got {tuple(p.shape)}")
         device = self._parts[0][1].device
-        packed = torch.stack([p.detach().to(device=device, dtype=torch.float64) for _, p in self._parts], dim=1)
+        columns = [p.detach().reshape(-1, B) for _, p in self._parts]  # (k, B) each: k columns of the exchange
+        packed = torch.cat([c.to(device=device, dtype=torch.float64) for c in columns]).T
         world = dist.get_world_size(self.group)
-        out = torch.empty((world * packed.shape[0], packed.shape[1]), dtype=packed.dtype, device=device)
+        out = torch.empty((world * B, packed.shape[1]), dtype=packed.dtype, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
         gather(out, packed.contiguous(), group=self.group)
         self.collectives += 1
-        out = out.view(world, packed.shape[0], packed.shape[1])
-        is_max = torch.tensor([op == "max" for op, _ in self._parts], device=device)
-        reduced = torch.where(is_max, out.amax(0), out.sum(0))
-        self._values = list(reduced.unbind(1))
+        out = out.view(world, B, packed.shape[1])
+        is_max = torch.tensor([op == "max" for (op, _), c in zip(self._parts, columns) for _ in range(c.shape[0])],
+                              device=device)
+        reduced = torch.where(is_max, out.amax(0), out.sum(0)).T  # (columns, B)
+        self._values = []
+        i = 0
+        for (_, p), c in zip(self._parts, columns):
+            self._values.append(reduced[i:i + c.shape[0]].reshape(p.shape))
+            i += c.shape[0]
