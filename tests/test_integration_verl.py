@@ -177,6 +177,17 @@ def test_grpo_accepted_excludes_rejected_rows_from_the_baseline():
     assert not torch.allclose(theirs_all[kept], theirs_kept)
 
 
+def _restore_the_driver_binding(monkeypatch):
+    """wire_trainer_config / patch_driver rebind verl's correction step in this process: undo after the test."""
+    import sys
+
+    name = "compute_rollout_correction_and_add_to_batch"
+    monkeypatch.setattr(HELPER, name, getattr(HELPER, name))
+    v1 = sys.modules.get("verl.trainer.ppo.v1.trainer_base")
+    if v1 is not None:
+        monkeypatch.setattr(v1, name, getattr(v1, name))
+
+
 def _verl_trainer_yaml():
     import verl
 
@@ -192,9 +203,9 @@ def _worker_policy_loss_config(config):
 
 
 def test_wire_trainer_config_puts_bypass_into_the_worker_config(monkeypatch):
-    # The wiring patches verl's driver-side helper; restore it after the test for other tests.
+    # The wiring routes verl's driver-side helper; restore it after the test for other tests.
+    _restore_the_driver_binding(monkeypatch)
     name = "compute_rollout_correction_and_add_to_batch"
-    monkeypatch.setattr(HELPER, name, getattr(HELPER, name))
     config = _verl_trainer_yaml()
     config.algorithm.adv_estimator = "grpo"
     config.algorithm.rollout_correction = OmegaConf.create(
@@ -204,7 +215,9 @@ def test_wire_trainer_config_puts_bypass_into_the_worker_config(monkeypatch):
     rc_verl.wire_trainer_config(config)
     assert config.algorithm.adv_estimator == rc_verl.ADV_ESTIMATOR_NAME
     assert config.actor_rollout_ref.rollout.calculate_log_probs
-    assert getattr(HELPER, name) is rc_verl.compute_rollout_correction_and_add_to_batch
+    # the driver's step is the library's dispatcher, routed: plugin_active() says so
+    assert getattr(getattr(HELPER, name), "routed", False) and rc_verl.plugin_active()
+    assert config.algorithm.rollout_correction.backend == rc_verl.BACKEND_NAME
     # What a worker builds from its copy of the actor config (verl's own conversion):
     policy_loss = _worker_policy_loss_config(config)
     assert policy_loss.loss_mode == rc_verl.LOSS_NAME

@@ -109,17 +109,19 @@ def test_a_fresh_process_that_only_imports_verl_gets_the_dispatcher():
         assert hasattr(helper.compute_rollout_correction_and_add_to_batch, "verl_original")
         from test_integration_verl_plugin import _compose, _legacy_call_site, _proto, SETTINGS, ON
         from test_verl_parity import make_batch
-        old, rollout, mask = make_batch(6, 8, 0.3, 3)
-        _, metrics = _legacy_call_site(_proto(old, rollout, mask), _compose(SETTINGS + [ON]).algorithm.rollout_correction)
-        print(metrics["{rc_verl.BACKEND_METRIC}"])
+        block = _compose(SETTINGS + [ON]).algorithm.rollout_correction
+        for step in range(3):  # three training steps
+            old, rollout, mask = make_batch(6, 8, 0.3, 3 + step)
+            _, metrics = _legacy_call_site(_proto(old, rollout, mask), block)
+            print(metrics["{rc_verl.BACKEND_METRIC}"])
     """)
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])}
     done = subprocess.run([sys.executable, "-c", script], cwd=here, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "1.0"
-    assert "runs this library" in done.stderr
+    assert done.stdout.strip().splitlines()[-3:] == ["1.0"] * 3  # the backend metric at every step
+    assert done.stderr.count("runs this library") == 1  # the log line once, not once per step
 
 
 def test_the_documented_loss_and_estimator_lines_resolve_to_this_library():

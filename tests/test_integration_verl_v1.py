@@ -78,11 +78,15 @@ def _put(seed: int, prefix: str):
 
     lengths, mask, old, rollout, scores, uid = _rollout_batch(seed)
     rows = len(lengths)
+    prompt_lengths = 1 + torch.arange(rows) % 3
 
-    def jagged(x):
-        return torch.nested.as_nested_tensor([x[i, : lengths[i]] for i in range(rows)], layout=torch.jagged)
+    def jagged(x, n=lengths):
+        return torch.nested.as_nested_tensor([x[i, : n[i]] for i in range(rows)], layout=torch.jagged)
 
-    fields = TensorDict({"uid": uid, "response_mask": jagged(mask), "rm_scores": jagged(scores),
+    # the fields verl's V1 agent loop (agent_loop_tq.py) writes, among them loss_mask = response_mask
+    fields = TensorDict({"uid": uid, "response_mask": jagged(mask), "loss_mask": jagged(mask),
+                         "prompts": jagged(torch.full((rows, 3), 7), prompt_lengths),
+                         "responses": jagged(torch.full_like(mask, 9)), "rm_scores": jagged(scores),
                          "rollout_log_probs": jagged(rollout), "old_log_probs": jagged(old)}, batch_size=[rows])
     # verl's V1 keys are "{uid}_{session}_{output index}": here one session and one output per row
     keys = [f"{prefix}-{int(uid[i])}_{i}_0" for i in range(rows)]
@@ -97,9 +101,9 @@ def _v1_correction_step(config, keys, meta):
     trainer = object.__new__(get_trainer_cls(config.trainer.v1.trainer_mode))
     trainer.config = config
     metrics: dict = {}
-    trainer._compute_advantage(meta, metrics)
+    _v1_correction_step.meta = trainer._compute_advantage(meta, metrics)  # what verl hands to update_actor
     out = tq.kv_batch_get(keys=keys, partition_id="train",
-                          select_fields=["response_mask", "rollout_is_weights", "advantages"])
+                          select_fields=["response_mask", "rollout_is_weights", "advantages", "loss_mask"])
     return {k: out[k].to_padded_tensor(0.0) for k in out.keys()}, metrics
 
 
@@ -129,6 +133,8 @@ def test_v1_correction_step_runs_this_library_with_the_config_line(transfer_queu
     kept = expected.batch["response_mask"]
     assert 0 < int((kept.sum(1) == 0).sum()) < len(kept), "the batch must have accepted and rejected rows"
     assert torch.equal(got["response_mask"], kept.to(got["response_mask"].dtype))
+    # ... and the workers' loss_mask (from which every verl engine counts batch_num_tokens) with it
+    assert torch.equal(got["loss_mask"], kept.to(got["loss_mask"].dtype))
     torch.testing.assert_close(got["rollout_is_weights"], expected.batch["rollout_is_weights"] * mask)
     for name, value in expected_metrics.items():
         assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
@@ -152,8 +158,31 @@ def test_v1_without_the_line_runs_verls_own_step_unchanged(transfer_queue):
         DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask.clone()}),
         config.algorithm.rollout_correction)
     assert torch.equal(got["response_mask"], ref.batch["response_mask"].to(got["response_mask"].dtype))
+    assert not torch.equal(ref.batch["response_mask"], mask.to(ref.batch["response_mask"].dtype))
+    # verl's own V1 step leaves the rollout-time loss_mask: its rejected tokens stay in batch_num_tokens
+    assert torch.equal(got["loss_mask"], mask)
     torch.testing.assert_close(got["rollout_is_weights"], ref.batch["rollout_is_weights"] * mask)
     assert {k: metrics[k] for k in ref_metrics} == pytest.approx(ref_metrics)
+
+
+def test_two_lines_of_code_reach_v1_through_the_key_they_write(transfer_queue, monkeypatch):
+    """wire_trainer_config runs in main(), verl's V1 trainer in the TaskRunner actor: there only the
+    ``backend`` key the wiring wrote into the block (which travels with the config) can decide."""
+    import verl.trainer.ppo.v1.trainer_base as trainer_base
+
+    name = "compute_rollout_correction_and_add_to_batch"
+    plugin_binding = trainer_base.compute_rollout_correction_and_add_to_batch  # what import verl bound
+    assert not getattr(plugin_binding, "routed", False)
+    monkeypatch.setattr(HELPER, name, getattr(HELPER, name))
+    monkeypatch.setattr(trainer_base, name, plugin_binding)
+    config = _compose(SETTINGS + ["algorithm.adv_estimator=grpo"])
+    rc_verl.wire_trainer_config(config)  # the documented two lines, on the driver
+    assert config.algorithm.rollout_correction.backend == rc_verl.BACKEND_NAME
+    trainer_base.compute_rollout_correction_and_add_to_batch = plugin_binding  # the TaskRunner: no patch_driver
+    keys, meta, (mask, old, rollout, _, _) = _put(seed=3, prefix="wire")
+    got, metrics = _v1_correction_step(config, keys, meta)
+    assert metrics[rc_verl.BACKEND_METRIC] == 1.0
+    assert torch.equal(got["loss_mask"], got["response_mask"]) and not torch.equal(got["loss_mask"], mask)
 
 
 def _inside_the_task_runner(runner):
@@ -189,3 +218,112 @@ def test_inside_verls_task_runner_actor_the_plugin_is_active(transfer_queue):
     assert seen["plugin_loaded_by_verl"] is True
     assert seen["bound"] == f"{rc_verl.__name__}.compute_rollout_correction_and_add_to_batch"
     assert seen["policy_loss"] and seen["estimator"]
+
+
+# ----------------------------------------------------------------------------- the docs' headline lines, end to end
+
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "integrations.md")
+# test-only sizes every verl run sets (verl's validate_config refuses the YAML's nulls); not part of the recipe
+SIZES = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"]
+
+
+def headline_lines() -> list[str]:
+    """The override lines of the verl section's "Config lines only" ```bash block, read from the docs."""
+    import re
+
+    text = open(DOCS, encoding="utf-8").read()
+    section = text[text.index("## verl"):text.index("\n## ", text.index("## verl") + 4)]
+    start = section.index("**Config lines only")
+    block = re.search(r"```bash\n(.*?)```", section[start:], flags=re.S).group(1)
+    return [raw.strip("'\"") for raw in block.replace("\\\n", " ").split()
+            if "=" in raw and not raw.startswith(("python", "--"))]
+
+
+def _worker_data(meta):
+    """What verl's tqbridge hands the actor worker's update_actor for this KVBatchMeta (all its fields)."""
+    from verl.utils import transferqueue_utils as tqu
+
+    tqu.TQ_INITIALIZED = True  # this process's TransferQueue client is already up (the fixture)
+    return tqu._meta_to_realdata(tqu.kv_batch_meta2batch_meta(meta))
+
+
+def test_docs_headline_lines_on_verls_default_trainer(transfer_queue, monkeypatch, caplog):
+    """The docs' headline block, Hydra-composed on verl's default (V1) trainer: three V1 correction
+    steps through TransferQueue, then the actor worker's data as verl's tqbridge fetches it, the
+    engine's batch_num_tokens line and verl's ppo_loss with the loss the config names. The loss equals
+    one written here over accepted tokens only, divided by the number of accepted tokens; the log says
+    once per route that this library runs; every step and the loss carry the backend metric."""
+    from omegaconf import OmegaConf
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.py_functional import rename_dict
+    from verl.workers.utils.losses import ppo_loss
+
+    from test_integration_verl_worker import ENGINE_UTILS, _aggregate, _k3_seq_mean, _ppo_clip
+
+    lines = headline_lines()
+    assert ON in lines and "algorithm.adv_estimator=grpo_accepted" in lines
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction" in lines
+    assert not any("use_v1" in x for x in lines)  # verl's default trainer
+    config = _compose(lines + SIZES)
+    OmegaConf.resolve(config)  # verl's TaskRunner does this before building the trainer
+    assert config.trainer.use_v1 is True
+    block = config.algorithm.rollout_correction
+    monkeypatch.setattr(rc_verl, "_said", set())
+    with caplog.at_level("WARNING", logger=rc_verl.__name__):
+        for step, seed in enumerate((3, 4, 5)):
+            keys, meta, (mask, old, rollout, scores, uid) = _put(seed=seed, prefix=f"docs{step}")
+            got, metrics = _v1_correction_step(config, keys, meta)
+            assert metrics[rc_verl.BACKEND_METRIC] == 1.0
+            if step == 0:
+                first = (_v1_correction_step.meta, mask, old, rollout, got)
+        meta, mask, old, rollout, got = first
+
+        # the actor worker: its config object, its data from TransferQueue, the engine's token count
+        actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+        data = _worker_data(meta)
+        assert torch.equal(data["old_log_probs"].to_padded_tensor(0.0), old)  # rows in key order
+        tu.assign_non_tensor(data, global_batch_size=len(data), mini_batch_size=len(data), use_dynamic_bsz=False,
+                             micro_batch_size_per_gpu=actor.ppo_micro_batch_size_per_gpu)
+        batch_num_tokens = data["loss_mask"].sum()  # FSDPEngine.forward_backward_batch (one data-parallel rank)
+        tu.assign_non_tensor(data, sp_size=1, batch_num_tokens=batch_num_tokens.item(), dp_size=1)
+        micro_batches, _ = ENGINE_UTILS.prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)
+
+        gen = torch.Generator().manual_seed(0)
+        log_prob = ((old + 0.1 * torch.randn(old.shape, generator=gen)) * mask).requires_grad_(True)  # π_θ
+        results, start = [], 0
+        for micro in micro_batches:
+            rows = range(start, start + len(micro))
+            start += len(micro)
+            full = []  # π_θ as the engine's model output: nested over [prompt; response], shifted by one
+            for i in rows:
+                p, r = int(micro["prompts"].offsets().diff()[i - rows.start]), int(mask[i].sum())
+                full.append(torch.cat([torch.zeros(p - 1), log_prob[i, :r], torch.zeros(1)]))
+            offsets = torch.tensor([0] + [len(v) for v in full]).cumsum(0)
+            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(torch.cat(full), offsets)}
+            results.append(ppo_loss(actor, model_output, micro))
+        assert start == len(data)
+
+    # independently: seq_mean_k3 rejection, token TIS weights, PPO clip; over accepted tokens only
+    accepted = (_k3_seq_mean(old - rollout, mask) <= float(block.rollout_rs_threshold)) & (mask.sum(-1) > 0)
+    keep = mask.bool() & accepted[:, None]
+    assert 0 < int(accepted.sum()) < len(accepted)
+    assert int(batch_num_tokens) == int(keep.sum()) < int(mask.sum())  # verl alone would count int(mask.sum())
+    weights = (old - rollout).double().exp().clamp(max=float(block.rollout_is_threshold))
+    per_token = _ppo_clip(log_prob, old, got["advantages"], actor.clip_ratio_low, actor.clip_ratio_high,
+                          actor.clip_ratio_c) * weights
+    expected = (per_token * keep).sum() / keep.sum()
+    total = sum(loss for loss, _ in results)
+    torch.testing.assert_close(total.double(), expected, rtol=1e-6, atol=1e-7)
+    (grad,) = torch.autograd.grad(total, log_prob)
+    (grad_hand,) = torch.autograd.grad(expected, log_prob)
+    torch.testing.assert_close(grad, grad_hand.float(), rtol=1e-5, atol=1e-7)
+    assert torch.all(grad[~keep] == 0)
+
+    # the keys a dashboard gets: the step's metric, and the loss's as verl's worker logs it ("actor/" prefix)
+    logged = rename_dict({k: _aggregate(results, k) for k in results[0][1]}, "actor/")
+    assert logged["actor/" + rc_verl.BACKEND_METRIC] == 1.0
+    said = [r.getMessage() for r in caplog.records if "runs this library" in r.getMessage()]
+    assert len(said) == 2, said  # once for the correction step, once for the loss, over three steps
+    assert "rollout-correction step" in said[0] and "policy loss" in said[1]

@@ -10,7 +10,14 @@ Importing this module registers, in verl's ``verl.trainer.ppo.core_algos`` regis
 and provides :func:`compute_rollout_correction_and_add_to_batch`, a replacement for verl's
 function of that name (decoupled mode, on a ``DataProto``), and :func:`wire_trainer_config`,
 which copies the ``algorithm.rollout_correction`` block into the actor's config before the
-workers are created and routes the driver's correction step here (:func:`patch_driver`).
+workers are created and routes the correction step here (``backend: rollout_correction`` in the
+block, read in every process, and :func:`patch_driver` in the calling one).
+
+Whichever route is taken, this library says once per process in the log that it runs, and adds
+:data:`BACKEND_METRIC` (``rollout_corr/backend/rollout_correction``, which nothing in verl emits) to
+the correction step's metrics and to the loss's (verl logs the latter as ``actor/...``). On verl's
+V1 trainer the correction step also writes the corrected mask into the workers' ``loss_mask``, so
+rejected tokens leave ``batch_num_tokens`` there as on the legacy trainer.
 
 verl's configuration is accepted unchanged: the ``algorithm.rollout_correction`` YAML block (or
 verl's ``RolloutCorrectionConfig`` dataclass, or a plain dict) with any key either verl
@@ -120,7 +127,9 @@ def policy_loss(
     Args follow verl: (B, T) tensors; ``config`` is the actor config (``clip_ratio``,
     ``clip_ratio_low``/``_high``, ``clip_ratio_c``, ``policy_loss``, ``global_batch_info``).
     Returns (loss, metrics as floats: ``actor/pg_clipfrac``, ``actor/ppo_kl``,
-    ``actor/pg_clipfrac_lower`` and, in bypass mode, the ``rollout_corr/...`` metrics).
+    ``actor/pg_clipfrac_lower``, :data:`BACKEND_METRIC` = 1 (verl's worker logs it as
+    ``actor/rollout_corr/backend/rollout_correction``) and, in bypass mode, the ``rollout_corr/...``
+    metrics). The first call in a process says once in the log that this library's loss runs.
     """
     if config is None:
         raise ValueError("the rollout_correction policy loss needs verl's actor config (clip ratios)")
@@ -149,7 +158,9 @@ def policy_loss(
         global_num_tokens=info.get("batch_num_tokens"), global_num_seqs=info.get("global_batch_size"),
         dp_size=int(info.get("dp_size", 1) or 1), loss_scale_factor=info.get("loss_scale_factor"),
     )
-    return loss, metrics_to_floats(metrics)
+    _say_once("loss", f"rollout_correction: verl's policy loss runs this library "
+              f"(actor_rollout_ref.actor.policy_loss.loss_mode={LOSS_NAME}, {'bypass' if bypass else 'decoupled'} mode)")
+    return loss, {**metrics_to_floats(metrics), BACKEND_METRIC: 1.0}
 
 
 def _actor_block(config: Any) -> Optional[RolloutCorrectionConfig]:
@@ -209,15 +220,29 @@ def grpo_accepted_advantage(
 
 
 def patch_driver() -> None:
-    """Make verl's driver call :func:`compute_rollout_correction_and_add_to_batch` of this module.
+    """Route this process's verl correction step to this library, whatever the block's ``backend`` says.
 
-    verl's ``RayPPOTrainer.fit`` imports ``compute_rollout_correction_and_add_to_batch`` from
-    ``verl.trainer.ppo.rollout_corr_helper`` at each step, so replacing the module attribute in
-    the driver process routes the decoupled correction step here.
+    Installs the dispatcher (:func:`install_dispatcher`) in its routed form where verl's trainers
+    look the function up (``rollout_corr_helper``, and ``trainer_base`` when already imported): the
+    step runs :func:`compute_rollout_correction_and_add_to_batch`, logs once that it does and
+    returns :data:`BACKEND_METRIC`, exactly as with ``backend: rollout_correction`` (only an explicit
+    ``backend: verl`` keeps verl's own step). :func:`plugin_active` is then true. Idempotent.
+    It acts in the calling process only; verl's V1 trainer runs in its TaskRunner actor, where the
+    ``backend`` key that :func:`wire_trainer_config` writes into the block decides.
     """
-    from verl.trainer.ppo import rollout_corr_helper
+    import importlib
 
-    rollout_corr_helper.compute_rollout_correction_and_add_to_batch = compute_rollout_correction_and_add_to_batch
+    helper = importlib.import_module(_TRAINER_MODULES[0])
+    current = helper.compute_rollout_correction_and_add_to_batch
+    if getattr(current, "routed", False):
+        return
+    original = getattr(current, "verl_original", current)
+    routed = _dispatching(original, routed=True)
+    helper.compute_rollout_correction_and_add_to_batch = routed
+    v1 = sys.modules.get(_TRAINER_MODULES[1])
+    bound = getattr(v1, "compute_rollout_correction_and_add_to_batch", None) if v1 is not None else None
+    if bound is original or bound is current:
+        v1.compute_rollout_correction_and_add_to_batch = routed
 
 
 def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool = True) -> Any:
@@ -228,26 +253,34 @@ def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool
     ``actor_rollout_ref.actor.policy_loss.rollout_correction = <the block>``, and, in bypass mode,
     ``actor_rollout_ref.rollout.calculate_log_probs = True``. With ``grpo_accepted`` and
     ``algorithm.adv_estimator == "grpo"`` the estimator becomes ``"grpo_accepted"`` when
-    rejection sampling is configured. With ``driver`` the driver's decoupled correction step is
-    routed here too (:func:`patch_driver`). The block is validated here, so a bad key fails on
-    the driver before any worker starts. Returns ``config``.
+    rejection sampling is configured. With ``driver`` the decoupled correction step is routed here
+    too: ``algorithm.rollout_correction.backend = rollout_correction`` is written into the block
+    (so the dispatcher in every verl process, the V1 trainer's TaskRunner actor included, runs this
+    library and emits :data:`BACKEND_METRIC`) and :func:`patch_driver` routes the calling process.
+    The block is validated here, so a bad key fails on the driver before any worker starts.
+    Returns ``config``.
     """
     from omegaconf import OmegaConf, open_dict
 
     block = _get(_get(config, "algorithm", None), "rollout_correction", None)
-    cfg = config_from_verl(block)
-    if cfg is None:
+    if block is None:
         return config
+    backend_requested(block)  # a misspelt backend fails here, naming it
+    settings = {k: v for k, v in settings_dict(block).items() if k != BACKEND_KEY}
+    cfg = config_from_verl(settings)
     actor = config.actor_rollout_ref.actor
     with open_dict(config):
         if _get(actor, "policy_loss", None) is None:
             actor.policy_loss = OmegaConf.create({})
         actor.policy_loss.loss_mode = LOSS_NAME
-        actor.policy_loss.rollout_correction = OmegaConf.create(settings_dict(block))
+        actor.policy_loss.rollout_correction = OmegaConf.create(settings)
         if cfg.bypass_mode:
             config.actor_rollout_ref.rollout.calculate_log_probs = True
         if grpo_accepted and cfg.rs_enabled and str(_get(config.algorithm, "adv_estimator", "")) == "grpo":
             config.algorithm.adv_estimator = ADV_ESTIMATOR_NAME
+        if driver:
+            if _backend_value(block) is None:
+                config.algorithm.rollout_correction[BACKEND_KEY] = BACKEND_NAME
     if driver:
         patch_driver()
     return config
@@ -270,7 +303,6 @@ BACKEND_NAME = "rollout_correction"
 #: Logged with value 1.0 by every correction step this library runs inside verl.
 BACKEND_METRIC = f"{METRIC_PREFIX}backend/rollout_correction"
 _TRAINER_MODULES = ("verl.trainer.ppo.rollout_corr_helper", "verl.trainer.ppo.v1.trainer_base")
-_announced = False
 
 
 def backend_requested(rollout_corr_config: Any) -> bool:
@@ -278,10 +310,7 @@ def backend_requested(rollout_corr_config: Any) -> bool:
 
     Any other value of ``backend`` raises (naming it), so a typo cannot fall back to verl silently.
     """
-    try:
-        value = _get(rollout_corr_config, BACKEND_KEY, None) if rollout_corr_config is not None else None
-    except (AttributeError, KeyError):  # verl's config dataclass has no such field
-        value = None
+    value = _backend_value(rollout_corr_config)  # verl's config dataclass has no such field: None
     if value is None or str(value) == "verl":
         return False
     if str(value) != BACKEND_NAME:
@@ -290,25 +319,66 @@ def backend_requested(rollout_corr_config: Any) -> bool:
     return True
 
 
-def _dispatching(original: Any) -> Any:
+def _dispatching(original: Any, routed: bool = False) -> Any:
     def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any):  # noqa: F811
-        if not backend_requested(rollout_corr_config):
+        requested = backend_requested(rollout_corr_config)  # raises on a misspelt backend
+        if not requested and not (routed and _backend_value(rollout_corr_config) is None):
             return original(batch, rollout_corr_config)
-        global _announced
-        if not _announced:
-            import logging
-
-            logging.getLogger(__name__).warning("rollout_correction: verl's rollout-correction step runs this "
-                                                "library (algorithm.rollout_correction.backend=%s)", BACKEND_NAME)
-            _announced = True
+        _say_once("step", "rollout_correction: verl's rollout-correction step runs this library "
+                  + (f"(algorithm.rollout_correction.{BACKEND_KEY}={BACKEND_NAME})" if requested
+                     else "(patch_driver / wire_trainer_config)"))
         block = {k: v for k, v in settings_dict(rollout_corr_config).items() if k != BACKEND_KEY}
+        caller = sys._getframe(1)
         batch, metrics = globals()["compute_rollout_correction_and_add_to_batch"](batch, block)
+        _v1_loss_mask(caller, batch)
         return batch, {**metrics, BACKEND_METRIC: 1.0}
 
     compute_rollout_correction_and_add_to_batch.verl_original = original
+    compute_rollout_correction_and_add_to_batch.routed = routed
     compute_rollout_correction_and_add_to_batch.__doc__ = (
-        "verl's correction step, or this library's when algorithm.rollout_correction.backend=rollout_correction")
+        "verl's correction step, or this library's when algorithm.rollout_correction.backend=rollout_correction"
+        + (" or when routed by patch_driver" if routed else ""))
     return compute_rollout_correction_and_add_to_batch
+
+
+def _backend_value(rollout_corr_config: Any) -> Any:
+    try:
+        return _get(rollout_corr_config, BACKEND_KEY, None) if rollout_corr_config is not None else None
+    except (AttributeError, KeyError):
+        return None
+
+
+def _v1_loss_mask(caller: Any, batch: Any) -> None:
+    """On verl's V1 trainer, make the workers' ``loss_mask`` the corrected ``response_mask``.
+
+    verl 0.9.1's V1 agent loop stores ``loss_mask = response_mask`` in TransferQueue at rollout
+    time (``verl/trainer/ppo/v1/agent_loop_tq.py``), every training engine counts its
+    ``batch_num_tokens`` (the token-mean denominator) from ``loss_mask``, and
+    ``PPOTrainer._compute_advantage`` writes back only the corrected ``response_mask``: rejected
+    tokens would leave the numerator but stay in the denominator. When the caller is that method
+    (``trainer_base``), the corrected mask is written to TransferQueue as ``loss_mask`` for the
+    batch's keys. The legacy trainer rebuilds ``loss_mask`` from ``response_mask`` itself.
+    """
+    local = caller.f_locals
+    if caller.f_globals.get("__name__") != _TRAINER_MODULES[1] or caller.f_code.co_name != "_compute_advantage":
+        if any(hasattr(v, "partition_id") for v in local.values()):  # a TransferQueue batch, another caller
+            _say_once("v1_loss_mask", f"rollout_correction: called from {caller.f_code.co_name} in "
+                      f"{caller.f_globals.get('__name__')}, not verl's V1 PPOTrainer._compute_advantage: the "
+                      "workers' loss_mask is not updated, so rejected tokens stay in verl's batch_num_tokens")
+        return
+    meta, nested = local.get("batch"), local.get("response_mask")
+    if not (hasattr(meta, "keys") and hasattr(meta, "partition_id") and getattr(nested, "is_nested", False)):
+        _say_once("v1_loss_mask", "rollout_correction: could not find verl's V1 batch keys; rejected tokens "
+                  "stay in verl's batch_num_tokens (loss_mask)")
+        return
+    import transfer_queue as tq
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import response_to_nested
+
+    corrected = batch.batch["response_mask"].to(nested.dtype)
+    loss_mask = response_to_nested(corrected, nested)
+    tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id,
+                    fields=TensorDict({"loss_mask": loss_mask}, batch_size=len(meta.keys)))
 
 
 def install_dispatcher() -> None:
