@@ -206,10 +206,11 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     device = old_log_prob.device
     weights = torch.empty((B, T), device=device) if config.is_spec is not None else None
     keep = torch.empty((B, T), dtype=response_mask.dtype, device=device)
+    workspace = LogRatioBatch.workspace(rows, T, device)  # one buffer for every block's temporaries
     for start in range(0, B, rows):
         block = slice(start, start + rows)
         batch = LogRatioBatch(old_log_prob[block], rollout_log_prob[block], response_mask[block],
-                              config.on_nonfinite, row_offset=start)
+                              config.on_nonfinite, row_offset=start, workspace=workspace)
         local = SufficientStats()  # one packed vector per block, added into the running one
         batch.add_counts(local)
         isw, rej = local_correction(batch, config, local)

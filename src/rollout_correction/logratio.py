@@ -48,6 +48,21 @@ def cached(fn):
     return property(get)
 
 
+class Workspace:
+    """Reusable buffers of :class:`LogRatioBatch` (see :meth:`LogRatioBatch.workspace`):
+    ``slots`` (slots, rows, T) float32, and a (rows, T) float64 scratch made on first use."""
+
+    def __init__(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+        self._f64: Optional[torch.Tensor] = None
+
+    def float64(self, shape: torch.Size) -> torch.Tensor:
+        """A float64 scratch tensor of ``shape`` (at most (rows, T)); its contents are garbage."""
+        if self._f64 is None:
+            self._f64 = torch.empty(self.slots.shape[1:], dtype=torch.float64, device=self.slots.device)
+        return self._f64[:shape[0]]
+
+
 class LogRatioBatch:
     """log ρ_t = log π_train(y_t) − log π_rollout(y_t) on valid tokens, 0 elsewhere.
 
@@ -62,6 +77,9 @@ class LogRatioBatch:
         rows: a :class:`~rollout_correction.sequence_group.RowExchange` when the sequences are
             split across a group (each rank holds part of every row); every per-row reduction
             then spans the group. None (default): the rows are whole.
+        workspace: a buffer from :meth:`workspace` for the per-token temporaries (several
+            (B, T) attributes are views of it); successive batches, e.g. the blocks of one call,
+            reuse its memory instead of allocating fresh pages each time.
 
     Attributes:
         mask: (B, T) float32 0/1 mask of the tokens used (input mask minus dropped rows).
@@ -71,12 +89,12 @@ class LogRatioBatch:
 
     def __init__(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                  response_mask: torch.Tensor, on_nonfinite: str = "reject", row_offset: int = 0,
-                 rows: Optional[RowExchange] = None) -> None:
+                 rows: Optional[RowExchange] = None, *, workspace: Optional[Workspace] = None) -> None:
         check_pair(old_log_prob, rollout_log_prob, response_mask)
         self.rows = rows
         self.old_log_prob = old_log_prob
         self.rollout_log_prob = rollout_log_prob
-        self._setup(None, response_mask, on_nonfinite, row_offset)
+        self._setup(None, response_mask, on_nonfinite, row_offset, workspace)
 
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor,
@@ -99,8 +117,14 @@ class LogRatioBatch:
     #: input mask, mask used, log ρ, then (with the log-probs) π_train log-prob (masked), k3, ρ, ρ².
     _SLOTS = ("input_mask", "mask", "log_ratio", "old", "k3", "ratio", "ratio2")
 
+    @classmethod
+    def workspace(cls, rows: int, length: int, device: torch.device) -> "Workspace":
+        """Buffers for the per-token temporaries of batches of up to ``rows`` rows of ``length``
+        tokens (pass it as ``workspace=`` to successive batches to reuse the memory)."""
+        return Workspace(torch.empty((len(cls._SLOTS), rows, length), dtype=torch.float32, device=device))
+
     def _setup(self, source: Optional[torch.Tensor], response_mask: torch.Tensor, on_nonfinite: str,
-               row_offset: int) -> None:
+               row_offset: int, workspace: Optional[Workspace] = None) -> None:
         """The float32 log-ratio (from ``source``, or old − rollout), sanitised and masked; rows with
         a non-finite valid value; the masks; and, in one stacked reduction, the per-row sums of
         the mask, the log-ratio and (with the log-probs) everything the off-policy metrics need."""
@@ -110,7 +134,11 @@ class LogRatioBatch:
         device = response_mask.device
         # Every (B, T) temporary whose row sum is needed is written into one buffer, so one sum
         # reduces them all (and the float64 per-row values are derived from one small matrix).
-        buf = torch.empty((len(self._SLOTS) if full else 3, B, T), dtype=torch.float32, device=device)
+        self._workspace = workspace
+        if workspace is not None and full:
+            buf = workspace.slots[:, :B]  # overwritten: the previous batch using it must be finished
+        else:
+            buf = torch.empty((len(self._SLOTS) if full else 3, B, T), dtype=torch.float32, device=device)
         mask_in, mask, lr = buf[0], buf[1], buf[2]
         if full:
             old, roll = self.old_log_prob, self.rollout_log_prob
@@ -129,7 +157,8 @@ class LogRatioBatch:
         torch.nan_to_num_(lr, nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
         lr.mul_(mask_in)
         if T > 0:
-            good = torch.linalg.vector_norm(lr, float("inf"), dim=-1) < NONFINITE_SENTINEL
+            # (abs + amax: on CPU ~20x faster than aminmax or an inf-norm, which are not vectorised)
+            good = lr.abs().amax(-1) < NONFINITE_SENTINEL
         else:
             good = torch.ones(B, dtype=torch.bool, device=device)
         rows = self.rows
@@ -282,8 +311,13 @@ class LogRatioBatch:
         Squares are taken in float64: a variance E[x²] − E[x]² from float32 squares carries an
         absolute error of ~1e-7·E[x²], i.e. a spurious std of ~3e-4 for weights near 1.
         """
-        xd = x.double()
-        return self.reduce_sum(xd.sum(-1)), self.reduce_sum((xd * xd).sum(-1))
+        if self._workspace is not None:  # a reused float64 buffer (no fresh pages per block)
+            xd = self._workspace.float64(x.shape)
+            xd.copy_(x)
+        else:
+            xd = x.to(torch.float64, copy=True)
+        s = xd.sum(-1)
+        return self.reduce_sum(s), self.reduce_sum(xd.mul_(xd).sum(-1))  # squares in place
 
     def above(self, x: torch.Tensor, threshold: float) -> torch.Tensor:
         """(B, T) float 0/1 indicator of x > threshold on valid tokens (x must be 0 elsewhere).
