@@ -72,14 +72,19 @@ def main() -> None:
     print("group 1 advantages, accepted rows only:", [round(x, 3) for x in adv[4:8, -1].tolist()])
     print("group 1 advantages, verl's GRPO:       ", [round(x, 3) for x in verl_adv[4:8, -1].tolist()])
 
-    actor = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
-                              "clip_ratio_c": 3.0, "global_batch_info": {},
-                              "policy_loss": config.actor_rollout_ref.actor.policy_loss})
+    # the config object verl's actor worker builds from its section (verl/workers/engine_workers.py)
+    from verl.utils.config import omega_conf_to_dataclass
+
+    config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 2  # every run sets it; the YAML has null
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     log_prob = (old + 0.1 * torch.randn(B, T)).requires_grad_(True)
     args = (old, log_prob, adv, batch.batch["response_mask"], "token-mean", actor, batch.batch["rollout_is_weights"])
-    ours, _ = core_algos.get_policy_loss_fn(rc_verl.LOSS_NAME)(*args)
-    theirs, _ = core_algos.get_policy_loss_fn("vanilla")(*args)
+    ours, ours_metrics = core_algos.get_policy_loss_fn(rc_verl.LOSS_NAME)(*args)
+    theirs, theirs_metrics = core_algos.get_policy_loss_fn("vanilla")(*args)
     print("policy loss: ours %.6f, verl vanilla %.6f" % (ours.item(), theirs.item()))
+    # verl's trainer logs the loss's metrics with an "actor/" prefix
+    print("loss metric actor/%s: ours %s, verl vanilla %s" % (rc_verl.BACKEND_METRIC, ours_metrics.get(
+        rc_verl.BACKEND_METRIC), theirs_metrics.get(rc_verl.BACKEND_METRIC)))
 
 
 if __name__ == "__main__":

@@ -195,6 +195,7 @@ def test_the_example_runs_and_shows_the_backend_metric():
     assert rejected.strip() != ""  # the far off-policy row was rejected
     ours, theirs = map(float, re.search(r"policy loss: ours ([-\d.e]+), verl vanilla ([-\d.e]+)", out).groups())
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+    assert f"loss metric actor/{rc_verl.BACKEND_METRIC}: ours 1.0, verl vanilla None" in out
     assert done.stderr.count(STEP_SAYS) == 1 and done.stderr.count(LOSS_SAYS) == 1
 
 
