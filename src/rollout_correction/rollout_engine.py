@@ -24,6 +24,7 @@ reference); its log-probs then differ from the trainer's only by the KV-cache pa
 from __future__ import annotations
 
 import copy
+import inspect
 from collections import deque
 
 import torch
@@ -93,8 +94,11 @@ def sample(
     """
     if prompts.dim() != 2:
         raise ValueError(f"prompts must be (B, P), got shape {tuple(prompts.shape)}")
+    # transformers ≥ 5.2x names the KV cache ``cache`` (argument and output) and warns on the old
+    # ``past_key_values``; earlier releases know only the old name.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(prompts, use_cache=True)
-    cache = out.past_key_values
+    cache = out[cache_arg]
     logits = out.logits[:, -1]
     tokens, log_probs = [], []
     for t in range(max_new_tokens):
@@ -111,8 +115,8 @@ def sample(
         tokens.append(nxt)
         log_probs.append(logp.gather(-1, nxt))
         if t + 1 < max_new_tokens:
-            out = model(nxt, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(nxt, use_cache=True, **{cache_arg: cache})
+            cache = out[cache_arg]
             logits = out.logits[:, -1]
     return torch.cat(tokens, dim=1), torch.cat(log_probs, dim=1)
 
