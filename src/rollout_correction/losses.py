@@ -23,6 +23,8 @@ loss is exactly 0, still attached to the graph, with zero gradient.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Literal, Optional, Union, get_args
 
 import torch
@@ -83,7 +85,7 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: Los
         check_sequence_group(sequence_group)
     rows = RowExchange(sequence_group)
     for _ in rows.passes():
-        n_row = rows.sum(valid.sum(-1).to(torch.float64))
+        n_row = rows.sum(valid.sum(-1, dtype=torch.float64))
     return _aggregate(loss_mat, valid, n_row, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
                       loss_scale_factor, split=sequence_group is not None)
 
@@ -115,7 +117,7 @@ def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: torch.Tensor,
         loss = seq.sum() / _count(global_num_seqs, (n_row > 0).sum().to(lm.dtype))
         if loss_agg_mode == "seq-mean-token-sum-norm":
             loss = loss / (loss_scale_factor if loss_scale_factor is not None else loss_mat.shape[-1])
-    return loss * dp_size
+    return loss * dp_size if dp_size != 1 else loss
 
 
 def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -131,10 +133,11 @@ def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantage
     if clip_ratio_low < 0 or clip_ratio_high < 0:
         raise ValueError(f"clip ratios must be ≥ 0, got low={clip_ratio_low}, high={clip_ratio_high}")
     ratio = (log_prob - prox_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
-    l1 = -advantages * ratio
-    l2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    neg_adv = -advantages
+    l1 = neg_adv * ratio
+    l2 = neg_adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     clip1 = torch.maximum(l1, l2)
-    l3 = -advantages * clip_ratio_c
+    l3 = advantages * -clip_ratio_c
     negative = advantages < 0
     loss = torch.where(negative, torch.minimum(l3, clip1), clip1)
     return loss, l2 > l1, (clip1 > l3) & negative
@@ -164,10 +167,11 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
     return ppo_clip_loss(lp, prox, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
 
 
-def _actor_metrics(stats) -> dict[str, Value]:
+def _actor_metrics(stats, rows: int) -> dict[str, Value]:
     """``actor/*`` metrics from the sums recorded by :func:`compute_policy_loss` (means over the
-    tokens in the loss; the non-finite share over sequences with ≥ 1 valid input token)."""
-    out = {"actor/nonfinite_seq_fraction": stats.sum("bad_rows") / maximum(stats.sum("input_rows"), 1.0)}
+    tokens in the loss; the non-finite share over sequences with ≥ 1 valid input token: a dropped
+    row has one, so the dropped rows are ``rows`` minus the rows kept)."""
+    out = {"actor/nonfinite_seq_fraction": (rows - stats.sum("kept_rows")) / maximum(stats.sum("input_rows"), 1.0)}
     n = maximum(stats.sum("n"), 1.0)
     for name in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_lower"):
         if name in stats.sums:
@@ -272,32 +276,33 @@ def compute_policy_loss(
                                         loss_scale_factor, process_group, rows, owner)
         return result
 
-    # Drop (or refuse) rows with a non-finite value at a valid position; sanitise the rest.
+    # Drop (or refuse) rows with a non-finite value at a valid position; sanitise the rest. The
+    # inputs are checked and masked stacked: one where, one max |x| per row over all of them.
     input_valid = response_mask.bool()
-    # One test for all inputs: a sum is finite iff every term is (barring a float32 overflow of
-    # absurd values ~1e38, which then also drops the row).
-    total = log_prob.detach().float() + prox.float() + advantages.float()
-    if rollout_is_weights is not None:
-        total = total + rollout_is_weights.float()
-    finite = torch.isfinite(total)
-    bad = input_valid & ~finite
+    B, T = input_valid.shape
+    inputs = torch.stack([log_prob.detach(), prox, advantages]
+                         + ([rollout_is_weights.detach()] if rollout_is_weights is not None else []))
+    if inputs.dtype != torch.float32:
+        inputs = inputs.float()
+    zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
+    masked = torch.where(input_valid, inputs, zero)
     if config.on_nonfinite == "raise":
-        pos = first_nonfinite(bad)
+        pos = first_nonfinite(input_valid & ~torch.isfinite(masked).all(0))
         if pos is not None:
             raise ValueError(f"non-finite log_prob / {('old_log_prob', 'rollout_log_prob')[bypass]} / advantages"
                              f"{' / rollout_is_weights' if rollout_is_weights is not None else ''} at valid "
                              f"position (row {pos[0]}, column {pos[1]}); set on_nonfinite='reject' to drop such rows")
-    bad_rows = bad.any(-1)
-    valid = input_valid & ~bad_rows.unsqueeze(-1)
-    zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
-    lp = torch.where(valid, log_prob.float(), zero)
-    prox_s = torch.where(valid, prox.float(), zero)
-    adv = torch.where(valid, advantages.float(), zero)
+    if T > 0:
+        good = masked.abs().amax(dim=(0, 2)) < math.inf  # NaN compares False
+    else:
+        good = torch.ones(B, dtype=torch.bool, device=log_prob.device)
+    valid = input_valid & good.unsqueeze(-1)
+    clean = torch.where(valid, masked, zero)
+    prox_s, adv = clean[1], clean[2]
+    lp = torch.where(valid, log_prob.float(), zero)  # with gradient
     metrics = Metrics()  # derived on demand from packed statistics: no kernel per metric, no sync
-    actor = SufficientStats()
-    input_rows = input_valid.any(-1)
-    actor.add_sum("bad_rows", bad_rows & input_rows)
-    actor.add_sum("input_rows", input_rows)
+    # rows with ≥ 1 valid input token, and rows kept (B minus the rows dropped)
+    row_counts = torch.stack([input_valid.any(-1), good]).sum(-1, dtype=torch.float64)
 
     weights = None
     mask = valid
@@ -308,7 +313,7 @@ def compute_policy_loss(
         weights = corr.weights
         metrics.update(corr.metrics)
     if rollout_is_weights is not None and not bypass:
-        weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
+        weights = clean[3]
 
     if config.rollout_opsm_delta is not None:
         behaviour = rollout if rollout is not None else prox_s
@@ -321,13 +326,11 @@ def compute_policy_loss(
     if weights is not None and (not bypass or config.loss_type == "reinforce"):
         pg = pg * weights.detach()  # bypass PPO-clip / GSPO / …: the ratio to π_rollout is the correction
     in_loss = mask.bool()
-    names = ["ppo_kl"] + (["pg_clipfrac", "pg_clipfrac_lower"] if clipped is not None else [])
-    parts = [prox_s - lp.detach()] + ([clipped, clipped_lower] if clipped is not None else [])
-    sums = torch.where(in_loss, torch.stack(parts), 0.0).sum(dim=(1, 2), dtype=torch.float64)
-    for name, value in zip(names, sums.unbind()):
-        actor.add_sum(name, value)
-    actor.add_sum("n", in_loss)
-    metrics.add_derived(actor, _actor_metrics, prefix="")
+    names = ["ppo_kl"] + (["pg_clipfrac", "pg_clipfrac_lower"] if clipped is not None else []) + ["n"]
+    parts = [prox_s - lp.detach()] + ([clipped, clipped_lower] if clipped is not None else []) + [in_loss]
+    sums = torch.where(in_loss, torch.stack(parts), zero).sum(dim=(1, 2), dtype=torch.float64)
+    actor = SufficientStats.from_vector(names + ["input_rows", "kept_rows"], torch.cat([sums, row_counts]))
+    metrics.add_derived(actor, functools.partial(_actor_metrics, rows=B), prefix="")
     loss = agg_loss(pg, mask, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     return loss, metrics
 
@@ -370,7 +373,7 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
         row_keep = torch.ones_like(bad_rows)
         kept = rows.sum(valid.sum(-1).to(torch.float64))
     if rollout_is_weights is not None and not bypass:
-        weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
+        weights = clean[3]
 
     def mean(x: torch.Tensor) -> torch.Tensor:
         return _split_masked_mean(x, token_keep, row_keep, kept, rows)

@@ -137,6 +137,13 @@ class SufficientStats:
             out._set(list(sums), list(maxes), vec if vec.dtype == torch.float64 else vec.double())
         return out
 
+    @classmethod
+    def from_vector(cls, sum_names: list[str], sums: torch.Tensor) -> "SufficientStats":
+        """Statistics holding the already reduced sums ``sums`` ((K,) float64), named in order."""
+        out = cls()
+        out._set(list(sum_names), [], sums if sums.dtype == torch.float64 else sums.double())
+        return out
+
     # -- recording ---------------------------------------------------------------------
     def add_sum(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None,
                 weight: Optional[torch.Tensor] = None) -> None:
