@@ -149,7 +149,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     keep = rej.keep_mask(batch)
     kept = rej.kept_per_row(batch)
     token_keep = batch.mask if rej.token_keep is None else batch.mask * rej.token_keep
-    values = RowValues(batch.n_row, kept, token_keep, rej.row_keep, batch.row_sum, batch.old_row_mean,
+    values = RowValues(batch.n_row, kept, token_keep, rej.rows(batch), batch.row_sum, batch.old_row_mean,
                        batch.rollout_row_mean, batch.bad_rows, batch, weights,
                        isw.row_weight if isw is not None else None)
     if not rows.final:

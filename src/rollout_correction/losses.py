@@ -83,17 +83,21 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: Los
     valid = loss_mask.bool()
     if sequence_group is not None:
         check_sequence_group(sequence_group)
-    rows = RowExchange(sequence_group)
-    for _ in rows.passes():
-        n_row = rows.sum(valid.sum(-1, dtype=torch.float64))
+    if sequence_group is None and loss_agg_mode in ("token-mean", "token-sum"):
+        n_row = None  # only the total is needed (token-mean), or nothing
+    else:
+        rows = RowExchange(sequence_group)
+        for _ in rows.passes():
+            n_row = rows.sum(valid.sum(-1, dtype=torch.float64))
     return _aggregate(loss_mat, valid, n_row, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
                       loss_scale_factor, split=sequence_group is not None)
 
 
-def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: torch.Tensor, loss_agg_mode: str,
+def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: Optional[torch.Tensor], loss_agg_mode: str,
                global_num_tokens: Count, global_num_seqs: Count, dp_size: int,
                loss_scale_factor: Optional[float], split: bool) -> torch.Tensor:
-    """:func:`agg_loss` with the per-row valid-token counts ``n_row`` (B,) of the whole sequences."""
+    """:func:`agg_loss` with the per-row valid-token counts ``n_row`` (B,) of the whole sequences
+    (None for token-mean / token-sum on whole sequences: the total is counted here)."""
     if dp_size > 1:
         needed = {"token-mean": ("global_num_tokens", global_num_tokens)}.get(
             loss_agg_mode, ("global_num_seqs", global_num_seqs) if loss_agg_mode != "token-sum" else None)
@@ -105,12 +109,13 @@ def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: torch.Tensor,
                          "(e.g. the maximum response length): this rank holds only a slice of each sequence, "
                          "so its width is not the sequence length")
     lm = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
-    n_row = n_row.to(lm.dtype)
+    if loss_agg_mode == "token-sum":
+        return lm.sum() * dp_size if dp_size != 1 else lm.sum()
     if loss_agg_mode == "token-mean":
-        loss = lm.sum() / _count(global_num_tokens, n_row.sum())
-    elif loss_agg_mode == "token-sum":
-        loss = lm.sum()
+        local = valid.sum(dtype=lm.dtype) if n_row is None else n_row.to(lm.dtype).sum()
+        loss = lm.sum() / _count(global_num_tokens, local)
     else:
+        n_row = n_row.to(lm.dtype)
         seq = lm.sum(-1)
         if loss_agg_mode == "seq-mean-token-mean":
             seq = seq / n_row.clamp_min(1.0)

@@ -49,22 +49,31 @@ def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
 @dataclass
 class RejectionResult:
     """``token_keep`` (B, T) float 0/1 or None and ``row_keep`` (B,) bool: the AND of all
-    criteria (veto included)."""
+    criteria (veto included). ``row_keep`` is None when no sequence-level criterion ran (every
+    row kept); :meth:`rows` gives it as a tensor either way."""
 
     token_keep: Optional[torch.Tensor]
-    row_keep: torch.Tensor
-    #: False when no sequence-level criterion ran (``row_keep`` is then all True).
-    rows_filtered: bool = True
+    row_keep: Optional[torch.Tensor]
+
+    @property
+    def rows_filtered(self) -> bool:
+        """False when no sequence-level criterion ran."""
+        return self.row_keep is not None
+
+    def rows(self, batch: LogRatioBatch) -> torch.Tensor:
+        """(B,) bool ``row_keep`` (all True when no sequence-level criterion ran)."""
+        if self.row_keep is not None:
+            return self.row_keep
+        return torch.ones(batch.n_row.shape, dtype=torch.bool, device=batch.n_row.device)
 
     def kept_per_row(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B,) float32 count of valid tokens accepted by every criterion."""
-        if self.token_keep is None:
-            return batch.n_row * self.row_keep
-        return batch.row_total(self.token_keep * batch.mask) * self.row_keep
+        kept = batch.n_row if self.token_keep is None else batch.row_total(self.token_keep * batch.mask)
+        return kept * self.row_keep if self.row_keep is not None else kept
 
     def keep_mask(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B, T) float32 0/1: valid and accepted by every criterion."""
-        if not self.rows_filtered:
+        if self.row_keep is None:
             return batch.mask if self.token_keep is None else batch.mask * self.token_keep
         keep = batch.mask * self.row_keep.to(torch.float32).unsqueeze(-1)
         return keep.mul_(self.token_keep) if self.token_keep is not None else keep
@@ -132,9 +141,6 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         if stats is not None:
             stats.add_sum("veto.tok", catastrophic)
             stats.add_sum("veto.rows", vetoed, rows=batch.row_valid)
-    if row_keep is None:
-        ones = torch.ones(batch.log_ratio.shape[0], dtype=torch.bool, device=batch.log_ratio.device)
-        return RejectionResult(token_keep, ones, rows_filtered=False)
     return RejectionResult(token_keep, row_keep)
 
 
