@@ -305,6 +305,13 @@ class LogRatioBatch:
         """Σ over valid tokens of a (B, T) tensor that is 0 at invalid positions (per-row part)."""
         return self.row_total(x)
 
+    def ratio_row_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-row Σ_t of ``x`` (0 at invalid positions); read off the batch's one reduction when
+        ``x`` is :attr:`ratio` of a batch built from the log-probs."""
+        if x is self.__dict__.get("_cached_ratio") and self.row_sums.shape[0] > 5:
+            return self.row_sums[5]
+        return self.row_total(x)
+
     def token_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row Σx and Σx² of a (B, T) tensor that is 0 at invalid positions, in float64.
 

@@ -89,17 +89,17 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         sum_w, sum_w2 = batch.token_moments(w)
         stats.add_sum("is.sum_w", sum_w)
         stats.add_sum("is.sum_w2", sum_w2)
-        high, low = batch.row_total(batch.above(raw, U)), batch.row_total(batch.below(raw, L))
-        stats.add_sum("is.high", high)
-        stats.add_sum("is.low", low)
+        # Outside the band [L, U]: s = sign(raw − clamp(raw, L, U)) on valid tokens is +1 above U
+        # and −1 below L, so Σs = high − low and Σ|s| = high + low (exact integer counts).
+        out = (raw - raw.clamp(L, U)).mul_(batch.mask).sign_()
+        stats.add_sum("is.out_signed", batch.row_total(out))
+        stats.add_sum("is.out", batch.row_total(out.abs_()))
         # w ≥ 0 and 0 at padding, so the plain row maximum is the maximum over valid tokens
         stats.add_max("is.max", batch.reduce_max(w.amax(-1)) if w.shape[-1] else batch.token_max(w))
         stats.add_min("is.min", batch.token_min(w))
         n = batch.n_row.clamp_min(1.0)
         seq_w = sum_w / n
-        seq_raw = batch.row_total(raw) / n
-        if spec.mode == "mask":  # the band is [metric_lower, upper] here, so reuse both counts
-            stats.add_sum("is.oob", high + low)
+        seq_raw = batch.ratio_row_sum(raw) / n
     else:
         rw, rlog, rraw = isw.row_weight, isw.row_log, isw.row_raw
         rw64 = rw.double()
@@ -168,8 +168,13 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
         m["rollout_is_max"] = where(n_rows > 0, exp(clamp(stats.max("is.max_log"), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
         m["rollout_is_min"] = where(n_rows > 0, exp(clamp(stats.min("is.min_log"), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
         den = n_rows
-    m["rollout_is_ratio_fraction_high"] = safe_div(stats.sum("is.high"), den)
-    m["rollout_is_ratio_fraction_low"] = safe_div(stats.sum("is.low"), den)
+    if spec.level == "token":
+        out, signed = stats.sum("is.out"), stats.sum("is.out_signed")
+        high, low = (out + signed) * 0.5, (out - signed) * 0.5
+    else:
+        high, low = stats.sum("is.high"), stats.sum("is.low")
+    m["rollout_is_ratio_fraction_high"] = safe_div(high, den)
+    m["rollout_is_ratio_fraction_low"] = safe_div(low, den)
     seq = seq_summary(stats, "is.seq", n_rows, center=1.0)
     for k, v in seq.items():
         m[f"rollout_is_seq_{k}"] = v
@@ -182,7 +187,8 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
         m["rollout_is_seq_log_mean"] = safe_div(stats.sum("is.log_sum"), n_rows)
         m["rollout_is_seq_collapsed_fraction"] = safe_div(stats.sum("is.collapsed"), n_rows)
     if spec.mode == "mask":
-        m["rollout_is_oob_ratio"] = safe_div(stats.sum("is.oob"), n_tok)
+        # the band is [metric_lower, upper] in mask mode: at token level the tokens outside it
+        m["rollout_is_oob_ratio"] = safe_div(stats.sum("is.out" if spec.level == "token" else "is.oob"), n_tok)
     if spec.batch_normalize:
         m["rollout_is_batch_norm_factor"] = batch_norm_factor(stats, spec)
     return m
