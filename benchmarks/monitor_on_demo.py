@@ -9,7 +9,10 @@ per-step ``rollout_corr/*`` metrics. Printed:
    best), the first warning (rule) and the lead time (fall − first warning);
 2. the targets: a warning ahead of the fall on every degrading naive run (final ≤ best − 0.1);
    no warning on ≥ 2 of 3 on-policy runs; warnings on the healthy bypass PPO-clip runs;
-3. on degrading runs, the first step each seed-001 static threshold and each trend rule fires.
+3. on degrading runs, the first step each seed-001 static threshold and each trend rule fires;
+4. the trend rules against the seed's thresholds checked at every step (``static_window=1``, the
+   seed's own per-step check): which fires first on each degrading run, and how many healthy runs
+   (on-policy and bypass PPO-clip runs that do not degrade) each raises an alert on.
 
 ``--plot PATH`` draws the six-panel plot of the degrading naive run with the longest history
 (the docs' figure).
@@ -106,6 +109,27 @@ def main() -> int:
               + " | ".join(fmt(b.get(n)) for n in trends) + " | " + " | ".join(fmt(b.get(n)) for n in statics)
               + f" | {fmt(ft)} | {fmt(fs)} | {fmt(x['h']['fall_step'])} |")
     print(f"trend rules fire before every static threshold on {earlier}/{len(deg)} degrading runs")
+
+    per_step = {**opts, "static_window": 1}
+    print("\nTrend rules vs the seed's thresholds checked at every step (static_window = 1)")
+    print("| demo | method | seed | first trend | first static, per step (rule) | fall | first |")
+    print("|---|---|---|---|---|---|---|")
+    trend_first = 0
+    for x in deg:
+        h1 = run_health(x["run"], **per_step)
+        ft, fs = x["h"]["first_trend"], h1["first_static"]
+        rule = next((n for n, s in sorted(h1["first_alert_by_rule"].items(), key=lambda kv: kv[1])
+                     if n in STATIC_THRESHOLDS), None)
+        first = "trend" if ft is not None and (fs is None or ft < fs) else ("static" if fs is not None else "—")
+        trend_first += first == "trend"
+        print(f"| {x['folder']} | {x['run']['method']} | {x['run']['seed']} | {fmt(ft)} | {fmt(fs)}"
+              f"{f' ({rule})' if rule else ''} | {fmt(x['h']['fall_step'])} | {first} |")
+    print(f"trend rules first on {trend_first}/{len(deg)} degrading runs")
+    healthy = [x for x in rows if x["run"]["method"] in ("on_policy", "bypass_ppo") and not degrading(x["run"])]
+    alarm_default = sum(x["h"]["first_warning"] is not None for x in healthy)
+    alarm_static1 = sum(run_health(x["run"], **per_step)["first_static"] is not None for x in healthy)
+    print(f"healthy runs with an alert: default monitor {alarm_default}/{len(healthy)}; "
+          f"seed's thresholds per step {alarm_static1}/{len(healthy)}")
 
     if args.plot and naive_deg:
         from rollout_correction.monitor import HealthMonitor, plot_metrics
