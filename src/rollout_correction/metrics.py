@@ -54,7 +54,7 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     stats.add_sum("op.d", d, rows=rows)
     stats.add_sum("op.abs_d", d.abs(), rows=rows)
     stats.add_max("op.d_max", d, rows=rows)
-    stats.add_min("op.d_min", d, rows=rows)
+    stats.add_max("op.neg_d_max", batch.row_means64[0], rows=rows)  # −d: min d = −max(−d), no negation
     stats.add_sum("op.ppl_ratio", e[2], rows=rows)
     stats.add_sum("op.rho2_seq", e[3], rows=rows)
 
@@ -78,7 +78,7 @@ def offpolicy_metrics(stats) -> dict[str, Value]:
         "log_ppl_diff": seq_mean("op.d"),
         "log_ppl_abs_diff": seq_mean("op.abs_d"),
         "log_ppl_diff_max": where(has_rows, stats.max("op.d_max"), 0.0),
-        "log_ppl_diff_min": where(has_rows, stats.min("op.d_min"), 0.0),
+        "log_ppl_diff_min": where(has_rows, -stats.max("op.neg_d_max"), 0.0),
         "ppl_ratio": seq_mean("op.ppl_ratio"),
         "chi2_token": where(n_tok > 0, safe_div(stats.sum("op.sum_rho2"), n_tok) - 1.0, 0.0),
         "chi2_seq": where(has_rows, seq_mean("op.rho2_seq") - 1.0, 0.0),
