@@ -196,9 +196,8 @@ def _train_in(ns, args, batch, monkeypatch, gas, part):
     return trainer, status, strategy.step_grads, windows
 
 
-def _expected_grads(batch, windows, keep, weight, sequence_mean=False, clip=0.2):
-    """∇ of the PPO-clip loss Σ w·ℓ over accepted tokens / (accepted tokens) per optimizer step,
-    or (GSPO) the mean over accepted sequences of their per-token means."""
+def _expected_grads(batch, windows, keep, weight, clip=0.2):
+    """∇ of the PPO-clip loss Σ w·ℓ over accepted tokens / (accepted tokens) per optimizer step."""
     seq, attn, mask, old, rollout, adv = batch
     grads = []
     for rows in windows:
@@ -207,18 +206,9 @@ def _expected_grads(batch, windows, keep, weight, sequence_mean=False, clip=0.2)
         logp = policy.token_log_probs(seq[rows], A)
         k = keep[rows].float()
         a = adv[rows].expand(-1, A) * weight[rows]
-        if sequence_mean:
-            n = k.sum(-1)
-            ratio = torch.exp(((logp - old[rows]) * k).sum(-1) / n.clamp(min=1)).unsqueeze(-1) * k
-        else:
-            ratio = torch.exp(logp - old[rows])
+        ratio = torch.exp(logp - old[rows])
         per_token = -torch.min(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
-        if sequence_mean:
-            n = k.sum(-1)
-            seq_loss = (per_token * k).sum(-1) / (n + 1e-8)
-            loss = (seq_loss * (n > 0)).sum() / (n > 0).sum()
-        else:
-            loss = (per_token * k).sum() / k.sum()
+        loss = (per_token * k).sum() / k.sum()
         loss.backward()
         grads.append(policy.W.grad)
     return grads
@@ -336,11 +326,12 @@ TOKEN_RS = {"rollout_is": "token", "rollout_is_mode": "clip", "rollout_is_thresh
             "rollout_is_threshold_lower": 0.5, "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"}
 
 
-@pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
-def test_token_rejection_leaves_token_and_sequence_counts(root, loss_type, monkeypatch):
+def test_token_rejection_leaves_token_and_sequence_counts(root, monkeypatch):
     """A config of this library with a token-level rejection (``from_args(self.args, config)``):
-    three single tokens and two whole rows are rejected. ppo divides by accepted tokens
-    (batch_num_tokens); OpenRLHF's gspo averages per sequence over accepted sequences (global_batch_size)."""
+    three single tokens and two whole rows are rejected; ppo divides by accepted tokens
+    (batch_num_tokens). GSPO (``loss_type: gspo`` with ``--actor.policy_loss_type gspo``, averaged over
+    accepted sequences, global_batch_size) is tested in tests/test_integration_openrlhf_methods.py."""
+    loss_type = "ppo"
     args = ref.parse_cli(CLI + ["--actor.policy_loss_type", loss_type] + ref.enable_flags(root), root)
     replacement = LOSS_REPLACEMENT.replace("from_args(self.args)", f"from_args(self.args, {TOKEN_RS!r})")
     edits = [(LOSS_STATEMENT, replacement), (APPEND_STATEMENT, APPEND_REPLACEMENT)]
@@ -352,7 +343,7 @@ def test_token_rejection_leaves_token_and_sequence_counts(root, loss_type, monke
     assert sorted(map(tuple, (mask & ~keep).nonzero().tolist())) == sorted(
         [(0, 1), (3, 0), (6, 2)] + [(2, t) for t in range(LENGTHS[2])] + [(5, t) for t in range(LENGTHS[5])])
     _, status, grads, windows = _train(root, edits, args, batch, monkeypatch)
-    for got, want in zip(grads, _expected_grads(batch, windows, keep, weight, sequence_mean=loss_type == "gspo")):
+    for got, want in zip(grads, _expected_grads(batch, windows, keep, weight)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     per_sample = [(LENGTHS[i] - int(keep[i].sum())) / LENGTHS[i] for i in range(N)]
     assert status[ACTIVE_METRIC] == pytest.approx(sum(per_sample) / N)

@@ -66,17 +66,49 @@ correction off and hands it the advantages scaled by our weights:
 ``−min(r·wA, clip(r)·wA) = −w·min(r·A, clip(r)·A)`` for w ≥ 0, and the same holds for dual clip,
 so the per-token loss is exactly ``w_t`` times OpenRLHF's and OpenRLHF's aggregation is used
 unchanged.
+
+Methods beyond the weights (a config passed to ``from_args(args, config)``; every key is honoured
+or refused at construction, naming it):
+
+* ``loss_type`` ``gspo`` / ``cispo`` / ``dppo_tv`` / ``dppo_kl`` and ``rollout_opsm_delta`` (OPSM):
+  the loss call has what they need (π_θ, π_old, π_rollout, advantages), so ``forward`` computes the
+  loss with the core's :func:`~rollout_correction.compute_policy_loss` — on the accepted mask, with
+  the IS weights, OpenRLHF's clip range as ε_lo / ε_hi (DPPO: δ_lo / δ_hi), ``--actor.dual_clip`` as
+  the dual-clip constant of PPO clip and as DPPO's ratio cap c (default 3), OpenRLHF's aggregation
+  (token mean, or sequence mean for ``gspo`` and 0.11.2's ``seq-mean-token-mean``) and its
+  denominators ``batch_num_tokens`` / ``global_batch_size``. OPSM decides on π_θ, which changes
+  during the step, so it acts in the loss only: the tokens of the sequences it drops leave the loss
+  but stay in the denominators (as in DeepSeek-V3.2's formula, where the mask multiplies the term
+  inside the normalisation). ``loss_type`` ``ppo_clip`` without OPSM keeps OpenRLHF's ``PolicyLoss``.
+* ``gspo`` and OpenRLHF's ``--actor.policy_loss_type gspo`` must agree: ``from_args`` sets
+  ``loss_type="gspo"`` when it maps OpenRLHF's flags under ``--actor.policy_loss_type gspo``; a
+  config of this library with ``gspo`` needs the flag (OpenRLHF then aggregates per sequence), and a
+  config with another ``loss_type`` under the flag is refused. There is one GSPO, the core's
+  (GSPO-token form, as verl's): each token's gradient is weighted by its own w_t, whereas
+  OpenRLHF's back-propagates through the sequence mean (the same for per-sequence weights).
+  ``--actor.dual_clip`` with ``gspo`` / ``cispo`` is refused (they have no dual clip here).
+* refused: ``bypass_mode`` (``ppo_clip`` against π_rollout, ``reinforce``, ``topr``: the rejection
+  is decided at experience time from π_old, a bypass one from π_θ), ``rollout_m2po_threshold``
+  (M2PO's cutoff is batch-global; the adapter sees one experience or micro-batch at a time) and
+  ``rollout_is_batch_normalize`` (it would normalise over one micro-batch).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from typing import Any, Optional, Sequence
 
 import torch
 
-from rollout_correction import METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_rollout_correction
+from rollout_correction import (
+    METRIC_PREFIX,
+    RolloutCorrectionConfig,
+    as_config,
+    compute_policy_loss,
+    compute_rollout_correction,
+)
 from rollout_correction.constants import SAFETY_BOUND
 
 __all__ = [
@@ -248,6 +280,59 @@ def config_from_openrlhf_args(args: Any) -> RolloutCorrectionConfig:
     return config_from_openrlhf(adv.is_correction_type, adv.is_correction_threshold)
 
 
+_CORE_LOSS_TYPES = ("gspo", "cispo", "dppo_tv", "dppo_kl")
+"""``loss_type`` values the adapter computes with the core's ``compute_policy_loss`` (ppo_clip:
+OpenRLHF's own PolicyLoss, weighted; with ``rollout_opsm_delta``: the core's PPO clip)."""
+
+
+def _check_config(config: RolloutCorrectionConfig, policy_loss: Any) -> None:
+    """Refuse, naming the key, every setting the OpenRLHF adapter would not honour."""
+    where = "compute_policy_loss / compute_rollout_correction called on the whole batch (e.g. the verl adapter)"
+    if config.bypass_mode:
+        raise ValueError(
+            f"bypass_mode=True (loss_type={config.loss_type!r}) is not available with the OpenRLHF adapter: "
+            "OpenRLHF's actor computes π_old and the adapter removes rejected tokens from the step's "
+            "denominators at experience time, which a bypass correction (decided on π_θ, which changes "
+            "during the step) cannot do. Bypass losses (ppo_clip against π_rollout, reinforce, topr) act in "
+            f"{where}; on OpenRLHF use a decoupled config (bypass_mode=False)"
+        )
+    if config.rollout_m2po_threshold is not None:
+        raise ValueError(
+            f"rollout_m2po_threshold={config.rollout_m2po_threshold!r} is not available with the OpenRLHF "
+            "adapter: M2PO's cutoff is batch-global, and OpenRLHF hands the adapter one experience, then "
+            "shuffled micro-batches, never the step's whole batch over all ranks. It acts in "
+            f"{where}; remove it from the config"
+        )
+    if config.rollout_is_batch_normalize:
+        raise ValueError(
+            "rollout_is_batch_normalize=True is not available with the OpenRLHF adapter: the weights are "
+            "computed per micro-batch at loss time, so the mean-1 normalisation would be over one "
+            f"micro-batch, not the batch. It acts in {where}; remove it from the config"
+        )
+    if config.loss_type not in ("ppo_clip",) + _CORE_LOSS_TYPES:
+        raise ValueError(f"loss_type={config.loss_type!r} is not available with the OpenRLHF adapter; "
+                         f"use ppo_clip or one of {list(_CORE_LOSS_TYPES)}")
+    theirs = getattr(policy_loss, "policy_loss_type", "ppo")
+    if theirs == "gspo" and config.loss_type != "gspo":
+        raise ValueError(
+            f"--actor.policy_loss_type gspo with loss_type={config.loss_type!r} in the config: the two "
+            "disagree. Set loss_type='gspo' in the config (GSPO weighted by this library's correction; "
+            "the default when from_args maps OpenRLHF's own flags) or drop --actor.policy_loss_type gspo"
+        )
+    if config.loss_type == "gspo" and theirs != "gspo":
+        raise ValueError(
+            f"loss_type='gspo' with --actor.policy_loss_type {theirs}: add --actor.policy_loss_type gspo, "
+            "so that OpenRLHF's PolicyLoss and the config agree (GSPO averages per sequence: "
+            "OpenRLHF then passes the sequence count global_batch_size it divides by)"
+        )
+    if config.loss_type in ("gspo", "cispo") and getattr(policy_loss, "dual_clip", None) is not None:
+        raise ValueError(
+            f"--actor.dual_clip {policy_loss.dual_clip} with loss_type={config.loss_type!r}: this library's "
+            f"{config.loss_type} has no dual clip (it acts with loss_type ppo_clip, and as the ratio cap c "
+            "of dppo_tv / dppo_kl); remove --actor.dual_clip"
+        )
+
+
 class RolloutCorrectionPolicyLoss(torch.nn.Module):
     """Drop-in for OpenRLHF's ``PolicyLoss`` with this library's correction step.
 
@@ -269,8 +354,11 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
     counted by :meth:`prepare_experience` on the masks before rejection: at ``token`` level the
     action tokens rejected or whose token IS weight was clamped or zeroed (ρ_t outside the band),
     at ``seq`` level the sequences rejected. (Without ``prepare_experience``, it is counted on the
-    micro-batch at loss time.) Our metrics of the last forward (``rollout_corr/...``, 0-d tensors)
-    are in ``self.last_metrics``.
+    micro-batch at loss time.) Our metrics of the last forward (``rollout_corr/...``, 0-d tensors;
+    with OPSM or a ``loss_type`` other than ``ppo_clip`` also ``rollout_corr/opsm_*`` and ``actor/*``
+    from :func:`~rollout_correction.compute_policy_loss`, see the module docstring) are in
+    ``self.last_metrics``; ``clip_ratio`` and ``ppo_kl`` are then that loss's ``actor/pg_clipfrac``
+    and ``actor/ppo_kl``.
     """
 
     def __init__(self, policy_loss: torch.nn.Module, config: RolloutCorrectionConfig,
@@ -283,20 +371,22 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
                 "or is_correction_level='off' in OpenRLHF 0.11.2); otherwise the correction would be "
                 "applied twice"
             )
-        if config.bypass_mode:
-            raise ValueError("bypass configs replace π_old by π_rollout before the loss; pass "
-                             "rollout log-probs as old_log_probs instead of wrapping the loss")
+        _check_config(config, policy_loss)
         if filter_level not in ("token", "seq"):
             raise ValueError(f"filter_level={filter_level!r}: expected 'token' or 'seq'")
         self.policy_loss = policy_loss
         self.config = config
         self.filter_level = filter_level
-        self.last_metrics: dict[str, torch.Tensor] = {}
+        self.last_metrics: Any = {}  # a Metrics mapping after the first forward
         self.micro_batch_size = int(micro_batch_size)
         self._empty_rows = 0  # fully rejected rows left empty since the last training phase
         self._pending_filter = [0, 0]  # (filtered units, units) counted by prepare_experience
         self._step_filter_ratio: Optional[float] = None  # of the step being trained on
         self._warned_unprepared = False
+        # OPSM and the loss types other than PPO clip run through the core's compute_policy_loss.
+        self.uses_core_loss = config.loss_type != "ppo_clip" or config.rollout_opsm_delta is not None
+        # 0.11.2's PolicyLoss returns five values (its constructor has is_correction_level).
+        self._five_values = hasattr(policy_loss, "is_correction_level")
 
     @classmethod
     def from_args(
@@ -330,6 +420,9 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
             kwargs["is_correction_level"] = "off"
         else:
             kwargs["enable_vllm_is_correction"] = False
+        if config is None and args.actor.policy_loss_type == "gspo":
+            # OpenRLHF's --actor.policy_loss_type gspo selects the loss; the mapped correction weights it.
+            mapped = dataclasses.replace(mapped, loss_type="gspo")
         return cls(policy_loss_cls(**kwargs), mapped if config is None else as_config(config),
                    micro_batch_size=args.train.micro_batch_size,
                    filter_level=_gate_level(args) if config is None else "token")
@@ -405,6 +498,31 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
             info[key] = value.detach().float().reshape(()).expand(batch).clone()
         return experience
 
+    def _core_loss(self, log_probs, old_log_probs, advantages, mask, rollout_log_probs, weights, dp_size,
+                   batch_num_tokens, global_batch_size):
+        """(loss, clip_ratio, ppo_kl) from :func:`~rollout_correction.compute_policy_loss` with the
+        config's ``loss_type`` and OPSM, the wrapped PolicyLoss's clip range, dual clip and
+        aggregation, and OpenRLHF's denominators. ``mask`` is the correction's accepted mask and
+        ``weights`` its IS weights (computed once, in ``forward``)."""
+        pl = self.policy_loss
+        dual_clip = getattr(pl, "dual_clip", None)
+        # No dual clip: a cap no finite loss reaches (PPO clip); DPPO's ratio cap c defaults to 3.
+        if self.config.loss_type in ("dppo_tv", "dppo_kl"):
+            clip_c = 3.0 if dual_clip is None else float(dual_clip)
+        else:
+            clip_c = float(torch.finfo(torch.float32).max) if dual_clip is None else float(dual_clip)
+        if weights is None:
+            weights = mask.to(torch.float32)
+        loss, metrics = compute_policy_loss(
+            log_probs, old_log_probs, advantages, mask, self.config, rollout_log_prob=rollout_log_probs,
+            rollout_is_weights=weights, clip_ratio_low=float(pl.clip_eps_low),
+            clip_ratio_high=float(pl.clip_eps_high), clip_ratio_c=clip_c,
+            loss_agg_mode="token-mean" if getattr(pl, "token_level_loss", True) else "seq-mean-token-mean",
+            global_num_tokens=batch_num_tokens, global_num_seqs=global_batch_size, dp_size=dp_size,
+        )
+        self.last_metrics.update(metrics)  # lazily: rollout_corr/opsm_*, actor/pg_clipfrac, actor/ppo_kl, ...
+        return loss, metrics["actor/pg_clipfrac"].float(), metrics["actor/ppo_kl"].float()
+
     def forward(
         self,
         log_probs: torch.Tensor,
@@ -442,18 +560,25 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
                 "actor_loss_fn.prepare_experience(experience) where the actor appends to its replay "
                 "buffer (docs/integrations.md, OpenRLHF)"
             )
-        if result.weights is not None:
-            advantages = advantages * result.weights.to(advantages.dtype)
-        out = self.policy_loss(
-            log_probs, old_log_probs, advantages, action_mask=mask, rollout_log_probs=rollout_log_probs,
-            dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
-        )
-        loss, clip_ratio, ppo_kl = out[:3]
+        if self.uses_core_loss:
+            loss, clip_ratio, ppo_kl = self._core_loss(log_probs, old_log_probs, advantages, mask,
+                                                       rollout_log_probs, result.weights, dp_size,
+                                                       batch_num_tokens, global_batch_size)
+            n_values = 5 if self._five_values else 4
+        else:
+            if result.weights is not None:
+                advantages = advantages * result.weights.to(advantages.dtype)
+            out = self.policy_loss(
+                log_probs, old_log_probs, advantages, action_mask=mask, rollout_log_probs=rollout_log_probs,
+                dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+            )
+            loss, clip_ratio, ppo_kl = out[:3]
+            n_values = len(out)
         valid = mask.to(torch.bool)
         diff = torch.where(valid, rollout_log_probs.float() - old_log_probs.detach().float(), 0.0)
         diff = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0)
         vllm_kl = diff.sum() / valid.sum().clamp(min=1)
-        if len(out) == 4:  # OpenRLHF 0.10.4 – 0.11.1
+        if n_values == 4:  # OpenRLHF 0.10.4 – 0.11.1
             return loss, clip_ratio, ppo_kl, vllm_kl
         # OpenRLHF 0.11.2: a fifth value, is_filter_ratio, logged by the actor beside vllm_kl.
         if self._step_filter_ratio is not None:
