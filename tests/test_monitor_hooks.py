@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -54,8 +55,15 @@ def test_verl_driver_step_feeds_the_monitor(monitor, monkeypatch):
     helper = load_verl_rollout_corr_helper()
     protocol = _import("verl.protocol")
     name = "compute_rollout_correction_and_add_to_batch"
-    monkeypatch.setattr(helper, name, getattr(helper, name))  # restored after the test
+    # patch_driver rebinds verl's correction step in both places verl's trainers look it up (the
+    # legacy trainer's rollout_corr_helper and, when imported, the V1 trainer's trainer_base): both
+    # are restored after the test.
+    monkeypatch.setattr(helper, name, getattr(helper, name))
+    v1 = sys.modules.get("verl.trainer.ppo.v1.trainer_base")
+    if v1 is not None:
+        monkeypatch.setattr(v1, name, getattr(v1, name))
     rc_verl.patch_driver()
+    assert getattr(helper, name).routed
     returned = []
     for step in range(30):
         old, rollout = _log_probs(step)

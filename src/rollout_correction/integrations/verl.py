@@ -71,6 +71,7 @@ __all__ = [
     "backend_requested",
     "install_dispatcher",
     "plugin_active",
+    "check_trainer_config",
 ]
 
 LOSS_NAME = "rollout_correction"
@@ -111,13 +112,22 @@ def policy_loss(
     """verl policy-loss function (``PolicyLossFn`` signature) backed by this library.
 
     Decoupled (the actor's ``policy_loss.rollout_correction.bypass_mode`` false or absent):
-    ℓ_t = w_t · PPO-clip_t(π_θ/π_old) with verl's precomputed ``rollout_is_weights`` w (none: w=1),
-    aggregated with ``loss_agg_mode`` and verl's ``global_batch_info`` denominators — the numbers
-    of verl's ``compute_policy_loss_vanilla``.
+    ℓ_t = w_t · ℓ^{loss_type}_t(π_θ/π_old) with verl's precomputed ``rollout_is_weights`` w (none:
+    w=1), on the mask the driver's correction step left, aggregated with ``loss_agg_mode`` and verl's
+    ``global_batch_info`` denominators; with ``ppo_clip`` (and no OPSM) these are the numbers of verl's
+    ``compute_policy_loss_vanilla``, with ``gspo`` those of verl's ``compute_policy_loss_gspo``. The
+    block's ``loss_type`` (ppo_clip, gspo, cispo, dppo_tv, dppo_kl) and ``rollout_opsm_delta`` act
+    here; its IS, rejection and M2PO keys act in the driver's correction step (already applied), and
+    a block asking for IS weights that verl did not pass is refused. verl's loss call passes no
+    rollout log-probs, so OPSM compares π_old with π_θ here (the rule of
+    :func:`~rollout_correction.compute_policy_loss`: π_rollout when given, otherwise π_old).
 
     Bypass (``bypass_mode`` true; verl's trainer has set ``old_log_prob`` to the rollout
-    log-probs): the correction is computed here from π_θ vs π_rollout; ``loss_type="ppo_clip"``
-    clips against π_rollout with the rejection mask applied, ``"reinforce"`` is −sg(w)·A·log π_θ.
+    log-probs): the correction is computed here from π_θ vs π_rollout and every key of the block
+    acts here: ``loss_type="ppo_clip"`` clips against π_rollout with the rejection mask applied,
+    ``"reinforce"`` is −sg(w)·A·log π_θ, ``gspo`` / ``cispo`` / ``dppo_*`` / ``topr`` use
+    r = π_θ/π_rollout, OPSM compares π_rollout with π_θ. Batch-level keys (``rollout_m2po_threshold``,
+    ``rollout_is_batch_normalize``) act over the micro-batch the loss receives.
     The worker only sees the actor's block: neither verl trainer passes ``algorithm.rollout_correction``
     to it in time, hence the line
     ``+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}``.
@@ -141,13 +151,14 @@ def policy_loss(
     rc = _actor_block(config)
     bypass = rc is not None and rc.bypass_mode
     if not bypass:
-        # Decoupled: the driver already computed weights and rejection; the loss only weights PPO.
+        # Decoupled: the driver's correction step already computed the IS weights and the rejection
+        # mask; the loss runs the block's loss_type and OPSM on them (IS and RS off here).
         if rc is None and rollout_is_weights is None:
             _say_once("no_block", "rollout_correction loss: no IS weights from the driver and no "
                       "actor_rollout_ref.actor.policy_loss.rollout_correction block, so this is PPO on the "
-                      "driver's rejection mask only; for bypass mode add "
+                      "driver's rejection mask only; for bypass mode, loss_type or rollout_opsm_delta add "
                       "'+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}'")
-        rc = RolloutCorrectionConfig.disabled()
+        rc = _decoupled_loss_config(rc, rollout_is_weights)
     loss, metrics = compute_policy_loss(
         log_prob, None if bypass else old_log_prob, advantages, response_mask, rc,
         rollout_log_prob=old_log_prob if bypass else None,
@@ -161,6 +172,28 @@ def policy_loss(
     _say_once("loss", f"rollout_correction: verl's policy loss runs this library "
               f"(actor_rollout_ref.actor.policy_loss.loss_mode={LOSS_NAME}, {'bypass' if bypass else 'decoupled'} mode)")
     return loss, {**metrics_to_floats(metrics), BACKEND_METRIC: 1.0}
+
+
+def _decoupled_loss_config(rc: Optional[RolloutCorrectionConfig],
+                           rollout_is_weights: Optional[torch.Tensor]) -> RolloutCorrectionConfig:
+    """What the loss itself does in decoupled mode: the block's ``loss_type``, ``rollout_opsm_delta``
+    and ``on_nonfinite``; IS, rejection and M2PO are the driver's correction step's (already applied).
+
+    verl's loss call (``ppo_loss``) passes no rollout log-probs, so OPSM compares π_old with π_θ here
+    (:func:`~rollout_correction.compute_policy_loss`: π_rollout when given, otherwise π_old). A block
+    that asks for IS weights the driver did not deliver is refused, naming the key.
+    """
+    if rc is None:
+        return RolloutCorrectionConfig.disabled()
+    if rc.is_enabled and rollout_is_weights is None:
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is={rc.rollout_is!r}: in decoupled "
+            "mode the IS weights are computed by verl's correction step on the driver from "
+            "algorithm.rollout_correction, and verl passed none to the loss; set rollout_is there (the same "
+            "block: '+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}'), "
+            "or bypass_mode=true to compute the correction in the loss")
+    return RolloutCorrectionConfig(loss_type=rc.loss_type, rollout_opsm_delta=rc.rollout_opsm_delta,
+                                   on_nonfinite=rc.on_nonfinite)
 
 
 def _actor_block(config: Any) -> Optional[RolloutCorrectionConfig]:
@@ -269,6 +302,16 @@ def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool
     settings = {k: v for k, v in settings_dict(block).items() if k != BACKEND_KEY}
     cfg = config_from_verl(settings)
     actor = config.actor_rollout_ref.actor
+    mode = _get(_get(actor, "policy_loss", None), "loss_mode", None)
+    if mode is not None and str(mode) not in _COMPATIBLE_LOSS_MODES:
+        hint = (f"set loss_type: {mode} in algorithm.rollout_correction (this library's {mode}, with its IS "
+                "weights and masks) and leave loss_mode at vanilla" if str(mode) in _LOSS_TYPES_OF_VERL else
+                "leave loss_mode at vanilla")
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: wire_trainer_config replaces "
+                         f"the loss with {LOSS_NAME!r}, which would drop verl's {mode!r} loss; {hint}, or keep "
+                         f"verl's loss with the config line +algorithm.rollout_correction.{BACKEND_KEY}="
+                         f"{BACKEND_NAME} instead of wire_trainer_config (this library's correction step, "
+                         "verl's loss on its weights)")
     with open_dict(config):
         if _get(actor, "policy_loss", None) is None:
             actor.policy_loss = OmegaConf.create({})
@@ -281,9 +324,55 @@ def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool
         if driver:
             if _backend_value(block) is None:
                 config.algorithm.rollout_correction[BACKEND_KEY] = BACKEND_NAME
+    check_trainer_config(config)
     if driver:
         patch_driver()
     return config
+
+
+#: verl loss modes that wire_trainer_config may replace: verl's default, its bypass loss (written
+#: by verl's own bypass set-up) and ours.
+_COMPATIBLE_LOSS_MODES = ("vanilla", "bypass_mode", LOSS_NAME)
+#: verl 0.9.1 loss modes that are a ``loss_type`` of this library.
+_LOSS_TYPES_OF_VERL = ("gspo", "cispo", "dppo_tv", "dppo_kl")
+#: loss_type values verl's own losses implement (its bypass loss: ppo_clip, reinforce).
+_VERL_LOSS_TYPES = ("ppo_clip", "reinforce")
+
+
+def check_trainer_config(config: Any) -> None:
+    """Refuse settings of ``algorithm.rollout_correction`` that would not act where verl runs them.
+
+    ``loss_type`` (other than ppo_clip / reinforce) and ``rollout_opsm_delta`` act in this library's
+    policy loss only, which reads them from ``actor_rollout_ref.actor.policy_loss.rollout_correction``:
+    with another ``loss_mode`` (verl's own loss runs), or without that block in the actor config,
+    they would be ignored silently, so this raises, naming the key and where it acts. Called by
+    :func:`wire_trainer_config` and by this library's correction step (with the trainer's config).
+    """
+    block = _get(_get(config, "algorithm", None), "rollout_correction", None)
+    if block is None:
+        return
+    cfg = config_from_verl({k: v for k, v in settings_dict(block).items() if k != BACKEND_KEY})
+    wanted = {}
+    if cfg.loss_type not in _VERL_LOSS_TYPES:
+        wanted["loss_type"] = cfg.loss_type
+    if cfg.rollout_opsm_delta is not None:
+        wanted["rollout_opsm_delta"] = cfg.rollout_opsm_delta
+    if not wanted:
+        return
+    key, value = next(iter(wanted.items()))
+    actor = _get(_get(config, "actor_rollout_ref", None), "actor", None)
+    mode = str(_get(_get(actor, "policy_loss", None), "loss_mode", "vanilla"))
+    where = (f"it acts in this library's policy loss only (actor_rollout_ref.actor.policy_loss.loss_mode="
+             f"{LOSS_NAME}, reading actor_rollout_ref.actor.policy_loss.rollout_correction)")
+    if mode != LOSS_NAME:
+        raise ValueError(f"algorithm.rollout_correction.{key}={value!r}: {where}, but loss_mode={mode!r} runs "
+                         f"verl's own loss, which would ignore it; set loss_mode={LOSS_NAME} (verl's gspo / cispo "
+                         "/ dppo_tv / dppo_kl are loss_type values of the block) or remove the key")
+    actor_rc = _actor_block(actor)
+    if actor_rc is None or any(getattr(actor_rc, k) != v for k, v in wanted.items()):
+        raise ValueError(f"algorithm.rollout_correction.{key}={value!r}: {where}, and the actor's block "
+                         f"{'is absent' if actor_rc is None else 'differs'}; add "
+                         "'+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}'")
 
 
 def register(core_algos: Any = None) -> None:
@@ -322,13 +411,17 @@ def backend_requested(rollout_corr_config: Any) -> bool:
 def _dispatching(original: Any, routed: bool = False) -> Any:
     def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any):  # noqa: F811
         requested = backend_requested(rollout_corr_config)  # raises on a misspelt backend
+        caller = sys._getframe(1)
+        trainer_config = getattr(caller.f_locals.get("self"), "config", None)  # verl's two trainers: self.config
+        if _get(trainer_config, "actor_rollout_ref", None) is not None:
+            check_trainer_config(trainer_config)  # the loss keys must reach this library's loss
         if not requested and not (routed and _backend_value(rollout_corr_config) is None):
+            _refuse_keys_verls_step_ignores(rollout_corr_config)
             return original(batch, rollout_corr_config)
         _say_once("step", "rollout_correction: verl's rollout-correction step runs this library "
                   + (f"(algorithm.rollout_correction.{BACKEND_KEY}={BACKEND_NAME})" if requested
                      else "(patch_driver / wire_trainer_config)"))
         block = {k: v for k, v in settings_dict(rollout_corr_config).items() if k != BACKEND_KEY}
-        caller = sys._getframe(1)
         batch, metrics = globals()["compute_rollout_correction_and_add_to_batch"](batch, block)
         _v1_loss_mask(caller, batch)
         return batch, {**metrics, BACKEND_METRIC: 1.0}
@@ -339,6 +432,27 @@ def _dispatching(original: Any, routed: bool = False) -> Any:
         "verl's correction step, or this library's when algorithm.rollout_correction.backend=rollout_correction"
         + (" or when routed by patch_driver" if routed else ""))
     return compute_rollout_correction_and_add_to_batch
+
+
+#: The keys verl 0.9.1's own correction step reads (``rollout_corr_helper``), plus those its trainer
+#: and losses read (bypass_mode, loss_type) and those this library's policy loss reads.
+_VERL_STEP_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+                   "rollout_rs_threshold", "bypass_mode", "loss_type", "rollout_opsm_delta", BACKEND_KEY, "_target_")
+
+
+def _refuse_keys_verls_step_ignores(rollout_corr_config: Any) -> None:
+    """verl's own correction step reads five keys and ignores the rest: a setting of this library's
+    step (veto, lower bounds, ``rollout_is_mode``, M2PO, ``on_nonfinite``, ``check_alignment``) that
+    differs from its default is refused, naming the key and where it acts."""
+    if rollout_corr_config is None:
+        return
+    defaults = RolloutCorrectionConfig()
+    for key, value in settings_dict(rollout_corr_config).items():
+        if key in _VERL_STEP_KEYS or value is None or value == getattr(defaults, key, None):
+            continue
+        raise ValueError(f"algorithm.rollout_correction.{key}={value!r}: verl's own correction step ignores it; "
+                         f"it acts in this library's correction step: add +algorithm.rollout_correction."
+                         f"{BACKEND_KEY}={BACKEND_NAME}")
 
 
 def _backend_value(rollout_corr_config: Any) -> Any:
