@@ -1,4 +1,4 @@
-"""OPSM, GSPO and TOPR from the ``algorithm.rollout_correction`` block inside verl 0.9.1's own machinery.
+"""OPSM, GSPO, CISPO, DPPO and TOPR from the ``algorithm.rollout_correction`` block inside verl 0.9.1's own machinery.
 
 As in tests/test_integration_verl_worker.py (whose helpers this reuses): Hydra composes verl's
 ``ppo_trainer.yaml`` with the documented override lines plus the method's key, ``OmegaConf.resolve``
@@ -6,7 +6,8 @@ as verl's TaskRunner does, ``omega_conf_to_dataclass`` builds the actor config t
 the correction step is looked up where verl's legacy trainer looks it up, and the loss is verl's
 ``verl.workers.utils.losses.ppo_loss`` over verl's micro-batches. Each loss and its gradient (taken
 through the nested model output, as verl's backward does) is compared with a hand-written formula;
-GSPO also with verl's own ``loss_mode=gspo`` on the same worker data and the same IS weights.
+GSPO, CISPO, DPPO-TV and DPPO-KL with verl's own ``loss_mode`` of that name on the same worker
+data and the same IS weights. Each key that cannot act on a route is refused, naming it.
 """
 
 from __future__ import annotations
@@ -286,3 +287,22 @@ def test_verls_own_correction_step_refuses_a_key_only_this_librarys_step_reads(k
     _, metrics = _Trainer(_compose(lines + ["+algorithm.rollout_correction.backend=rollout_correction"])).step(
         Rollout(seed=29).proto())
     assert metrics[rc_verl.BACKEND_METRIC] == 1.0
+
+
+@pytest.mark.parametrize("loss", ["cispo", "dppo_tv", "dppo_kl"])
+def test_cispo_and_dppo_blocks_equal_verls_own_loss_mode_on_the_same_worker_data_and_weights(loss):
+    lines = _decoupled_lines() + SIZES
+    ours = _compose(lines + [f"algorithm.rollout_correction.loss_type={loss}", ACTOR_LINE])
+    r = Rollout(seed=30, grad=True)
+    batch, keep, weights = _decoupled_step(ours, r)
+    mine, _ = _worker_update(_copy(batch), ours, _worker_actor_config(ours), r)
+    theirs = _compose([x for x in lines if "loss_mode" not in x] + [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss}"])
+    verls, _ = _worker_update(batch, theirs, _worker_actor_config(theirs), r)
+    for (a, _), (b, _) in zip(mine, verls):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    (g_ours,) = torch.autograd.grad(_total(mine), r.log_prob)
+    (g_verl,) = torch.autograd.grad(_total(verls), r.log_prob)
+    torch.testing.assert_close(g_ours, g_verl, rtol=1e-5, atol=1e-7)
+    assert torch.all(g_ours[~keep] == 0) and torch.any(g_ours[keep] != 0)
+    ppo = (_ppo_clip(r.log_prob, r.old, r.advantages) * weights * keep).sum() / keep.sum()
+    assert not torch.isclose(_total(mine).double(), ppo)
