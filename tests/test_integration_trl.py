@@ -9,6 +9,7 @@ built from a config and a word-level tokenizer built in code (nothing from a hub
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -689,3 +690,32 @@ def test_custom_rollout_func_without_log_probs_is_refused_at_the_first_generatio
                                            rollout_correction="decoupled_token_is")
     with pytest.raises(RuntimeError, match="rollout_func must return the sampled tokens' log-probs under the key 'logprobs'"):
         trainer.train()
+
+
+def _m2po_accepted(old, sampling, completion_mask, tau):
+    """M2PO written out: drop the valid tokens with the largest (log ρ_t)², largest first, until the
+    mean over the kept tokens is ≤ τ (a float64 walk down the sorted values)."""
+    m = completion_mask.bool()
+    sq = torch.where(m, (old.double() - sampling.double()) ** 2, 0.0)
+    values = sorted(sq[m].tolist(), reverse=True)
+    total, n, dropped = sum(values), len(values), 0
+    while n and total / n > tau:
+        total, n, dropped = total - values[dropped], n - 1, dropped + 1
+    return m if dropped == 0 else m & (sq < values[dropped - 1])
+
+
+def test_m2po_masks_over_the_whole_generation_batch(tmp_path, monkeypatch):
+    """rollout_m2po_threshold acts in the scoring step over the generation batch: TRL's loss equals
+    the token TIS loss over the tokens an independent M2PO walk keeps, with their count as the
+    denominator (dapo, TRL's default)."""
+    tau = 6e-8  # the batch mean of (log ρ_t)² is about 1.3e-7 on this model and sampler
+    monkeypatch.setattr(sys.modules[__name__], "_accepted",
+                        lambda old, sampling, mask: _m2po_accepted(old, sampling, mask, tau))
+    config = {"rollout_is": "token", "rollout_is_threshold": 1.0, "rollout_m2po_threshold": tau}
+    trainer = _train(tmp_path, "dapo", config=config)
+    (batch,), (record,) = trainer.batches, trainer.records
+    assert 0 < batch["accepted"] < int(trainer.batch_completion_mask.sum())  # M2PO bites, tokens are left
+    assert batch["items"] == batch["accepted"]
+    torch.testing.assert_close(record["loss"], _expected(trainer, record, batch), rtol=1e-5, atol=1e-8)
+    logged = [h for h in trainer.state.log_history if "rollout_corr/m2po_masked_fraction" in h]
+    assert len(logged) == 1 and 0 < logged[0]["rollout_corr/m2po_masked_fraction"] < 1
