@@ -48,6 +48,12 @@ def cached(fn):
     return property(get)
 
 
+#: Input dtypes whose subtraction promotes to float32 (then ``torch.sub`` upcasts as it subtracts).
+_FLOAT32_SUB = {(a, b): torch.promote_types(a, b) == torch.float32
+                for a in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+                for b in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
 class Workspace:
     """Reusable buffers of :class:`LogRatioBatch` (see :meth:`LogRatioBatch.workspace`):
     ``slots`` (slots, rows, T) float32, and a (rows, T) float64 scratch made on first use."""
@@ -134,25 +140,35 @@ class LogRatioBatch:
         device = response_mask.device
         # Every (B, T) temporary whose row sum is needed is written into one buffer, so one sum
         # reduces them all (and the float64 per-row values are derived from one small matrix).
+        # Under torch.compile the same values are computed functionally and stacked (the compiler
+        # fuses them; a graph must not alias its outputs to slices of a temporary).
         self._workspace = workspace
-        if workspace is not None and full:
+        n_slots = len(self._SLOTS) if full else 3
+        if torch.compiler.is_compiling():
+            buf = None
+        elif workspace is not None and full:
             buf = workspace.slots[:, :B]  # overwritten: the previous batch using it must be finished
         else:
-            buf = torch.empty((len(self._SLOTS) if full else 3, B, T), dtype=torch.float32, device=device)
-        mask_in, mask, lr = buf[0], buf[1], buf[2]
+            buf = torch.empty((n_slots, B, T), dtype=torch.float32, device=device)
+
+        def slot(i: int) -> Optional[torch.Tensor]:
+            return None if buf is None else buf[i]
+
         if full:
             old, roll = self.old_log_prob, self.rollout_log_prob
-            if torch.result_type(old, roll) == torch.float32:
-                torch.sub(old, roll, out=lr)  # upcast inside the subtraction
+            if _FLOAT32_SUB.get((old.dtype, roll.dtype)):  # (torch.result_type would break a compiled graph)
+                lr = torch.sub(old, roll, out=slot(2))  # upcast inside the subtraction
             else:  # e.g. both bf16: upcast first (a subtraction in bf16 would round)
-                lr.copy_(old).sub_(roll)
+                lr = (old.to(torch.float32, copy=True) if buf is None else buf[2].copy_(old)).sub_(roll)
         else:
-            lr.copy_(source)
+            lr = source.to(torch.float32, copy=True) if buf is None else buf[2].copy_(source)
         # Non-zero marks a valid token, whatever the mask's dtype or values.
-        if response_mask.dtype == torch.bool:
-            mask_in.copy_(response_mask)
+        if buf is None:
+            mask_in = (response_mask if response_mask.dtype == torch.bool else response_mask != 0).to(torch.float32)
+        elif response_mask.dtype == torch.bool:
+            mask_in = buf[0].copy_(response_mask)
         else:
-            torch.ne(response_mask, 0, out=mask_in)
+            mask_in = torch.ne(response_mask, 0, out=buf[0])
         # Sanitise (NaN / ±inf → ±1e30) and mask: a valid |log ρ| ≥ 1e30 marks the row as bad.
         torch.nan_to_num_(lr, nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
         lr.mul_(mask_in)
@@ -170,16 +186,20 @@ class LogRatioBatch:
         # Rows are dropped arithmetically whether or not any is bad: no data-dependent branch,
         # so the call never waits for the device (and can be captured in a CUDA graph).
         keep_row = good.unsqueeze(-1)
-        torch.mul(mask_in, keep_row, out=mask)
+        mask = torch.mul(mask_in, keep_row, out=slot(1))
         lr.mul_(keep_row)
         self.input_mask, self.mask, self.log_ratio = mask_in, mask, lr
+        slots = [mask_in, mask, lr]
         if full:
             lrc = self._cached_log_ratio_clamped = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-            ratio = self._cached_ratio = torch.exp(lrc, out=buf[5]).mul_(mask)
-            self._cached_k3 = torch.sub(ratio, mask, out=buf[4]).sub_(lrc).clamp_min_(0.0)
-            torch.mul(ratio, ratio, out=buf[6])
+            ratio = self._cached_ratio = torch.exp(lrc, out=slot(5)).mul_(mask)
+            k3 = self._cached_k3 = torch.sub(ratio, mask, out=slot(4)).sub_(lrc).clamp_min_(0.0)
+            ratio2 = torch.mul(ratio, ratio, out=slot(6))
             # log π_train at the positions used; NaN·0 (a NaN or ±inf in padding or a dropped row) → 0
-            torch.mul(self.old_log_prob, mask, out=buf[3]).nan_to_num_(nan=0.0)
+            old_used = torch.mul(self.old_log_prob, mask, out=slot(3)).nan_to_num_(nan=0.0)
+            slots += [old_used, k3, ratio, ratio2]
+        if buf is None:
+            buf = torch.stack(slots)
         # One reduction for every per-row sum, spanning the group when the rows are split. The
         # partials exchanged come from the collect pass, where a rank may not yet know that a row
         # is dropped: the group's sums of a dropped row are set to those of an empty row (0) here.
