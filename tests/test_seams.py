@@ -138,6 +138,19 @@ def test_batch_from_log_ratio_refuses_perplexity_and_names_bad_values():
         LogRatioBatch.from_log_ratio(mask.long(), mask)
 
 
+
+def test_batch_from_mask_counts_the_mask_alone():
+    # Rows: 3 valid tokens; none; 2 valid tokens (one of them masked by a value other than 1).
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [0, 2, 0, 1]])
+    batch = LogRatioBatch.from_mask(mask)
+    assert batch.valid.tolist() == [[True, True, True, False], [False] * 4, [False, True, False, True]]
+    assert batch.row_valid.tolist() == [True, False, True]
+    assert float(batch.log_ratio.abs().sum()) == 0.0
+    stats = SufficientStats()
+    batch.add_counts(stats)
+    assert float(stats.sum("n_tok")) == 5 and float(stats.sum("n_rows")) == 2
+    assert float(stats.sum("n_rows_input")) == 2
+
 # ------------------------------------------------------------------------------ rejection
 def test_option_metrics_are_the_chain_metrics_of_that_option():
     old, roll, mask = _data(1, B=12, T=7)

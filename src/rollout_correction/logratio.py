@@ -119,6 +119,16 @@ class LogRatioBatch:
         batch._setup(log_ratio, response_mask, on_nonfinite, row_offset)
         return batch
 
+    @classmethod
+    def from_mask(cls, response_mask: torch.Tensor) -> "LogRatioBatch":
+        """A batch that carries a (B, T) response mask only: the valid positions, the rows with a
+        valid token and the token / row counts (:meth:`add_counts`), for statistics of weights or
+        of a rejection statistic that the caller computed itself (verl's metric helpers take them
+        precomputed). Its log-ratio is 0 everywhere; use :meth:`from_log_ratio` when you have one.
+        """
+        zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+        return cls.from_log_ratio(zeros, response_mask)
+
     #: Slots of the stacked (B, T) token tensors whose per-row sums one reduction gives:
     #: input mask, mask used, log ρ, then (with the log-probs) π_train log-prob (masked), k3, ρ, ρ².
     _SLOTS = ("input_mask", "mask", "log_ratio", "old", "k3", "ratio", "ratio2")

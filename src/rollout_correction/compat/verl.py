@@ -272,7 +272,7 @@ def compute_is_metrics(
             isw = ISWeights(weights=torch.where(valid, rollout_is_weights.float(), 0.0),
                             raw=torch.where(valid, raw_rollout_is_weights.float(), 0.0))
         else:
-            batch = LogRatioBatch.from_log_ratio(torch.zeros_like(response_mask, dtype=torch.float32), response_mask)
+            batch = LogRatioBatch.from_mask(response_mask)
             valid = batch.valid
             # Sequence weights are constant over a row's valid tokens: read them off with a max.
             row_w = torch.where(valid, rollout_is_weights.float(), 0.0).amax(-1)
@@ -313,7 +313,7 @@ def compute_rs_metrics(
     opt = RSOption(option_name, agg, estimator,
                    float(rollout_rs_threshold_lower) if apply_lower_threshold else None, float(rollout_rs_threshold))
     with torch.no_grad():
-        batch = LogRatioBatch.from_log_ratio(torch.zeros_like(response_mask, dtype=torch.float32), response_mask)
+        batch = LogRatioBatch.from_mask(response_mask)
         valid = batch.valid
         if agg == "token":
             statistic = torch.where(valid, rs_statistic.float(), 0.0)
