@@ -211,7 +211,8 @@ def test_inside_verls_task_runner_actor_the_plugin_is_active(transfer_queue):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probe travels by value
     runner = TaskRunnerV1.remote()
     try:
-        seen = ray.get(runner.__ray_call__.remote(_inside_the_task_runner), timeout=120)
+        # A fresh actor imports verl and torch: minutes on a loaded 2-core machine.
+        seen = ray.get(runner.__ray_call__.remote(_inside_the_task_runner), timeout=600)
     finally:
         ray.kill(runner)
     assert seen["process"] != os.getpid() and seen["runner"] == "TaskRunnerV1"
