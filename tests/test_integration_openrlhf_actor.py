@@ -196,19 +196,24 @@ def _train_in(ns, args, batch, monkeypatch, gas, part):
     return trainer, status, strategy.step_grads, windows
 
 
-def _expected_grads(batch, windows, keep, weight, clip=0.2):
-    """∇ of the PPO-clip loss Σ w·ℓ over accepted tokens / (accepted tokens) per optimizer step."""
+def _expected_grads(batch, windows, keep, weight, clip=0.2, seq_mean=False):
+    """∇ of the PPO-clip loss Σ w·ℓ over accepted tokens / (accepted tokens) per optimizer step, or
+    with ``seq_mean`` the mean over accepted sequences of each one's mean over its accepted tokens."""
     seq, attn, mask, old, rollout, adv = batch
     grads = []
     for rows in windows:
         policy = TinyPolicy()
         rows = torch.tensor(rows)
-        logp = policy.token_log_probs(seq[rows], A)
         k = keep[rows].float()
         a = adv[rows].expand(-1, A) * weight[rows]
-        ratio = torch.exp(logp - old[rows])
+        ratio = torch.exp(policy.token_log_probs(seq[rows], A) - old[rows])
         per_token = -torch.min(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
-        loss = (per_token * k).sum() / k.sum()
+        if seq_mean:
+            n = k.sum(-1)
+            losses = [(per_token[i] * k[i]).sum() / n[i] for i in range(len(rows)) if n[i] > 0]
+            loss = sum(losses) / len(losses)
+        else:
+            loss = (per_token * k).sum() / k.sum()
         loss.backward()
         grads.append(policy.W.grad)
     return grads
@@ -517,23 +522,5 @@ def test_seq_mean_token_mean_aggregation_counts_accepted_sequences(gate_root, mo
     keep, weight = _seq_mask_tis(batch)
     _, _, grads, windows = _train(gate_root, RECIPE, args, batch, monkeypatch)
     assert len(grads) == 2
-    for got, want in zip(grads, _expected_seq_mean_grads(batch, windows, keep, weight)):
+    for got, want in zip(grads, _expected_grads(batch, windows, keep, weight, seq_mean=True)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
-
-
-def _expected_seq_mean_grads(batch, windows, keep, weight, clip=0.2):
-    """∇ of the mean over accepted sequences of each one's mean PPO-clip loss over its accepted tokens."""
-    seq, attn, mask, old, rollout, adv = batch
-    grads = []
-    for rows in windows:
-        policy = TinyPolicy()
-        rows = torch.tensor(rows)
-        ratio = torch.exp(policy.token_log_probs(seq[rows], A) - old[rows])
-        a = adv[rows].expand(-1, A) * weight[rows]
-        per_token = -torch.min(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
-        k = keep[rows].float()
-        n = k.sum(-1)
-        losses = [(per_token[i] * k[i]).sum() / n[i] for i in range(len(rows)) if n[i] > 0]
-        (sum(losses) / len(losses)).backward()
-        grads.append(policy.W.grad)
-    return grads
