@@ -2,7 +2,11 @@
 
 Not a test: it prints medians and ratios. Both implementations run in the same process,
 one thread, on identical tensors; calls are interleaved (verl, ours, floor, verl, ours, ...)
-so that machine noise hits all of them alike. verl's helper returns Python floats, so our
+so that machine noise hits all of them alike, and every timed call starts from cold caches (a
+64 MiB write before it). The script re-runs itself with fixed glibc allocator settings
+(``STEADY_MALLOC``: freed memory is kept and reused, as a caching allocator does), because with
+the defaults the cost of page faults for fresh temporaries depends on the process's history
+(``--system-malloc`` keeps the defaults). verl's helper returns Python floats, so our
 timing includes ``metrics_as_floats()`` (the single device sync) to compare like with like.
 
 The floor is one streaming pass over the inputs, ``old - rollout``: no correction can be
@@ -141,24 +145,37 @@ def _has_compile_path() -> bool:
     return "compile" in inspect.signature(rc.compute_rollout_correction).parameters
 
 
+#: Written before every timed call so that each call starts with cold caches (64 MiB, twice the
+#: last-level cache of the development machine): no runner inherits data another left in cache.
+_FLUSH = torch.zeros(16 << 20)
+
+
+def flush_caches() -> None:
+    _FLUSH.add_(1.0)
+
+
 def time_interleaved(runners: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, float]:
-    """Median wall time (ms) of each runner, calls interleaved round-robin."""
+    """Median wall time (ms) of each runner, calls interleaved round-robin, each call from cold
+    caches. Also ``floor (hot)``: the floor called again right after itself (inputs in cache)."""
     for _ in range(warmup):
         for fn in runners.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in runners}
+    samples["floor (hot)"] = []
     for _ in range(repeats):
         for name, fn in runners.items():
-            if name == "floor":  # cheap: sample it more often
-                for _ in range(4):
+            cheap = name == "floor"
+            for _ in range(4 if cheap else 1):  # the floor is cheap: sample it more often
+                gc.collect()
+                flush_caches()
+                start = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - start) * 1e3)
+                if cheap:
                     start = time.perf_counter()
                     fn()
-                    samples[name].append((time.perf_counter() - start) * 1e3)
-            gc.collect()
-            start = time.perf_counter()
-            fn()
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(values) for name, values in samples.items()}
+                    samples["floor (hot)"].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items() if values}
 
 
 # ----------------------------------------------------------------------------- memory
@@ -203,6 +220,27 @@ def measure_memory(case: Case, impl: str, batch: int, length: int, dtype: str) -
     return json.loads(proc.stdout.strip().splitlines()[-1])["extra_mib"]
 
 
+# ----------------------------------------------------------------------------- allocator
+
+#: glibc malloc settings for the timings: every freed block stays in the process and is reused,
+#: so no call pays page faults for fresh memory. Without them the result depends on the process's
+#: history: glibc raises its mmap threshold only after freeing a large mmapped block, and returns
+#: memory above its trim threshold to the system, so the same (B, T) temporaries are sometimes
+#: reused and sometimes faulted in again (verl's helper took 14 ms or 50 ms for the same
+#: metrics-only call on an idle machine, depending on what had run before). A trainer's caching
+#: allocator (PyTorch's on GPU) reuses memory, which is what the fixed settings model.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 33),
+                 "MALLOC_TOP_PAD_": str(1 << 26)}
+
+
+def steady_allocator(argv: list[str]) -> None:
+    """Re-run this script with :data:`STEADY_MALLOC` unless it is already in effect."""
+    if all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items()):
+        return
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], {**os.environ, **STEADY_MALLOC})
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -222,7 +260,9 @@ def markdown_tables(results: list[dict[str, Any]]) -> str:
             head += ["compiled ms", "verl/compiled", "compiled/floor"]
         if memory:
             head += ["verl MiB", "ours MiB", "verl/ours MiB"]
-        lines = [f"**{key[0]} {key[1]}** (floor `old - rollout`: {statistics.median(r['floor'] for r in rows):.2f} ms)",
+        floor = statistics.median(r["floor"] for r in rows)
+        hot = statistics.median(r["floor (hot)"] for r in rows)
+        lines = [f"**{key[0]} {key[1]}** (floor `old - rollout`: {floor:.2f} ms from cold caches, {hot:.2f} ms hot)",
                  "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
             cells = [r["case"], f"{r['verl']:.1f}", f"{r['ours']:.1f}", f"{r['verl'] / r['ours']:.1f}×",
@@ -252,12 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true", help="also measure peak extra memory (subprocesses)")
     parser.add_argument("--json", default="", help="write raw results to this file")
     parser.add_argument("--markdown", default="", help="write the tables as Markdown to this file")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="time with glibc's default (history-dependent) allocator settings")
     parser.add_argument("--memory-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.memory_child:
         _memory_child(json.loads(args.memory_child))
         return 0
+    if not args.system_malloc:
+        steady_allocator(sys.argv[1:] if argv is None else argv)
 
     from rich.console import Console
     from rich.table import Table
@@ -283,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 table.add_column("verl MiB", justify="right")
                 table.add_column("ours MiB", justify="right")
                 table.add_column("mem ratio", justify="right")
-            speedups = []
+            speedups, compiled_speedups = [], []
             for case in cases:
                 if args.compile:
                     # A trainer compiles one configuration; start each case from an empty
@@ -303,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.compile:
                     if "ours (compiled)" in med:
                         c = med["ours (compiled)"]
+                        compiled_speedups.append(med["verl"] / c)
                         cells += [f"{c:.2f}", f"{med['verl'] / c:.1f}x", f"{c / med['floor']:.0f}x"]
                     else:
                         cells += ["n/a", "", ""]
@@ -315,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(row)
             console.print(table)
             console.print(
-                f"floor (old - rollout): {med['floor']:.3f} ms; "
+                f"floor (old - rollout): {med['floor']:.3f} ms from cold caches, {med['floor (hot)']:.3f} ms hot; "
                 f"geometric-mean speed-up over verl: {geometric_mean(speedups):.1f}x"
+                + (f" eager, {geometric_mean(compiled_speedups):.1f}x compiled" if compiled_speedups else "")
             )
             del inputs
     if args.json:

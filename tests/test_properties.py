@@ -222,6 +222,8 @@ def test_compiled_pass_equals_eager():
         old = rollout + torch.randn(B, T, generator=g) * 0.3
         mask = torch.rand(B, T, generator=g) > 0.2
         old[0, 0] = float("nan")  # one non-finite row
+        mask[1, -1], old[1, -1] = False, float("nan")  # NaN in padding: the row is kept
+        mask[2, 0], rollout[2, 0] = True, -float("inf")  # log ρ = +inf at a valid token: dropped
         fast = compute_rollout_correction(old, rollout, mask, cfg, compile=True)
         eager = compute_rollout_correction(old, rollout, mask, cfg)
         assert torch.equal(fast.response_mask, eager.response_mask)

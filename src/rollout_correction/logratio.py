@@ -180,7 +180,10 @@ class LogRatioBatch:
         else:
             mask_in = torch.ne(response_mask, 0, out=buf[0])
         # Sanitise (NaN / ±inf → ±1e30) and mask: a valid |log ρ| ≥ 1e30 marks the row as bad.
-        torch.nan_to_num_(lr, nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
+        if buf is None:  # compiled: the compiler's nan_to_num tests NaN one lane at a time; x != x is vectorised
+            lr = torch.where(lr != lr, NONFINITE_SENTINEL, lr.clamp(-NONFINITE_SENTINEL, NONFINITE_SENTINEL))
+        else:
+            torch.nan_to_num_(lr, nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
         lr.mul_(mask_in)
         if T > 0:
             # (abs + amax: on CPU ~20x faster than aminmax or an inf-norm, which are not vectorised)
@@ -206,14 +209,18 @@ class LogRatioBatch:
             k3 = self._cached_k3 = torch.sub(ratio, mask, out=slot(4)).sub_(lrc).clamp_min_(0.0)
             ratio2 = torch.mul(ratio, ratio, out=slot(6))
             # log π_train at the positions used; NaN·0 (a NaN or ±inf in padding or a dropped row) → 0
-            old_used = torch.mul(self.old_log_prob, mask, out=slot(3)).nan_to_num_(nan=0.0)
+            if buf is None:  # (a used position has a finite log ρ, so a finite π_train log-prob)
+                old_used = torch.where(mask > 0, self.old_log_prob.to(torch.float32), 0.0)
+            else:
+                old_used = torch.mul(self.old_log_prob, mask, out=slot(3)).nan_to_num_(nan=0.0)
             slots += [old_used, k3, ratio, ratio2]
-        if buf is None:
-            buf = torch.stack(slots)
         # One reduction for every per-row sum, spanning the group when the rows are split. The
         # partials exchanged come from the collect pass, where a rank may not yet know that a row
         # is dropped: the group's sums of a dropped row are set to those of an empty row (0) here.
-        sums = self.reduce_sum(buf.sum(-1))
+        # Compiled, each slot is reduced on its own (stacking the (B, T) slots first would make the
+        # compiler write the whole stack to memory and read it back; separate sums fuse into the
+        # pass that computes them).
+        sums = self.reduce_sum(buf.sum(-1) if buf is not None else torch.stack([s.sum(-1) for s in slots]))
         if rows is not None:
             sums[1:].mul_(good)
             rows.drop(~good)
