@@ -177,10 +177,10 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     return out, values
 
 
-#: The eager pass walks the batch in blocks of about this many tokens (1 MiB per float32
+#: The eager pass walks the batch in blocks of about this many tokens (512 KiB per float32
 #: temporary): temporaries stay cache-sized, and peak memory does not grow with the batch
 #: beyond the outputs. Statistics of all blocks are reduced together, so results are identical.
-BLOCK_TOKENS = 1 << 18
+BLOCK_TOKENS = 1 << 17
 #: On an accelerator the blocks are larger (16 MiB per float32 temporary): every block costs its
 #: own kernel launches, and device memory bandwidth, not cache, is what a block must saturate.
 DEVICE_BLOCK_TOKENS = 1 << 22
