@@ -147,7 +147,7 @@ class Metrics(MutableMapping):
         if self._keys is None:
             keys: list[str] = []
             for stats, derive, prefix in self._sources:  # names depend on the config only: derive on zeros
-                names_s, _, names_m, _ = stats.packed()
+                names_s, names_m, _ = stats.packed_vector()
                 zeros = HostStats(dict.fromkeys(names_s, 0.0), dict.fromkeys(names_m, 0.0))
                 keys += [prefix + k for k in derive(zeros)]
             self._keys = keys
