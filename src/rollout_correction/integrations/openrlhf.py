@@ -280,6 +280,11 @@ def config_from_openrlhf_args(args: Any) -> RolloutCorrectionConfig:
     return config_from_openrlhf(adv.is_correction_type, adv.is_correction_threshold)
 
 
+_TURN_CORRECTION_ON = (
+    "turn OpenRLHF's correction on (--algo.advantage.is_correction_enable, or "
+    "--algo.advantage.is_correction_level token|seq from 0.11.2) so vLLM returns its sampling log-probs"
+)
+
 _CORE_LOSS_TYPES = ("gspo", "cispo", "dppo_tv", "dppo_kl")
 """``loss_type`` values the adapter computes with the core's ``compute_policy_loss`` (ppo_clip:
 OpenRLHF's own PolicyLoss, weighted; with ``rollout_opsm_delta``: the core's PPO clip)."""
@@ -433,15 +438,14 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         if self.filter_level == "seq":
             rows = valid.any(-1)
             return (rows & ~(kept & valid).any(-1)).sum(), rows.sum()
-        filtered = valid & ~kept
+        filtered = ~kept
         spec = self.config.is_spec
         if spec is not None and spec.level == "token":
-            log_rho = (old_log_probs.float() - rollout_log_probs.float()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-            out = log_rho.exp() > spec.upper
+            rho = (old_log_probs.float() - rollout_log_probs.float()).clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
+            filtered = filtered | (rho > spec.upper)
             if spec.lower is not None:
-                out = out | (log_rho.exp() < spec.lower)
-            filtered = filtered | (kept & valid & out)
-        return filtered.sum(), valid.sum()
+                filtered = filtered | (rho < spec.lower)
+        return (valid & filtered).sum(), valid.sum()
 
     @torch.no_grad()
     def prepare_experience(self, experience: Any) -> Any:
@@ -463,20 +467,15 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         """
         mask = experience.action_mask
         if experience.rollout_log_probs is None:
-            raise ValueError(
-                "experience.rollout_log_probs is None: turn OpenRLHF's correction on "
-                "(--algo.advantage.is_correction_enable, or --algo.advantage.is_correction_level "
-                "token|seq from 0.11.2) so vLLM returns its sampling log-probs"
-            )
+            raise ValueError(f"experience.rollout_log_probs is None: {_TURN_CORRECTION_ON}")
         result = compute_rollout_correction(
             experience.action_log_probs, experience.rollout_log_probs, mask, self.config
         )
         valid = mask.to(torch.bool)
         kept = result.response_mask.to(torch.bool) & valid
-        filtered, units = self._filter_counts(
-            experience.action_log_probs, experience.rollout_log_probs, valid, kept)
-        self._pending_filter[0] += int(filtered)
-        self._pending_filter[1] += int(units)
+        counts = torch.stack(self._filter_counts(
+            experience.action_log_probs, experience.rollout_log_probs, valid, kept)).tolist()  # one sync
+        self._pending_filter = [a + b for a, b in zip(self._pending_filter, counts)]
         n_valid = valid.sum(-1)
         rejected = (n_valid - kept.sum(-1)).float()
         placeholder = torch.zeros_like(n_valid, dtype=torch.bool)
@@ -537,15 +536,11 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         if action_mask is None:
             action_mask = torch.ones_like(log_probs)
         if rollout_log_probs is None:
-            raise ValueError(
-                "rollout_log_probs is None: turn OpenRLHF's correction on "
-                "(--algo.advantage.is_correction_enable, or --algo.advantage.is_correction_level token|seq "
-                "from 0.11.2) so vLLM returns its sampling log-probs"
-            )
+            raise ValueError(f"rollout_log_probs is None: {_TURN_CORRECTION_ON}")
         self._empty_rows = 0  # a training phase: the next prepare_experience starts a new step
-        if self._pending_filter[1] or self._pending_filter[0]:
-            filtered, units = self._pending_filter
-            self._step_filter_ratio = filtered / units if units else 0.0
+        filtered, units = self._pending_filter
+        if units:  # prepare_experience counted a new step
+            self._step_filter_ratio = filtered / units
             self._pending_filter = [0, 0]
         result = compute_rollout_correction(old_log_probs.detach(), rollout_log_probs, action_mask, self.config)
         self.last_metrics = result.metrics
