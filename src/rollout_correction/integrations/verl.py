@@ -208,7 +208,13 @@ def _actor_block(config: Any) -> Optional[RolloutCorrectionConfig]:
     if block is None or (dataclasses.is_dataclass(block) and type(block).__module__.startswith("verl.")
                          and block == type(block)()):
         return None
-    return config_from_verl({k: v for k, v in settings_dict(block).items() if k not in (BACKEND_KEY, "_target_")})
+    return config_from_verl(_block_settings(block))
+
+
+def _block_settings(block: Any) -> dict[str, Any]:
+    """The block's settings without the ``backend`` key of the correction-step switch (not a
+    config key; ``_target_`` is one :func:`~rollout_correction.as_config` ignores)."""
+    return {k: v for k, v in settings_dict(block).items() if k != BACKEND_KEY}
 
 
 _said: set[str] = set()
@@ -263,19 +269,7 @@ def patch_driver() -> None:
     It acts in the calling process only; verl's V1 trainer runs in its TaskRunner actor, where the
     ``backend`` key that :func:`wire_trainer_config` writes into the block decides.
     """
-    import importlib
-
-    helper = importlib.import_module(_TRAINER_MODULES[0])
-    current = helper.compute_rollout_correction_and_add_to_batch
-    if getattr(current, "routed", False):
-        return
-    original = getattr(current, "verl_original", current)
-    routed = _dispatching(original, routed=True)
-    helper.compute_rollout_correction_and_add_to_batch = routed
-    v1 = sys.modules.get(_TRAINER_MODULES[1])
-    bound = getattr(v1, "compute_rollout_correction_and_add_to_batch", None) if v1 is not None else None
-    if bound is original or bound is current:
-        v1.compute_rollout_correction_and_add_to_batch = routed
+    _install_dispatcher(routed=True)
 
 
 def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool = True) -> Any:
@@ -299,7 +293,7 @@ def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool
     if block is None:
         return config
     backend_requested(block)  # a misspelt backend fails here, naming it
-    settings = {k: v for k, v in settings_dict(block).items() if k != BACKEND_KEY}
+    settings = _block_settings(block)
     cfg = config_from_verl(settings)
     actor = config.actor_rollout_ref.actor
     mode = _get(_get(actor, "policy_loss", None), "loss_mode", None)
@@ -351,7 +345,7 @@ def check_trainer_config(config: Any) -> None:
     block = _get(_get(config, "algorithm", None), "rollout_correction", None)
     if block is None:
         return
-    cfg = config_from_verl({k: v for k, v in settings_dict(block).items() if k != BACKEND_KEY})
+    cfg = config_from_verl(_block_settings(block))
     wanted = {}
     if cfg.loss_type not in _VERL_LOSS_TYPES:
         wanted["loss_type"] = cfg.loss_type
@@ -421,8 +415,8 @@ def _dispatching(original: Any, routed: bool = False) -> Any:
         _say_once("step", "rollout_correction: verl's rollout-correction step runs this library "
                   + (f"(algorithm.rollout_correction.{BACKEND_KEY}={BACKEND_NAME})" if requested
                      else "(patch_driver / wire_trainer_config)"))
-        block = {k: v for k, v in settings_dict(rollout_corr_config).items() if k != BACKEND_KEY}
-        batch, metrics = globals()["compute_rollout_correction_and_add_to_batch"](batch, block)
+        batch, metrics = globals()["compute_rollout_correction_and_add_to_batch"](
+            batch, _block_settings(rollout_corr_config))
         _v1_loss_mask(caller, batch)
         return batch, {**metrics, BACKEND_METRIC: 1.0}
 
@@ -504,15 +498,25 @@ def install_dispatcher() -> None:
     already the dispatcher). Idempotent. Without ``backend: rollout_correction`` in the block the
     dispatcher calls verl's original function unchanged.
     """
+    _install_dispatcher(routed=False)
+
+
+def _install_dispatcher(routed: bool) -> None:
+    """Install the dispatcher (``routed``: :func:`patch_driver`'s form) in ``rollout_corr_helper``,
+    and in ``trainer_base`` when that is imported and still binds verl's function or the helper's
+    previous one. An installed dispatcher is kept unless it must become the routed one (a routed
+    one is never downgraded)."""
     import importlib
 
     helper = importlib.import_module(_TRAINER_MODULES[0])
     current = helper.compute_rollout_correction_and_add_to_batch
     original = getattr(current, "verl_original", current)
-    dispatcher = current if hasattr(current, "verl_original") else _dispatching(original)
+    keep = hasattr(current, "verl_original") and (getattr(current, "routed", False) or not routed)
+    dispatcher = current if keep else _dispatching(original, routed)
     helper.compute_rollout_correction_and_add_to_batch = dispatcher
     v1 = sys.modules.get(_TRAINER_MODULES[1])
-    if v1 is not None and getattr(v1, "compute_rollout_correction_and_add_to_batch", None) is original:
+    bound = getattr(v1, "compute_rollout_correction_and_add_to_batch", None)
+    if v1 is not None and (bound is original or bound is current):
         v1.compute_rollout_correction_and_add_to_batch = dispatcher
 
 
