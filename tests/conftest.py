@@ -33,3 +33,30 @@ def batch_from_ratios(rows, T=None, pad_ratio=100.0, empty_rows=0, dtype=torch.f
 @pytest.fixture
 def make_batch():
     return batch_from_ratios
+
+
+def assert_same_correction(got, expected, *, weights_rtol: float, rel: float, abs: float) -> None:
+    """Two CorrectionOutputs agree: the same keep mask (and dtype), weights within ``weights_rtol``,
+    the same metric names, every metric within ``rel`` / ``abs``."""
+    assert torch.equal(got.response_mask, expected.response_mask)
+    assert got.response_mask.dtype == expected.response_mask.dtype
+    if expected.weights is None:
+        assert got.weights is None
+    else:
+        torch.testing.assert_close(got.weights, expected.weights, rtol=weights_rtol, atol=0)
+    a, b = expected.metrics_as_floats(), got.metrics_as_floats()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=rel, abs=abs), k
+
+
+@pytest.fixture(params=["native", "aten"])
+def eager_pass(request, monkeypatch):
+    """Run a test on both eager CPU passes: the fused kernels (required, so that a failed build
+    fails the test rather than silently testing the ATen pass twice) and the ATen pass, which is
+    also what runs on an accelerator. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("eager_pass")``."""
+    from rollout_correction import native
+
+    monkeypatch.setenv(native.ENV, "1" if request.param == "native" else "0")
+    return request.param

@@ -8,6 +8,9 @@ import torch
 from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metrics,
                                 compute_rollout_correction, metrics_to_floats)
 
+# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
+pytestmark = pytest.mark.usefixtures("eager_pass")
+
 P = "rollout_corr/"
 NAMES = ["training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
          "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq"]

@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
 from rollout_correction.metrics import CorrectionAccumulator, OffPolicyAccumulator, compute_offpolicy_metrics
 
+# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
+pytestmark = pytest.mark.usefixtures("eager_pass")
+
 FAST = settings(max_examples=150, deadline=None)
 LEVELS = ["token", "sequence", "geometric"]
 K1_OPTIONS = ["token_k1", "seq_sum_k1", "seq_mean_k1"]

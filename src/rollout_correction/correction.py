@@ -16,6 +16,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from . import native
 from .alignment import MisalignmentWarning, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
 from .logratio import LogRatioBatch
@@ -186,9 +187,31 @@ BLOCK_TOKENS = 1 << 17
 DEVICE_BLOCK_TOKENS = 1 << 22
 
 
-def block_tokens(device: torch.device) -> int:
-    """Tokens per block of the eager pass on ``device``."""
-    return BLOCK_TOKENS if device.type == "cpu" else DEVICE_BLOCK_TOKENS
+#: With the fused CPU kernels (:mod:`.native`) a block's per-token work is one sweep whose only
+#: temporaries are the tensors it hands on (the mask used, and ρ / log ρ / k3 when the
+#: configuration reads them), so blocks can be larger: fewer blocks, less per-block overhead.
+NATIVE_BLOCK_TOKENS = 1 << 20
+
+
+def block_tokens(device: torch.device, fused: bool = False) -> int:
+    """Tokens per block of the eager pass on ``device`` (``fused``: with the fused CPU kernels)."""
+    if device.type != "cpu":
+        return DEVICE_BLOCK_TOKENS
+    return NATIVE_BLOCK_TOKENS if fused else BLOCK_TOKENS
+
+
+def token_outputs(config: RolloutCorrectionConfig) -> frozenset:
+    """The per-token tensors of :class:`LogRatioBatch` that :func:`local_correction` reads for
+    ``config`` (the fused CPU pass writes only these; see ``LogRatioBatch(outputs=)``)."""
+    need = set()
+    if config.is_spec is not None and config.is_spec.level == "token":
+        need.add("ratio")
+    for opt in config.rs_options:
+        if opt.agg == "token" or (opt.agg == "seq_max" and opt.estimator == "k1"):
+            need.add("k3" if opt.estimator == "k3" else "log_ratio")
+    if config.rollout_token_veto_threshold is not None:
+        need.add("log_ratio")
+    return frozenset(need)
 
 
 def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -196,10 +219,12 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     """:func:`_local_pass` over blocks of whole rows, writing straight into the outputs."""
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     B, T = old_log_prob.shape
-    rows = max(1, block_tokens(old_log_prob.device) // max(T, 1))
+    fused = native.enabled_for(old_log_prob, rollout_log_prob, response_mask)
+    rows = max(1, block_tokens(old_log_prob.device, fused) // max(T, 1))
     stats = SufficientStats()
+    outputs = token_outputs(config)
     if B <= rows:
-        batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite)
+        batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite, outputs=outputs)
         batch.add_counts(stats)
         isw, rej = local_correction(batch, config, stats)
         return (isw.weights if isw is not None else None), rej.keep_mask(batch), stats
@@ -210,7 +235,7 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     for start in range(0, B, rows):
         block = slice(start, start + rows)
         batch = LogRatioBatch(old_log_prob[block], rollout_log_prob[block], response_mask[block],
-                              config.on_nonfinite, row_offset=start, workspace=workspace)
+                              config.on_nonfinite, row_offset=start, workspace=workspace, outputs=outputs)
         local = SufficientStats()  # one packed vector per block, added into the running one
         batch.add_counts(local)
         isw, rej = local_correction(batch, config, local)

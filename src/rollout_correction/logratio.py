@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from . import native
 from .constants import SAFETY_BOUND
 from .stats import SufficientStats
 from .validation import check_pair, check_same
@@ -26,7 +27,7 @@ from .validation import check_pair, check_same
 if TYPE_CHECKING:
     from .sequence_group import RowExchange
 
-__all__ = ["LogRatioBatch", "NONFINITE_SENTINEL"]
+__all__ = ["LogRatioBatch", "NONFINITE_SENTINEL", "TOKEN_OUTPUTS"]
 
 #: Replacement for NaN / ±inf before masking; a valid |log-ratio| this large means "non-finite".
 NONFINITE_SENTINEL = 1e30
@@ -47,6 +48,9 @@ def cached(fn):
 
     return property(get)
 
+
+#: The per-token tensors a batch can be asked to produce (``outputs=``); the mask always is.
+TOKEN_OUTPUTS = frozenset({"log_ratio", "ratio", "k3"})
 
 #: Input dtypes whose subtraction promotes to float32 (then ``torch.sub`` upcasts as it subtracts).
 _FLOAT32_SUB = {(a, b): torch.promote_types(a, b) == torch.float32
@@ -86,6 +90,10 @@ class LogRatioBatch:
         workspace: a buffer from :meth:`workspace` for the per-token temporaries (several
             (B, T) attributes are views of it); successive batches, e.g. the blocks of one call,
             reuse its memory instead of allocating fresh pages each time.
+        outputs: the (B, T) tensors the caller will read among ``"log_ratio"``, ``"ratio"`` and
+            ``"k3"`` (:data:`TOKEN_OUTPUTS`), so that the fused CPU pass (:mod:`.native`) writes
+            only those; another is still computed when first read (with ATen). None: all of them.
+            The ATen pass ignores it.
 
     Attributes:
         mask: (B, T) float32 0/1 mask of the tokens used (input mask minus dropped rows).
@@ -95,12 +103,17 @@ class LogRatioBatch:
 
     def __init__(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                  response_mask: torch.Tensor, on_nonfinite: str = "reject", row_offset: int = 0,
-                 rows: Optional[RowExchange] = None, *, workspace: Optional[Workspace] = None) -> None:
+                 rows: Optional[RowExchange] = None, *, workspace: Optional[Workspace] = None,
+                 outputs: Optional[frozenset] = None) -> None:
         check_pair(old_log_prob, rollout_log_prob, response_mask)
         self.rows = rows
         self.old_log_prob = old_log_prob
         self.rollout_log_prob = rollout_log_prob
-        self._setup(None, response_mask, on_nonfinite, row_offset, workspace)
+        if (rows is None and not torch.compiler.is_compiling()
+                and native.enabled_for(old_log_prob, rollout_log_prob, response_mask)):
+            self._setup_native(response_mask, on_nonfinite, row_offset, workspace, outputs)
+        else:
+            self._setup(None, response_mask, on_nonfinite, row_offset, workspace)
 
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor,
@@ -153,6 +166,7 @@ class LogRatioBatch:
         # Under torch.compile the same values are computed functionally and stacked (the compiler
         # fuses them; a graph must not alias its outputs to slices of a temporary).
         self._workspace = workspace
+        self.native = False
         n_slots = len(self._SLOTS) if full else 3
         if torch.compiler.is_compiling():
             buf = None
@@ -201,7 +215,7 @@ class LogRatioBatch:
         keep_row = good.unsqueeze(-1)
         mask = torch.mul(mask_in, keep_row, out=slot(1))
         lr.mul_(keep_row)
-        self.input_mask, self.mask, self.log_ratio = mask_in, mask, lr
+        self._cached_input_mask, self.mask, self._cached_log_ratio = mask_in, mask, lr
         slots = [mask_in, mask, lr]
         if full:
             lrc = self._cached_log_ratio_clamped = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
@@ -228,6 +242,81 @@ class LogRatioBatch:
         self.n_row_input, self.n_row, self.row_sum = sums[0], sums[1], sums[2]
         counted = sums[:2] > 0
         self.input_rows, self.row_valid = counted[0], counted[1]
+
+    def _setup_native(self, response_mask: torch.Tensor, on_nonfinite: str, row_offset: int,
+                      workspace: Optional[Workspace], outputs: Optional[frozenset]) -> None:
+        """:meth:`_setup` in one fused sweep (:func:`.native.fused_pass`) for whole rows on CPU: the
+        same attributes, with the off-policy sums as extra rows of ``row_sums`` — Σ clamp(log ρ),
+        Σ k2, max k2, max k3 — that sequence-level rejection reads instead of a pass of its own."""
+        self.response_mask = response_mask
+        self._workspace = workspace
+        self.native = True
+        B, T = response_mask.shape
+        wanted = TOKEN_OUTPUTS if outputs is None else outputs
+        if workspace is not None:
+            buf = workspace.slots[:, :B]  # overwritten: the previous batch using it must be finished
+            self._free_slots = [buf[i] for i in (6, 3, 0)]  # slots the ATen pass needs and this one does not
+        else:
+            buf = None
+            self._free_slots = []
+
+        def take(i: int, name: Optional[str] = None) -> Optional[torch.Tensor]:
+            if name is not None and name not in wanted:
+                return None
+            return buf[i] if buf is not None else torch.empty((B, T), dtype=torch.float32)
+
+        mask, lr, ratio, k3 = take(1), take(2, "log_ratio"), take(5, "ratio"), take(4, "k3")
+        sums, good = native.fused_pass(self.old_log_prob, self.rollout_log_prob, response_mask, mask, lr, ratio, k3)
+        if on_nonfinite == "raise" and not bool(good.all()):
+            raise self._nonfinite_error(self.input_mask, ~good, row_offset)
+        self._good_rows = good
+        self.mask = mask
+        for name, value in (("log_ratio", lr), ("ratio", ratio), ("k3", k3)):
+            if value is not None:
+                self.__dict__["_cached_" + name] = value
+        self.row_sums = sums[:len(self._SLOTS)]
+        self._native_sums = sums
+        self.n_row_input, self.n_row, self.row_sum = sums[0], sums[1], sums[2]
+        counted = sums[:2] > 0
+        self.input_rows, self.row_valid = counted[0], counted[1]
+
+    def band(self, x: torch.Tensor, mode: str, lo: float, hi: float, *, wlo: float = 0.0, whi: float = 0.0,
+             zlo: float = 0.0, zhi: float = 0.0, transform: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A native batch's one-sweep band statistics of ``x`` (see :func:`.native.band`): the (B, T)
+        tensor written (in a free workspace slot when there is one) and the (NSTAT, B) float64
+        per-row statistics, spanning nothing beyond these rows (native batches hold whole rows)."""
+        out = self._free_slots.pop() if self._free_slots else torch.empty(x.shape, dtype=torch.float32)
+        return out, native.band(x, self.mask, out, mode, lo, hi, wlo=wlo, whi=whi, zlo=zlo, zhi=zhi,
+                                transform=transform)
+
+    def native_row_statistic(self, estimator: str, agg: str) -> Optional[torch.Tensor]:
+        """Per-row Σ / mean / max of the divergence ``estimator`` read off the fused sweep's sums,
+        or None when this batch did not take that sweep (or it does not hold that reduction)."""
+        if not self.native:
+            return None
+        def row(name: str) -> torch.Tensor:
+            return self._native_sums[native.PASS_ROWS.index(name)]
+
+        if agg in ("seq_sum", "seq_mean"):
+            total = -row("log_ratio_clamped") if estimator == "k1" else row(estimator)  # k1 = −clamp(log ρ)
+            return total if agg == "seq_sum" else total / self.n_row.clamp_min(1.0)
+        if agg == "seq_max" and estimator in ("k2", "k3"):
+            return row(estimator + "_max")
+        return None
+
+    @cached
+    def input_mask(self) -> torch.Tensor:
+        """(B, T) float32 0/1 mask of the valid input tokens (before dropping rows)."""
+        m = self.response_mask
+        return (m if m.dtype == torch.bool else m != 0).to(torch.float32)
+
+    @cached
+    def log_ratio(self) -> torch.Tensor:
+        """(B, T) float32 log ρ_t on the tokens used, 0 elsewhere (computed in the first pass;
+        recomputed here, with the same arithmetic, only on a native batch that did not write it)."""
+        lr = torch.sub(self.old_log_prob.to(torch.float32), self.rollout_log_prob.to(torch.float32))
+        lr.nan_to_num_(nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
+        return lr.mul_(self.mask)
 
     @cached
     def bad_rows(self) -> torch.Tensor:

@@ -107,8 +107,29 @@ def option_keep(batch: LogRatioBatch, opt: RSOption, statistic: torch.Tensor,
     low = batch.below(statistic, opt.stat_lower) if opt.stat_lower is not None else None
     keep = 1.0 - high if low is None else (1.0 - high).sub_(low)
     if stats is not None:
-        _add_token_option_stats(stats, batch, opt, statistic, high, low)
+        x = statistic
+        c_sum, c_sum2 = batch.token_moments(_std_clamp(opt, x).mul_(batch.mask))
+        _add_token_option_stats(stats, batch, opt, batch.token_sum(x), c_sum, c_sum2, batch.token_max(x),
+                                batch.token_min(x), batch.row_total(high),
+                                batch.row_total(low) if low is not None else None)
     return keep
+
+
+def _native_token_keep(batch: LogRatioBatch, opt: RSOption, stats: Optional[SufficientStats]):
+    """A token option on a native batch in one sweep (:meth:`LogRatioBatch.band`): the (B, T) keep
+    indicator and the per-row count of valid tokens it rejects."""
+    lower = opt.stat_lower if opt.stat_lower is not None else -math.inf
+    if opt.estimator == "k3":
+        x, transform = batch.k3, None
+    else:
+        x, transform = batch.log_ratio, opt.estimator
+    keep, band = batch.band(x, "keep", lower, opt.stat_upper, zlo=opt.stat_lower if opt.stat_lower is not None else 0.0,
+                            zhi=opt.stat_upper, transform=transform)
+    x_sum, _, x_max, x_min, high, low, c_sum, c_sum2 = band  # rows: native.BAND_ROWS
+    if stats is not None:
+        _add_token_option_stats(stats, batch, opt, x_sum, c_sum, c_sum2, x_max, x_min, high,
+                                low if opt.stat_lower is not None else None)
+    return keep, high + low
 
 
 def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_threshold: Optional[float],
@@ -117,18 +138,36 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
     row_keep: Optional[torch.Tensor] = None  # None: no sequence-level criterion so far
     token_keep: Optional[torch.Tensor] = None
     cache: dict[str, torch.Tensor] = {}
-    for opt in options:
-        per_token = cache.get(opt.estimator)
+
+    def divergence(estimator: str) -> torch.Tensor:
+        per_token = cache.get(estimator)
         if per_token is None:
-            per_token = cache[opt.estimator] = token_divergence(batch, opt.estimator)
+            per_token = cache[estimator] = token_divergence(batch, estimator)
+        return per_token
+
+    token_rejected: Optional[torch.Tensor] = None  # per row, when one token option ran natively
+    n_token_options = 0
+    for opt in options:
         if opt.agg == "token":
-            keep = option_keep(batch, opt, per_token, stats)
+            n_token_options += 1
+            if batch.native:
+                keep, token_rejected = _native_token_keep(batch, opt, stats)
+            else:
+                keep = option_keep(batch, opt, divergence(opt.estimator), stats)
             token_keep = keep if token_keep is None else token_keep.mul_(keep)
         else:
-            keep = option_keep(batch, opt, _row_stat(batch, per_token, opt.agg), stats)
+            statistic = batch.native_row_statistic(opt.estimator, opt.agg)
+            if statistic is None:
+                statistic = _row_stat(batch, divergence(opt.estimator), opt.agg)
+            keep = option_keep(batch, opt, statistic, stats)
             row_keep = keep if row_keep is None else row_keep & keep
     if stats is not None and options:
-        kept = batch.n_row if token_keep is None else batch.row_total(token_keep * batch.mask)
+        if token_keep is None:
+            kept = batch.n_row
+        elif n_token_options == 1 and token_rejected is not None:
+            kept = batch.n_row - token_rejected.to(batch.n_row.dtype)
+        else:
+            kept = batch.row_total(token_keep * batch.mask)
         if row_keep is not None:
             kept = kept * row_keep
         rejected = batch.n_row - kept  # valid tokens rejected by the chained options, per row
@@ -149,24 +188,23 @@ def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
     return x.clamp(min=lo, max=opt.stat_upper)
 
 
-def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
-                            x: torch.Tensor, high: torch.Tensor, low: Optional[torch.Tensor]) -> None:
+def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, x_sum: torch.Tensor,
+                            c_sum: torch.Tensor, c_sum2: torch.Tensor, x_max: torch.Tensor, x_min: torch.Tensor,
+                            n_high: torch.Tensor, n_low: Optional[torch.Tensor]) -> None:
+    """Record a token option's statistics from its per-row values: Σx, Σc and Σc² of x clamped to
+    the bounds (float64), max / min of x over valid tokens, and the counts above / below."""
     p = f"rs.{opt.name}."
-    c = _std_clamp(opt, x).mul_(batch.mask)
-    stats.add_sum(p + "sum", batch.token_sum(x))
-    c_sum, c_sum2 = batch.token_moments(c)
+    stats.add_sum(p + "sum", x_sum)
     stats.add_sum(p + "c_sum", c_sum)
     stats.add_sum(p + "c_sum2", c_sum2)
-    stats.add_max(p + "max", batch.token_max(x))
-    stats.add_min(p + "min", batch.token_min(x))
-    n_high = batch.row_total(high)
+    stats.add_max(p + "max", x_max)
+    stats.add_min(p + "min", x_min)
     stats.add_sum(p + "high", n_high)
     rejected = n_high
-    if low is not None:
-        n_low = batch.row_total(low)
+    if n_low is not None:
         stats.add_sum(p + "low", n_low)
         rejected = n_high + n_low  # disjoint: a token cannot be both above and below
-    seq = batch.row_total(x) / batch.n_row.clamp_min(1.0)
+    seq = x_sum / batch.n_row.clamp_min(1.0)
     _add_seq_values(stats, batch, opt, seq)
     stats.add_sum(p + "masked", rejected)
     stats.add_sum(p + "seq_masked", rejected > 0, rows=batch.row_valid)
