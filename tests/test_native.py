@@ -114,6 +114,26 @@ def test_every_mask_dtype_means_nonzero(fused, monkeypatch, mask_dtype):
     assert torch.equal(batch.n_row, expected.sum(-1))
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("preset", ["disabled", "decoupled_token_is", "decoupled_seq_is"])
+def test_final_mask_written_by_the_pass_in_the_callers_dtype(fused, monkeypatch, mask_dtype, preset):
+    # Without rejection the pass writes the final mask itself: 1 / 0 of the input's dtype, the
+    # dropped row (NaN at a valid token) all 0, also across blocks.
+    old, roll, mask = _inputs(B=12, T=29, seed=2, mask_dtype=mask_dtype)
+    mask[4] = 1
+    old[4, 3] = float("nan")
+    for block in (None, 29 * 5):
+        if block is not None:
+            monkeypatch.setattr(correction, "NATIVE_BLOCK_TOKENS", block)
+        ours = compute_rollout_correction(old, roll, mask, preset)
+        with monkeypatch.context() as m:
+            m.setenv(native.ENV, "0")
+            aten = compute_rollout_correction(old, roll, mask, preset)
+        assert ours.response_mask.dtype == mask_dtype
+        assert torch.equal(ours.response_mask, aten.response_mask)
+        assert not ours.response_mask[4].any() and ours.response_mask[:4].bool().equal(mask[:4] != 0)
+
+
 def test_rows_with_a_stride_and_results_independent_of_threads_and_blocks(fused, monkeypatch):
     old, roll, mask = _inputs(B=40, T=300)
     wide_old = torch.zeros(40, 512)

@@ -204,6 +204,8 @@ def token_outputs(config: RolloutCorrectionConfig) -> frozenset:
     """The per-token tensors of :class:`LogRatioBatch` that :func:`local_correction` reads for
     ``config`` (the fused CPU pass writes only these; see ``LogRatioBatch(outputs=)``)."""
     need = set()
+    if config.is_spec is not None or config.rs_options or config.rollout_token_veto_threshold is not None:
+        need.add("mask")  # (without them the mask used is read only as the final mask: mask_out)
     if config.is_spec is not None and config.is_spec.level == "token":
         need.add("ratio")
     for opt in config.rs_options:
@@ -223,25 +225,30 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     rows = max(1, block_tokens(old_log_prob.device, fused) // max(T, 1))
     stats = SufficientStats()
     outputs = token_outputs(config)
+    device = old_log_prob.device
+    # Nothing rejects: the final mask is the mask of the tokens used, which the pass writes itself.
+    direct = fused and not config.rs_options and config.rollout_token_veto_threshold is None
+    keep = torch.empty((B, T), dtype=response_mask.dtype, device=device) if direct or B > rows else None
     if B <= rows:
-        batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite, outputs=outputs)
+        batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite, outputs=outputs,
+                              mask_out=keep if direct else None)
         batch.add_counts(stats)
         isw, rej = local_correction(batch, config, stats)
-        return (isw.weights if isw is not None else None), rej.keep_mask(batch), stats
-    device = old_log_prob.device
+        return (isw.weights if isw is not None else None), keep if direct else rej.keep_mask(batch), stats
     weights = torch.empty((B, T), device=device) if config.is_spec is not None else None
-    keep = torch.empty((B, T), dtype=response_mask.dtype, device=device)
     workspace = LogRatioBatch.workspace(rows, T, device)  # one buffer for every block's temporaries
     for start in range(0, B, rows):
         block = slice(start, start + rows)
         batch = LogRatioBatch(old_log_prob[block], rollout_log_prob[block], response_mask[block],
-                              config.on_nonfinite, row_offset=start, workspace=workspace, outputs=outputs)
+                              config.on_nonfinite, row_offset=start, workspace=workspace, outputs=outputs,
+                              mask_out=keep[block] if direct else None)
         local = SufficientStats()  # one packed vector per block, added into the running one
         batch.add_counts(local)
         isw, rej = local_correction(batch, config, local)
         if weights is not None:
             weights[block] = isw.weights
-        keep[block] = rej.keep_mask(batch)
+        if not direct:
+            keep[block] = rej.keep_mask(batch)
         stats.merge(local)
     return weights, keep, stats
 

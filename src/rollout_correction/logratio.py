@@ -49,8 +49,8 @@ def cached(fn):
     return property(get)
 
 
-#: The per-token tensors a batch can be asked to produce (``outputs=``); the mask always is.
-TOKEN_OUTPUTS = frozenset({"log_ratio", "ratio", "k3"})
+#: The per-token tensors a batch can be asked to produce (``outputs=``).
+TOKEN_OUTPUTS = frozenset({"mask", "log_ratio", "ratio", "k3"})
 
 #: Input dtypes whose subtraction promotes to float32 (then ``torch.sub`` upcasts as it subtracts).
 _FLOAT32_SUB = {(a, b): torch.promote_types(a, b) == torch.float32
@@ -90,13 +90,17 @@ class LogRatioBatch:
         workspace: a buffer from :meth:`workspace` for the per-token temporaries (several
             (B, T) attributes are views of it); successive batches, e.g. the blocks of one call,
             reuse its memory instead of allocating fresh pages each time.
-        outputs: the (B, T) tensors the caller will read among ``"log_ratio"``, ``"ratio"`` and
-            ``"k3"`` (:data:`TOKEN_OUTPUTS`), so that the fused CPU pass (:mod:`.native`) writes
-            only those; another is still computed when first read (with ATen). None: all of them.
-            The ATen pass ignores it.
+        outputs: the (B, T) tensors the caller will read among ``"mask"``, ``"log_ratio"``,
+            ``"ratio"`` and ``"k3"`` (:data:`TOKEN_OUTPUTS`), so that the fused CPU pass
+            (:mod:`.native`) writes only those; another is still computed when first read (with
+            ATen). None: all of them. The ATen pass ignores it.
+        mask_out: a (B, T) tensor, contiguous, of ``response_mask``'s dtype, that receives the mask
+            of the tokens used (1 / 0 of that dtype) — the final mask of a call that rejects
+            nothing, written by the same sweep on the fused pass.
 
     Attributes:
         mask: (B, T) float32 0/1 mask of the tokens used (input mask minus dropped rows).
+        native: True when the fused CPU pass built this batch (:mod:`.native`).
         log_ratio: (B, T) float32 log ρ_t, 0 at unused positions.
         n_row: (B,) float32 valid-token count per row; ``row_valid`` (B,) bool: n_row > 0.
     """
@@ -104,16 +108,18 @@ class LogRatioBatch:
     def __init__(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                  response_mask: torch.Tensor, on_nonfinite: str = "reject", row_offset: int = 0,
                  rows: Optional[RowExchange] = None, *, workspace: Optional[Workspace] = None,
-                 outputs: Optional[frozenset] = None) -> None:
+                 outputs: Optional[frozenset] = None, mask_out: Optional[torch.Tensor] = None) -> None:
         check_pair(old_log_prob, rollout_log_prob, response_mask)
         self.rows = rows
         self.old_log_prob = old_log_prob
         self.rollout_log_prob = rollout_log_prob
         if (rows is None and not torch.compiler.is_compiling()
                 and native.enabled_for(old_log_prob, rollout_log_prob, response_mask)):
-            self._setup_native(response_mask, on_nonfinite, row_offset, workspace, outputs)
+            self._setup_native(response_mask, on_nonfinite, row_offset, workspace, outputs, mask_out)
         else:
             self._setup(None, response_mask, on_nonfinite, row_offset, workspace)
+            if mask_out is not None:
+                mask_out.copy_(self.mask)
 
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor,
@@ -215,7 +221,7 @@ class LogRatioBatch:
         keep_row = good.unsqueeze(-1)
         mask = torch.mul(mask_in, keep_row, out=slot(1))
         lr.mul_(keep_row)
-        self._cached_input_mask, self.mask, self._cached_log_ratio = mask_in, mask, lr
+        self._cached_input_mask, self._cached_mask, self._cached_log_ratio = mask_in, mask, lr
         slots = [mask_in, mask, lr]
         if full:
             lrc = self._cached_log_ratio_clamped = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
@@ -244,7 +250,8 @@ class LogRatioBatch:
         self.input_rows, self.row_valid = counted[0], counted[1]
 
     def _setup_native(self, response_mask: torch.Tensor, on_nonfinite: str, row_offset: int,
-                      workspace: Optional[Workspace], outputs: Optional[frozenset]) -> None:
+                      workspace: Optional[Workspace], outputs: Optional[frozenset],
+                      mask_out: Optional[torch.Tensor]) -> None:
         """:meth:`_setup` in one fused sweep (:func:`.native.fused_pass`) for whole rows on CPU: the
         same attributes, with the off-policy sums as extra rows of ``row_sums`` — Σ clamp(log ρ),
         Σ k2, max k2, max k3 — that sequence-level rejection reads instead of a pass of its own."""
@@ -265,13 +272,14 @@ class LogRatioBatch:
                 return None
             return buf[i] if buf is not None else torch.empty((B, T), dtype=torch.float32)
 
-        mask, lr, ratio, k3 = take(1), take(2, "log_ratio"), take(5, "ratio"), take(4, "k3")
-        sums, good = native.fused_pass(self.old_log_prob, self.rollout_log_prob, response_mask, mask, lr, ratio, k3)
+        mask, lr, ratio, k3 = take(1, "mask"), take(2, "log_ratio"), take(5, "ratio"), take(4, "k3")
+        sums, good = native.fused_pass(self.old_log_prob, self.rollout_log_prob, response_mask, mask, lr, ratio, k3,
+                                       keep=mask_out)
         if on_nonfinite == "raise" and not bool(good.all()):
             raise self._nonfinite_error(self.input_mask, ~good, row_offset)
         self._good_rows = good
-        self.mask = mask
-        for name, value in (("log_ratio", lr), ("ratio", ratio), ("k3", k3)):
+        self._mask_out = mask_out
+        for name, value in (("mask", mask), ("log_ratio", lr), ("ratio", ratio), ("k3", k3)):
             if value is not None:
                 self.__dict__["_cached_" + name] = value
         self.row_sums = sums[:len(self._SLOTS)]
@@ -303,6 +311,15 @@ class LogRatioBatch:
         if agg == "seq_max" and estimator in ("k2", "k3"):
             return row(estimator + "_max")
         return None
+
+    @cached
+    def mask(self) -> torch.Tensor:
+        """(B, T) float32 0/1 mask of the tokens used (input mask minus dropped rows); computed in
+        the first pass, or here from ``mask_out`` on a native batch that did not write it."""
+        if self._mask_out is None:
+            raise RuntimeError("LogRatioBatch: the mask was neither written nor given as mask_out")
+        m = self._mask_out
+        return (m if m.dtype == torch.bool else m != 0).to(torch.float32)
 
     @cached
     def input_mask(self) -> torch.Tensor:

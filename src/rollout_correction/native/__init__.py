@@ -108,8 +108,8 @@ def _build() -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"the C compiler {cc!r} does not run: {e}") from e
     errors = []
-    for arch in (("-march=native",), ()):
-        flags = FLAGS + arch
+    for arch, omp in [(a, o) for a in (("-march=native",), ()) for o in (("-fopenmp",), ())]:
+        flags = FLAGS + arch + omp
         key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
                                           platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
         name = f"kernels-{key}.so"
@@ -123,9 +123,14 @@ def _build() -> ctypes.CDLL:
             if target is None:
                 errors.append(f"{cc} {' '.join(flags)}: {_state.pop('compile_error', '')}")
                 continue
-        lib = ctypes.CDLL(str(target))
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as e:  # e.g. the OpenMP runtime already loaded lacks a symbol version it needs
+            errors.append(f"loading {target}: {e}")
+            continue
         _declare(lib)
         _state["path"] = str(target)
+        _state["openmp"] = bool(lib.rc_openmp())
         return lib
     raise RuntimeError("building the native kernels failed:\n" + "\n".join(errors))
 
@@ -156,7 +161,10 @@ def _compile(cc: str, flags: tuple[str, ...], source: bytes, name: str) -> Optio
 def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, p, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.rc_pass.restype = i32
-    lib.rc_pass.argtypes = [i64, i64, p, i64, i32, p, i64, i32, p, i64, i32, i32, p, p, p, p, p, p, i32, i32]
+    lib.rc_pass.argtypes = [i64, i64, p, i64, i32, p, i64, i32, p, i64, i32, i32, p, p, p, p, p, i32,
+                            ctypes.c_uint64, p, p, i32, i32]
+    lib.rc_openmp.restype = i32
+    lib.rc_openmp.argtypes = []
     lib.rc_band.restype = i32
     lib.rc_band.argtypes = [i64, i64, p, p, p, p, f32, f32, f32, f32, f32, f32, i32, i32, i32]
 
@@ -193,11 +201,23 @@ def status() -> str:
         return f"native CPU kernels: unavailable — {e}"
     if lib is None:
         return f"native CPU kernels: unavailable, using the ATen pass — {_state.get('error')}"
-    return f"native CPU kernels: in use ({_state['path']})"
+    threads = "OpenMP" if _state.get("openmp") else "POSIX threads"
+    return f"native CPU kernels: in use ({_state['path']}; rows split over {threads})"
 
 
 def _threads(tokens: int) -> int:
+    """Threads for a sweep over ``tokens``: PyTorch's intra-op count, at least
+    :data:`MIN_TOKENS_PER_THREAD` tokens each. A library built without OpenMP stays on one thread
+    when PyTorch's own pool is OpenMP (its spinning workers would hold the cores its threads need)."""
+    if not _state.get("openmp") and _torch_uses_openmp():
+        return 1
     return max(1, min(torch.get_num_threads(), tokens // MIN_TOKENS_PER_THREAD))
+
+
+def _torch_uses_openmp() -> bool:
+    if "torch_openmp" not in _state:
+        _state["torch_openmp"] = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    return bool(_state["torch_openmp"])
 
 
 def enabled_for(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -211,16 +231,30 @@ def enabled_for(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) ->
         return False
     if old.dim() != 2 or any(t.shape[-1] > 1 and t.stride(-1) != 1 for t in (old, rollout, mask)):
         return False
-    if mask.element_size() not in (1, 2, 4, 8):
-        return False
+    if mask.element_size() not in (1, 2, 4, 8) or (mask.is_floating_point() and mask.dtype not in _FLOAT_ONE):
+        return False  # (a float8 mask: its -0.0 is not a zero byte)
     return library() is not None
 
 
-def fused_pass(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, mask_out: torch.Tensor,
+#: The bit pattern of 1.0 in each floating dtype (an integer 1 for every other dtype).
+_FLOAT_ONE = {torch.float16: 0x3C00, torch.bfloat16: 0x3F80, torch.float32: 0x3F800000,
+              torch.float64: 0x3FF0000000000000}
+
+
+def _one_bits(dtype: torch.dtype) -> int:
+    """The bit pattern of 1 in ``dtype``, as an unsigned integer."""
+    if dtype.is_floating_point and dtype not in _FLOAT_ONE:
+        raise TypeError(f"no native mask output for {dtype}")
+    return _FLOAT_ONE.get(dtype, 1)
+
+
+def fused_pass(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, mask_out: Optional[torch.Tensor],
                log_ratio: Optional[torch.Tensor] = None, ratio: Optional[torch.Tensor] = None,
-               k3: Optional[torch.Tensor] = None, drop_bad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+               k3: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None,
+               drop_bad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One sweep over (B, T) log-probs (see ``kernels.c``): writes the 0/1 mask used into ``mask_out``
-    and, when given, log ρ, ρ and k3 ((B, T) float32 contiguous tensors); returns the (NSUM, B)
+    and, when given, log ρ, ρ and k3 ((B, T) float32 contiguous tensors) and the mask used once
+    more into ``keep`` (contiguous, any real dtype: 1 and 0 of that dtype); returns the (NSUM, B)
     float32 per-row sums (:data:`PASS_ROWS`) and the (B,) bool "every valid log ρ finite" flags.
     With ``drop_bad`` a row that is not finite is dropped (outputs and sums other than the input
     count 0)."""
@@ -234,10 +268,15 @@ def fused_pass(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, mas
     for o in outs:
         assert o is None or (o.dtype == torch.float32 and o.is_contiguous() and o.shape == old.shape)
     ptrs = [None if o is None else o.data_ptr() for o in outs]
+    if keep is not None:
+        assert keep.is_contiguous() and keep.shape == old.shape and not keep.is_complex()
+        keep_args = (keep.data_ptr(), keep.element_size(), _one_bits(keep.dtype))
+    else:
+        keep_args = (None, 0, 0)
     lib.rc_pass(B, T, old.data_ptr(), old.stride(0) * old.element_size(), _DTYPES[old.dtype],
                 rollout.data_ptr(), rollout.stride(0) * rollout.element_size(), _DTYPES[rollout.dtype],
                 mask.data_ptr(), mask.stride(0) * mask.element_size(), mask.element_size(),
-                int(mask.is_floating_point()), *ptrs, sums.data_ptr(), good.data_ptr(), int(drop_bad),
+                int(mask.is_floating_point()), *ptrs, *keep_args, sums.data_ptr(), good.data_ptr(), int(drop_bad),
                 _threads(B * T))
     return sums, good
 

@@ -62,6 +62,23 @@ static void load_mask(float *dst, const void *src, int itemsize, int is_float, i
     }
 }
 
+/* The 0/1 float mask m written as 0 / ``one`` (the bit pattern of 1 in a dtype of that size). */
+static void store_mask(char *dst, const float *m, int itemsize, uint64_t one, int64_t n) {
+    if (itemsize == 1) {
+        uint8_t *d = (uint8_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = m[i] != 0.0f ? (uint8_t)one : 0;
+    } else if (itemsize == 2) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = m[i] != 0.0f ? (uint16_t)one : 0;
+    } else if (itemsize == 4) {
+        uint32_t *d = (uint32_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = m[i] != 0.0f ? (uint32_t)one : 0;
+    } else {
+        uint64_t *d = (uint64_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = m[i] != 0.0f ? one : 0;
+    }
+}
+
 /* ---- exp on [-20, 20] ------------------------------------------------------------------------
  * exp(x) = 2^n · exp(r), n = round(x / ln 2), r = x − n ln 2 (ln 2 split in two so that n·hi is
  * exact), exp(r) by a degree-6 polynomial on |r| ≤ ln2/2 (relative error below 2 ulp). Written in
@@ -110,6 +127,19 @@ static void *run_task(void *p) {
 #define MAX_THREADS 64
 
 static void parallel_rows(row_fn fn, const void *args, int64_t rows, int threads) {
+#ifdef _OPENMP
+    /* The OpenMP runtime PyTorch's CPU kernels use (same soname, so the one already loaded): its
+     * worker threads spin for a while after every parallel region, and threads of our own would
+     * have to wait for them; sharing the pool avoids that. */
+    if (threads > rows) threads = (int)rows;
+    if (threads <= 1) {
+        fn(args, 0, rows);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int i = 0; i < threads; i++) fn(args, rows * i / threads, rows * (i + 1) / threads);
+    return;
+#endif
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > rows) threads = (int)rows;
     if (threads <= 1) {
@@ -136,7 +166,8 @@ static void parallel_rows(row_fn fn, const void *args, int64_t rows, int threads
 /* ---- the per-token pass ----------------------------------------------------------------------
  * Per row b, with m_t = 1[mask_t ≠ 0], s_t = old_t − rollout_t with NaN → 1e30 and ±inf (and any
  * |s| > 1e30) → ±1e30, lr_t = s_t·m_t, lrc_t = clamp(lr_t, ±20):
- *   outputs (B, T) float32: lr_t, m_t, ratio_t = exp(lrc_t)·m_t, k3_t = max(ratio_t − m_t − lrc_t, 0)
+ *   outputs (B, T) float32: lr_t, m_t, ratio_t = exp(lrc_t)·m_t, k3_t = max(ratio_t − m_t − lrc_t, 0);
+ *     and m_t once more in the caller's mask dtype (``keep``: the final mask when nothing rejects)
  *   sums (NSUM, B) float32: Σm, Σm (used), Σlr, Σ old_t·m_t, Σk3, Σratio, Σratio², Σlrc, Σk2
  *     (k2 = ½·lrc²), max k2, max k3
  *   good (B,) uint8: every valid |lr_t| < 1e30.
@@ -151,6 +182,9 @@ typedef struct {
     int64_t old_stride, roll_stride, mask_stride; /* bytes between rows */
     int old_dtype, roll_dtype, mask_itemsize, mask_is_float;
     float *lr, *m, *ratio, *k3; /* (B, T) contiguous; NULL: not written */
+    char *keep;                 /* (B, T) contiguous in the caller's mask dtype, or NULL */
+    int keep_itemsize;
+    uint64_t keep_one;          /* the bit pattern of 1 in that dtype */
     float *sums;                /* (NSUM, B) */
     uint8_t *good;              /* (B,) */
     int drop_bad;
@@ -242,6 +276,7 @@ static void pass_rows(const void *p, int64_t r0, int64_t r1) {
             const int64_t off = b * T + t0;
             if (a->lr) memcpy(a->lr + off, o_lr, (size_t)n * sizeof(float));
             if (a->m) memcpy(a->m + off, m, (size_t)n * sizeof(float));
+            if (a->keep) store_mask(a->keep + off * a->keep_itemsize, m, a->keep_itemsize, a->keep_one, n);
             if (a->ratio) memcpy(a->ratio + off, o_ratio, (size_t)n * sizeof(float));
             if (a->k3) memcpy(a->k3 + off, o_k3, (size_t)n * sizeof(float));
         }
@@ -252,6 +287,7 @@ static void pass_rows(const void *p, int64_t r0, int64_t r1) {
         tot[M_K3] = mx_k3;
         if (!good && a->drop_bad) {
             const int64_t off = b * T;
+            if (a->keep) memset(a->keep + off * a->keep_itemsize, 0, (size_t)(T * a->keep_itemsize));
             float *outs[4] = {a->lr, a->m, a->ratio, a->k3};
             for (int k = 0; k < 4; k++)
                 if (outs[k]) memset(outs[k] + off, 0, (size_t)T * sizeof(float));
@@ -261,13 +297,22 @@ static void pass_rows(const void *p, int64_t r0, int64_t r1) {
     }
 }
 
+/* 1 when built with OpenMP (rows are split over the OpenMP pool), else 0 (POSIX threads). */
+int rc_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int rc_pass(int64_t B, int64_t T, const void *old, int64_t old_stride, int old_dtype, const void *roll,
             int64_t roll_stride, int roll_dtype, const void *mask, int64_t mask_stride, int mask_itemsize,
-            int mask_is_float, float *lr, float *m, float *ratio, float *k3, float *sums, uint8_t *good,
-            int drop_bad, int threads) {
+            int mask_is_float, float *lr, float *m, float *ratio, float *k3, char *keep, int keep_itemsize,
+            uint64_t keep_one, float *sums, uint8_t *good, int drop_bad, int threads) {
     pass_args a = {B, T, (const char *)old, (const char *)roll, (const char *)mask, old_stride, roll_stride,
-                   mask_stride, old_dtype, roll_dtype, mask_itemsize, mask_is_float, lr, m, ratio, k3, sums,
-                   good, drop_bad};
+                   mask_stride, old_dtype, roll_dtype, mask_itemsize, mask_is_float, lr, m, ratio, k3, keep,
+                   keep_itemsize, keep_one, sums, good, drop_bad};
     parallel_rows(pass_rows, &a, B, threads);
     return NSUM;
 }
