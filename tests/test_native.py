@@ -304,3 +304,19 @@ def test_cli_reports_and_fails_without_a_compiler(monkeypatch, fresh_build, caps
     monkeypatch.setenv(native.ENV, "0")
     assert cli.main(["native"]) == 0
     assert "off (ROLLOUT_CORRECTION_NATIVE=0)" in capsys.readouterr().out
+
+
+def test_a_library_others_can_write_is_neither_loaded_nor_built_into(monkeypatch, fresh_build):
+    monkeypatch.setenv(native.ENV, "1")
+    native.library()
+    (built,) = (fresh_build / "native").glob("kernels-*.so")
+    assert built.stat().st_mode & 0o077 == 0  # the library is the user's alone
+    native._state.clear()
+    built.chmod(0o777)  # writable by anyone: it might have been replaced
+    (fresh_build / "native").chmod(0o777)
+    with pytest.raises(RuntimeError, match="writable by other users"):
+        native.library()  # not loaded, and not rebuilt in a folder others can write
+    (fresh_build / "native").chmod(0o700)
+    native._state.clear()
+    assert native.library() is not None  # rebuilt in place of the suspicious file
+    assert built.stat().st_mode & 0o077 == 0

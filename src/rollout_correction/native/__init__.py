@@ -13,11 +13,13 @@ Control with the environment variable ``ROLLOUT_CORRECTION_NATIVE``:
 * ``0`` — never use them (the ATen pass, bit for bit as without this module);
 * ``1`` — require them: a failed build raises instead of falling back.
 
-The build cache is ``$ROLLOUT_CORRECTION_CACHE`` (default ``~/.cache/rollout_correction``, else the
-temporary directory); the
-compiler is ``$CC`` (default ``cc``), and the library is specific to this machine's CPU
-(``-march=native``; the cache key includes the compiler, its flags and the CPU's feature flags).
-:func:`status` says what happened.
+The build cache is ``$ROLLOUT_CORRECTION_CACHE`` (default ``~/.cache/rollout_correction``, else a
+per-user folder in the temporary directory); a library is loaded only from a file and folder that
+belong to the user and that nobody else can write. The compiler is ``$CC`` (default ``cc``), and
+the library is specific to this machine's CPU (``-march=native``; the cache key includes the
+compiler, its flags and the CPU's feature flags). Rows are split over PyTorch's OpenMP pool
+(``torch.get_num_threads()``). :func:`status` says what happened; ``rollout-correction native``
+builds ahead.
 
 Exactness: every token goes through the same vector code whatever its position in a block and
 every row sum is taken in an order fixed by the row's length, so results do not depend on the
@@ -29,6 +31,7 @@ from the ATen pass's in its last bit.
 from __future__ import annotations
 
 import ctypes
+import getpass
 import hashlib
 import logging
 import os
@@ -95,7 +98,22 @@ def _cache_dirs() -> list[Path]:
     root = os.environ.get(CACHE_ENV)
     if root:
         return [Path(root)]
-    return [Path.home() / ".cache" / "rollout_correction", Path(tempfile.gettempdir()) / "rollout_correction"]
+    user = os.getuid() if hasattr(os, "getuid") else getpass.getuser()
+    return [Path.home() / ".cache" / "rollout_correction",
+            Path(tempfile.gettempdir()) / f"rollout_correction-{user}"]  # per user: /tmp is shared
+
+
+def _private(*paths: Path) -> bool:
+    """On POSIX: every path belongs to this user and nobody else can write it. A library is loaded
+    only from such a file in such a folder (a shared temporary directory must not let another
+    user plant code)."""
+    if not hasattr(os, "getuid"):
+        return True
+    for p in paths:
+        st = p.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return False
+    return True
 
 
 def _build() -> ctypes.CDLL:
@@ -113,7 +131,8 @@ def _build() -> ctypes.CDLL:
         key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
                                           platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
         name = f"kernels-{key}.so"
-        target = next((d / "native" / name for d in _cache_dirs() if (d / "native" / name).exists()), None)
+        target = next((d / "native" / name for d in _cache_dirs()
+                       if (d / "native" / name).exists() and _private(d / "native" / name, d / "native")), None)
         if target is None:
             try:
                 target = _compile(cc, flags, source, name)
@@ -142,7 +161,9 @@ def _compile(cc: str, flags: tuple[str, ...], source: bytes, name: str) -> Optio
     for root in _cache_dirs():
         folder = root / "native"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _private(folder):
+                raise OSError(f"{folder} is writable by other users (or not this user's)")
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
                 src, out = Path(tmp) / "kernels.c", Path(tmp) / name
                 src.write_bytes(source)
@@ -151,6 +172,7 @@ def _compile(cc: str, flags: tuple[str, ...], source: bytes, name: str) -> Optio
                 if run.returncode != 0:
                     _state["compile_error"] = run.stderr.strip()[-2000:]
                     return None
+                out.chmod(0o700)
                 os.replace(out, folder / name)  # atomic: concurrent builders each install a complete file
                 return folder / name
         except OSError as e:
