@@ -209,7 +209,7 @@ def token_outputs(config: RolloutCorrectionConfig) -> frozenset:
     if config.is_spec is not None and config.is_spec.level == "token":
         need.add("ratio")
     for opt in config.rs_options:
-        if opt.agg == "token" or (opt.agg == "seq_max" and opt.estimator == "k1"):
+        if opt.agg == "token":  # (sequence options read the pass's per-row sums)
             need.add("k3" if opt.estimator == "k3" else "log_ratio")
     if config.rollout_token_veto_threshold is not None:
         need.add("log_ratio")

@@ -81,7 +81,7 @@ static void store_mask(char *dst, const float *m, int itemsize, uint64_t one, in
 
 /* ---- exp on [-20, 20] ------------------------------------------------------------------------
  * exp(x) = 2^n · exp(r), n = round(x / ln 2), r = x − n ln 2 (ln 2 split in two so that n·hi is
- * exact), exp(r) by a degree-6 polynomial on |r| ≤ ln2/2 (relative error below 2 ulp). Written in
+ * exact), exp(r) = 1 + r + r²·P(r) with P of degree 5 on |r| ≤ ln2/2 (within 2 ulp). Written in
  * plain arithmetic so that the compiler vectorises it and every lane computes the same bits. */
 static inline float exp_bounded(float x) {
     const float shifter = 12582912.0f; /* 1.5 · 2^23: adding it rounds to an integer */
