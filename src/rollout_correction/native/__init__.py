@@ -4,7 +4,7 @@ operations (``kernels.c``).
 On CPU the ATen pass spends its time in ~25 separate sweeps over each block (every operation
 reads and writes whole (B, T) temporaries); these kernels compute the same per-token values and
 per-row reductions in one sweep. They are built from source with the system C compiler on first
-use (well under a second) and cached on disk, so installing the package needs no compiler; where
+use (about a second) and cached on disk, so installing the package needs no compiler; where
 none is available the ATen pass runs, with the same results up to float32 rounding.
 
 Control with the environment variable ``ROLLOUT_CORRECTION_NATIVE``:

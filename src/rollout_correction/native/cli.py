@@ -1,7 +1,7 @@
 """``rollout-correction native``: build the fused CPU kernels now and say whether the eager pass
 uses them.
 
-The kernels are otherwise built on the first CPU correction call (well under a second, then
+The kernels are otherwise built on the first CPU correction call (about a second, then
 cached); building them ahead — e.g. while a container image is made — moves that out of the first
 training step and shows a missing compiler before training starts. Exit 0 when they are in use
 (or switched off with ``ROLLOUT_CORRECTION_NATIVE=0``), 1 when they cannot be built.
