@@ -46,7 +46,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ENV", "CACHE_ENV", "mode", "library", "status", "enabled_for", "fused_pass", "band", "PASS_ROWS", "BAND_ROWS", "MODES"]
+__all__ = ["ENV", "CACHE_ENV", "mode", "library", "status", "enabled_for", "fused_pass", "band", "PASS_ROWS",
+           "BAND_ROWS", "MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ BAND_ROWS = ("sum", "sum2", "max", "min", "high", "low", "zsum", "zsum2")
 MODES = {"keep": 1, "truncate": 2, "clip": 3, "mask": 4}
 #: ``band`` derives its input from log ρ for these divergence estimators (0: the input as given).
 TRANSFORMS = {None: 0, "k1": 1, "k2": 2}
-#: Tokens per thread below which a call stays on one thread (starting a thread costs ~20 µs).
+#: Tokens per thread below which a call stays on one thread (a parallel region costs microseconds).
 MIN_TOKENS_PER_THREAD = 1 << 16
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -71,6 +72,7 @@ _lock = threading.Lock()
 
 
 def mode() -> str:
+    """The switch ``ROLLOUT_CORRECTION_NATIVE``: "auto", "off" or "on" (see the module docstring)."""
     value = os.environ.get(ENV, "auto").strip().lower()
     if value in ("", "auto"):
         return "auto"
