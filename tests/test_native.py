@@ -320,3 +320,70 @@ def test_a_library_others_can_write_is_neither_loaded_nor_built_into(monkeypatch
     native._state.clear()
     assert native.library() is not None  # rebuilt in place of the suspicious file
     assert built.stat().st_mode & 0o077 == 0
+
+
+# ---- property: the two passes agree on arbitrary batches and configurations -----------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_OPTIONS = ["token_k1", "seq_sum_k1", "seq_mean_k1", "token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3",
+            "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"]
+
+
+@st.composite
+def _cases(draw):
+    B, T = draw(st.integers(1, 6)), draw(st.integers(1, 40))
+    n = B * T
+    lr = draw(st.lists(st.one_of(st.floats(-3.0, 3.0, width=32), st.sampled_from([-30.0, -21.0, 0.0, 21.0, 30.0])),
+                       min_size=n, max_size=n))
+    roll = draw(st.lists(st.floats(-6.0, 0.0, width=32), min_size=n, max_size=n))
+    valid = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    roll = torch.tensor(roll).view(B, T)
+    mask = torch.tensor(valid).view(B, T)
+    old = torch.where(mask, roll + torch.tensor(lr).view(B, T), torch.tensor(float("nan")))
+    if draw(st.booleans()):  # a non-finite value at a valid token drops its row
+        b, t = draw(st.integers(0, B - 1)), draw(st.integers(0, T - 1))
+        mask[b, t] = True
+        old[b, t] = draw(st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    mask_dtype = draw(st.sampled_from([torch.bool, torch.float32, torch.int64]))
+    settings_ = {}
+    if draw(st.booleans()):
+        settings_["rollout_is"] = draw(st.sampled_from(["token", "sequence", "geometric"]))
+        hi = draw(st.floats(1.05, 5.0))
+        kind = draw(st.sampled_from(["truncate", "mask", "clip"]))
+        lo = draw(st.floats(0.05, 0.95))
+        settings_["rollout_is_threshold"] = hi if kind == "truncate" else f"{lo:.3f}_{hi:.3f}"
+        if kind == "clip":
+            settings_["rollout_is_mode"] = "clip"
+        settings_["rollout_is_batch_normalize"] = draw(st.booleans())
+    options = draw(st.lists(st.sampled_from(_OPTIONS), min_size=0, max_size=3, unique=True))
+    if options:
+        settings_["rollout_rs"] = ",".join(options)
+        settings_["rollout_rs_threshold"] = ",".join(
+            f"{draw(st.floats(0.1, 0.99)):.3f}_{draw(st.floats(1.01, 8.0)):.3f}" if o.endswith("k1")
+            else f"{draw(st.floats(0.001, 2.0)):.4f}" for o in options)
+    if draw(st.booleans()):
+        settings_["rollout_token_veto_threshold"] = draw(st.floats(1e-4, 0.5))
+    return old.to(dtype), roll.to(dtype), mask.to(mask_dtype), settings_
+
+
+@settings(max_examples=200, deadline=None)
+@given(_cases())
+def test_property_both_passes_agree(case):
+    old, roll, mask, settings_ = case
+    import os
+
+    cfg = RolloutCorrectionConfig.from_dict(settings_)
+    saved = os.environ.get(native.ENV)
+    try:
+        os.environ[native.ENV] = "1"
+        ours = compute_rollout_correction(old, roll, mask, cfg)
+        os.environ[native.ENV] = "0"
+        aten = compute_rollout_correction(old, roll, mask, cfg)
+    finally:
+        os.environ.pop(native.ENV) if saved is None else os.environ.__setitem__(native.ENV, saved)
+    # masks and counts exactly; weights to a few float32 ulp (exp, then the normalisation factor); metrics
+    # to float32 rounding of sums taken in another order
+    assert_same_correction(ours, aten, weights_rtol=4e-6, rel=1e-4, abs=1e-5)
