@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 ENV = "ROLLOUT_CORRECTION_NATIVE"
 CACHE_ENV = "ROLLOUT_CORRECTION_CACHE"
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread")
+#: Flags tried after FLAGS, best first: the machine's own instruction set and OpenMP, then without
+#: OpenMP (rows split over POSIX threads), then for the generic target.
+VARIANTS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp",), ())
 #: Rows of the (NSUM, B) float32 matrix ``fused_pass`` returns (order of ``kernels.c``).
 PASS_ROWS = ("input_mask", "mask", "log_ratio", "old", "k3", "ratio", "ratio2", "log_ratio_clamped", "k2",
              "k2_max", "k3_max")
@@ -128,8 +131,8 @@ def _build() -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"the C compiler {cc!r} does not run: {e}") from e
     errors = []
-    for arch, omp in [(a, o) for a in (("-march=native",), ()) for o in (("-fopenmp",), ())]:
-        flags = FLAGS + arch + omp
+    for extra in VARIANTS:
+        flags = FLAGS + extra
         key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
                                           platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
         name = f"kernels-{key}.so"
