@@ -384,24 +384,12 @@ def test_property_both_passes_agree(case):
         aten = compute_rollout_correction(old, roll, mask, cfg)
     finally:
         os.environ.pop(native.ENV) if saved is None else os.environ.__setitem__(native.ENV, saved)
-    # masks and counts exactly; weights to a few float32 ulp (exp, then the normalisation factor)
-    assert torch.equal(ours.response_mask, aten.response_mask)
-    if aten.weights is None:
-        assert ours.weights is None
-    else:
-        torch.testing.assert_close(ours.weights, aten.weights, rtol=4e-6, atol=0)
-    # metrics to float32 rounding of sums taken in another order. A std is a difference of float32
-    # sums: with values up to e^20 ≈ 5e8 (ulp 32) its error scales with the values, not with itself
-    # (e.g. two sequence sums of k3 that differ by 38: ATen's running float32 sum rounds twice, to a
-    # difference of 64; the fused pass adds in float64 and rounds once, to 32).
-    a, b = aten.metrics_as_floats(), ours.metrics_as_floats()
-    assert a.keys() == b.keys()
-    for k in a:
-        tol = 1e-5
-        if k.endswith("std"):
-            scale = [abs(a[k[:-3] + s]) for s in ("mean", "max", "min") if k[:-3] + s in a]
-            tol = max([1e-5] + [1e-3 * v for v in scale])
-        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=tol), k
+    # masks and counts exactly; weights to a few float32 ulp (exp, then the normalisation factor);
+    # metrics to float32 rounding of sums taken in another order. A std's error scales with the
+    # values (up to e^20 ≈ 5e8, ulp 32): e.g. two sequence sums of k3 that differ by 38 — ATen's
+    # running float32 sum rounds twice, to a difference of 64; the fused pass adds in float64 and
+    # rounds once, to 32.
+    assert_same_correction(ours, aten, weights_rtol=4e-6, rel=1e-4, abs=1e-5, std_scale=1e-3)
 
 
 def test_posix_threads_build(monkeypatch, fresh_build):

@@ -27,7 +27,7 @@ from .validation import check_pair, check_same
 if TYPE_CHECKING:
     from .sequence_group import RowExchange
 
-__all__ = ["LogRatioBatch", "NONFINITE_SENTINEL", "TOKEN_OUTPUTS"]
+__all__ = ["LogRatioBatch", "NONFINITE_SENTINEL", "TOKEN_OUTPUTS", "float_mask"]
 
 #: Replacement for NaN / ±inf before masking; a valid |log-ratio| this large means "non-finite".
 NONFINITE_SENTINEL = 1e30
@@ -56,6 +56,11 @@ TOKEN_OUTPUTS = frozenset({"mask", "log_ratio", "ratio", "k3"})
 _FLOAT32_SUB = {(a, b): torch.promote_types(a, b) == torch.float32
                 for a in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
                 for b in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
+def float_mask(mask: torch.Tensor) -> torch.Tensor:
+    """(…) float32 0/1: 1 where ``mask`` is non-zero, whatever its dtype."""
+    return (mask if mask.dtype == torch.bool else mask != 0).to(torch.float32)
 
 
 class Workspace:
@@ -194,7 +199,7 @@ class LogRatioBatch:
             lr = source.to(torch.float32, copy=True) if buf is None else buf[2].copy_(source)
         # Non-zero marks a valid token, whatever the mask's dtype or values.
         if buf is None:
-            mask_in = (response_mask if response_mask.dtype == torch.bool else response_mask != 0).to(torch.float32)
+            mask_in = float_mask(response_mask)
         elif response_mask.dtype == torch.bool:
             mask_in = buf[0].copy_(response_mask)
         else:
@@ -244,7 +249,11 @@ class LogRatioBatch:
         if rows is not None:
             sums[1:].mul_(good)
             rows.drop(~good)
-        self.row_sums = sums  # (slots, B) float32
+        self._set_row_sums(sums)
+
+    def _set_row_sums(self, sums: torch.Tensor) -> None:
+        """``row_sums`` ((slots, B) float32, rows in :attr:`_SLOTS` order) and the counts read off it."""
+        self.row_sums = sums
         self.n_row_input, self.n_row, self.row_sum = sums[0], sums[1], sums[2]
         counted = sums[:2] > 0
         self.input_rows, self.row_valid = counted[0], counted[1]
@@ -282,11 +291,8 @@ class LogRatioBatch:
         for name, value in (("mask", mask), ("log_ratio", lr), ("ratio", ratio), ("k3", k3)):
             if value is not None:
                 self.__dict__["_cached_" + name] = value
-        self.row_sums = sums[:len(self._SLOTS)]
         self._native_sums = sums
-        self.n_row_input, self.n_row, self.row_sum = sums[0], sums[1], sums[2]
-        counted = sums[:2] > 0
-        self.input_rows, self.row_valid = counted[0], counted[1]
+        self._set_row_sums(sums[:len(self._SLOTS)])
 
     def band(self, x: torch.Tensor, mode: str, lo: float, hi: float, *, wlo: float = 0.0, whi: float = 0.0,
              zlo: float = 0.0, zhi: float = 0.0, transform: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,6 +308,7 @@ class LogRatioBatch:
         or None when this batch did not take that sweep (or it does not hold that reduction)."""
         if not self.native:
             return None
+
         def row(name: str) -> torch.Tensor:
             return self._native_sums[native.PASS_ROWS.index(name)]
 
@@ -318,14 +325,12 @@ class LogRatioBatch:
         the first pass, or here from ``mask_out`` on a native batch that did not write it."""
         if self._mask_out is None:
             raise RuntimeError("LogRatioBatch: the mask was neither written nor given as mask_out")
-        m = self._mask_out
-        return (m if m.dtype == torch.bool else m != 0).to(torch.float32)
+        return float_mask(self._mask_out)
 
     @cached
     def input_mask(self) -> torch.Tensor:
         """(B, T) float32 0/1 mask of the valid input tokens (before dropping rows)."""
-        m = self.response_mask
-        return (m if m.dtype == torch.bool else m != 0).to(torch.float32)
+        return float_mask(self.response_mask)
 
     @cached
     def log_ratio(self) -> torch.Tensor:

@@ -123,8 +123,8 @@ def _native_token_keep(batch: LogRatioBatch, opt: RSOption, stats: Optional[Suff
         x, transform = batch.k3, None
     else:
         x, transform = batch.log_ratio, opt.estimator
-    keep, band = batch.band(x, "keep", lower, opt.stat_upper, zlo=opt.stat_lower if opt.stat_lower is not None else 0.0,
-                            zhi=opt.stat_upper, transform=transform)
+    zlo, zhi = _std_bounds(opt)
+    keep, band = batch.band(x, "keep", lower, opt.stat_upper, zlo=zlo, zhi=zhi, transform=transform)
     x_sum, _, x_max, x_min, high, low, c_sum, c_sum2 = band  # rows: native.BAND_ROWS
     if stats is not None:
         _add_token_option_stats(stats, batch, opt, x_sum, c_sum, c_sum2, x_max, x_min, high,
@@ -145,15 +145,14 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
             per_token = cache[estimator] = token_divergence(batch, estimator)
         return per_token
 
-    token_rejected: Optional[torch.Tensor] = None  # per row, when one token option ran natively
-    n_token_options = 0
+    token_rejected: Optional[torch.Tensor] = None  # per row, while one token option has run (fused pass)
     for opt in options:
         if opt.agg == "token":
-            n_token_options += 1
             if batch.native:
-                keep, token_rejected = _native_token_keep(batch, opt, stats)
+                keep, rejected = _native_token_keep(batch, opt, stats)
             else:
-                keep = option_keep(batch, opt, divergence(opt.estimator), stats)
+                keep, rejected = option_keep(batch, opt, divergence(opt.estimator), stats), None
+            token_rejected = rejected if token_keep is None else None  # (options overlap: no sum)
             token_keep = keep if token_keep is None else token_keep.mul_(keep)
         else:
             statistic = batch.native_row_statistic(opt.estimator, opt.agg)
@@ -164,7 +163,7 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
     if stats is not None and options:
         if token_keep is None:
             kept = batch.n_row
-        elif n_token_options == 1 and token_rejected is not None:
+        elif token_rejected is not None:
             kept = batch.n_row - token_rejected.to(batch.n_row.dtype)
         else:
             kept = batch.row_total(token_keep * batch.mask)
@@ -183,9 +182,14 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
     return RejectionResult(token_keep, row_keep)
 
 
+def _std_bounds(opt: RSOption) -> tuple[float, float]:
+    """The bounds the option's std metric clamps its statistic to (lower 0 without a lower bound)."""
+    return (opt.stat_lower if opt.stat_lower is not None else 0.0), opt.stat_upper
+
+
 def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
-    lo = opt.stat_lower if opt.stat_lower is not None else 0.0
-    return x.clamp(min=lo, max=opt.stat_upper)
+    lo, hi = _std_bounds(opt)
+    return x.clamp(min=lo, max=hi)
 
 
 def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, x_sum: torch.Tensor,
