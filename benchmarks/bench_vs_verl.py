@@ -10,9 +10,8 @@ the defaults the cost of page faults for fresh temporaries depends on the proces
 timing includes ``metrics_as_floats()`` (the single device sync) to compare like with like.
 
 The floor is one streaming pass over the inputs, ``old - rollout``: no correction can be
-faster than reading its two inputs once. "ours (eager)" is the default call — on CPU the fused
-kernels of ``rollout_correction.native`` when they build (the first line printed says) — and
-"ATen pass" the same call with them switched off, which is the pass an accelerator runs.
+faster than reading its two inputs once. "ours (eager)" is the default call; "compiled" the same
+call with ``compile=True`` (``--compile``).
 
 Peak extra memory is measured in a fresh subprocess per (implementation, configuration):
 inputs are built, the peak-RSS counter is reset (``/proc/self/clear_refs``), the call runs
@@ -53,10 +52,6 @@ sys.path.insert(0, str(ROOT / "src"))
 from verl_reference import load_verl_rollout_corr_helper, verl_equivalent_rs_threshold  # noqa: E402
 
 import rollout_correction as rc  # noqa: E402
-from rollout_correction import native  # noqa: E402
-
-#: The switch as the user set it ("ours" runs with it; "ours (ATen)" with the fused kernels off).
-_NATIVE_SETTING = os.environ.get(native.ENV, "auto")
 
 
 @dataclass(frozen=True)
@@ -135,14 +130,7 @@ def make_runners(case: Case, inputs, compiled: bool = False) -> dict[str, Callab
     def run_floor():
         return old - rollout
 
-    def run_aten():  # the ATen pass, i.e. what runs on an accelerator (see rollout_correction.native)
-        os.environ[native.ENV] = "0"
-        try:
-            return run_ours()
-        finally:
-            os.environ[native.ENV] = _NATIVE_SETTING
-
-    runners = {"verl": run_verl, "ours": run_ours, "ours (ATen)": run_aten, "floor": run_floor}
+    runners = {"verl": run_verl, "ours": run_ours, "floor": run_floor}
     if compiled and _has_compile_path():
 
         def run_compiled():
@@ -268,7 +256,7 @@ def markdown_tables(results: list[dict[str, Any]]) -> str:
         rows = [r for r in results if (r["shape"], r["dtype"]) == key]
         compiled = any("ours (compiled)" in r for r in rows)
         memory = any("verl_mib" in r for r in rows)
-        head = ["configuration", "verl 0.9.1 ms", "ours ms", "verl/ours", "ours/floor", "ATen pass ms", "verl/ATen"]
+        head = ["configuration", "verl 0.9.1 ms", "ours ms", "verl/ours", "ours/floor"]
         if compiled:
             head += ["compiled ms", "verl/compiled", "compiled/floor"]
         if memory:
@@ -279,7 +267,7 @@ def markdown_tables(results: list[dict[str, Any]]) -> str:
                  "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
             cells = [r["case"], f"{r['verl']:.1f}", f"{r['ours']:.1f}", f"{r['verl'] / r['ours']:.1f}×",
-                     f"{r['ours'] / r['floor']:.0f}×", f"{r['ours (ATen)']:.1f}", f"{r['verl'] / r['ours (ATen)']:.1f}×"]
+                     f"{r['ours'] / r['floor']:.0f}×"]
             if compiled:
                 c = r.get("ours (compiled)")
                 cells += [f"{c:.1f}", f"{r['verl'] / c:.1f}×", f"{c / r['floor']:.0f}×"] if c else ["n/a"] * 3
@@ -287,9 +275,8 @@ def markdown_tables(results: list[dict[str, Any]]) -> str:
                 cells += [f"{r['verl_mib']:.0f}", f"{r['ours_mib']:.0f}", f"{r['verl_mib'] / max(r['ours_mib'], 1e-3):.1f}×"]
             lines.append("| " + " | ".join(cells) + " |")
         speed = geometric_mean([r["verl"] / r["ours"] for r in rows])
-        aten = geometric_mean([r["verl"] / r["ours (ATen)"] for r in rows])
         lines.append("")
-        lines.append(f"Geometric-mean speed-up of eager over verl: {speed:.1f}× (ATen pass: {aten:.1f}×)"
+        lines.append(f"Geometric-mean speed-up of eager over verl: {speed:.1f}×"
                      + (f"; compiled: {geometric_mean([r['verl'] / r['ours (compiled)'] for r in rows if 'ours (compiled)' in r]):.1f}×" if compiled else ""))
         out.append("\n".join(lines))
     return "\n\n".join(out) + "\n"
@@ -322,7 +309,6 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     console = Console(width=200)
-    console.print(f"ours (eager) = the default call; {native.status()}")
     wanted = {c.strip() for c in args.cases.split(",") if c.strip()}
     cases = [c for c in CASES if not wanted or c.name in wanted]
     results: list[dict[str, Any]] = []
@@ -332,8 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype_name in args.dtypes.split(","):
             inputs = make_inputs(batch, length, DTYPES[dtype_name])
             table = Table(title=f"{batch}x{length} {dtype_name}, 1 thread, median of {args.repeats} (ms)")
-            for col in ("configuration", "verl 0.9.1", "ours (eager)", "verl/ours", "ours/floor", "ATen pass",
-                        "verl/ATen"):
+            for col in ("configuration", "verl 0.9.1", "ours (eager)", "verl/ours", "ours/floor"):
                 table.add_column(col, justify="right" if col != "configuration" else "left")
             if args.compile:
                 table.add_column("ours (compiled)", justify="right")
@@ -343,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 table.add_column("verl MiB", justify="right")
                 table.add_column("ours MiB", justify="right")
                 table.add_column("mem ratio", justify="right")
-            speedups, aten_speedups, compiled_speedups = [], [], []
+            speedups, compiled_speedups = [], []
             for case in cases:
                 if args.compile:
                     # A trainer compiles one configuration; start each case from an empty
@@ -353,15 +338,12 @@ def main(argv: list[str] | None = None) -> int:
                 med = time_interleaved(runners, args.repeats, args.warmup)
                 row = {"shape": shape, "dtype": dtype_name, "case": case.name, **med}
                 speedups.append(med["verl"] / med["ours"])
-                aten_speedups.append(med["verl"] / med["ours (ATen)"])
                 cells = [
                     case.name,
                     f"{med['verl']:.2f}",
                     f"{med['ours']:.2f}",
                     f"{med['verl'] / med['ours']:.1f}x",
                     f"{med['ours'] / med['floor']:.0f}x",
-                    f"{med['ours (ATen)']:.2f}",
-                    f"{med['verl'] / med['ours (ATen)']:.1f}x",
                 ]
                 if args.compile:
                     if "ours (compiled)" in med:
@@ -380,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(table)
             console.print(
                 f"floor (old - rollout): {med['floor']:.3f} ms from cold caches, {med['floor (hot)']:.3f} ms hot; "
-                f"geometric-mean speed-up over verl: {geometric_mean(speedups):.1f}x eager "
-                f"(ATen pass {geometric_mean(aten_speedups):.1f}x)"
+                f"geometric-mean speed-up over verl: {geometric_mean(speedups):.1f}x eager"
                 + (f", {geometric_mean(compiled_speedups):.1f}x compiled" if compiled_speedups else "")
             )
             del inputs

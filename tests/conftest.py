@@ -56,15 +56,3 @@ def assert_same_correction(got, expected, *, weights_rtol: float, rel: float, ab
             tol = max([abs] + [std_scale * builtins.abs(a[k[:-3] + s]) for s in ("mean", "max", "min")
                                if k[:-3] + s in a])
         assert b[k] == pytest.approx(a[k], rel=rel, abs=tol), k
-
-
-@pytest.fixture(params=["native", "aten"])
-def eager_pass(request, monkeypatch):
-    """Run a test on both eager CPU passes: the fused kernels (required, so that a failed build
-    fails the test rather than silently testing the ATen pass twice) and the ATen pass, which is
-    also what runs on an accelerator. Modules opt in with
-    ``pytestmark = pytest.mark.usefixtures("eager_pass")``."""
-    from rollout_correction import native
-
-    monkeypatch.setenv(native.ENV, "1" if request.param == "native" else "0")
-    return request.param

@@ -8,8 +8,6 @@ import torch
 from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metrics, compute_policy_loss,
                                 compute_rollout_correction)
 
-# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
-pytestmark = pytest.mark.usefixtures("eager_pass")
 
 NAN, INF = float("nan"), float("inf")
 P = "rollout_corr/"

@@ -7,8 +7,6 @@ import rollout_correction.correction as correction
 from conftest import assert_same_correction
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 
-# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
-pytestmark = pytest.mark.usefixtures("eager_pass")
 
 CONFIGS = ["disabled", "decoupled_token_is", "decoupled_seq_is_rs", "decoupled_token_icepop", "geo_mis",
            "decoupled_k3_rs_token_tis", "seq_is_rs"]
@@ -33,7 +31,6 @@ def test_blocked_pass_equals_one_block(monkeypatch, name, block_tokens):
                                                            and RolloutCorrectionConfig.from_preset(name).rollout_is is not None)
     whole = compute_rollout_correction(old, roll, mask, cfg)
     monkeypatch.setattr(correction, "BLOCK_TOKENS", block_tokens)
-    monkeypatch.setattr(correction, "NATIVE_BLOCK_TOKENS", block_tokens)
     blocked = compute_rollout_correction(old, roll, mask, cfg)
     assert blocked.response_mask.dtype == mask.dtype
     assert_same_correction(blocked, whole, weights_rtol=1e-6, rel=1e-9, abs=1e-12)
@@ -42,7 +39,6 @@ def test_blocked_pass_equals_one_block(monkeypatch, name, block_tokens):
 def test_blocked_pass_reports_the_global_row_of_a_nonfinite_value(monkeypatch):
     old, roll, mask = _batch()
     monkeypatch.setattr(correction, "BLOCK_TOKENS", 14)  # blocks of 2 rows: row 6 is in the 4th block
-    monkeypatch.setattr(correction, "NATIVE_BLOCK_TOKENS", 14)
     cfg = RolloutCorrectionConfig(on_nonfinite="raise")
     with pytest.raises(ValueError, match=r"row 6, column 2"):
         compute_rollout_correction(old, roll, mask, cfg)

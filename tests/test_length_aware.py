@@ -11,8 +11,6 @@ import torch
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from rollout_correction.diagnose import diagnose_tensors
 
-# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
-pytestmark = pytest.mark.usefixtures("eager_pass")
 
 
 def test_pre_truncation_sequence_weight_statistics_hand_computed():

@@ -20,8 +20,6 @@ import rollout_correction as rc
 from rollout_correction import correction as correction_module
 from rollout_correction.metrics import Metrics, metrics_to_floats
 
-# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
-pytestmark = pytest.mark.usefixtures("eager_pass")
 
 DYNAMIC = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
            "repeat_interleave", "masked_scatter", "argwhere"}

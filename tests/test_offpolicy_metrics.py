@@ -8,8 +8,6 @@ import torch
 from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metrics,
                                 compute_rollout_correction, metrics_to_floats)
 
-# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
-pytestmark = pytest.mark.usefixtures("eager_pass")
 
 P = "rollout_corr/"
 NAMES = ["training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",

@@ -10,10 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
-from rollout_correction.metrics import CorrectionAccumulator, OffPolicyAccumulator, compute_offpolicy_metrics
+from rollout_correction.correction import CorrectionAccumulator
+from rollout_correction.metrics import OffPolicyAccumulator, compute_offpolicy_metrics
 
-# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
-pytestmark = pytest.mark.usefixtures("eager_pass")
 
 FAST = settings(max_examples=150, deadline=None)
 LEVELS = ["token", "sequence", "geometric"]

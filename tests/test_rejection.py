@@ -16,8 +16,6 @@ import torch
 
 from rollout_correction import ConfigError, RolloutCorrectionConfig, compute_rollout_correction
 
-# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
-pytestmark = pytest.mark.usefixtures("eager_pass")
 
 P = "rollout_corr/"
 ROWS = [[1.5, 0.8, 3.0], [1.0, 0.4], [1.2, 1.1, 0.9, 2.5]]

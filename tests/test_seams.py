@@ -14,7 +14,7 @@ import torch
 from rollout_correction import (ConfigError, CorrectionAccumulator, RolloutCorrectionConfig,
                                 as_config, compute_rollout_correction)
 from rollout_correction.config import PRESETS, config_value
-from rollout_correction.logratio import LogRatioBatch
+from rollout_correction.logratio import LogRatioBatch, log_ratio_batch
 from rollout_correction.rejection import rejection_keep, rs_metrics, rs_option_metrics
 from rollout_correction.stats import SufficientStats
 from rollout_correction.weights import importance_weights
@@ -112,7 +112,7 @@ def _data(seed=0, B=6, T=5):
 def test_batch_from_log_ratio_matches_the_batch_from_log_probs(level):
     old, roll, mask = _data()
     spec = C(rollout_is=level, rollout_is_threshold=1.5).is_spec
-    a = importance_weights(LogRatioBatch(old, roll, mask), spec).weights
+    a = importance_weights(log_ratio_batch(old, roll, mask), spec).weights
     b = importance_weights(LogRatioBatch.from_log_ratio(old - roll, mask), spec).weights
     torch.testing.assert_close(a, b)
     # by hand for one row: exp of the clamped sum / mean of its valid log-ratios, truncated at 1.5
@@ -125,8 +125,8 @@ def test_batch_from_log_ratio_matches_the_batch_from_log_probs(level):
 def test_batch_from_log_ratio_refuses_perplexity_and_names_bad_values():
     old, roll, mask = _data()
     batch = LogRatioBatch.from_log_ratio(old - roll, mask)
-    with pytest.raises(ValueError, match="built from a log-ratio alone.*LogRatioBatch\\(old_log_prob"):
-        batch.old_row_mean
+    with pytest.raises(ValueError, match="built from a log-ratio alone.*log_ratio_batch\\(old_log_prob"):
+        batch.train_means64()
     lr = (old - roll).clone()
     lr[2, 3] = float("nan")
     mask[2, 3] = True
@@ -155,7 +155,7 @@ def test_batch_from_mask_counts_the_mask_alone():
 def test_option_metrics_are_the_chain_metrics_of_that_option():
     old, roll, mask = _data(1, B=12, T=7)
     cfg = C(rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.6_1.6,0.05")
-    batch = LogRatioBatch(old, roll, mask)
+    batch = log_ratio_batch(old, roll, mask)
     stats = SufficientStats()
     batch.add_counts(stats)
     rejection_keep(batch, cfg.rs_options, None, stats)

@@ -40,8 +40,6 @@ from rollout_correction import (  # noqa: E402
     compute_rollout_correction,
 )
 
-# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
-pytestmark = pytest.mark.usefixtures("eager_pass")
 
 VERL = load_verl_rollout_corr_helper()
 VERL_ALGOS = load_verl_core_algos()

@@ -13,8 +13,6 @@ import torch
 
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 
-# Every test here runs on both eager CPU passes (fused kernels and ATen; see conftest.eager_pass).
-pytestmark = pytest.mark.usefixtures("eager_pass")
 
 P = "rollout_corr/"
 ROWS = [[3.0, 0.6, 1.5], [0.25, 0.8], [0.4, 1.25, 2.5, 1.0]]

@@ -147,7 +147,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: (layer, what it holds, modules or packages of ``rollout_correction``), bottom first.
 LAYERS: list[tuple[str, str, list[str]]] = [
     ("foundations", "constants, input checks, sufficient statistics, fused CPU kernels",
-     ["constants", "validation", "stats", "native"]),
+     ["constants", "validation", "stats"]),
     ("config, groups", "config; context-parallel row exchange", ["config", "sequence_group"]),
     ("per-token pieces", "log-ratio, loss terms, supports, advantages",
      ["logratio", "policy_losses", "m2po", "supports", "alignment", "advantages", "toy"]),

@@ -24,19 +24,13 @@ _COMMANDS: dict[str, tuple[str, str]] = {
                 "replay a logged metrics history through the training health monitor: plot, alerts, summary"),
     "verl-check": ("rollout_correction.integrations.verl_cli",
                    "check that `import verl` loads this library's plugin in this environment"),
-    "native": ("rollout_correction.native.cli",
-               "build the fused CPU kernels of the eager pass now and say whether they are in use"),
 }
-# sub-commands that need nothing beyond the core
-_CORE = {"native"}
 # sub-command -> the pyproject extra that installs what it needs (when it is not the command's name)
 _EXTRAS: dict[str, str] = {"diffusion-demo": "plot", "presets": "cli", "verl-check": "verl"}
 
 
 def install_hint(command: str) -> str:
     """The pip command that installs the optional dependencies of ``command``."""
-    if command in _CORE:
-        return "pip install rollout-correction"
     return f"pip install 'rollout-correction[{_EXTRAS.get(command, command)}]'"
 
 

@@ -16,10 +16,9 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from . import native
 from .alignment import MisalignmentWarning, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
-from .logratio import LogRatioBatch
+from .logratio import LogRatioBatch, log_ratio_batch
 from .m2po import m2po_keep, second_moment
 from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
                       offpolicy_metrics, prefixed)
@@ -86,15 +85,24 @@ def _alignment_metrics(stats) -> dict[str, Value]:
             "alignment_late_mae": stats.sum("align.late") / den, "alignment_early_mae": stats.sum("align.early") / den}
 
 
-def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                config: RolloutCorrectionConfig):
-    """Everything that touches (B, T) data: weights before normalisation, the 0/1 keep mask,
-    and the reduced local statistics. Pure tensor code, so torch.compile can fuse it."""
-    batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite)
+def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                config: RolloutCorrectionConfig, row_offset: int = 0):
+    """Everything that touches (B, T) data: weights before normalisation, the 0/1 keep mask, and
+    the local statistics."""
+    batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite,
+                            row_offset=row_offset)
     stats = SufficientStats()
     batch.add_counts(stats)
     isw, rej = local_correction(batch, config, stats)
-    return (isw.weights if isw is not None else None), rej.keep_mask(batch), stats.sums, stats.maxes
+    return (isw.weights if isw is not None else None), rej.keep_mask(batch), stats
+
+
+def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                config: RolloutCorrectionConfig):
+    """:func:`_block_pass` on the whole batch with the statistics settled: pure tensor code in and
+    out, so torch.compile can fuse it."""
+    weights, keep, stats = _block_pass(old_log_prob, rollout_log_prob, response_mask, config)
+    return weights, keep, stats.sums, stats.maxes
 
 
 @dataclass
@@ -142,7 +150,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         raise ValueError("check_alignment compares adjacent tokens and cannot run on sequences split across "
                          "sequence_group; run the alignment check on whole sequences (rollout-correction "
                          "diagnose, or a call without sequence_group) and set check_alignment=False here")
-    batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite, rows=rows)
+    batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite, rows=rows)
     stats = SufficientStats()
     batch.add_counts(stats)
     isw, rej = local_correction(batch, config, stats)
@@ -150,8 +158,9 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     keep = rej.keep_mask(batch)
     kept = rej.kept_per_row(batch)
     token_keep = batch.mask if rej.token_keep is None else batch.mask * rej.token_keep
-    values = RowValues(batch.n_row, kept, token_keep, rej.rows(batch), batch.row_sum, batch.old_row_mean,
-                       batch.rollout_row_mean, batch.bad_rows, batch, weights,
+    means = batch.train_means64()
+    values = RowValues(batch.n_row, kept, token_keep, rej.rows(batch), batch.row_sum, means[1],
+                       means[1] - means[0], batch.bad_rows, batch, weights,
                        isw.row_weight if isw is not None else None)
     if not rows.final:
         return CorrectionOutput(weights, keep), values
@@ -187,69 +196,30 @@ BLOCK_TOKENS = 1 << 17
 DEVICE_BLOCK_TOKENS = 1 << 22
 
 
-#: With the fused CPU kernels (:mod:`.native`) a block's per-token work is one sweep whose only
-#: temporaries are the tensors it hands on (the mask used, and ρ / log ρ / k3 when the
-#: configuration reads them), so blocks can be larger: fewer blocks, less per-block overhead.
-NATIVE_BLOCK_TOKENS = 1 << 20
-
-
-def block_tokens(device: torch.device, fused: bool = False) -> int:
-    """Tokens per block of the eager pass on ``device`` (``fused``: with the fused CPU kernels)."""
-    if device.type != "cpu":
-        return DEVICE_BLOCK_TOKENS
-    return NATIVE_BLOCK_TOKENS if fused else BLOCK_TOKENS
-
-
-def token_outputs(config: RolloutCorrectionConfig) -> frozenset:
-    """The per-token tensors of :class:`LogRatioBatch` that :func:`local_correction` reads for
-    ``config`` (the fused CPU pass writes only these; see ``LogRatioBatch(outputs=)``)."""
-    need = set()
-    if config.is_spec is not None or config.rs_options or config.rollout_token_veto_threshold is not None:
-        need.add("mask")  # (without them the mask used is read only as the final mask: mask_out)
-    if config.is_spec is not None and config.is_spec.level == "token":
-        need.add("ratio")
-    for opt in config.rs_options:
-        if opt.agg == "token":  # (sequence options read the pass's per-row sums)
-            need.add("k3" if opt.estimator == "k3" else "log_ratio")
-    if config.rollout_token_veto_threshold is not None:
-        need.add("log_ratio")
-    return frozenset(need)
+def block_tokens(device: torch.device) -> int:
+    """Tokens per block of the eager pass on ``device``."""
+    return BLOCK_TOKENS if device.type == "cpu" else DEVICE_BLOCK_TOKENS
 
 
 def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                         config: RolloutCorrectionConfig):
-    """:func:`_local_pass` over blocks of whole rows, writing straight into the outputs."""
+    """:func:`_local_pass` over blocks of whole rows, writing into the outputs."""
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     B, T = old_log_prob.shape
-    fused = native.enabled_for(old_log_prob, rollout_log_prob, response_mask)
-    rows = max(1, block_tokens(old_log_prob.device, fused) // max(T, 1))
-    stats = SufficientStats()
-    outputs = token_outputs(config)
-    device = old_log_prob.device
-    # Nothing rejects: the final mask is the mask of the tokens used, which the pass writes itself.
-    direct = fused and not config.rs_options and config.rollout_token_veto_threshold is None
-    keep = torch.empty((B, T), dtype=response_mask.dtype, device=device) if direct or B > rows else None
+    rows = max(1, block_tokens(old_log_prob.device) // max(T, 1))
     if B <= rows:
-        batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, config.on_nonfinite, outputs=outputs,
-                              mask_out=keep if direct else None)
-        batch.add_counts(stats)
-        isw, rej = local_correction(batch, config, stats)
-        return (isw.weights if isw is not None else None), keep if direct else rej.keep_mask(batch), stats
+        return _block_pass(old_log_prob, rollout_log_prob, response_mask, config)
+    device = old_log_prob.device
     weights = torch.empty((B, T), device=device) if config.is_spec is not None else None
-    workspace = LogRatioBatch.workspace(rows, T, device)  # one buffer for every block's temporaries
+    keep = torch.empty((B, T), dtype=response_mask.dtype, device=device)
+    stats = SufficientStats()
     for start in range(0, B, rows):
         block = slice(start, start + rows)
-        batch = LogRatioBatch(old_log_prob[block], rollout_log_prob[block], response_mask[block],
-                              config.on_nonfinite, row_offset=start, workspace=workspace, outputs=outputs,
-                              mask_out=keep[block] if direct else None)
-        local = SufficientStats()  # one packed vector per block, added into the running one
-        batch.add_counts(local)
-        isw, rej = local_correction(batch, config, local)
+        w, keep[block], local = _block_pass(old_log_prob[block], rollout_log_prob[block], response_mask[block],
+                                            config, row_offset=start)
         if weights is not None:
-            weights[block] = isw.weights
-        if not direct:
-            keep[block] = rej.keep_mask(batch)
-        stats.merge(local)
+            weights[block] = w
+        stats.merge(local)  # one packed vector per block, added into the running one
     return weights, keep, stats
 
 

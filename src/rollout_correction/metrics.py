@@ -21,7 +21,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .constants import METRIC_PREFIX, SAFETY_BOUND
-from .logratio import LogRatioBatch
+from .logratio import LogRatioBatch, log_ratio_batch
 from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, reduce_owned, stats_owner
 from .stats import HostStats, SufficientStats, Value, safe_div, where
 
@@ -36,12 +36,13 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     """Record the sufficient statistics of the off-policy metrics."""
     rows = batch.row_valid
     stats.add_sum("op.sum_lr", batch.row_sum)
-    stats.add_sum("op.sum_k3", batch.row_sums[4])  # Σ_t k3 and Σ_t ρ² per row, from the batch's one reduction
-    stats.add_sum("op.sum_rho2", batch.row_sums[6])
+    stats.add_sum("op.sum_k3", batch.sums.k3)  # Σ_t k3 and Σ_t ρ² per row, from the batch's one reduction
+    stats.add_sum("op.sum_rho2", batch.sums.ratio2)
     # The per-row values are computed stacked, so each elementwise step is one operation.
-    neg = batch.row_means64.neg()  # float64 (2, B): d = mean log π_rollout − mean log π_train, −mean log π_train
+    means = batch.train_means64()  # float64 (2, B): mean log ρ, mean log π_train
+    neg = means.neg()  # d = mean log π_rollout − mean log π_train, −mean log π_train
     d, train_nll = neg[0], neg[1]
-    rollout_nll = batch.row_means64[0] - batch.row_means64[1]
+    rollout_nll = means[0] - means[1]
     e = torch.stack([train_nll, rollout_nll, d, batch.row_sum64])
     e[:2].clamp_(max=_PPL_EXP_MAX)
     e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
@@ -54,7 +55,7 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     stats.add_sum("op.d", d, rows=rows)
     stats.add_sum("op.abs_d", d.abs(), rows=rows)
     stats.add_max("op.d_max", d, rows=rows)
-    stats.add_max("op.neg_d_max", batch.row_means64[0], rows=rows)  # −d: min d = −max(−d), no negation
+    stats.add_max("op.neg_d_max", means[0], rows=rows)  # −d: min d = −max(−d), no negation
     stats.add_sum("op.ppl_ratio", e[2], rows=rows)
     stats.add_sum("op.rho2_seq", e[3], rows=rows)
 
@@ -265,7 +266,7 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         owner = stats_owner(sequence_group, process_group)
         rows = RowExchange(sequence_group)
         for _ in rows.passes():
-            batch = LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite, rows=rows)
+            batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=on_nonfinite, rows=rows)
             stats = SufficientStats()
             batch.add_counts(stats)
             add_offpolicy_statistics(stats, batch)
@@ -293,7 +294,7 @@ class Accumulator:
     def update(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                response_mask: torch.Tensor) -> None:
         """Add a chunk of whole rows."""
-        self.update_batch(LogRatioBatch(old_log_prob, rollout_log_prob, response_mask, self.on_nonfinite))
+        self.update_batch(log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=self.on_nonfinite))
 
     def update_batch(self, batch: LogRatioBatch) -> None:
         """Add a chunk already wrapped in a :class:`LogRatioBatch` (so several accumulators can
@@ -328,13 +329,3 @@ class OffPolicyAccumulator(Accumulator):
 
     def finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
         return {**offpolicy_metrics(stats), **nonfinite_metrics(stats)}
-
-
-def __getattr__(name: str):
-    # CorrectionAccumulator belongs to the pipeline (rollout_correction.correction); it stays
-    # importable from here, resolved on first access so that this module never imports the pipeline.
-    if name == "CorrectionAccumulator":
-        from .correction import CorrectionAccumulator
-
-        return CorrectionAccumulator
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

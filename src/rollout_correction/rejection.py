@@ -109,27 +109,10 @@ def option_keep(batch: LogRatioBatch, opt: RSOption, statistic: torch.Tensor,
     if stats is not None:
         x = statistic
         c_sum, c_sum2 = batch.token_moments(_std_clamp(opt, x).mul_(batch.mask))
-        _add_token_option_stats(stats, batch, opt, batch.token_sum(x), c_sum, c_sum2, batch.token_max(x),
-                                batch.token_min(x), batch.row_total(high),
+        _add_token_option_stats(stats, batch, opt, batch.row_total(x), c_sum, c_sum2, *batch.token_extremes(x),
+                                batch.row_total(high),
                                 batch.row_total(low) if low is not None else None)
     return keep
-
-
-def _native_token_keep(batch: LogRatioBatch, opt: RSOption, stats: Optional[SufficientStats]):
-    """A token option on a native batch in one sweep (:meth:`LogRatioBatch.band`): the (B, T) keep
-    indicator and the per-row count of valid tokens it rejects."""
-    lower = opt.stat_lower if opt.stat_lower is not None else -math.inf
-    if opt.estimator == "k3":
-        x, transform = batch.k3, None
-    else:
-        x, transform = batch.log_ratio, opt.estimator
-    zlo, zhi = _std_bounds(opt)
-    keep, band = batch.band(x, "keep", lower, opt.stat_upper, zlo=zlo, zhi=zhi, transform=transform)
-    x_sum, _, x_max, x_min, high, low, c_sum, c_sum2 = band  # rows: native.BAND_ROWS
-    if stats is not None:
-        _add_token_option_stats(stats, batch, opt, x_sum, c_sum, c_sum2, x_max, x_min, high,
-                                low if opt.stat_lower is not None else None)
-    return keep, high + low
 
 
 def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_threshold: Optional[float],
@@ -145,28 +128,15 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
             per_token = cache[estimator] = token_divergence(batch, estimator)
         return per_token
 
-    token_rejected: Optional[torch.Tensor] = None  # per row, while one token option has run (fused pass)
     for opt in options:
         if opt.agg == "token":
-            if batch.native:
-                keep, rejected = _native_token_keep(batch, opt, stats)
-            else:
-                keep, rejected = option_keep(batch, opt, divergence(opt.estimator), stats), None
-            token_rejected = rejected if token_keep is None else None  # (options overlap: no sum)
+            keep = option_keep(batch, opt, divergence(opt.estimator), stats)
             token_keep = keep if token_keep is None else token_keep.mul_(keep)
         else:
-            statistic = batch.native_row_statistic(opt.estimator, opt.agg)
-            if statistic is None:
-                statistic = _row_stat(batch, divergence(opt.estimator), opt.agg)
-            keep = option_keep(batch, opt, statistic, stats)
+            keep = option_keep(batch, opt, _row_stat(batch, divergence(opt.estimator), opt.agg), stats)
             row_keep = keep if row_keep is None else row_keep & keep
     if stats is not None and options:
-        if token_keep is None:
-            kept = batch.n_row
-        elif token_rejected is not None:
-            kept = batch.n_row - token_rejected.to(batch.n_row.dtype)
-        else:
-            kept = batch.row_total(token_keep * batch.mask)
+        kept = batch.n_row if token_keep is None else batch.row_total(token_keep * batch.mask)
         if row_keep is not None:
             kept = kept * row_keep
         rejected = batch.n_row - kept  # valid tokens rejected by the chained options, per row
@@ -182,14 +152,9 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
     return RejectionResult(token_keep, row_keep)
 
 
-def _std_bounds(opt: RSOption) -> tuple[float, float]:
-    """The bounds the option's std metric clamps its statistic to (lower 0 without a lower bound)."""
-    return (opt.stat_lower if opt.stat_lower is not None else 0.0), opt.stat_upper
-
-
 def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
-    lo, hi = _std_bounds(opt)
-    return x.clamp(min=lo, max=hi)
+    """``x`` clamped to the bounds the option's std metric uses (lower 0 without a lower bound)."""
+    return x.clamp(min=opt.stat_lower if opt.stat_lower is not None else 0.0, max=opt.stat_upper)
 
 
 def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, x_sum: torch.Tensor,

@@ -49,9 +49,6 @@ class ISWeights:
     row_log: Optional[torch.Tensor] = None
     row_raw: Optional[torch.Tensor] = None
     row_weight: Optional[torch.Tensor] = None
-    #: token level on a native batch: the (NSTAT, B) per-row statistics of the fused sweep that
-    #: bounded the weights (:meth:`LogRatioBatch.band`), read by :func:`add_is_statistics`
-    band: Optional[torch.Tensor] = None
 
 
 def bound_weights(w: torch.Tensor, spec: ISSpec, mask: torch.Tensor) -> torch.Tensor:
@@ -68,12 +65,8 @@ def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
     """Bounded IS weights at ``spec.level`` (see module docstring), before batch normalisation."""
     if spec.level == "token":
         raw = batch.ratio
-        if batch.native:  # bound, count and reduce in one sweep
-            lower = spec.lower if spec.lower is not None else 0.0
-            w, band = batch.band(raw, spec.mode, spec.metric_lower, spec.upper, wlo=lower, whi=spec.upper)
-            return ISWeights(weights=w, raw=raw, band=band)
         return ISWeights(weights=bound_weights(raw, spec, batch.mask), raw=raw)
-    row_log = batch.row_sum if spec.level == "sequence" else batch.row_mean
+    row_log = batch.row_sum if spec.level == "sequence" else batch.row_mean()
     row_ok = batch.row_valid.to(row_log.dtype)
     row_raw = row_log.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() * row_ok
     row_w = bound_weights(row_raw, spec, row_ok)
@@ -93,29 +86,23 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
     U, L = spec.upper, spec.metric_lower
     if spec.level == "token":
         w, raw = isw.weights, isw.raw
-        if isw.band is not None:  # the sweep that bounded the weights (rows: native.BAND_ROWS)
-            sum_w, sum_w2, w_max, w_min, high, low = isw.band[:6]
-            stats.add_sum("is.sum_w", sum_w)
-            stats.add_sum("is.sum_w2", sum_w2)
-            stats.add_sum("is.out_signed", high - low)
-            stats.add_sum("is.out", high + low)
-            stats.add_max("is.max", w_max)
-            stats.add_min("is.min", w_min)
+        sum_w, sum_w2 = batch.token_moments(w)
+        stats.add_sum("is.sum_w", sum_w)
+        stats.add_sum("is.sum_w2", sum_w2)
+        # Outside the band [L, U]: s = sign(raw − clamp(raw, L, U)) on valid tokens is +1 above U
+        # and −1 below L, so Σs = high − low and Σ|s| = high + low (exact integer counts).
+        out = (raw - raw.clamp(L, U)).mul_(batch.mask).sign_()
+        stats.add_sum("is.out_signed", batch.row_total(out))
+        stats.add_sum("is.out", batch.row_total(out.abs_()))
+        if w.shape[-1]:  # w ≥ 0 and 0 at padding, so the plain row maximum is the maximum over valid tokens
+            high, low = batch.reduce_max(w.amax(-1)), batch.token_extremes(w, need_max=False)[1]
         else:
-            sum_w, sum_w2 = batch.token_moments(w)
-            stats.add_sum("is.sum_w", sum_w)
-            stats.add_sum("is.sum_w2", sum_w2)
-            # Outside the band [L, U]: s = sign(raw − clamp(raw, L, U)) on valid tokens is +1 above U
-            # and −1 below L, so Σs = high − low and Σ|s| = high + low (exact integer counts).
-            out = (raw - raw.clamp(L, U)).mul_(batch.mask).sign_()
-            stats.add_sum("is.out_signed", batch.row_total(out))
-            stats.add_sum("is.out", batch.row_total(out.abs_()))
-            # w ≥ 0 and 0 at padding, so the plain row maximum is the maximum over valid tokens
-            stats.add_max("is.max", batch.reduce_max(w.amax(-1)) if w.shape[-1] else batch.token_max(w))
-            stats.add_min("is.min", batch.token_min(w))
+            high, low = batch.token_extremes(w)
+        stats.add_max("is.max", high)
+        stats.add_min("is.min", low)
         n = batch.n_row.clamp_min(1.0)
         seq_w = sum_w / n
-        seq_raw = batch.ratio_row_sum(raw) / n
+        seq_raw = batch.sums.ratio / n  # raw is the batch's ratio: its row sums are the pass's
     else:
         rw, rlog, rraw = isw.row_weight, isw.row_log, isw.row_raw
         rw64 = rw.double()

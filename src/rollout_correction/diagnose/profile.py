@@ -24,7 +24,7 @@ import torch
 from rollout_correction import (METRIC_PREFIX, SAFETY_BOUND, CorrectionAccumulator, OffPolicyAccumulator, RolloutCorrectionConfig,
                                 metrics_to_floats)
 from rollout_correction.alignment import AlignmentReport, alignment_report, alignment_statistics
-from rollout_correction.logratio import LogRatioBatch
+from rollout_correction.logratio import log_ratio_batch
 
 from .histograms import AdaptiveLinearHistogram, Histogram, KeyedSums, symlog_edges
 from .readers import Chunk
@@ -228,7 +228,7 @@ class MismatchProfile:
         preset is what keeps a 10M-token file under a minute. Returns the batch, whose log-ratio,
         k3 and row sums the profile's own statistics reuse.
         """
-        batch = LogRatioBatch(old, roll, mask, "reject")
+        batch = log_ratio_batch(old, roll, mask)
         for acc in (self._offpolicy, *(acc for acc, _ in self._what_if.values())):
             acc.update_batch(batch)
         return batch
