@@ -1,6 +1,6 @@
 """Bias and variance of every correction method against the exact on-policy gradient.
 
-On the enumerable toy (``rollout_correction.toy``: a tabular autoregressive policy, V = 3 tokens,
+On the enumerable toy (``tests/toy.py``: a tabular autoregressive policy, V = 3 tokens,
 up to T = 4 steps with a stop token, every one of the 31 sequences one row), each method's loss is
 run through the library exactly as a trainer would call it, with the rows' advantages scaled by
 μ(y)·B so that the gradient of the batch loss is the method's *expected* gradient under the
@@ -23,6 +23,8 @@ the clip range ε = 0.2 and c = 3 (DPPO: divergence bound 0.2, ratio cap 3).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+import sys
 import math
 import statistics
 import time
@@ -30,7 +32,8 @@ import time
 import torch
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
-from rollout_correction.toy import (enumerate_sequences, exact_policy_gradient, perturb, random_logits,
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the enumerable toy lives with its tests
+from toy import (enumerate_sequences, exact_policy_gradient, perturb, random_logits,
                                     scaled_advantages, sequence_log_probs, token_log_probs)
 
 N_BATCH = 256

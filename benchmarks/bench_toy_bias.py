@@ -10,12 +10,15 @@ median and max of ‖g − E_π_old[A∇log π_old]‖ / ‖E_π_old[A∇log π_
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+import sys
 import math
 
 import torch
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
-from rollout_correction.toy import (enumerate_sequences, exact_policy_gradient, perturb, random_logits,
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the enumerable toy lives with its tests
+from toy import (enumerate_sequences, exact_policy_gradient, perturb, random_logits,
                                     scaled_advantages, sequence_log_probs, token_log_probs)
 
 

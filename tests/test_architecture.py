@@ -80,7 +80,8 @@ def test_surfaces_use_only_the_public_api_of_the_core():
 
 # The health monitor is a sink: the demo reports with it and the adapters feed it (its public API).
 # The verl adapter's batch step is the verl drop-in's (one implementation of that function).
-SURFACE_DEPENDENCIES = {("demo", "monitor"), ("integrations", "monitor"), ("integrations", "compat")}
+SURFACE_DEPENDENCIES = {("demo", "monitor"), ("integrations", "monitor"), ("integrations", "compat"),
+                        ("diagnose", "demo")}  # diagnose --example samples with the demo's rollout engine
 
 
 def test_surfaces_do_not_import_each_other():

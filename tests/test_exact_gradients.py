@@ -1,6 +1,6 @@
 """Gradient estimators against exact expectations on an enumerable toy (docs/validation.md).
 
-Every sequence of a tabular autoregressive policy (rollout_correction.toy) is one row of the
+Every sequence of a tabular autoregressive policy (tests/toy.py) is one row of the
 batch; advantages are scaled by μ(y)·B so that a ``seq-mean-token-sum`` loss over the rows is an
 exact expectation under the behaviour policy μ. The gradient the library's loss produces
 (through torch autograd) is compared with the estimator's formula, evaluated in float64 from
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
-from rollout_correction.toy import (SequenceSpace, enumerate_sequences, exact_policy_gradient, perturb,
+from toy import (SequenceSpace, enumerate_sequences, exact_policy_gradient, perturb,
                                     random_logits, scaled_advantages, sequence_log_probs, token_log_probs,
                                     token_scores)
 

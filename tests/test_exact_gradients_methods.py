@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rollout_correction import RolloutCorrectionConfig
-from rollout_correction.toy import exact_policy_gradient
+from toy import exact_policy_gradient
 from test_exact_gradients import (CLIP_C, EPS_HI, EPS_LO, SPACES, assert_grad, between, from_coefficients,
                                   library_gradient, make_toy, per_row, rel_err)
 

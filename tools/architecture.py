@@ -146,17 +146,17 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 #: (layer, what it holds, modules or packages of ``rollout_correction``), bottom first.
 LAYERS: list[tuple[str, str, list[str]]] = [
-    ("foundations", "constants, input checks, sufficient statistics, fused CPU kernels",
+    ("foundations", "constants, input checks, sufficient statistics",
      ["constants", "validation", "stats"]),
     ("config, groups", "config; context-parallel row exchange", ["config", "sequence_group"]),
     ("per-token pieces", "log-ratio, loss terms, supports, advantages",
-     ["logratio", "policy_losses", "m2po", "supports", "alignment", "advantages", "toy"]),
+     ["logratio", "policy_losses", "m2po", "supports", "alignment", "advantages"]),
     ("estimators", "IS weights, rejection, metrics, masking",
      ["weights", "rejection", "metrics", "opsm"]),
     ("pipeline", "compute_rollout_correction", ["correction"]),
     ("entry points", "policy loss; packed inputs", ["losses", "packed"]),
-    ("extensions", "staleness, rollout engine, docs",
-     ["staleness", "rollout_engine", "reference"]),
+    ("extensions", "staleness, docs",
+     ["staleness", "reference"]),
     ("public API", "rollout_correction/__init__.py", ["__init__"]),
     ("surfaces", "public names of the core only",
      ["compat", "integrations", "diagnose", "demo", "diffusion", "monitor", "presets_cli"]),

@@ -11,7 +11,7 @@ from pathlib import Path
 from rollout_correction.demo.config import DEFAULT_METHODS, METHODS, QUICK, SCENARIOS, DemoConfig
 from rollout_correction.demo.model import MODEL_SIZES
 from rollout_correction.demo.task import TASKS
-from rollout_correction.rollout_engine import PRECISIONS, QUANTS
+from rollout_correction.demo.engine import PRECISIONS, QUANTS
 
 # flag -> (type, help); the default of every flag comes from the scenario (then --quick).
 _FLAGS: dict[str, tuple[type, str]] = {

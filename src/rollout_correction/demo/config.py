@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from rollout_correction.demo.model import MODEL_SIZES
 from rollout_correction.demo.task import REWARDS, TASKS
-from rollout_correction.rollout_engine import GRANULARITIES, PRECISIONS, QUANTS
+from rollout_correction.demo.engine import GRANULARITIES, PRECISIONS, QUANTS
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from rollout_correction.advantages import group_advantages as library_group_adva
 from rollout_correction.demo.config import METHODS, DemoConfig, Method
 from rollout_correction.demo.model import build_model, response_log_probs
 from rollout_correction.demo.task import Task
-from rollout_correction.rollout_engine import RolloutEngine, sample
+from rollout_correction.demo.engine import RolloutEngine, sample
 
 EVAL_SEED = 1_000_003  # every run is evaluated on the same prompts
 

@@ -1,7 +1,7 @@
 """A realistic example dump for ``rollout-correction diagnose --example``.
 
 A small causal LM (built from a transformers config, no download) plays the policy. The demo's
-rollout engine (:class:`rollout_correction.rollout_engine.RolloutEngine`) holds a bf16 copy with
+rollout engine (:class:`rollout_correction.demo.engine.RolloutEngine`) holds a bf16 copy with
 fake-quantised linear weights and samples the responses with its own KV-cache loop, returning
 its log-probs (π_rollout); the fp32 model then recomputes the log-probs of the same tokens with
 teacher forcing (π_old). The gap between the two columns is real numerics — reduced precision
@@ -54,7 +54,7 @@ def generate_example(n_rows: int = 512, max_new_tokens: int = 256, prompt_len: i
                      precision: str = "bf16", quant: str = "int4", batch: int = 128, seed: int = 0,
                      vocab_size: int = 256) -> dict[str, list]:
     """Samples ``n_rows`` responses with the reduced-precision engine; returns ragged columns."""
-    from rollout_correction.rollout_engine import RolloutEngine
+    from rollout_correction.demo.engine import RolloutEngine
 
     policy = build_policy(vocab_size=vocab_size, max_len=prompt_len + max_new_tokens + 8, seed=seed)
     engine = RolloutEngine(policy, precision=precision, quant=quant)

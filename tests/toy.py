@@ -26,7 +26,7 @@ Example::
     log_pi = sequence_log_probs(theta, space)               # (B,)
     exact = exact_policy_gradient(theta, space, advantages)  # (S, V)
 
-Run ``python -m rollout_correction.toy`` for the gradient error of naive and corrected PPO on
+Run ``python tests/toy.py`` for the gradient error of naive and corrected PPO on
 this toy (docs/validation.md).
 """
 
