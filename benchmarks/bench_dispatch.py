@@ -159,12 +159,12 @@ def runners(case: Case, inputs) -> dict[str, Callable[[], Any]]:
     kwargs = case.verl_kwargs()
 
     def loss():
-        value, metrics = rc.compute_policy_loss(log_prob, rollout, adv, mask, loss_cfg, rollout_log_prob=rollout)
+        value, metrics = rc.compute_policy_loss(log_prob, rollout, adv, mask, config=loss_cfg, rollout_log_prob=rollout)
         return value, rc.metrics_to_floats(metrics)
 
     return {
-        "ours": lambda: rc.compute_rollout_correction(old, rollout, mask, cfg).metrics_as_floats(),
-        "ours (no read)": lambda: rc.compute_rollout_correction(old, rollout, mask, cfg),
+        "ours": lambda: rc.compute_rollout_correction(old, rollout, mask, config=cfg).metrics_as_floats(),
+        "ours (no read)": lambda: rc.compute_rollout_correction(old, rollout, mask, config=cfg),
         "drop-in": lambda: dropin.compute_rollout_correction_and_rejection_mask(old, rollout, mask, **kwargs),
         "verl": lambda: verl.compute_rollout_correction_and_rejection_mask(old, rollout, mask, **kwargs),
         "loss": loss,

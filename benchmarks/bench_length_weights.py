@@ -44,7 +44,7 @@ def main() -> None:
         row = [str(length)]
         for level in ("sequence", "geometric"):
             cfg = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=2.0)
-            m = compute_rollout_correction(old, rollout, mask, cfg).metrics_as_floats()
+            m = compute_rollout_correction(old, rollout, mask, config=cfg).metrics_as_floats()
             row.append(f"{m['rollout_corr/rollout_is_mean']:.3f}")
             if level == "sequence":
                 row.append(f"{m['rollout_corr/rollout_is_seq_collapsed_fraction']:.2f}")

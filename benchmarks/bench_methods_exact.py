@@ -81,7 +81,7 @@ def gradients(cfg, space, theta, old, mu, adv, rows=None):
         mode = "token-sum"
     nan = math.nan
     loss, _ = compute_policy_loss(
-        token_log_probs(th, space, fill=nan), token_log_probs(old, space, fill=nan), scaled, space.mask, cfg,
+        token_log_probs(th, space, fill=nan), token_log_probs(old, space, fill=nan), scaled, space.mask, config=cfg,
         rollout_log_prob=None if cfg is None else token_log_probs(mu, space, fill=nan),
         clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode=mode)
     (g,) = torch.autograd.grad(loss, th)

@@ -46,7 +46,7 @@ def bias_table(seeds: int = 5, mismatch: float = 0.3) -> None:
             theta = old.clone().requires_grad_(True)
             loss, _ = compute_policy_loss(
                 token_log_probs(theta, space), token_log_probs(old, space),
-                scaled_advantages(adv, sequence_log_probs(mu, space), space), space.mask, cfg,
+                scaled_advantages(adv, sequence_log_probs(mu, space), space), space.mask, config=cfg,
                 rollout_log_prob=None if cfg is None else token_log_probs(mu, space),
                 clip_ratio_low=1e6, clip_ratio_high=1e6, clip_ratio_c=1e9, loss_agg_mode="seq-mean-token-sum")
             (grad,) = torch.autograd.grad(-loss, theta)

@@ -124,7 +124,7 @@ def make_runners(case: Case, inputs, compiled: bool = False) -> dict[str, Callab
         return verl.compute_rollout_correction_and_rejection_mask(old, rollout, mask, **kwargs)
 
     def run_ours():
-        out = rc.compute_rollout_correction(old, rollout, mask, cfg)
+        out = rc.compute_rollout_correction(old, rollout, mask, config=cfg)
         return out.metrics_as_floats()
 
     def run_floor():
@@ -134,7 +134,7 @@ def make_runners(case: Case, inputs, compiled: bool = False) -> dict[str, Callab
     if compiled and _has_compile_path():
 
         def run_compiled():
-            out = rc.compute_rollout_correction(old, rollout, mask, cfg, compile=True)
+            out = rc.compute_rollout_correction(old, rollout, mask, config=cfg, compile=True)
             return out.metrics_as_floats()
 
         runners["ours (compiled)"] = run_compiled

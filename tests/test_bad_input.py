@@ -70,11 +70,11 @@ def test_integer_log_probs_are_refused():
 def test_policy_loss_shape_mismatch_names_both_tensors():
     old, rollout, mask = _clean()
     with pytest.raises(ValueError, match=r"log_prob \(shape \(3, 4\).* vs advantages \(shape \(3, 1\)"):
-        compute_policy_loss(old, old, torch.ones(3, 1), mask, RolloutCorrectionConfig())
+        compute_policy_loss(old, old, torch.ones(3, 1), mask, config=RolloutCorrectionConfig())
     with pytest.raises(ValueError, match="bypass mode needs rollout_log_prob"):
-        compute_policy_loss(old, None, torch.ones(3, 4), mask, RolloutCorrectionConfig.bypass_ppo_clip())
+        compute_policy_loss(old, None, torch.ones(3, 4), mask, config=RolloutCorrectionConfig.bypass_ppo_clip())
     with pytest.raises(ValueError, match="decoupled mode needs old_log_prob"):
-        compute_policy_loss(old, None, torch.ones(3, 4), mask, RolloutCorrectionConfig(),
+        compute_policy_loss(old, None, torch.ones(3, 4), mask, config=RolloutCorrectionConfig(),
                             rollout_log_prob=rollout)
 
 
@@ -85,9 +85,9 @@ def test_policy_loss_shape_mismatch_names_both_tensors():
 def test_nonfinite_at_valid_position_rejects_the_row(preset, where, value):
     cfg = _cfg(preset)
     old, rollout, mask = _clean()
-    ref = compute_rollout_correction(old[[0, 2]], rollout[[0, 2]], mask[[0, 2]], cfg)  # without row 1
+    ref = compute_rollout_correction(old[[0, 2]], rollout[[0, 2]], mask[[0, 2]], config=cfg)  # without row 1
     (old if where == "old" else rollout)[1, 2] = value
-    out = compute_rollout_correction(old, rollout, mask, cfg)
+    out = compute_rollout_correction(old, rollout, mask, config=cfg)
     floats = _all_finite(out)
     assert not out.response_mask[1].any()
     assert torch.equal(out.response_mask[[0, 2]], ref.response_mask)
@@ -107,12 +107,12 @@ def test_nonfinite_with_raise_names_row_and_column():
     old[2, 1] = NAN
     cfg = RolloutCorrectionConfig.decoupled_token_is().replace(on_nonfinite="raise")
     with pytest.raises(ValueError, match=r"row 2, column 1"):
-        compute_rollout_correction(old, rollout, mask, cfg)
+        compute_rollout_correction(old, rollout, mask, config=cfg)
     with pytest.raises(ValueError, match=r"row 2, column 1"):
         compute_offpolicy_metrics(old, rollout, mask, on_nonfinite="raise")
     lp = old.clone()
     with pytest.raises(ValueError, match=r"row 2, column 1"):
-        compute_policy_loss(lp, rollout, torch.ones(3, 4), mask, cfg)
+        compute_policy_loss(lp, rollout, torch.ones(3, 4), mask, config=cfg)
 
 
 def test_nonfinite_in_policy_loss_inputs_drops_the_row():
@@ -120,7 +120,7 @@ def test_nonfinite_in_policy_loss_inputs_drops_the_row():
     lp = old.clone().requires_grad_(True)
     adv = torch.ones(3, 4)
     adv[1, 0] = NAN
-    loss, m = compute_policy_loss(lp, old, adv, mask, RolloutCorrectionConfig.decoupled_token_is(),
+    loss, m = compute_policy_loss(lp, old, adv, mask, config=RolloutCorrectionConfig.decoupled_token_is(),
                                   rollout_log_prob=rollout)
     assert math.isfinite(loss.item())
     loss.backward()
@@ -133,11 +133,11 @@ def test_garbage_at_masked_positions_changes_nothing(preset):
     cfg = _cfg(preset)
     old, rollout, mask = _clean()
     mask[1, 1:] = False
-    ref = compute_rollout_correction(old, rollout, mask, cfg)
+    ref = compute_rollout_correction(old, rollout, mask, config=cfg)
     old2, rollout2 = old.clone(), rollout.clone()
     old2[~mask] = torch.tensor([NAN, INF, -INF, 1e30])
     rollout2[0, 3] = NAN
-    out = compute_rollout_correction(old2, rollout2, mask, cfg)
+    out = compute_rollout_correction(old2, rollout2, mask, config=cfg)
     assert out.metrics_as_floats() == ref.metrics_as_floats()
     assert torch.equal(out.response_mask, ref.response_mask)
     if ref.weights is not None:
@@ -150,7 +150,7 @@ def test_garbage_at_masked_positions_changes_nothing(preset):
 def test_empty_batches_give_zero_metrics(preset, shape):
     cfg = _cfg(preset)
     zeros = torch.zeros(shape)
-    out = compute_rollout_correction(zeros, zeros, torch.zeros(shape, dtype=torch.bool), cfg)
+    out = compute_rollout_correction(zeros, zeros, torch.zeros(shape, dtype=torch.bool), config=cfg)
     floats = _all_finite(out)
     assert out.response_mask.shape == shape
     if out.weights is not None:
@@ -164,7 +164,7 @@ def test_all_masked_batch_is_safe(preset):
     cfg = cfg.replace(rollout_is_batch_normalize=True) if cfg.is_enabled else cfg
     old, rollout, _ = _clean()
     mask = torch.zeros(3, 4, dtype=torch.long)
-    out = compute_rollout_correction(old, rollout, mask, cfg)
+    out = compute_rollout_correction(old, rollout, mask, config=cfg)
     floats = _all_finite(out)
     assert torch.equal(out.response_mask, mask) and out.response_mask.dtype == torch.long
     if out.weights is not None:
@@ -180,8 +180,8 @@ def test_half_precision_inputs_match_fp32_on_the_same_values(preset, dtype):
     cfg = _cfg(preset)
     old, rollout, mask = _clean(B=4, T=6, seed=3)
     old_h, rollout_h = old.to(dtype), rollout.to(dtype)
-    low = compute_rollout_correction(old_h, rollout_h, mask, cfg)
-    ref = compute_rollout_correction(old_h.float(), rollout_h.float(), mask, cfg)
+    low = compute_rollout_correction(old_h, rollout_h, mask, config=cfg)
+    ref = compute_rollout_correction(old_h.float(), rollout_h.float(), mask, config=cfg)
     assert torch.equal(low.response_mask, ref.response_mask)
     if ref.weights is not None:
         assert low.weights.dtype == torch.float32
@@ -197,8 +197,8 @@ def test_half_precision_policy_loss_matches_fp32(dtype):
     cfg = RolloutCorrectionConfig.bypass_pg_is()
     lp_h = (old + 0.05).to(dtype).requires_grad_(True)
     lp_f = lp_h.detach().float().requires_grad_(True)
-    loss_h, _ = compute_policy_loss(lp_h, None, adv.to(dtype), mask, cfg, rollout_log_prob=rollout.to(dtype))
-    loss_f, _ = compute_policy_loss(lp_f, None, adv.to(dtype).float(), mask, cfg,
+    loss_h, _ = compute_policy_loss(lp_h, None, adv.to(dtype), mask, config=cfg, rollout_log_prob=rollout.to(dtype))
+    loss_f, _ = compute_policy_loss(lp_f, None, adv.to(dtype).float(), mask, config=cfg,
                                     rollout_log_prob=rollout.to(dtype).float())
     assert loss_h.item() == pytest.approx(loss_f.item(), rel=1e-5)
     loss_h.backward()
@@ -217,11 +217,11 @@ def test_mask_values_other_than_zero_one_are_refused_or_mean_valid(bad):
     odd = mask.float()
     odd[1, 1] = bad
     try:
-        out = compute_rollout_correction(old, rollout, odd, cfg)
+        out = compute_rollout_correction(old, rollout, odd, config=cfg)
     except ValueError as e:
         assert "response_mask" in str(e)
         return
-    ref = compute_rollout_correction(old, rollout, odd != 0, cfg)
+    ref = compute_rollout_correction(old, rollout, odd != 0, config=cfg)
     _all_finite(out)
     torch.testing.assert_close(out.weights, ref.weights)
     assert out.metrics_as_floats() == ref.metrics_as_floats()
@@ -234,12 +234,12 @@ def test_nonfinite_precomputed_weights_drop_the_row_and_masked_ones_do_not_matte
     w = torch.full((3, 4), 1.5)
     w[0, 3] = NAN  # masked position: ignored
     cfg = RolloutCorrectionConfig().replace(on_nonfinite="raise")
-    loss_ok, _ = compute_policy_loss(lp, old, adv, mask, cfg, rollout_is_weights=w)
+    loss_ok, _ = compute_policy_loss(lp, old, adv, mask, config=cfg, rollout_is_weights=w)
     assert math.isfinite(loss_ok.item())
     w[2, 0] = INF  # valid position
     with pytest.raises(ValueError, match=r"rollout_is_weights.*row 2, column 0"):
-        compute_policy_loss(lp, old, adv, mask, cfg, rollout_is_weights=w)
-    loss, m = compute_policy_loss(lp, old, adv, mask, RolloutCorrectionConfig(), rollout_is_weights=w)
+        compute_policy_loss(lp, old, adv, mask, config=cfg, rollout_is_weights=w)
+    loss, m = compute_policy_loss(lp, old, adv, mask, config=RolloutCorrectionConfig(), rollout_is_weights=w)
     loss.backward()
     assert torch.isfinite(lp.grad).all() and torch.all(lp.grad[2] == 0) and torch.all(lp.grad[1] != 0)
     assert m["actor/nonfinite_seq_fraction"].item() == pytest.approx(1 / 3)

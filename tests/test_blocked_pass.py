@@ -29,9 +29,9 @@ def test_blocked_pass_equals_one_block(monkeypatch, name, block_tokens):
     old, roll, mask = _batch()
     cfg = RolloutCorrectionConfig.from_preset(name).replace(rollout_is_batch_normalize=name != "disabled"
                                                            and RolloutCorrectionConfig.from_preset(name).rollout_is is not None)
-    whole = compute_rollout_correction(old, roll, mask, cfg)
+    whole = compute_rollout_correction(old, roll, mask, config=cfg)
     monkeypatch.setattr(correction, "BLOCK_TOKENS", block_tokens)
-    blocked = compute_rollout_correction(old, roll, mask, cfg)
+    blocked = compute_rollout_correction(old, roll, mask, config=cfg)
     assert blocked.response_mask.dtype == mask.dtype
     assert_same_correction(blocked, whole, weights_rtol=1e-6, rel=1e-9, abs=1e-12)
 
@@ -41,4 +41,4 @@ def test_blocked_pass_reports_the_global_row_of_a_nonfinite_value(monkeypatch):
     monkeypatch.setattr(correction, "BLOCK_TOKENS", 14)  # blocks of 2 rows: row 6 is in the 4th block
     cfg = RolloutCorrectionConfig(on_nonfinite="raise")
     with pytest.raises(ValueError, match=r"row 6, column 2"):
-        compute_rollout_correction(old, roll, mask, cfg)
+        compute_rollout_correction(old, roll, mask, config=cfg)

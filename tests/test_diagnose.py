@@ -200,7 +200,7 @@ def test_what_if_metrics_equal_compute_rollout_correction(tmp_path):
     valid = mask_t.bool()
     for entry in diag.profile.what_if:
         cfg = RolloutCorrectionConfig.from_preset(entry["preset"])
-        out = compute_rollout_correction(old_t, roll_t, mask_t, cfg)
+        out = compute_rollout_correction(old_t, roll_t, mask_t, config=cfg)
         ref = out.metrics_as_floats()
         assert set(ref) == set(entry["metrics"]), entry["preset"]
         for k, v in ref.items():

@@ -86,7 +86,7 @@ def library_gradient(toy: Toy, cfg, log_prob_logits=None, old_logits=None, rollo
     theta = (toy.theta if log_prob_logits is None else log_prob_logits).clone().requires_grad_(True)
     rollout = toy.mu if rollout_logits == "mu" else rollout_logits
     loss, _ = compute_policy_loss(
-        toy.lp(theta), None if old_logits is None else toy.lp(old_logits), toy.scaled_adv, toy.mask, cfg,
+        toy.lp(theta), None if old_logits is None else toy.lp(old_logits), toy.scaled_adv, toy.mask, config=cfg,
         rollout_log_prob=None if rollout is None else toy.lp(rollout), loss_agg_mode=loss_agg_mode, **kwargs)
     (grad,) = torch.autograd.grad(loss, theta)
     assert torch.isfinite(grad).all()

@@ -134,9 +134,9 @@ def _correct_or_raise(old, roll, mask, cfg):
     """The correction, or None after checking that ``on_nonfinite="raise"`` raised as it must."""
     if cfg.on_nonfinite == "raise" and bool(_bad_rows(old, roll, mask).any()):
         with pytest.raises(ValueError, match="non-finite"):
-            compute_rollout_correction(old, roll, mask, cfg)
+            compute_rollout_correction(old, roll, mask, config=cfg)
         return None
-    return compute_rollout_correction(old, roll, mask, cfg)
+    return compute_rollout_correction(old, roll, mask, config=cfg)
 
 
 def check_correction(data):
@@ -198,9 +198,9 @@ def check_policy_loss(data):
                   loss_agg_mode=agg)
     if cfg.on_nonfinite == "raise" and bool(bad_rows.any()):
         with pytest.raises(ValueError, match="non-finite"):
-            compute_policy_loss(log_prob, old, adv, mask, cfg, **kwargs)
+            compute_policy_loss(log_prob, old, adv, mask, config=cfg, **kwargs)
         return
-    loss, metrics = compute_policy_loss(log_prob, old, adv, mask, cfg, **kwargs)
+    loss, metrics = compute_policy_loss(log_prob, old, adv, mask, config=cfg, **kwargs)
     _finite("loss", loss)
     assert loss.dim() == 0 and loss.requires_grad, "the loss must stay attached to the graph"
     _check_metrics(metrics)
@@ -359,12 +359,12 @@ def test_every_preset_on_degenerate_batches(name):
     cases = [torch.zeros(0, 4), torch.full((3, 1), -0.5), torch.full((2, 5), float("nan"))]
     masks = [torch.zeros(0, 4), torch.ones(3, 1), torch.zeros(2, 5)]
     for x, mask in zip(cases, masks):
-        out = compute_rollout_correction(x, x.clone(), mask, cfg)
+        out = compute_rollout_correction(x, x.clone(), mask, config=cfg)
         _check_metrics(out.metrics)
         if out.weights is not None:
             _finite("weights", out.weights)
         lp = x.clone().requires_grad_(True)
-        loss, metrics = compute_policy_loss(lp, x, torch.ones_like(x), mask, cfg, rollout_log_prob=x.clone())
+        loss, metrics = compute_policy_loss(lp, x, torch.ones_like(x), mask, config=cfg, rollout_log_prob=x.clone())
         _finite("loss", loss)
         _check_metrics(metrics)
         loss.backward()
@@ -380,7 +380,7 @@ def test_regression_sequence_is_min_is_safety_bounded():
     cfg = RolloutCorrectionConfig.from_preset("pure_is")
     mask = torch.tensor([[True]])
     for old in (0.0, -9979.0):  # log ρ = 10000 (exp overflows) and 21 (just past the bound)
-        m = compute_rollout_correction(torch.tensor([[old]]), torch.tensor([[-10000.0]]), mask, cfg).metrics
+        m = compute_rollout_correction(torch.tensor([[old]]), torch.tensor([[-10000.0]]), mask, config=cfg).metrics
         _check_metrics(m)
         assert m["rollout_corr/rollout_is_min"] <= m["rollout_corr/rollout_is_max"]
 
@@ -389,7 +389,7 @@ def test_regression_raise_on_huge_finite_log_ratio_is_a_value_error():
     cfg = RolloutCorrectionConfig.from_dict({"on_nonfinite": "raise", "rollout_is": "token"})
     old, roll, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-0.1, -1e30]]), torch.tensor([[True, True]])
     if NONFINITE_SENTINEL > 1e30:  # the core treats 1e30 as finite: then no error at all
-        _check_metrics(compute_rollout_correction(old, roll, mask, cfg).metrics)
+        _check_metrics(compute_rollout_correction(old, roll, mask, config=cfg).metrics)
     else:
         with pytest.raises(ValueError, match=r"row 0, column 1"):
-            compute_rollout_correction(old, roll, mask, cfg)
+            compute_rollout_correction(old, roll, mask, config=cfg)

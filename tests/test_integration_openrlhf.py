@@ -116,7 +116,7 @@ def test_seq_mask_tis_overflow_is_fixed():
     assert torch.isfinite(l_o) and torch.isfinite(g_o).all()
     assert loss.last_metrics["rollout_corr/rollout_rs_seq_masked_fraction"].item() == 0.0  # row 0 kept
     # The token's weight is clamped to OpenRLHF's TIS bound, 5.
-    w = compute_rollout_correction(old, rollout, mask, config_from_openrlhf("seq-mask-tis", [0.5, 5.0])).weights
+    w = compute_rollout_correction(old, rollout, mask, config=config_from_openrlhf("seq-mask-tis", [0.5, 5.0])).weights
     assert w[0, 0].item() == pytest.approx(5.0)
 
 
@@ -155,7 +155,7 @@ def test_seq_mask_tis_without_lower_bound_rejects_only_above():
     old = old.clone()
     old[0] = rollout[0] - 30.0
     old[1] = rollout[1] + 3.0
-    result = compute_rollout_correction(old, rollout, mask, config_from_openrlhf("seq-mask-tis", [0.0, 5.0]))
+    result = compute_rollout_correction(old, rollout, mask, config=config_from_openrlhf("seq-mask-tis", [0.0, 5.0]))
     assert result.response_mask.bool().all(-1).tolist() == [True, False, True]
 
 

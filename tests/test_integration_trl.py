@@ -51,7 +51,7 @@ def _log_probs(B=6, T=7, seed=0, scale=0.4):
 ])
 def test_trl_modes_map_to_trl_formulas(mode, clip_min, clip_max):
     old, rollout, mask = _log_probs()
-    out = compute_rollout_correction(old, rollout, mask, config_from_trl_args(mode, clip_min, clip_max))
+    out = compute_rollout_correction(old, rollout, mask, config=config_from_trl_args(mode, clip_min, clip_max))
     # TRL's definitions, written out by hand: ratio per token or product per sequence, then
     # clamp to [min, max] (truncate) or zero outside [min, max] (mask).
     diff = (old - rollout) * mask

@@ -19,7 +19,7 @@ def test_pre_truncation_sequence_weight_statistics_hand_computed():
                         [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     rollout = torch.zeros(4, 3)
     mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]]).float()
-    m = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig.decoupled_seq_is()).metrics_as_floats()
+    m = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.decoupled_seq_is()).metrics_as_floats()
     raw = [4.0, 0.05, 1.0]
     assert m["rollout_corr/rollout_is_seq_raw_mean"] == pytest.approx(sum(raw) / 3)
     assert m["rollout_corr/rollout_is_seq_raw_ess"] == pytest.approx(sum(raw) ** 2 / (3 * sum(w * w for w in raw)))
@@ -28,11 +28,11 @@ def test_pre_truncation_sequence_weight_statistics_hand_computed():
     # The truncated mean the loss uses hides the spread: (2 + 0.05 + 1) / 3 over sequences.
     assert m["rollout_corr/rollout_is_seq_mean"] == pytest.approx((2 + 0.05 + 1) / 3)
     # Geometric level: row log weights ln 2, ln(0.05)/2, 0 (means over the rows' tokens).
-    g = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig(rollout_is="geometric")
+    g = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(rollout_is="geometric")
                                    ).metrics_as_floats()
     assert g["rollout_corr/rollout_is_seq_raw_mean"] == pytest.approx((2 + math.sqrt(0.05) + 1) / 3, rel=1e-6)
     assert g["rollout_corr/rollout_is_seq_collapsed_fraction"] == 0.0
-    token = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig.decoupled_token_is()).metrics
+    token = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.decoupled_token_is()).metrics
     assert not any("seq_raw" in k for k in token)
 
 
@@ -53,8 +53,8 @@ def test_diagnose_recommends_geometric_weights_for_long_responses():
     assert "collapsed" in rec.reason and "4000" in rec.reason
     short = diagnose_tensors(*_long(100, 0.05), presets=[]).recommendation
     assert short.case in ("seq", "seq+rs")
-    m = compute_rollout_correction(*_long(4000, 0.05), RolloutCorrectionConfig.decoupled_seq_is()).metrics_as_floats()
+    m = compute_rollout_correction(*_long(4000, 0.05), config=RolloutCorrectionConfig.decoupled_seq_is()).metrics_as_floats()
     assert m["rollout_corr/rollout_is_seq_collapsed_fraction"] > 0.5
     assert m["rollout_corr/rollout_is_mean"] < 0.4  # the truncated weights the loss would use
-    geo = compute_rollout_correction(*_long(4000, 0.05), RolloutCorrectionConfig.decoupled_geo_is()).metrics_as_floats()
+    geo = compute_rollout_correction(*_long(4000, 0.05), config=RolloutCorrectionConfig.decoupled_geo_is()).metrics_as_floats()
     assert geo["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=0.01)

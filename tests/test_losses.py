@@ -74,7 +74,7 @@ LOSS_MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
 ])
 def test_agg_loss_modes_and_denominators(mode, kwargs, expected):
     loss_mat = torch.tensor(LOSS_MAT, requires_grad=True)
-    loss = agg_loss(loss_mat, torch.tensor(LOSS_MASK), mode, **kwargs)
+    loss = agg_loss(loss_mat, torch.tensor(LOSS_MASK), loss_agg_mode=mode, **kwargs)
     assert loss.item() == pytest.approx(expected)
     loss.backward()
     assert torch.isfinite(loss_mat.grad).all()  # NaN at masked positions never reaches the gradient
@@ -83,13 +83,13 @@ def test_agg_loss_modes_and_denominators(mode, kwargs, expected):
 
 def test_agg_loss_rejects_unknown_mode():
     with pytest.raises(ValueError, match="loss_agg_mode='mean'.*token-mean"):
-        agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "mean")
+        agg_loss(torch.zeros(1, 1), torch.ones(1, 1), loss_agg_mode="mean")
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_agg_loss_all_masked_is_zero_and_attached(mode):
     loss_mat = torch.tensor(LOSS_MAT, requires_grad=True)
-    loss = agg_loss(loss_mat, torch.zeros(3, 4), mode)
+    loss = agg_loss(loss_mat, torch.zeros(3, 4), loss_agg_mode=mode)
     assert loss.item() == 0.0 and loss.requires_grad
     loss.backward()
     assert torch.equal(loss_mat.grad, torch.zeros(3, 4))
@@ -100,7 +100,7 @@ def test_decoupled_with_precomputed_weights():
     log_prob, old, adv = _ppo_batch()
     w = torch.tensor([[2.0, 1.0, 0.5, 1.0], [1.0, 1.0, 1.0, 0.5]], requires_grad=True)
     mask = torch.ones(2, 4, dtype=torch.bool)
-    loss, m = compute_policy_loss(log_prob, old, adv, mask, RolloutCorrectionConfig(), rollout_is_weights=w)
+    loss, m = compute_policy_loss(log_prob, old, adv, mask, config=RolloutCorrectionConfig(), rollout_is_weights=w)
     expected = sum(wi * li for wr, lr in zip(w.tolist(), LOSS) for wi, li in zip(wr, lr)) / 8
     assert loss.item() == pytest.approx(expected)  # (−4.6 + 8.3) / 8
     assert m["actor/pg_clipfrac"].item() == pytest.approx(3 / 8)
@@ -120,7 +120,7 @@ def test_decoupled_computes_weights_and_rejection_from_rollout_log_prob():
     adv = torch.tensor([[1.0, 2.0, 1.0], [1.0, 1.0, 3.0]])
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
                                   rollout_rs_threshold="0.5_2.0")
-    loss, m = compute_policy_loss(log_prob, old, adv, torch.ones(2, 3), cfg, rollout_log_prob=rollout)
+    loss, m = compute_policy_loss(log_prob, old, adv, torch.ones(2, 3), config=cfg, rollout_log_prob=rollout)
     # Kept: ρ ∈ [0.5, 2] → 1.5, 0.8, 1.0, 1.2 (3.0 and 0.4 leave the denominator too).
     expected = -(1 * 1.5 + 2 * 0.8 + 1 * 1.0 + 3 * 1.2) / 4
     assert loss.item() == pytest.approx(expected, rel=1e-5)
@@ -135,19 +135,19 @@ def test_bypass_ppo_clip_clips_against_rollout_and_ignores_is_weights():
     log_prob, rollout, adv = _ppo_batch()
     garbage_old = rollout + 5.0  # must not be used: π_old := π_rollout
     cfg = RolloutCorrectionConfig.ppo_is_bypass()
-    loss, m = compute_policy_loss(log_prob, garbage_old, adv, torch.ones(2, 4), cfg, rollout_log_prob=rollout)
+    loss, m = compute_policy_loss(log_prob, garbage_old, adv, torch.ones(2, 4), config=cfg, rollout_log_prob=rollout)
     assert loss.item() == pytest.approx(sum(map(sum, LOSS)) / 8, rel=1e-6)  # token weights would change it
     assert m["actor/pg_clipfrac"].item() == pytest.approx(3 / 8)
     assert "rollout_corr/rollout_is_mean" in m  # IS is reported as a diagnostic only
     # Same result when the trainer already put the rollout log-probs into old_log_prob.
-    loss2, _ = compute_policy_loss(log_prob, rollout, adv, torch.ones(2, 4), cfg)
+    loss2, _ = compute_policy_loss(log_prob, rollout, adv, torch.ones(2, 4), config=cfg)
     assert loss2.item() == pytest.approx(loss.item())
 
 
 def test_bypass_ppo_clip_applies_rejection_from_theta_vs_rollout():
     log_prob, rollout, adv = _ppo_batch()
     cfg = RolloutCorrectionConfig(bypass_mode=True, rollout_rs="token_k1", rollout_rs_threshold="0.4_2.0")
-    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 4), cfg, rollout_log_prob=rollout)
+    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 4), config=cfg, rollout_log_prob=rollout)
     # r = 4 tokens (three of them) are rejected; the other five average to (−1.2−0.5−1+1.5+0.8)/5.
     assert loss.item() == pytest.approx(-0.4 / 5, rel=1e-5)
 
@@ -166,7 +166,7 @@ def test_bypass_reinforce_value_and_exact_gradient(mode, den):
     log_prob, rollout, adv = _reinforce_batch()
     w = [min(0.75, 2.0), min(6.0, 2.0)]  # sequence TIS at C = 2
     cfg = RolloutCorrectionConfig.bypass_pg_is()
-    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 3), cfg, rollout_log_prob=rollout,
+    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 3), config=cfg, rollout_log_prob=rollout,
                                   loss_agg_mode=mode)
     lp = log_prob.tolist()
     expected = sum(-w[i] * adv[i, t].item() * lp[i][t] / den[i] for i in range(2) for t in range(3))
@@ -179,7 +179,7 @@ def test_bypass_reinforce_value_and_exact_gradient(mode, den):
 def test_bypass_reinforce_without_weights_is_plain_policy_gradient():
     log_prob, rollout, adv = _reinforce_batch()
     cfg = RolloutCorrectionConfig(bypass_mode=True, loss_type="reinforce")
-    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 3), cfg, rollout_log_prob=rollout)
+    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 3), config=cfg, rollout_log_prob=rollout)
     loss.backward()
     torch.testing.assert_close(log_prob.grad, -adv / 6)
 
@@ -202,7 +202,7 @@ def _call(name, log_prob, other, adv, mask, mode):
         kw["rollout_is_weights"] = torch.full_like(other, 1.5)
     if extra.get("rollout_log_prob"):
         kw["rollout_log_prob"] = other - 0.1
-    return compute_policy_loss(log_prob, other, adv, mask, cfg, loss_agg_mode=mode, **kw)
+    return compute_policy_loss(log_prob, other, adv, mask, config=cfg, loss_agg_mode=mode, **kw)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -223,7 +223,7 @@ def test_all_rejected_batch_gives_zero_loss_with_zero_gradient(name):
     cfg, _ = CONFIGS[name]
     rollout = other - 3.0
     lp = (rollout + 3.0).detach().requires_grad_(True) if cfg.bypass_mode else log_prob
-    loss, m = compute_policy_loss(lp, other, adv, torch.ones(2, 4), cfg, rollout_log_prob=rollout)
+    loss, m = compute_policy_loss(lp, other, adv, torch.ones(2, 4), config=cfg, rollout_log_prob=rollout)
     assert m["rollout_corr/rollout_rs_masked_fraction"].item() == 1.0
     assert loss.item() == 0.0 and loss.requires_grad
     loss.backward()
@@ -256,7 +256,7 @@ def test_bypass_reinforce_rejected_rows_leave_the_denominator():
     log_prob = (rollout + torch.tensor([[1.0005, 0.9999], [1.5, 1.2]]).log()).requires_grad_(True)
     adv = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     cfg = RolloutCorrectionConfig.bypass_pg_geo_rs()
-    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 2), cfg, rollout_log_prob=rollout)
+    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 2), config=cfg, rollout_log_prob=rollout)
     lp = log_prob.tolist()
     assert loss.item() == pytest.approx(-(1 * lp[0][0] + 2 * lp[0][1]) / 2, rel=1e-6)
     loss.backward()
@@ -268,7 +268,7 @@ def test_decoupled_uses_batch_normalised_weights():
     old = rollout + torch.tensor([[1.5, 0.8], [3.0, 1.0]]).log()
     adv = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     cfg = RolloutCorrectionConfig.token_is().replace(rollout_is_batch_normalize=True)
-    loss, m = compute_policy_loss(old.clone().requires_grad_(True), old, adv, torch.ones(2, 2), cfg,
+    loss, m = compute_policy_loss(old.clone().requires_grad_(True), old, adv, torch.ones(2, 2), config=cfg,
                                   rollout_log_prob=rollout)
     w = [1.5, 0.8, 2.0, 1.0]  # truncated at 2, then divided by their mean 1.325
     expected = -sum(wi / (sum(w) / 4) * a for wi, a in zip(w, [1.0, 2.0, 3.0, 4.0])) / 4
@@ -278,14 +278,14 @@ def test_decoupled_uses_batch_normalised_weights():
 
 def test_no_config_is_plain_ppo_and_dict_config_is_accepted():
     log_prob, old, adv = _ppo_batch()
-    loss, m = compute_policy_loss(log_prob, old, adv, torch.ones(2, 4), None)
+    loss, m = compute_policy_loss(log_prob, old, adv, torch.ones(2, 4), config=None)
     assert loss.item() == pytest.approx(sum(map(sum, LOSS)) / 8, rel=1e-6)
     assert sorted(m) == ["actor/nonfinite_seq_fraction", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
                          "actor/ppo_kl"]
     rollout = old - torch.tensor(R).log()  # so that ρ = π_old/π_rollout = r
-    as_dict, _ = compute_policy_loss(log_prob, old, adv, torch.ones(2, 4), {"rollout_is": "token"},
+    as_dict, _ = compute_policy_loss(log_prob, old, adv, torch.ones(2, 4), config={"rollout_is": "token"},
                                      rollout_log_prob=rollout)
-    typed, _ = compute_policy_loss(log_prob, old, adv, torch.ones(2, 4), RolloutCorrectionConfig.token_is(),
+    typed, _ = compute_policy_loss(log_prob, old, adv, torch.ones(2, 4), config=RolloutCorrectionConfig.token_is(),
                                    rollout_log_prob=rollout)
     assert as_dict.item() == typed.item()
     w = [min(x, 2.0) for row in R for x in row]
@@ -298,5 +298,5 @@ def test_no_config_is_plain_ppo_and_dict_config_is_accepted():
 def test_agg_loss_with_dp_size_requires_the_global_denominator(mode, missing):
     loss_mat, mask = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=missing):
-        agg_loss(loss_mat, mask, mode, dp_size=2)
-    assert agg_loss(loss_mat, mask, "token-sum", dp_size=2).item() == 12.0  # needs no denominator
+        agg_loss(loss_mat, mask, loss_agg_mode=mode, dp_size=2)
+    assert agg_loss(loss_mat, mask, loss_agg_mode="token-sum", dp_size=2).item() == 12.0  # needs no denominator

@@ -55,7 +55,7 @@ def areal_mask(old_log_prob, rollout_log_prob, mask, tau):
 
 def our_mask(old_log_prob, rollout_log_prob, mask, tau):
     out = compute_rollout_correction(old_log_prob, rollout_log_prob, mask,
-                                     RolloutCorrectionConfig(rollout_m2po_threshold=tau))
+                                     config=RolloutCorrectionConfig(rollout_m2po_threshold=tau))
     return out.response_mask.bool()
 
 

@@ -35,8 +35,8 @@ def make_batch():
 
 
 def compute(old, rollout, lp, mask, adv, group, n_tok):
-    out = compute_rollout_correction(old, rollout, mask, M2PO, process_group=group)
-    _, metrics = compute_policy_loss(lp, old, adv, mask, OPSM, rollout_log_prob=rollout, process_group=group,
+    out = compute_rollout_correction(old, rollout, mask, config=M2PO, process_group=group)
+    _, metrics = compute_policy_loss(lp, old, adv, mask, config=OPSM, rollout_log_prob=rollout, process_group=group,
                                      global_num_tokens=n_tok)
     opsm = {k: float(v) for k, v in metrics.items() if "opsm" in k}
     return out.response_mask.clone(), out.metrics_as_floats(), opsm

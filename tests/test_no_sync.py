@@ -109,9 +109,9 @@ def blocked(request, monkeypatch):
 def test_correction_has_no_sync_and_no_dynamic_shape(name, blocked):
     cfg = rc.RolloutCorrectionConfig.from_dict(CONFIGS[name])
     old, rollout, mask = _inputs()
-    rc.compute_rollout_correction(old, rollout, mask, cfg).metrics_as_floats()  # lazy imports
+    rc.compute_rollout_correction(old, rollout, mask, config=cfg).metrics_as_floats()  # lazy imports
     with watched() as call:
-        out = rc.compute_rollout_correction(old, rollout, mask, cfg)
+        out = rc.compute_rollout_correction(old, rollout, mask, config=cfg)
     assert call.syncs == [] and call.dynamic == [], (call.syncs, call.dynamic)
     with watched() as read:
         floats = out.metrics_as_floats()
@@ -124,7 +124,7 @@ def test_correction_has_no_sync_and_no_dynamic_shape(name, blocked):
 def test_floats_derived_on_host_equal_the_lazy_tensors(name, blocked):
     """The float64 host derivation and the on-device tensor derivation are the same formulas."""
     cfg = rc.RolloutCorrectionConfig.from_dict(CONFIGS[name])
-    out = rc.compute_rollout_correction(*_inputs(seed=3), cfg)
+    out = rc.compute_rollout_correction(*_inputs(seed=3), config=cfg)
     floats = out.metrics_as_floats()
     with watched() as derive:
         tensors = dict(out.metrics)
@@ -137,9 +137,9 @@ def test_floats_derived_on_host_equal_the_lazy_tensors(name, blocked):
 def test_blocked_and_unblocked_metrics_agree(monkeypatch):
     cfg = rc.RolloutCorrectionConfig.from_dict(CONFIGS["3 chained RS"] | {"rollout_is": "token"})
     old, rollout, mask = _inputs(seed=5)
-    whole = rc.compute_rollout_correction(old, rollout, mask, cfg)
+    whole = rc.compute_rollout_correction(old, rollout, mask, config=cfg)
     monkeypatch.setattr(correction_module, "BLOCK_TOKENS", 41)  # blocks of 2 rows, the last of 2
-    split = rc.compute_rollout_correction(old, rollout, mask, cfg)
+    split = rc.compute_rollout_correction(old, rollout, mask, config=cfg)
     torch.testing.assert_close(split.weights, whole.weights)
     torch.testing.assert_close(split.response_mask, whole.response_mask)
     a, b = whole.metrics_as_floats(), split.metrics_as_floats()
@@ -165,9 +165,9 @@ def test_policy_loss_has_no_sync_and_one_read(case):
     log_prob = (old + 0.1 * torch.randn(old.shape, generator=gen)).requires_grad_(True)
     adv = torch.randn(old.shape, generator=gen)
     kwargs = {"rollout_log_prob": rollout} if with_rollout else {"rollout_is_weights": torch.rand(old.shape) + 0.5}
-    rc.compute_policy_loss(log_prob, old, adv, mask, cfg, **kwargs)
+    rc.compute_policy_loss(log_prob, old, adv, mask, config=cfg, **kwargs)
     with watched() as call:
-        loss, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, cfg, **kwargs)
+        loss, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, config=cfg, **kwargs)
     assert call.syncs == [] and call.dynamic == [], (call.syncs, call.dynamic)
     with watched() as read:
         floats = metrics_to_floats(metrics)
@@ -187,7 +187,7 @@ def test_actor_metrics_by_hand():
     gen = torch.Generator().manual_seed(10)
     log_prob = old + 0.5 * torch.randn(old.shape, generator=gen)
     adv = torch.randn(old.shape, generator=gen)
-    _, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, rc.RolloutCorrectionConfig.disabled(),
+    _, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, config=rc.RolloutCorrectionConfig.disabled(),
                                         clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
     floats = metrics_to_floats(metrics)
     ratio = (log_prob - old).exp()
@@ -200,7 +200,7 @@ def test_actor_metrics_by_hand():
 
 def test_metrics_mapping_is_lazy_and_mutable():
     cfg = rc.RolloutCorrectionConfig.from_dict(CONFIGS["token TIS"])
-    out = rc.compute_rollout_correction(*_inputs(seed=11), cfg)
+    out = rc.compute_rollout_correction(*_inputs(seed=11), config=cfg)
     m = out.metrics
     assert isinstance(m, Metrics)
     with watched() as listing:

@@ -61,7 +61,7 @@ def test_all_offpolicy_metrics_by_hand():
 
 
 def test_correction_reports_the_same_offpolicy_metrics():
-    out = compute_rollout_correction(*_inputs(), RolloutCorrectionConfig.decoupled_token_is())
+    out = compute_rollout_correction(*_inputs(), config=RolloutCorrectionConfig.decoupled_token_is())
     _check(out.metrics_as_floats(), _expected())
 
 

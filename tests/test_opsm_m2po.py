@@ -187,12 +187,12 @@ def test_opsm_in_the_loss_equals_the_loss_on_the_reduced_mask(mode):
     keep = opsm_keep(lp, rollout, adv, mask, delta).row_keep
     assert (~keep).any() and keep.any()
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_opsm_delta=delta)
-    weights = compute_rollout_correction(old, rollout, mask, cfg).weights
+    weights = compute_rollout_correction(old, rollout, mask, config=cfg).weights
     lp1 = lp.clone().requires_grad_(True)
-    loss, metrics = compute_policy_loss(lp1, old, adv, mask, cfg, rollout_log_prob=rollout, loss_agg_mode=mode)
+    loss, metrics = compute_policy_loss(lp1, old, adv, mask, config=cfg, rollout_log_prob=rollout, loss_agg_mode=mode)
     loss.backward()
     lp2 = lp.clone().requires_grad_(True)
-    ref, _ = compute_policy_loss(lp2, old, adv, mask * keep[:, None], cfg.replace(rollout_opsm_delta=None),
+    ref, _ = compute_policy_loss(lp2, old, adv, mask * keep[:, None], config=cfg.replace(rollout_opsm_delta=None),
                                  rollout_is_weights=weights, loss_agg_mode=mode)
     ref.backward()
     torch.testing.assert_close(loss, ref)
@@ -206,7 +206,7 @@ def test_opsm_dropping_everything_gives_an_attached_zero_loss():
     adv = -torch.ones_like(lp)
     cfg = RolloutCorrectionConfig(bypass_mode=True, loss_type="reinforce", rollout_opsm_delta=-1.0)
     lp1 = lp.clone().requires_grad_(True)
-    loss, metrics = compute_policy_loss(lp1, None, adv, mask, cfg, rollout_log_prob=rollout)
+    loss, metrics = compute_policy_loss(lp1, None, adv, mask, config=cfg, rollout_log_prob=rollout)
     loss.backward()
     assert float(loss.detach()) == 0.0 and loss.requires_grad and torch.equal(lp1.grad, torch.zeros_like(lp))
     assert float(metrics["rollout_corr/opsm_masked_fraction"]) == 1.0
@@ -215,7 +215,7 @@ def test_opsm_dropping_everything_gives_an_attached_zero_loss():
 def test_m2po_through_compute_rollout_correction():
     old, rollout, _, mask, _ = _batch(5)
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_m2po_threshold=0.05)
-    out = compute_rollout_correction(old, rollout, mask, cfg)
+    out = compute_rollout_correction(old, rollout, mask, config=cfg)
     expected = brute_force_m2po(second_moment(old, rollout, mask > 0), mask > 0, 0.05)
     assert torch.equal(out.response_mask > 0, expected)
     assert out.response_mask.dtype == mask.dtype
@@ -224,8 +224,8 @@ def test_m2po_through_compute_rollout_correction():
     assert float(out.metrics["rollout_corr/m2po_masked_fraction"]) == pytest.approx(frac)
     # Chained after rejection: M2PO decides among the tokens the rejection option keeps.
     cfg_rs = cfg.replace(rollout_rs="token_k1", rollout_rs_threshold="0.7_1.4")
-    out_rs = compute_rollout_correction(old, rollout, mask, cfg_rs)
-    rs_keep = compute_rollout_correction(old, rollout, mask, cfg_rs.replace(rollout_m2po_threshold=None)).response_mask
+    out_rs = compute_rollout_correction(old, rollout, mask, config=cfg_rs)
+    rs_keep = compute_rollout_correction(old, rollout, mask, config=cfg_rs.replace(rollout_m2po_threshold=None)).response_mask
     assert (rs_keep < mask).any()
     expected_rs = brute_force_m2po(second_moment(old, rollout, rs_keep > 0), rs_keep > 0, 0.05)
     assert torch.equal(out_rs.response_mask > 0, expected_rs)
@@ -236,7 +236,7 @@ def test_topr_through_compute_policy_loss():
     _, rollout, lp, mask, adv = _batch(9)
     cfg = RolloutCorrectionConfig.bypass_topr()
     lp1 = lp.clone().requires_grad_(True)
-    loss, metrics = compute_policy_loss(lp1, None, adv, mask, cfg, rollout_log_prob=rollout, loss_agg_mode="token-sum")
+    loss, metrics = compute_policy_loss(lp1, None, adv, mask, config=cfg, rollout_log_prob=rollout, loss_agg_mode="token-sum")
     loss.backward()
     seq_ratio = ((lp - rollout) * mask).sum(-1).exp()
     a = adv[:, 0]

@@ -44,8 +44,8 @@ def test_packed_equals_padded(cfg, how):
     old, rollout, valid = _flat()
     lengths = torch.tensor(LENGTHS)
     kw = {"lengths": lengths} if how == "lengths" else {"cu_seqlens": torch.tensor([0, 3, 3, 5, 9])}
-    packed = compute_rollout_correction_packed(old, rollout, cfg, response_mask=valid, **kw)
-    padded = compute_rollout_correction(_padded(old), _padded(rollout), _padded(valid, False), cfg)
+    packed = compute_rollout_correction_packed(old, rollout, config=cfg, response_mask=valid, **kw)
+    padded = compute_rollout_correction(_padded(old), _padded(rollout), _padded(valid, False), config=cfg)
     pad_mask = _padded(valid, False) | _padded(~valid, False)  # every real (non-padding) position
     if cfg.is_enabled:
         torch.testing.assert_close(packed.weights, padded.weights[pad_mask], rtol=0, atol=0)
@@ -57,9 +57,9 @@ def test_packed_equals_padded(cfg, how):
 def test_packed_without_mask_treats_every_token_as_valid():
     old, rollout, _ = _flat(1)
     cfg = RolloutCorrectionConfig.decoupled_seq_is_rs(rs_threshold="0.5_2.0")
-    packed = compute_rollout_correction_packed(old, rollout, cfg, lengths=torch.tensor(LENGTHS))
+    packed = compute_rollout_correction_packed(old, rollout, config=cfg, lengths=torch.tensor(LENGTHS))
     all_valid = _padded(torch.ones(9, dtype=torch.bool), False)
-    padded = compute_rollout_correction(_padded(old), _padded(rollout), all_valid, cfg)
+    padded = compute_rollout_correction(_padded(old), _padded(rollout), all_valid, config=cfg)
     assert packed.metrics_as_floats() == padded.metrics_as_floats()
     assert packed.weights.shape == (9,)
 

@@ -69,7 +69,7 @@ def _run_verl(loss_type, old, log_prob, adv, mask, weights, mode, global_batch_i
 
 def _run_ours(cfg, old, rollout, log_prob, adv, mask, mode, **kwargs):
     lp = log_prob.clone().requires_grad_(True)
-    loss, metrics = compute_policy_loss(lp, old, adv, mask, cfg, rollout_log_prob=rollout, clip_ratio_low=CLIP_LOW,
+    loss, metrics = compute_policy_loss(lp, old, adv, mask, config=cfg, rollout_log_prob=rollout, clip_ratio_low=CLIP_LOW,
                                         clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C, loss_agg_mode=mode, **kwargs)
     loss.backward()
     return loss.detach(), lp.grad, {k: float(v) for k, v in metrics.items()}
@@ -84,7 +84,7 @@ def test_loss_matches_verl(loss_type, correction, mode):
     cfg = RolloutCorrectionConfig.from_dict({**(settings or {}), "loss_type": loss_type})
     weights, verl_mask = None, mask
     if settings is not None:
-        corr = compute_rollout_correction(old, rollout, mask, cfg)
+        corr = compute_rollout_correction(old, rollout, mask, config=cfg)
         weights, verl_mask = corr.weights, corr.response_mask
         if settings.get("rollout_rs"):
             assert 0 < float(verl_mask.sum()) < float(mask.sum()), "the RS band must reject some rows"
@@ -113,7 +113,7 @@ def test_global_denominators_match_verl(loss_type, mode):
     """Global token / sequence counts and dp_size, as verl's trainer passes them in global_batch_info."""
     old, rollout, log_prob, mask, adv = _inputs(11)
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, loss_type=loss_type)
-    weights = compute_rollout_correction(old, rollout, mask, cfg).weights
+    weights = compute_rollout_correction(old, rollout, mask, config=cfg).weights
     n_tok, n_seq = int(mask.sum()) * 3, int((mask.sum(-1) > 0).sum()) * 3
     info = dict(dp_size=3, batch_num_tokens=n_tok, global_batch_size=n_seq)
     v_loss, v_grad, _ = _run_verl(loss_type, old, log_prob, adv, mask, weights, mode, info)

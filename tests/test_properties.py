@@ -64,7 +64,7 @@ def _threshold(draw, option):
 def test_weights_nonnegative_zero_on_padding_and_within_bounds(batch, cfg_bounds):
     old, rollout, mask = batch
     cfg, (lo, hi) = cfg_bounds
-    w = compute_rollout_correction(old, rollout, mask, cfg).weights
+    w = compute_rollout_correction(old, rollout, mask, config=cfg).weights
     assert torch.isfinite(w).all() and (w >= 0).all()
     assert torch.all(w[~mask] == 0)
     valid = w[mask]
@@ -91,8 +91,8 @@ def _mean_weight(w, mask, level):
 def test_batch_normalised_weights_have_mean_one(batch, level, cap):
     old, rollout, mask = batch
     cfg = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=cap)
-    raw = compute_rollout_correction(old, rollout, mask, cfg).weights.double()
-    out = compute_rollout_correction(old, rollout, mask, cfg.replace(rollout_is_batch_normalize=True))
+    raw = compute_rollout_correction(old, rollout, mask, config=cfg).weights.double()
+    out = compute_rollout_correction(old, rollout, mask, config=cfg.replace(rollout_is_batch_normalize=True))
     w = out.weights.double()
     if not mask.any():
         assert torch.all(w == 0)
@@ -114,7 +114,7 @@ def test_rejection_options_compose_as_and(batch, data):
     ta, tb = _threshold(data.draw, a), _threshold(data.draw, b)
 
     def keep(rs, thr):
-        return compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig(
+        return compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(
             rollout_rs=rs, rollout_rs_threshold=thr)).response_mask
 
     assert torch.equal(keep(f"{a},{b}", f"{ta},{tb}"), keep(a, ta) & keep(b, tb))
@@ -127,11 +127,11 @@ def test_reciprocal_bounds_mirror_acceptance_when_swapping_policies(batch, optio
     # Accepting ρ in [lo, hi] is the same event as accepting 1/ρ in [1/hi, 1/lo].
     old, rollout, mask = batch
     lo, hi = lo_pct / 100, hi_pct / 100
-    fwd = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig(
+    fwd = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(
         rollout_rs=option, rollout_rs_threshold=f"{lo}_{hi}")).response_mask
     new_old = torch.where(mask, rollout, old)  # swapped on valid tokens; padding keeps its NaN
     new_rollout = torch.where(mask, old, rollout)
-    bwd = compute_rollout_correction(new_old, new_rollout, mask, RolloutCorrectionConfig(
+    bwd = compute_rollout_correction(new_old, new_rollout, mask, config=RolloutCorrectionConfig(
         rollout_rs=option, rollout_rs_threshold=f"{1 / hi!r}_{1 / lo!r}")).response_mask
     assert torch.equal(fwd, bwd)
 
@@ -150,10 +150,10 @@ def test_reinforce_gradient_is_minus_weight_times_advantage_times_score(batch, l
     rollout = rollout.double().clamp(max=-0.01)
     cfg = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=cap, bypass_mode=True,
                                   loss_type="reinforce")
-    loss, _ = compute_policy_loss(log_prob, None, adv, mask, cfg, rollout_log_prob=rollout)
+    loss, _ = compute_policy_loss(log_prob, None, adv, mask, config=cfg, rollout_log_prob=rollout)
     loss.backward()
     # Closed form: ∇ = −Σ_t sg(w_t) A_t (onehot(y_t) − softmax_t) / N_tok.
-    w = compute_rollout_correction(log_prob.detach(), rollout, mask, cfg).weights.double()
+    w = compute_rollout_correction(log_prob.detach(), rollout, mask, config=cfg).weights.double()
     probs = torch.softmax(logits.detach(), -1)
     score = torch.nn.functional.one_hot(tokens, V).double() - probs
     coef = torch.where(mask, -w * adv, 0.0) / max(int(mask.sum()), 1)
@@ -178,7 +178,7 @@ def any_config(draw):
 def test_chunked_accumulation_equals_one_call(batch, cfg, data):
     old, rollout, mask = batch
     cut = data.draw(st.integers(1, mask.shape[0] - 1))
-    one = compute_rollout_correction(old, rollout, mask, cfg).metrics_as_floats()
+    one = compute_rollout_correction(old, rollout, mask, config=cfg).metrics_as_floats()
     acc = CorrectionAccumulator(cfg)
     acc.update(old[:cut], rollout[:cut], mask[:cut])
     acc.update(old[cut:], rollout[cut:], mask[cut:])
@@ -203,7 +203,7 @@ def _approx(v):
 @given(batches(), st.sampled_from(RolloutCorrectionConfig.preset_names()))
 def test_every_preset_gives_finite_outputs(batch, preset):
     old, rollout, mask = batch
-    out = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig.from_preset(preset))
+    out = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.from_preset(preset))
     assert all(math.isfinite(v) for v in out.metrics_as_floats().values())
     assert torch.equal(out.response_mask & ~mask, torch.zeros_like(mask))
     if out.weights is not None:
@@ -226,8 +226,8 @@ def test_compiled_pass_equals_eager():
         old[0, 0] = float("nan")  # one non-finite row
         mask[1, -1], old[1, -1] = False, float("nan")  # NaN in padding: the row is kept
         mask[2, 0], rollout[2, 0] = True, -float("inf")  # log ρ = +inf at a valid token: dropped
-        fast = compute_rollout_correction(old, rollout, mask, cfg, compile=True)
-        eager = compute_rollout_correction(old, rollout, mask, cfg)
+        fast = compute_rollout_correction(old, rollout, mask, config=cfg, compile=True)
+        eager = compute_rollout_correction(old, rollout, mask, config=cfg)
         assert torch.equal(fast.response_mask, eager.response_mask)
         torch.testing.assert_close(fast.weights, eager.weights, rtol=1e-6, atol=1e-7)
         # fp32 kernels fused differently: chi2_token = mean(ρ²) − 1 differs by ~1e-7 absolute.
@@ -287,7 +287,7 @@ def _direct_weights_and_keep(lr_rows, cfg):
 def test_weights_and_mask_match_a_direct_evaluation_of_the_definitions(batch, cfg):
     old, rollout, mask = batch
     cfg = cfg.replace(rollout_is_batch_normalize=False)
-    out = compute_rollout_correction(old, rollout, mask, cfg)
+    out = compute_rollout_correction(old, rollout, mask, config=cfg)
     lr = (old - rollout).tolist()  # the fp32 log-ratio the library also starts from
     rows = [[x for x, m in zip(r, mr) if m] for r, mr in zip(lr, mask.tolist())]
     weights, keep, near_boundary = _direct_weights_and_keep(rows, cfg)
@@ -361,7 +361,7 @@ def test_is_metrics_match_their_definitions(batch, cfg_bounds):
     old, rollout, mask, _ = _moderate(batch)
     cfg, _ = cfg_bounds
     spec = cfg.is_spec
-    out = compute_rollout_correction(old, rollout, mask, cfg)
+    out = compute_rollout_correction(old, rollout, mask, config=cfg)
     got = {k.split("/", 1)[1]: v for k, v in out.metrics_as_floats().items()}
     lr = (old - rollout).tolist()
     rows = [[x for x, m in zip(r, mr) if m] for r, mr in zip(lr, mask.tolist())]
@@ -391,7 +391,7 @@ def test_is_metrics_match_their_definitions(batch, cfg_bounds):
 def test_rs_metrics_match_their_definitions(batch, option, data):
     old, rollout, mask, _ = _moderate(batch)
     thr = _threshold(data.draw, option)
-    out = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig(
+    out = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(
         rollout_rs=option, rollout_rs_threshold=thr))
     got = {k.split("/", 1)[1]: v for k, v in out.metrics_as_floats().items()}
     lr = (old - rollout).tolist()
@@ -433,11 +433,11 @@ def test_policy_loss_matches_its_definition(batch, cfg, mode_name, agg, seed):
     adv = torch.where(mask, torch.randn(B, T, generator=g), torch.tensor(float("nan")))
     if mode_name != "decoupled":
         cfg = cfg.replace(bypass_mode=True, loss_type=mode_name.split("_", 1)[1])
-    loss, _ = compute_policy_loss(log_prob, old, adv, mask, cfg, rollout_log_prob=rollout, loss_agg_mode=agg)
+    loss, _ = compute_policy_loss(log_prob, old, adv, mask, config=cfg, rollout_log_prob=rollout, loss_agg_mode=agg)
     assert math.isfinite(loss.item())
     # The correction the loss must use: π_old vs π_rollout (decoupled) or π_θ vs π_rollout (bypass).
     train_side = old if mode_name == "decoupled" else log_prob
-    corr = compute_rollout_correction(train_side, rollout, mask, cfg)
+    corr = compute_rollout_correction(train_side, rollout, mask, config=cfg)
     rows = []
     for i in range(B):
         row = []

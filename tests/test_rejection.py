@@ -57,7 +57,7 @@ def _reference_keep(name, thr, rows=ROWS):
 
 def _run(make_batch, rows=ROWS, empty_rows=1, mask_dtype=torch.bool, **cfg):
     old, roll, mask = make_batch(rows, T=T, empty_rows=empty_rows, mask_dtype=mask_dtype)
-    return compute_rollout_correction(old, roll, mask, RolloutCorrectionConfig(**cfg)), mask
+    return compute_rollout_correction(old, roll, mask, config=RolloutCorrectionConfig(**cfg)), mask
 
 
 def _mask_from_token_keep(keep, B=4):

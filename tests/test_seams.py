@@ -184,7 +184,7 @@ def test_accumulator_hook_sees_each_chunk_weights_and_keep_mask():
         acc.update(old[part], roll[part], mask[part])
         plain.update(old[part], roll[part], mask[part])
     assert [n for n, _, _ in seen] == [4, 6]
-    whole = compute_rollout_correction(old, roll, mask, cfg)
+    whole = compute_rollout_correction(old, roll, mask, config=cfg)
     torch.testing.assert_close(torch.cat([w for _, w, _ in seen]), whole.weights)
     torch.testing.assert_close(torch.cat([k for _, _, k in seen]), whole.response_mask.float())
     got, ref = acc.compute(), plain.compute()

@@ -143,7 +143,7 @@ def test_loss_uses_per_token_versions_and_rejects_stale_samples():
     expected = torch.where(unclipped, -w * r, torch.zeros(3)) / 3  # d(−A·w·r)/d log π_θ over 3 tokens
     torch.testing.assert_close(lp.grad[0], expected)
     naive_lp = base.clone().requires_grad_(True)
-    naive, _ = compute_policy_loss(naive_lp, behav, adv, mask, cfg)
+    naive, _ = compute_policy_loss(naive_lp, behav, adv, mask, config=cfg)
     naive.backward()
     assert naive_lp.grad[1].abs().max() > 0
     assert (naive_lp.grad[0] - lp.grad[0]).abs().max() > 1e-3

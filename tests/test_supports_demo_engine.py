@@ -52,8 +52,8 @@ def test_truncation_bias_shows_as_mismatch_only_without_renormalisation(sampled)
     full = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     renorm = renormalized_log_probs(logits, responses, kept_mask=kept).log_prob
     cfg = RolloutCorrectionConfig.decoupled_token_is()
-    raw = compute_rollout_correction(full, rollout_lp, mask, cfg).metrics_as_floats()
-    fixed = compute_rollout_correction(renorm, rollout_lp, mask, cfg).metrics_as_floats()
+    raw = compute_rollout_correction(full, rollout_lp, mask, config=cfg).metrics_as_floats()
+    fixed = compute_rollout_correction(renorm, rollout_lp, mask, config=cfg).metrics_as_floats()
     assert raw["rollout_corr/rollout_is_mean"] < 0.9  # every ratio is the kept mass, not 1
     assert abs(fixed["rollout_corr/rollout_is_mean"] - 1.0) < 1e-4
     assert abs(fixed["rollout_corr/kl"]) < 1e-5 < abs(raw["rollout_corr/kl"])

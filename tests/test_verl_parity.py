@@ -117,7 +117,7 @@ def run_verl(old, rollout, mask, settings: dict):
 
 
 def run_ours(old, rollout, mask, cfg):
-    out = compute_rollout_correction(old, rollout, mask, cfg)
+    out = compute_rollout_correction(old, rollout, mask, config=cfg)
     return out.weights, out.response_mask, out.metrics_as_floats()
 
 
@@ -271,7 +271,7 @@ def test_offpolicy_metrics_match_verl(batch, length, scale, seed):
 def test_asymmetric_k1_bounds_keep_rows_inside_ratio_band(option, agg, lo, hi):
     old, rollout, mask = make_batch(64, 12, 0.5, 11)
     cfg = RolloutCorrectionConfig.from_dict({"rollout_is": None, "rollout_rs": option, "rollout_rs_threshold": f"{lo}_{hi}"})
-    out = compute_rollout_correction(old, rollout, mask, cfg)
+    out = compute_rollout_correction(old, rollout, mask, config=cfg)
 
     lr = (old.double() - rollout.double()) * mask.double()
     n = mask.double().sum(-1)
@@ -300,7 +300,7 @@ def test_reciprocal_k1_bounds_agree_with_verl_unchanged():
     old, rollout, mask = make_batch(64, 12, 0.5, 12)
     settings = dict(rollout_is=None, rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0")
     _, verl_mask, _ = VERL.compute_rollout_correction_and_rejection_mask(old, rollout, mask, **settings)
-    out = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig.from_dict(settings))
+    out = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.from_dict(settings))
     assert torch.equal(out.response_mask.float(), verl_mask.float())
 
 
@@ -356,7 +356,7 @@ def test_empty_row_hand_computed():
     rollout = torch.tensor([[-1.5, -1.0, 0.0], [0.0, 0.0, 0.0], [-1.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
     cfg = RolloutCorrectionConfig.from_dict({"rollout_is": "sequence", "rollout_is_threshold": 10.0})
-    m = compute_rollout_correction(old, rollout, mask, cfg).metrics_as_floats()
+    m = compute_rollout_correction(old, rollout, mask, config=cfg).metrics_as_floats()
 
     # row 0: log ρ = [0.5, -1.0] → Σ = -0.5, mean log π_old = -1.5, mean log π_rollout = -1.25
     # row 2: log ρ = [0.5]       → Σ =  0.5, mean log π_old = -0.5, mean log π_rollout = -1.0
@@ -471,8 +471,8 @@ def test_agg_loss_matches_verl(mode, use_global, dp_size):
     if use_global:
         kwargs = dict(dp_size=dp_size, batch_num_tokens=int(mask.sum()) * 3, global_batch_size=6 * 3)
         ours_kwargs = dict(global_num_tokens=int(mask.sum()) * 3, global_num_seqs=6 * 3, dp_size=dp_size)
-    expected = VERL_ALGOS.agg_loss(loss_mat, mask, mode, **kwargs)
-    got = rc.agg_loss(loss_mat, mask, mode, **ours_kwargs)
+    expected = VERL_ALGOS.agg_loss(loss_mat, mask, loss_agg_mode=mode, **kwargs)
+    got = rc.agg_loss(loss_mat, mask, loss_agg_mode=mode, **ours_kwargs)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
@@ -482,7 +482,7 @@ def test_decoupled_ppo_loss_matches_verl_vanilla(mode, with_weights):
     old, rollout, mask, log_prob, adv = _loss_inputs(31)
     weights = None
     if with_weights:
-        weights = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig.decoupled_token_is()).weights
+        weights = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.decoupled_token_is()).weights
 
     lp_v = log_prob.clone().requires_grad_(True)
     v_loss, v_metrics = VERL_ALGOS.compute_policy_loss_vanilla(
@@ -491,7 +491,7 @@ def test_decoupled_ppo_loss_matches_verl_vanilla(mode, with_weights):
 
     lp_o = log_prob.clone().requires_grad_(True)
     cfg = RolloutCorrectionConfig.decoupled_token_is() if with_weights else RolloutCorrectionConfig.disabled()
-    o_loss, o_metrics = compute_policy_loss(lp_o, old, adv, mask, cfg, rollout_is_weights=weights,
+    o_loss, o_metrics = compute_policy_loss(lp_o, old, adv, mask, config=cfg, rollout_is_weights=weights,
                                             clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
                                             loss_agg_mode=mode)
     o_loss.backward()
@@ -537,7 +537,7 @@ def test_bypass_loss_matches_verl(preset, mode):
     v_loss.backward()
 
     lp_o = log_prob.clone().requires_grad_(True)
-    o_loss, o_metrics = compute_policy_loss(lp_o, rollout, adv, mask, RolloutCorrectionConfig.from_preset(preset),
+    o_loss, o_metrics = compute_policy_loss(lp_o, rollout, adv, mask, config=RolloutCorrectionConfig.from_preset(preset),
                                             rollout_log_prob=rollout, clip_ratio_low=0.2, clip_ratio_high=0.28,
                                             clip_ratio_c=3.0, loss_agg_mode=mode)
     o_loss.backward()
@@ -559,7 +559,7 @@ def test_bypass_loss_when_every_sequence_is_rejected(mode):
         rollout, lp_v, adv, mask, loss_agg_mode=mode, config=_actor_config(mode, rc_config=_verl_bypass_config(preset)))
     assert math.isnan(float(v_loss.detach()))
     lp_o = log_prob.clone().requires_grad_(True)
-    o_loss, o_metrics = compute_policy_loss(lp_o, rollout, adv, mask, RolloutCorrectionConfig.from_preset(preset),
+    o_loss, o_metrics = compute_policy_loss(lp_o, rollout, adv, mask, config=RolloutCorrectionConfig.from_preset(preset),
                                             rollout_log_prob=rollout, loss_agg_mode=mode)
     o_loss.backward()
     assert float(o_loss.detach()) == 0.0 and o_loss.requires_grad

@@ -22,7 +22,7 @@ N_TOK = 9
 
 def _run(make_batch, rows=ROWS, empty_rows=0, **cfg):
     old, roll, mask = make_batch(rows, T=T, empty_rows=empty_rows)
-    return compute_rollout_correction(old, roll, mask, RolloutCorrectionConfig(**cfg))
+    return compute_rollout_correction(old, roll, mask, config=RolloutCorrectionConfig(**cfg))
 
 
 def _padded(rows_of_weights, B=None):
@@ -218,7 +218,7 @@ def test_small_token_weights_keep_relative_precision(make_batch):
 def test_weights_are_zero_on_padding_and_empty_rows_and_detached(make_batch, level):
     old, roll, mask = make_batch(ROWS, T=T, empty_rows=1)
     old = old.clone().requires_grad_(True)
-    out = compute_rollout_correction(old, roll, mask, RolloutCorrectionConfig(rollout_is=level))
+    out = compute_rollout_correction(old, roll, mask, config=RolloutCorrectionConfig(rollout_is=level))
     assert not out.weights.requires_grad and out.weights.grad_fn is None
     assert torch.all(out.weights[~mask] == 0)
     assert torch.all(out.weights[mask] > 0)

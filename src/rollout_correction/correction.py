@@ -260,9 +260,9 @@ def compute_rollout_correction(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
+    *,
     config: Optional[RolloutCorrectionConfig] = None,
     process_group: Optional[object] = None,
-    *,
     compile: bool = False,
     sequence_group: Optional[object] = None,
 ) -> CorrectionOutput:

@@ -52,9 +52,9 @@ def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
     return den.clamp_min(1.0)
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: LossAggMode = "token-mean",
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: LossAggMode = "token-mean",
              global_num_tokens: Count = None, global_num_seqs: Count = None, dp_size: int = 1,
-             loss_scale_factor: Optional[float] = None, *, sequence_group: Optional[object] = None) -> torch.Tensor:
+             loss_scale_factor: Optional[float] = None, sequence_group: Optional[object] = None) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss over the valid (non-zero mask) tokens.
 
     * token-mean:              Σ_{i,t} ℓ / N_tok
@@ -125,7 +125,7 @@ def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: Optional[torc
     return loss * dp_size if dp_size != 1 else loss
 
 
-def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor,
+def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor, *,
                   clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token PPO-clip loss with dual clip (see module docstring).
@@ -169,7 +169,7 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
         return pg, clipped, torch.zeros_like(valid)
     if loss_type in ("dppo_tv", "dppo_kl"):
         return dppo_loss(lp, prox, adv, loss_type[5:], clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    return ppo_clip_loss(lp, prox, adv, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    return ppo_clip_loss(lp, prox, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
 
 
 def _actor_metrics(stats, rows: int) -> dict[str, Value]:
@@ -196,6 +196,7 @@ def compute_policy_loss(
     old_log_prob: Optional[torch.Tensor],
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
+    *,
     config: Optional[RolloutCorrectionConfig] = None,
     rollout_log_prob: Optional[torch.Tensor] = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
@@ -208,7 +209,6 @@ def compute_policy_loss(
     dp_size: int = 1,
     loss_scale_factor: Optional[float] = None,
     process_group: Optional[object] = None,
-    *,
     sequence_group: Optional[object] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss with rollout correction, in the mode ``config`` selects.
@@ -313,7 +313,7 @@ def compute_policy_loss(
     mask = valid
     if rollout is not None and (bypass or rollout_is_weights is None):
         train_side = lp.detach() if bypass else prox_s
-        corr = compute_rollout_correction(train_side, rollout, valid, config, process_group)
+        corr = compute_rollout_correction(train_side, rollout, valid, config=config, process_group=process_group)
         mask = corr.response_mask
         weights = corr.weights
         metrics.update(corr.metrics)
@@ -336,7 +336,7 @@ def compute_policy_loss(
     sums = torch.where(in_loss, torch.stack(parts), zero).sum(dim=(1, 2), dtype=torch.float64)
     actor = SufficientStats.from_vector(names + ["input_rows", "kept_rows"], torch.cat([sums, row_counts]))
     metrics.add_derived(actor, functools.partial(_actor_metrics, rows=B), prefix="")
-    loss = agg_loss(pg, mask, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    loss = agg_loss(pg, mask, loss_agg_mode=loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
     return loss, metrics
 
 

@@ -244,9 +244,8 @@ def metrics_to_floats(metrics: Mapping[str, Union[torch.Tensor, float]]) -> dict
 
 
 def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                              response_mask: torch.Tensor, process_group: Optional[object] = None,
-                              on_nonfinite: str = "reject", *,
-                              sequence_group: Optional[object] = None) -> dict[str, torch.Tensor]:
+                              response_mask: torch.Tensor, *, process_group: Optional[object] = None,
+                              on_nonfinite: str = "reject", sequence_group: Optional[object] = None) -> dict[str, torch.Tensor]:
     """Off-policy diagnostics of π_train vs π_rollout, keys ``rollout_corr/<name>``.
 
     Args:

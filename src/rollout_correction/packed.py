@@ -54,8 +54,8 @@ def from_padded(padded: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) ->
 def compute_rollout_correction_packed(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
-    config: Optional[RolloutCorrectionConfig] = None,
     *,
+    config: Optional[RolloutCorrectionConfig] = None,
     lengths: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
     response_mask: Optional[torch.Tensor] = None,
@@ -91,6 +91,6 @@ def compute_rollout_correction_packed(
     out = compute_rollout_correction(
         to_padded(old_log_prob, rows, cols, B, T), to_padded(rollout_log_prob, rows, cols, B, T),
         to_padded(response_mask, rows, cols, B, T, fill=False if response_mask.dtype == torch.bool else 0),
-        config, process_group, sequence_group=sequence_group)
+        config=config, process_group=process_group, sequence_group=sequence_group)
     weights = from_padded(out.weights, rows, cols) if out.weights is not None else None
     return CorrectionOutput(weights, from_padded(out.response_mask, rows, cols), out.metrics)

@@ -241,9 +241,9 @@ def compute_staleness_policy_loss(
         prox = proximal_log_prob.detach()
     metrics.update(staleness_metrics(prox, rollout_log_prob, mask, versions, current_version,
                                      num_buckets=num_buckets, process_group=process_group))
-    corr = compute_rollout_correction(prox, rollout_log_prob, mask, config, process_group)
+    corr = compute_rollout_correction(prox, rollout_log_prob, mask, config=config, process_group=process_group)
     metrics.update(corr.metrics)
-    loss, loss_metrics = compute_policy_loss(log_prob, prox, advantages, corr.response_mask, config,
+    loss, loss_metrics = compute_policy_loss(log_prob, prox, advantages, corr.response_mask, config=config,
                                              rollout_is_weights=corr.weights, process_group=process_group,
                                              **loss_kwargs)
     metrics.update(loss_metrics)

@@ -160,7 +160,7 @@ def compute_rollout_correction_and_rejection_mask(
         rollout_rs_threshold=rollout_rs_threshold,
     )
     group = _resolve_group(process_group, cfg.is_spec is not None and cfg.is_spec.batch_normalize)
-    out = compute_rollout_correction(old_log_prob, rollout_log_prob, response_mask, cfg, process_group=group)
+    out = compute_rollout_correction(old_log_prob, rollout_log_prob, response_mask, config=cfg, process_group=group)
     holder = None if out.weights is None else _weights_holder(out.weights)
     return holder, out.response_mask, out.metrics_as_floats()
 
@@ -388,7 +388,7 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
                            "rollout_log_probs (verl: rollout.calculate_log_probs=true) and response_mask")
     group = _resolve_group(_AUTO, cfg.is_spec is not None and cfg.is_spec.batch_normalize)
     out = compute_rollout_correction(tensors["old_log_probs"], tensors["rollout_log_probs"],
-                                     tensors["response_mask"], cfg, process_group=group)
+                                     tensors["response_mask"], config=cfg, process_group=group)
     tensors["response_mask"] = out.response_mask
     if out.weights is not None:
         tensors["rollout_is_weights"] = out.weights

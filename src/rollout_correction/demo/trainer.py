@@ -72,7 +72,7 @@ def accepted_mask(rc_cfg, old_log_prob: torch.Tensor, rollout_log_prob: torch.Te
     baseline)."""
     if rc_cfg is None:
         return None
-    return compute_rollout_correction(old_log_prob, rollout_log_prob, mask, rc_cfg).response_mask
+    return compute_rollout_correction(old_log_prob, rollout_log_prob, mask, config=rc_cfg).response_mask
 
 
 @torch.no_grad()
@@ -132,7 +132,7 @@ def policy_loss(method: Method, rc_cfg, log_prob, old_log_prob, rollout_log_prob
     from rollout_correction import compute_offpolicy_metrics, compute_policy_loss, metrics_to_floats
 
     loss, metrics = compute_policy_loss(
-        log_prob, old_log_prob, advantages, mask, rc_cfg,
+        log_prob, old_log_prob, advantages, mask, config=rc_cfg,
         rollout_log_prob=rollout_log_prob if method.preset else None,
         clip_ratio_low=clip_eps, clip_ratio_high=clip_eps, loss_agg_mode="token-mean",
     )

@@ -233,7 +233,7 @@ def correct_log_probs(
     old = old_log_prob.detach()
     ro = rollout_log_prob.detach()
     mask = torch.ones(old.shape, dtype=torch.float32, device=old.device)
-    out = compute_rollout_correction(old, ro, mask, cfg)
+    out = compute_rollout_correction(old, ro, mask, config=cfg)
     keep = out.response_mask != 0
     zeros = torch.zeros(old.shape, dtype=torch.float32, device=old.device)
     if apply_is and out.weights is not None:

@@ -469,7 +469,7 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         if experience.rollout_log_probs is None:
             raise ValueError(f"experience.rollout_log_probs is None: {_TURN_CORRECTION_ON}")
         result = compute_rollout_correction(
-            experience.action_log_probs, experience.rollout_log_probs, mask, self.config
+            experience.action_log_probs, experience.rollout_log_probs, mask, config=self.config
         )
         valid = mask.to(torch.bool)
         kept = result.response_mask.to(torch.bool) & valid
@@ -513,7 +513,7 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         if weights is None:
             weights = mask.to(torch.float32)
         loss, metrics = compute_policy_loss(
-            log_probs, old_log_probs, advantages, mask, self.config, rollout_log_prob=rollout_log_probs,
+            log_probs, old_log_probs, advantages, mask, config=self.config, rollout_log_prob=rollout_log_probs,
             rollout_is_weights=weights, clip_ratio_low=float(pl.clip_eps_low),
             clip_ratio_high=float(pl.clip_eps_high), clip_ratio_c=clip_c,
             loss_agg_mode="token-mean" if getattr(pl, "token_level_loss", True) else "seq-mean-token-mean",
@@ -542,7 +542,7 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         if units:  # prepare_experience counted a new step
             self._step_filter_ratio = filtered / units
             self._pending_filter = [0, 0]
-        result = compute_rollout_correction(old_log_probs.detach(), rollout_log_probs, action_mask, self.config)
+        result = compute_rollout_correction(old_log_probs.detach(), rollout_log_probs, action_mask, config=self.config)
         self.last_metrics = result.metrics
         mask = result.response_mask.to(action_mask.dtype)
         # Tokens rejected here but counted by OpenRLHF (placeholders have advantage 0 and do not count).

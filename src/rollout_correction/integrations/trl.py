@@ -412,7 +412,7 @@ if _GRPOTrainer is not None:
             # Each process holds its slice of the generation batch; batch statistics (normalisation,
             # ESS, every metric) are reduced over all of them.
             group = torch.distributed.group.WORLD if _distributed() else None
-            result = compute_rollout_correction(old, rollout.to(old.dtype), mask, cfg, process_group=group)
+            result = compute_rollout_correction(old, rollout.to(old.dtype), mask, config=cfg, process_group=group)
 
             # Rejected tokens (rejection sampling, veto, non-finite rows) leave the loss mask only.
             new_mask = result.response_mask.to(completion_mask.dtype)

@@ -160,7 +160,7 @@ def policy_loss(
                       "'+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}'")
         rc = _decoupled_loss_config(rc, rollout_is_weights)
     loss, metrics = compute_policy_loss(
-        log_prob, None if bypass else old_log_prob, advantages, response_mask, rc,
+        log_prob, None if bypass else old_log_prob, advantages, response_mask, config=rc,
         rollout_log_prob=old_log_prob if bypass else None,
         rollout_is_weights=None if bypass else rollout_is_weights,
         clip_ratio_low=low if low is not None else clip,
