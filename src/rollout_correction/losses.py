@@ -378,7 +378,7 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
         row_keep = torch.ones_like(bad_rows)
         kept = rows.sum(valid.sum(-1).to(torch.float64))
     if rollout_is_weights is not None and not bypass:
-        weights = clean[3]
+        weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
 
     def mean(x: torch.Tensor) -> torch.Tensor:
         return _split_masked_mean(x, token_keep, row_keep, kept, rows)
