@@ -48,7 +48,12 @@ Count = Union[int, float, torch.Tensor, None]
 
 
 def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
-    den = local if value is None else torch.as_tensor(value, dtype=local.dtype, device=local.device)
+    if value is None:
+        den = local
+    elif isinstance(value, torch.Tensor):
+        den = value.to(dtype=local.dtype, device=local.device)
+    else:  # a Python number: a fill on the device (torch.as_tensor would copy from the host and sync)
+        den = torch.full((), value, dtype=local.dtype, device=local.device)
     return den.clamp_min(1.0)
 
 
