@@ -264,7 +264,7 @@ def test_policy_loss_does_not_sync(loss_type, denominators):
     cfg = RolloutCorrectionConfig.from_dict({"rollout_is": "token", "rollout_rs": "token_k1,seq_mean_k3",
                                              "rollout_rs_threshold": "0.5_2.0,0.01", "loss_type": loss_type,
                                              "bypass_mode": loss_type in BYPASS_ONLY})
-    inputs = loss_inputs(torch.bfloat16)
+    inputs = to_cuda(*loss_inputs(torch.bfloat16))  # (outside the check: a host-to-device copy syncs)
     run_loss(inputs, cuda(), cfg, loss_agg_mode="seq-mean-token-mean", **GLOBALS[denominators])  # warm-up
     with sync_error():
         loss, grad, metrics = run_loss(inputs, cuda(), cfg, loss_agg_mode="seq-mean-token-mean",
@@ -277,7 +277,7 @@ def test_policy_loss_does_not_sync(loss_type, denominators):
 @pytest.mark.parametrize("name", ["decoupled_token_is_opsm", "decoupled_token_is_m2po"])
 def test_policy_loss_with_opsm_or_m2po_does_not_sync(name):
     cfg = RolloutCorrectionConfig.from_preset(name)
-    inputs = loss_inputs()
+    inputs = to_cuda(*loss_inputs())
     run_loss(inputs, cuda(), cfg)
     with sync_error():
         loss, grad, metrics = run_loss(inputs, cuda(), cfg)
@@ -326,7 +326,7 @@ def test_context_parallel_matches_and_does_not_sync(name, nccl_group):
 def test_context_parallel_loss_matches_and_does_not_sync(case, nccl_group):
     given = case == "given weights"
     cfg = RolloutCorrectionConfig.decoupled_token_is() if given else RolloutCorrectionConfig.from_preset(case)
-    inputs = loss_inputs()
+    inputs = to_cuda(*loss_inputs())
     kwargs = {"given_weights": given, "with_rollout": not given, "loss_agg_mode": "seq-mean-token-mean"}
     loss_ref, grad_ref, m_ref = run_loss(inputs, cuda(), cfg, **kwargs)
     run_loss(inputs, cuda(), cfg, sequence_group=nccl_group, **kwargs)
