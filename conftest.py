@@ -3,6 +3,8 @@
 - Every test starts from the process's default float environment.
 - Under CI (``CI=true``) every dependency of the test suite is installed by ``.ci/run``, so a
   skipped test would be a gap counted as coverage: there, a skip is reported as a failure.
+- Tests marked ``cuda`` need a CUDA device. Without one they are deselected (reported as
+  deselected, neither skipped nor failed), so a CPU-only run is not counted as covering them.
 """
 
 import os
@@ -26,6 +28,15 @@ def _fail_skip_in_ci(report) -> None:
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped under CI, where every test dependency is installed: {reason}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    deselected = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
 
 
 @pytest.hookimpl(hookwrapper=True)

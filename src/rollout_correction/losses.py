@@ -48,7 +48,12 @@ Count = Union[int, float, torch.Tensor, None]
 
 
 def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
-    den = local if value is None else torch.as_tensor(value, dtype=local.dtype, device=local.device)
+    if value is None:
+        den = local
+    elif isinstance(value, torch.Tensor):
+        den = value.to(dtype=local.dtype, device=local.device)
+    else:  # a Python number: a fill on the device (torch.as_tensor would copy from the host and sync)
+        den = torch.full((), value, dtype=local.dtype, device=local.device)
     return den.clamp_min(1.0)
 
 
@@ -378,7 +383,7 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
         row_keep = torch.ones_like(bad_rows)
         kept = rows.sum(valid.sum(-1).to(torch.float64))
     if rollout_is_weights is not None and not bypass:
-        weights = clean[3]
+        weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
 
     def mean(x: torch.Tensor) -> torch.Tensor:
         return _split_masked_mean(x, token_keep, row_keep, kept, rows)

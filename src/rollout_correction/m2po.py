@@ -75,8 +75,8 @@ def m2po_keep(m2: torch.Tensor, keep: torch.Tensor, threshold: float,
     # Invariant: P(lo) holds and P(hi) fails, P(c) = [Σ m ≤ τ·count over kept tokens with bits ≤ c].
     # P(−1) holds (no token); m_t ≤ 400, so every token's bits are < hi and, when P holds for all
     # of them, lo ends at hi − 1 and every token is kept.
-    lo = torch.tensor(-1, dtype=torch.int64, device=dev)
-    hi = torch.tensor(0x7F800000, dtype=torch.int64, device=dev)
+    lo = torch.full((), -1, dtype=torch.int64, device=dev)  # (fills on the device: no host-to-device copy)
+    hi = torch.full((), 0x7F800000, dtype=torch.int64, device=dev)
     for _ in range(_STEPS):
         mid = (lo + hi) // 2
         n_s = below(mid)

@@ -209,11 +209,13 @@ class RowExchange:
         gather(out, packed.contiguous(), group=self.group)
         self.collectives += 1
         out = out.view(world, B, packed.shape[1])
-        is_max = torch.tensor([op == "max" for (op, _), c in zip(self._parts, columns) for _ in range(c.shape[0])],
-                              device=device)
-        reduced = torch.where(is_max, out.amax(0), out.sum(0)).T  # (columns, B)
+        # Each column is reduced by its own op; both reductions are taken whole and sliced (a
+        # per-column mask built on the host would be a host-to-device copy, i.e. a sync).
+        ops = {op for op, _ in self._parts}
+        reduced = {"sum": out.sum(0).T if "sum" in ops else None,
+                   "max": out.amax(0).T if "max" in ops else None}  # (columns, B) each
         self._values = []
         i = 0
-        for (_, p), c in zip(self._parts, columns):
-            self._values.append(reduced[i:i + c.shape[0]].reshape(p.shape))
+        for (op, p), c in zip(self._parts, columns):
+            self._values.append(reduced[op][i:i + c.shape[0]].reshape(p.shape))
             i += c.shape[0]
