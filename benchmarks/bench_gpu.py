@@ -88,11 +88,11 @@ def make_runners(case: Case, inputs, helper, compile_: bool) -> dict[str, Callab
     kwargs = case.verl_kwargs()
     runners = {
         "verl": lambda: helper.compute_rollout_correction_and_rejection_mask(old, rollout, mask, **kwargs),
-        "ours": lambda: rc.compute_rollout_correction(old, rollout, mask, cfg).metrics_as_floats(),
-        "call only": lambda: rc.compute_rollout_correction(old, rollout, mask, cfg),
+        "ours": lambda: rc.compute_rollout_correction(old, rollout, mask, config=cfg).metrics_as_floats(),
+        "call only": lambda: rc.compute_rollout_correction(old, rollout, mask, config=cfg),
     }
     if compile_:
-        runners["compiled"] = lambda: rc.compute_rollout_correction(old, rollout, mask, cfg,
+        runners["compiled"] = lambda: rc.compute_rollout_correction(old, rollout, mask, config=cfg,
                                                                     compile=True).metrics_as_floats()
     return runners
 
@@ -153,7 +153,7 @@ def check_agreement(case: Case, inputs, helper, weights_of) -> str:
     """Whether verl and ours give the same mask, and the largest relative weight difference."""
     old, rollout, mask = inputs
     theirs = helper.compute_rollout_correction_and_rejection_mask(old, rollout, mask, **case.verl_kwargs())
-    ours = rc.compute_rollout_correction(old, rollout, mask, rc.RolloutCorrectionConfig.from_dict(case.settings()))
+    ours = rc.compute_rollout_correction(old, rollout, mask, config=rc.RolloutCorrectionConfig.from_dict(case.settings()))
     same_mask = torch.equal(theirs[1].to(ours.response_mask.dtype), ours.response_mask)
     w_theirs = weights_of(theirs)
     if w_theirs is None or ours.weights is None:

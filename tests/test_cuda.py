@@ -129,8 +129,8 @@ def assert_same_as_cpu(got: CorrectionOutput, ref: CorrectionOutput, tag: str) -
 def test_correction_matches_cpu(name, dtype):
     cfg = RolloutCorrectionConfig.from_preset(name)
     batch = make_batch(dtype=DTYPES[dtype], mask_dtype=torch.bool if dtype == "fp32" else torch.float32)
-    ref = rc.compute_rollout_correction(*batch, cfg)
-    got = rc.compute_rollout_correction(*to_cuda(*batch), cfg)
+    ref = rc.compute_rollout_correction(*batch, config=cfg)
+    got = rc.compute_rollout_correction(*to_cuda(*batch), config=cfg)
     assert_same_as_cpu(got, ref, f"{name} {dtype}")
 
 
@@ -156,7 +156,7 @@ def run_loss(inputs, device, cfg, *, given_weights=False, with_rollout=True, **k
     extra = {"rollout_is_weights": weights} if given_weights else {}
     if with_rollout:
         extra["rollout_log_prob"] = rollout
-    loss, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, cfg, **extra, **kwargs)
+    loss, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, config=cfg, **extra, **kwargs)
     loss.backward()
     return loss, log_prob.grad, metrics
 
@@ -211,8 +211,8 @@ BENCH_SHAPE = (256, 4096)
 def test_compiled_matches_cpu(name, dtype):
     cfg = RolloutCorrectionConfig.from_dict(COMPILED[name])
     batch = make_batch(*BENCH_SHAPE, dtype=DTYPES[dtype], mask_dtype=torch.float32, noise=0.05)
-    ref = rc.compute_rollout_correction(*batch, cfg)
-    got = rc.compute_rollout_correction(*to_cuda(*batch), cfg, compile=True)
+    ref = rc.compute_rollout_correction(*batch, config=cfg)
+    got = rc.compute_rollout_correction(*to_cuda(*batch), config=cfg, compile=True)
     assert_same_as_cpu(got, ref, f"compiled {name} {dtype}")
 
 
@@ -240,9 +240,9 @@ def test_sync_debug_mode_catches_a_host_read():
 def test_correction_does_not_sync(name):
     cfg = RolloutCorrectionConfig.from_preset(name)
     batch = to_cuda(*make_batch(dtype=torch.bfloat16, mask_dtype=torch.float32))
-    rc.compute_rollout_correction(*batch, cfg).metrics_as_floats()  # lazy imports and initialisation
+    rc.compute_rollout_correction(*batch, config=cfg).metrics_as_floats()  # lazy imports and initialisation
     with sync_error():
-        out = rc.compute_rollout_correction(*batch, cfg)
+        out = rc.compute_rollout_correction(*batch, config=cfg)
         tensors = dict(out.metrics)  # derived on the device
     assert tensors and math.isfinite(out.metrics_as_floats()["rollout_corr/kl"])
 
@@ -251,9 +251,9 @@ def test_correction_does_not_sync(name):
 def test_compiled_correction_does_not_sync(name):
     cfg = RolloutCorrectionConfig.from_dict(COMPILED[name])
     batch = to_cuda(*make_batch(*BENCH_SHAPE, mask_dtype=torch.float32, noise=0.05))
-    rc.compute_rollout_correction(*batch, cfg, compile=True).metrics_as_floats()  # compiles
+    rc.compute_rollout_correction(*batch, config=cfg, compile=True).metrics_as_floats()  # compiles
     with sync_error():
-        out = rc.compute_rollout_correction(*batch, cfg, compile=True)
+        out = rc.compute_rollout_correction(*batch, config=cfg, compile=True)
         dict(out.metrics)
     assert out.metrics_as_floats()
 
@@ -311,10 +311,10 @@ def nccl_group():
 def test_context_parallel_matches_and_does_not_sync(name, nccl_group):
     cfg = RolloutCorrectionConfig.from_preset(name)
     batch = to_cuda(*make_batch(mask_dtype=torch.float32))
-    ref = rc.compute_rollout_correction(*batch, cfg)
-    rc.compute_rollout_correction(*batch, cfg, sequence_group=nccl_group).metrics_as_floats()  # communicator
+    ref = rc.compute_rollout_correction(*batch, config=cfg)
+    rc.compute_rollout_correction(*batch, config=cfg, sequence_group=nccl_group).metrics_as_floats()  # communicator
     with sync_error():
-        got = rc.compute_rollout_correction(*batch, cfg, sequence_group=nccl_group)
+        got = rc.compute_rollout_correction(*batch, config=cfg, sequence_group=nccl_group)
         dict(got.metrics)
     assert torch.equal(got.response_mask, ref.response_mask)
     if ref.weights is not None:

@@ -81,21 +81,21 @@ def preset(name: str, **overrides) -> RolloutCorrectionConfig:
 @pytest.mark.parametrize("name", PRESETS)
 def test_correction_every_preset(name, dtype, mask_dtype):
     cfg = preset(name)
-    out = rc.compute_rollout_correction(meta(dtype), meta(dtype), meta(mask_dtype), cfg)
+    out = rc.compute_rollout_correction(meta(dtype), meta(dtype), meta(mask_dtype), config=cfg)
     if cfg.rollout_is is None:
         assert out.weights is None
     else:
         assert_meta(out.weights, (B, T), torch.float32)
     assert_meta(out.response_mask, (B, T), mask_dtype)
     names = assert_meta_metrics(out.metrics).keys()
-    cpu = rc.compute_rollout_correction(*cpu_batch(dtype, mask_dtype), cfg)
+    cpu = rc.compute_rollout_correction(*cpu_batch(dtype, mask_dtype), config=cfg)
     assert names == dict(cpu.metrics).keys()
 
 
 @pytest.mark.parametrize("name", ["decoupled_seq_is_rs", "decoupled_token_is_m2po", "bypass_pg_geo_rs_token_tis"])
 def test_correction_with_process_group(name, fake_world):
     cfg = preset(name, rollout_is_batch_normalize=True) if preset(name).rollout_is else preset(name)
-    out = rc.compute_rollout_correction(meta(), meta(), meta(torch.bool), cfg, process_group=fake_world)
+    out = rc.compute_rollout_correction(meta(), meta(), meta(torch.bool), config=cfg, process_group=fake_world)
     assert_meta(out.response_mask, (B, T), torch.bool)
     assert_meta_metrics(out.metrics)
 
@@ -119,7 +119,7 @@ def _check_loss(loss, metrics, log_prob) -> None:
 @pytest.mark.parametrize("name", PRESETS)
 def test_policy_loss_every_preset(name):
     log_prob = meta(requires_grad=True)
-    loss, metrics = rc.compute_policy_loss(log_prob, meta(), meta(), meta(torch.bool), preset(name),
+    loss, metrics = rc.compute_policy_loss(log_prob, meta(), meta(), meta(torch.bool), config=preset(name),
                                            rollout_log_prob=meta())
     _check_loss(loss, metrics, log_prob)
 
@@ -140,7 +140,7 @@ def test_policy_loss_types_and_aggregations(loss_type, agg, denominators):
                 "loss_type": loss_type, "bypass_mode": loss_type in BYPASS_ONLY}
     log_prob = meta(torch.bfloat16, requires_grad=True)
     loss, metrics = rc.compute_policy_loss(
-        log_prob, meta(torch.bfloat16), meta(), meta(torch.float32), RolloutCorrectionConfig.from_dict(settings),
+        log_prob, meta(torch.bfloat16), meta(), meta(torch.float32), config=RolloutCorrectionConfig.from_dict(settings),
         rollout_log_prob=meta(torch.bfloat16), loss_agg_mode=agg, **GLOBALS[denominators])
     _check_loss(loss, metrics, log_prob)
 
@@ -149,19 +149,19 @@ def test_policy_loss_types_and_aggregations(loss_type, agg, denominators):
 def test_policy_loss_other_inputs(case):
     log_prob = meta(requires_grad=True)
     if case == "given weights":  # decoupled, the trainer computed the weights earlier
-        loss, metrics = rc.compute_policy_loss(log_prob, meta(), meta(), meta(torch.bool), preset("decoupled_token_is"),
+        loss, metrics = rc.compute_policy_loss(log_prob, meta(), meta(), meta(torch.bool), config=preset("decoupled_token_is"),
                                                rollout_is_weights=meta())
     elif case == "plain PPO":
-        loss, metrics = rc.compute_policy_loss(log_prob, meta(), meta(), meta(torch.bool), None)
+        loss, metrics = rc.compute_policy_loss(log_prob, meta(), meta(), meta(torch.bool), config=None)
     else:
-        loss, metrics = rc.compute_policy_loss(log_prob, meta(), meta(), meta(torch.bool), preset("bypass_pg_is"))
+        loss, metrics = rc.compute_policy_loss(log_prob, meta(), meta(), meta(torch.bool), config=preset("bypass_pg_is"))
     _check_loss(loss, metrics, log_prob)
 
 
 @pytest.mark.parametrize("agg", rc.LOSS_AGG_MODES)
 def test_agg_loss(agg):
     loss_mat = meta(requires_grad=True)
-    loss = rc.agg_loss(loss_mat, meta(torch.bool), agg)
+    loss = rc.agg_loss(loss_mat, meta(torch.bool), loss_agg_mode=agg)
     assert_meta(loss, (), torch.float32)
     loss.backward()
     assert_meta(loss_mat.grad, (B, T), torch.float32)
@@ -194,7 +194,7 @@ T_LOCAL = 7  # this rank's slice of every sequence
 def test_context_parallel_correction(name, with_dp, fake_world):
     cfg = preset(name)
     out = rc.compute_rollout_correction(meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)),
-                                        meta(torch.float32, (B, T_LOCAL)), cfg,
+                                        meta(torch.float32, (B, T_LOCAL)), config=cfg,
                                         process_group=fake_world if with_dp else None, sequence_group=fake_world)
     if cfg.rollout_is is not None:
         assert_meta(out.weights, (B, T_LOCAL), torch.float32)
@@ -206,7 +206,7 @@ def test_context_parallel_correction(name, with_dp, fake_world):
 def test_context_parallel_loss_every_preset(name, fake_world):
     log_prob = meta(shape=(B, T_LOCAL), requires_grad=True)
     loss, metrics = rc.compute_policy_loss(
-        log_prob, meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.bool, (B, T_LOCAL)), preset(name),
+        log_prob, meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.bool, (B, T_LOCAL)), config=preset(name),
         rollout_log_prob=meta(shape=(B, T_LOCAL)), sequence_group=fake_world)
     _check_loss(loss, metrics, log_prob)
 
@@ -219,7 +219,7 @@ def test_context_parallel_loss_types_and_aggregations(loss_type, agg, fake_world
     log_prob = meta(shape=(B, T_LOCAL), requires_grad=True)
     loss, metrics = rc.compute_policy_loss(
         log_prob, meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.bool, (B, T_LOCAL)),
-        RolloutCorrectionConfig.from_dict(settings), rollout_log_prob=meta(shape=(B, T_LOCAL)), loss_agg_mode=agg,
+        config=RolloutCorrectionConfig.from_dict(settings), rollout_log_prob=meta(shape=(B, T_LOCAL)), loss_agg_mode=agg,
         global_num_tokens=1000, global_num_seqs=40, dp_size=2, loss_scale_factor=float(T),
         process_group=fake_world, sequence_group=fake_world)
     _check_loss(loss, metrics, log_prob)
@@ -229,14 +229,14 @@ def test_context_parallel_loss_given_weights(fake_world):
     log_prob = meta(shape=(B, T_LOCAL), requires_grad=True)
     loss, metrics = rc.compute_policy_loss(
         log_prob, meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.bool, (B, T_LOCAL)),
-        preset("decoupled_token_is"), rollout_is_weights=meta(shape=(B, T_LOCAL)), sequence_group=fake_world)
+        config=preset("decoupled_token_is"), rollout_is_weights=meta(shape=(B, T_LOCAL)), sequence_group=fake_world)
     _check_loss(loss, metrics, log_prob)
 
 
 @pytest.mark.parametrize("agg", rc.LOSS_AGG_MODES)
 def test_context_parallel_agg_loss(agg, fake_world):
     loss_mat = meta(shape=(B, T_LOCAL), requires_grad=True)
-    loss = rc.agg_loss(loss_mat, meta(torch.bool, (B, T_LOCAL)), agg, loss_scale_factor=float(T),
+    loss = rc.agg_loss(loss_mat, meta(torch.bool, (B, T_LOCAL)), loss_agg_mode=agg, loss_scale_factor=float(T),
                        sequence_group=fake_world)
     assert_meta(loss, (), torch.float32)
     loss.backward()
