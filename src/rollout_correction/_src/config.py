@@ -235,9 +235,10 @@ class RolloutCorrectionConfig(Presets, Loading):
                 if not 0 < lo <= hi:
                     raise invalid(key, raw, "a single bound x means [1/x, x] and must be ≥ 1 and finite")
                 options.append(RSOption(name, agg, est, -math.log(hi), -math.log(lo)))
-            elif isinstance(value, Band) or not value > 0:
-                raise invalid(key, raw, f"{name} takes a single upper bound > 0, not 'lo_hi'" if isinstance(
-                    value, Band) else "must be > 0")
+            elif isinstance(value, Band):
+                raise invalid(key, raw, f"{name} takes a single upper bound, not 'lo_hi'")
+            elif not value > 0:
+                raise invalid(key, raw, "must be > 0")
             else:
                 options.append(RSOption(name, agg, est, None, value))
             values.append(value)
@@ -285,14 +286,10 @@ def _unchecked(key: str, value: Any) -> Any:
 
 
 def as_config(value: Any) -> RolloutCorrectionConfig:
-    """The one way every entry point reads a config.
-
-    ``None`` → the default config (metrics only); a :class:`RolloutCorrectionConfig` → itself;
-    a string → the preset of that name; a mapping, an OmegaConf node, a dataclass (such as
-    verl's config class) or an object with attributes → :meth:`RolloutCorrectionConfig.from_dict`
-    of its keys. Unknown keys and invalid values raise :class:`ConfigError`; an unreadable type
-    raises TypeError.
-    """
+    """The one way every entry point reads a config: ``None`` → the default (metrics only); a config
+    → itself; a string → that preset; a mapping, an OmegaConf node, a dataclass (verl's config class)
+    or an object with attributes → ``from_dict`` of its keys. Unknown keys and invalid values raise
+    :class:`ConfigError`; an unreadable type raises TypeError."""
     if value is None:
         return RolloutCorrectionConfig()
     if isinstance(value, RolloutCorrectionConfig):
