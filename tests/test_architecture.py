@@ -25,7 +25,7 @@ def test_scanner_sees_the_package():
     assert "rollout_correction.correction" in A.MODULES and "rollout_correction.compat.verl" in A.MODULES
     g = A.graph()
     assert "rollout_correction.metrics" in g["rollout_correction.correction"]
-    assert "rollout_correction.config" in g["rollout_correction.weights"]
+    assert "rollout_correction._src.config" in g["rollout_correction.weights"]
 
 
 def test_cycle_finder_finds_a_planted_cycle():

@@ -130,7 +130,7 @@ def test_presets_take_the_documented_arguments():
     assert _resolved_rs(C.seq_is_rs(rs_threshold=4.0))[0][1] == pytest.approx(0.25)
     assert C.geo_rs(rs_threshold=1.002, veto_threshold=1e-6).rollout_token_veto_threshold == 1e-6
     assert C.geo_rs(veto_threshold=None).rollout_token_veto_threshold is None
-    assert C.decoupled_seq_is_rs(rs_threshold="0.8_1.25").rollout_rs_threshold == "0.8_1.25"
+    assert C.decoupled_seq_is_rs(rs_threshold="0.8_1.25").rollout_rs_threshold == (0.8, 1.25)
     assert C.decoupled_token_icepop(threshold=4.0, threshold_lower=0.25).is_spec.lower == 0.25
     assert C.pure_is(threshold=5.0).is_spec.upper == 5.0
     assert C.from_preset("decoupled_k3_rs", rs_threshold=0.05).rs_options[0].stat_upper == 0.05

@@ -13,7 +13,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from rollout_correction import compute_offpolicy_metrics, compute_rollout_correction, metrics_to_floats
-from rollout_correction.config import RolloutCorrectionConfig
+from rollout_correction import RolloutCorrectionConfig
 from rollout_correction.diagnose import Columns, diagnose_file, diagnose_tensors, iter_chunks
 from rollout_correction.diagnose.histograms import Histogram, KeyedSums, key_bin_edges
 

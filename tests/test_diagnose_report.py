@@ -17,7 +17,7 @@ pytest.importorskip("matplotlib")
 
 from rollout_correction import compute_offpolicy_metrics, metrics_to_floats
 from rollout_correction.cli import main
-from rollout_correction.config import RolloutCorrectionConfig
+from rollout_correction import RolloutCorrectionConfig
 from rollout_correction.diagnose import diagnose_tensors, summary_dict, write_report
 
 torch.set_num_threads(1)

@@ -167,7 +167,7 @@ def test_second_moment_is_clamped_and_masked():
 # ------------------------------------------------------------------ through the library's entry points
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction  # noqa: E402
-from rollout_correction.config import ConfigError  # noqa: E402
+from rollout_correction import ConfigError  # noqa: E402
 
 
 def _batch(seed=3, B=8, T=6):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
-from rollout_correction.config import ConfigError
+from rollout_correction import ConfigError
 from rollout_correction.policy_losses import (cispo_loss, dppo_loss, gspo_loss, sequence_advantage, topr_loss,
                                               topr_weights)
 

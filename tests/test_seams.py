@@ -13,7 +13,8 @@ import torch
 
 from rollout_correction import (ConfigError, CorrectionAccumulator, RolloutCorrectionConfig,
                                 as_config, compute_rollout_correction)
-from rollout_correction.config import PRESETS, config_value
+from rollout_correction import config_value
+from rollout_correction._src.presets import PRESETS
 from rollout_correction.logratio import LogRatioBatch, log_ratio_batch
 from rollout_correction.rejection import rejection_keep, rs_metrics, rs_option_metrics
 from rollout_correction.stats import SufficientStats

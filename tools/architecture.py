@@ -123,8 +123,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         color[n] = GREY
         path.append(n)
         for d in sorted(graph[n]):
-            # A package importing its own submodules is how packages are built, not a cycle.
-            if n == d.rsplit(".", 1)[0] and is_package(n):
+            # A package importing the modules inside it is how packages are built, not a cycle.
+            if d.startswith(n + ".") and is_package(n):
                 continue
             if color[d] == GREY:
                 return path[path.index(d):] + [d]
@@ -146,8 +146,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 #: (layer, what it holds, modules or packages of ``rollout_correction``), bottom first.
 LAYERS: list[tuple[str, str, list[str]]] = [
-    ("foundations", "constants, input checks, sufficient statistics",
-     ["constants", "validation", "stats"]),
+    ("foundations", "constants, input checks, statistics, config words",
+     ["constants", "validation", "stats", "_src", "vocab"]),
+    ("config parts", "presets; loading", ["presets", "config_io"]),
     ("config, groups", "config; context-parallel row exchange", ["config", "sequence_group"]),
     ("per-token pieces", "log-ratio, loss terms, supports, advantages",
      ["logratio", "policy_losses", "m2po", "supports", "alignment", "advantages"]),
@@ -173,9 +174,20 @@ def layer_of(module: str) -> int | None:
 
 
 def box_name(module: str) -> str:
-    """The box a module is drawn in: its first component below the package."""
+    """The box a module is drawn in: its first component below the package (below ``_src`` for
+    the internals)."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "_src":
+        return parts[2]
     return "__init__" if len(parts) == 1 else parts[1]
+
+
+def label(box: str) -> str:
+    """A box's file (``stats.py``, ``_src/config.py``) or folder (``native/``)."""
+    if box == "__init__":
+        return "rollout_correction/__init__"
+    files = [base / f"{box}.py" for base in (SRC, SRC / "_src") if (base / f"{box}.py").is_file()]
+    return files[0].relative_to(SRC).as_posix() if files else box + "/"
 
 
 def edges() -> set[tuple[str, str]]:
@@ -206,12 +218,11 @@ def draw(path: Path) -> None:
         ax.text(0.1, y - 0.2, what, fontsize=7, color="#555", va="center", wrap=True)
         span = (width - 0.9 - x0) / len(boxes)
         for j, b in enumerate(boxes):
-            label = "rollout_correction/__init__" if b == "__init__" else b + (".py" if (SRC / f"{b}.py").is_file() else "/")
             w = min(span - 0.25, 3.2)
             cx = x0 + span * (j + 0.5)
             ax.add_patch(FancyBboxPatch((cx - w / 2, y - box_h / 2), w, box_h, boxstyle="round,pad=0.02",
                                         fc=colours.get(name, "#cfe0f3"), ec="#35506b", lw=1.0, zorder=3))
-            ax.text(cx, y, label, ha="center", va="center", fontsize=9, zorder=4, family="monospace")
+            ax.text(cx, y, label(b), ha="center", va="center", fontsize=9, zorder=4, family="monospace")
             centres[b] = (cx, y)
     core_top = next(i for i, (name, _, _) in enumerate(LAYERS) if name == "public API")
     for src, dst in sorted(edges()):

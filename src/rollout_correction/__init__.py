@@ -7,7 +7,8 @@ The public surface is small::
                                     compute_offpolicy_metrics, compute_policy_loss)
 """
 
-from .config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
+from ._src.config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
+from ._src.config_io import config_value, settings_dict
 from .constants import METRIC_PREFIX, SAFETY_BOUND
 from .correction import CorrectionAccumulator, CorrectionOutput, compute_rollout_correction
 from .losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
@@ -23,6 +24,8 @@ __all__ = [
     "MissingSettingError",
     "ShapeMismatchError",
     "as_config",
+    "config_value",
+    "settings_dict",
     "compute_rollout_correction",
     "compute_rollout_correction_packed",
     "CorrectionOutput",

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .alignment import MisalignmentWarning, alignment_report, alignment_statistics
-from .config import RolloutCorrectionConfig, as_config
+from ._src.config import RolloutCorrectionConfig, as_config
 from .logratio import LogRatioBatch, log_ratio_batch
 from .m2po import m2po_keep, second_moment
 from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,

@@ -29,7 +29,7 @@ from typing import Literal, Optional, Union, get_args
 
 import torch
 
-from .config import RolloutCorrectionConfig, as_config
+from ._src.config import RolloutCorrectionConfig, as_config
 from .constants import SAFETY_BOUND
 from .correction import compute_rollout_correction, correction_pass
 from .metrics import Metrics, prefixed

@@ -26,11 +26,12 @@ from typing import Optional
 
 import torch
 
-from .config import RSOption
+from ._src.config import RS_OPTIONS, RSOption
 from .logratio import LogRatioBatch
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
-__all__ = ["token_divergence", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics", "rs_metrics",
+# RS_OPTIONS and RSOption (the options and their resolved form) are the config's, shared with the surfaces here.
+__all__ = ["RS_OPTIONS", "RSOption", "token_divergence", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics", "rs_metrics",
            "veto_metrics"]
 
 

@@ -33,7 +33,7 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from .config import RolloutCorrectionConfig, as_config
+from ._src.config import RolloutCorrectionConfig, as_config
 from .constants import METRIC_PREFIX
 from .correction import compute_rollout_correction
 from .losses import compute_policy_loss

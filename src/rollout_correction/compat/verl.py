@@ -35,14 +35,15 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import RS_OPTIONS, SAFETY_BOUND, ConfigError, RolloutCorrectionConfig, RSOption, as_config
-from ..config import config_value as _get
+from .. import ConfigError, RolloutCorrectionConfig, as_config
+from .. import config_value as _get
 from ..constants import METRIC_PREFIX as PREFIX
+from ..constants import SAFETY_BOUND
 from ..correction import compute_rollout_correction
 from ..logratio import LogRatioBatch
 from ..metrics import compute_offpolicy_metrics as _offpolicy_metrics
 from ..metrics import metrics_to_floats
-from ..rejection import option_keep, rejection_keep, rs_metrics, rs_option_metrics
+from ..rejection import RS_OPTIONS, RSOption, option_keep, rejection_keep, rs_metrics, rs_option_metrics
 from ..stats import SufficientStats
 from ..weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
@@ -261,7 +262,7 @@ def compute_is_metrics(
     """
     threshold: Any = rollout_is_threshold
     if rollout_is_threshold_lower is not None:
-        threshold = f"{rollout_is_threshold_lower!r}_{rollout_is_threshold!r}"
+        threshold = (rollout_is_threshold_lower, rollout_is_threshold)
     spec = _is_config(rollout_is, threshold).is_spec
     if spec is None or spec.level not in ("token", "sequence"):
         raise ValueError(f"rollout_is={rollout_is!r} is invalid: expected 'token' or 'sequence'")

@@ -73,7 +73,7 @@ from typing import Any, Optional
 import torch
 
 from rollout_correction import METRIC_PREFIX, RolloutCorrectionConfig
-from rollout_correction.config import config_value
+from rollout_correction import config_value
 from rollout_correction.constants import SAFETY_BOUND
 from rollout_correction.correction import correction_pass
 from rollout_correction.sequence_group import RowExchange

@@ -50,8 +50,8 @@ import torch
 
 from rollout_correction import (METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_policy_loss,
                                 compute_rollout_correction)
-from rollout_correction.config import config_value as _get
-from rollout_correction.config import settings_dict
+from rollout_correction import config_value as _get
+from rollout_correction import settings_dict
 from rollout_correction.advantages import group_advantages
 from rollout_correction.metrics import metrics_to_floats
 

@@ -1,0 +1,299 @@
+"""``RolloutCorrectionConfig``: verl's keys (both generations, read by vocab.py), slime's IS modes
+and the methods beyond them, validated at construction and resolved once into the specs the
+computation reads (:class:`ISSpec`, a tuple of :class:`RSOption`). Each key is documented once, in
+its field's metadata, which docs/config.md renders. Bands are held as ``Band(lo, hi)``. The
+presets are presets.py's, loading and dict-style access config_io.py's.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union, get_args
+
+from .config_io import Loading, settings_dict
+from .presets import Presets
+from .vocab import (LEGACY_RS, Band, ConfigError, MissingSettingError, as_float, invalid, read_threshold,
+                    threshold_parts)
+
+__all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISSpec", "RSOption", "RS_OPTIONS",
+           "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator"]
+
+IsLevel = Literal["token", "sequence", "geometric"]
+IsMode = Literal["truncate", "clip", "mask"]
+LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr"]
+NonFinitePolicy = Literal["reject", "raise"]
+RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max"]
+DivergenceEstimator = Literal["k1", "k2", "k3"]
+
+_IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
+#: Losses defined on the ratio π_θ/π_rollout only (no π_old): they need ``bypass_mode=True``.
+_BYPASS_ONLY_LOSSES = ("topr",)
+
+#: Divergence-based rejection options: name -> (aggregation, estimator), ``token_k1`` … ``seq_max_k3``
+#: (no ``seq_max_k1``: the largest −log ρ of a sequence is not a ratio band).
+RS_OPTIONS: dict[str, tuple[RsAggregation, DivergenceEstimator]] = {
+    f"{agg}_{est}": (agg, est) for agg in get_args(RsAggregation) for est in get_args(DivergenceEstimator)
+    if (agg, est) != ("seq_max", "k1")}
+
+
+@dataclass(frozen=True)
+class ISSpec:
+    """Resolved importance-sampling settings.
+
+    ``mode``: ``truncate`` (w ← min(w, upper)), ``clip`` (w ← clamp(w, lower, upper)) or
+    ``mask`` (IcePop: w ← w·1[lower ≤ w ≤ upper]; the response mask is left unchanged).
+    ``metric_lower`` is the lower bound used by the ``*_fraction_low`` metrics: the configured
+    lower bound, or 1/upper when none is configured.
+    """
+
+    level: IsLevel
+    mode: IsMode
+    upper: float
+    lower: Optional[float]
+    metric_lower: float
+    batch_normalize: bool
+
+
+@dataclass(frozen=True)
+class RSOption:
+    """One rejection criterion.
+
+    A token or sequence is kept iff its statistic lies in ``[stat_lower, stat_upper]``.
+    For k1 options the statistic is k1 = −log ρ and the configured bounds are on the ratio:
+    lo ≤ ρ ≤ hi  ⇔  −log hi ≤ k1 ≤ −log lo, so ``stat_lower = −log hi`` and
+    ``stat_upper = −log lo``. For k2/k3 ``stat_lower`` is None (one upper bound).
+    ``legacy`` names the first-generation mode this option was configured as, if any.
+    """
+
+    name: str
+    agg: RsAggregation
+    estimator: DivergenceEstimator
+    stat_lower: Optional[float]
+    stat_upper: float
+    legacy: Optional[str] = None
+
+
+def _key(default: Any, values: str, doc: str, note: str = "") -> Any:
+    """A config key: its default, the values it takes and what it does (``note`` qualifies the default)."""
+    return field(default=default, metadata={"values": values, "doc": doc, "note": note})
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig(Presets, Loading):
+    """Settings of rollout correction; validated at construction. Each field's metadata says what
+    it takes and does; docs/config.md lists them with the presets. A band arrives as ``"lo_hi"`` or
+    ``(lo, hi)`` and is held as a ``Band``; a rejection threshold given per option, as a tuple."""
+
+    rollout_is: Optional[IsLevel] = _key(
+        None, "null, token, sequence, geometric", "IS weight level: ρ_t per token; ∏ρ_t per sequence; "
+        "exp(mean log ρ_t) per sequence. null computes no weights (metrics only).")
+    rollout_is_threshold: Optional[Union[float, str, Band]] = _key(
+        2.0, "number C, or string \"lo_hi\"", "C truncates weights above C (TIS); \"lo_hi\" is IcePop: weights "
+        "outside [lo, hi] become 0, the response mask is unchanged.")
+    rollout_is_threshold_lower: Optional[float] = _key(
+        None, "number ≥ 0 or null", "lower bound for rollout_is_mode clip / mask with a numeric threshold.", "1/upper")
+    rollout_is_mode: Optional[IsMode] = _key(
+        None, "null, truncate, clip, mask", "how the bound applies: truncate min(w, U); clip clamp(w, L, U); mask "
+        "w·1[L≤w≤U]. Inferred from the threshold when null.", "inferred")
+    rollout_is_batch_normalize: bool = _key(
+        False, "true, false", "divide weights by their batch mean after bounding (tokens for token level, "
+        "sequences for sequence / geometric level).")
+    rollout_rs: Optional[str] = _key(
+        None, "null or comma-chained options", "rejection criteria, all must accept: token_k1/k2/k3, "
+        "seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3; or one of the first-generation modes token, "
+        "sequence, geometric.")
+    rollout_rs_threshold: Optional[Union[float, str, Band, tuple[Union[float, Band], ...]]] = _key(
+        None, "number or string, one per option or shared", "k1: ratio bounds \"lo_hi\" (a single x means "
+        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3: one upper bound. First-generation modes: the upper ratio "
+        "bound (defaults to rollout_is_threshold).")
+    rollout_rs_threshold_lower: Optional[float] = _key(
+        None, "number ≥ 0 or null", "first-generation modes: lower ratio bound.", "1/upper")
+    rollout_token_veto_threshold: Optional[float] = _key(
+        None, "positive number or null", "reject a sequence if any valid token has unclamped ρ_t < C.")
+    bypass_mode: bool = _key(
+        False, "true, false", "π_old := π_rollout (two policies); the loss clips against the rollout policy.")
+    loss_type: LossType = _key(
+        "ppo_clip", ", ".join(get_args(LossType)), "policy loss: PPO clip; REINFORCE −sg(w)·A·log π_θ (bypass "
+        "only: pure IS); GSPO (PPO clip on exp(mean log r)); CISPO −sg(clip r)·A·log π_θ; DPPO-TV / DPPO-KL "
+        "(truncated-ratio REINFORCE masked outside a probability-difference / binary-KL trust region); TOPR "
+        "(bypass only: weight 1 for A ≥ 0, min(∏r, 1) for A < 0). In decoupled mode the IS weights multiply "
+        "the loss; in bypass mode r = π_θ/π_rollout. See policy_losses.py.")
+    rollout_opsm_delta: Optional[float] = _key(
+        None, "number or null", "off-policy sequence masking (DeepSeek-V3.2): drop a sequence with advantage < 0 "
+        "whose mean log(π_rollout/π_θ) over its finite valid tokens exceeds δ. Applied in compute_policy_loss "
+        "(it needs advantages).")
+    rollout_m2po_threshold: Optional[float] = _key(
+        None, "number ≥ 0 or null", "M2PO (AReaL m2_threshold): mask the tokens with the largest (log ρ_t)² "
+        "until the batch mean of (log ρ_t)² over the kept tokens is ≤ τ; batch-global over the process group.")
+    on_nonfinite: NonFinitePolicy = _key(
+        "reject", "reject, raise", "NaN/±inf log-probs at valid positions: drop the sequence and count it, or raise.")
+    check_alignment: bool = _key(
+        False, "true, false", "also test whether the rollout log-probs look shifted by one token against the "
+        "trainer's (alignment_* metrics, a MisalignmentWarning when they do; one extra sync).")
+
+    # Resolved settings, derived in __post_init__.
+    is_spec: Optional[ISSpec] = field(init=False, repr=False, compare=False, default=None)
+    rs_options: tuple[RSOption, ...] = field(init=False, repr=False, compare=False, default=())
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        for key in ("rollout_is_batch_normalize", "bypass_mode", "check_alignment"):
+            if not isinstance(getattr(self, key), bool):
+                raise invalid(key, getattr(self, key), "expected true or false")
+        for key, allowed in (("loss_type", get_args(LossType)), ("on_nonfinite", get_args(NonFinitePolicy))):
+            if getattr(self, key) not in allowed:
+                raise invalid(key, getattr(self, key), f"allowed values are {list(allowed)}")
+        if self.loss_type in _BYPASS_ONLY_LOSSES and not self.bypass_mode:
+            raise invalid("loss_type", self.loss_type, "it is a bypass-mode loss (ratio π_θ/π_rollout); set "
+                          "bypass_mode=True, or use gspo / cispo / dppo_tv / dppo_kl / ppo_clip in decoupled mode")
+        delta, tau = self.rollout_opsm_delta, self.rollout_m2po_threshold
+        if delta is not None and not math.isfinite(as_float("rollout_opsm_delta", delta)):
+            raise invalid("rollout_opsm_delta", delta, "expected a finite number, e.g. 0.05")
+        if tau is not None and not 0 <= as_float("rollout_m2po_threshold", tau) < math.inf:
+            raise invalid("rollout_m2po_threshold", tau, "expected a finite number ≥ 0, e.g. 0.04")
+        is_threshold, is_spec = self._resolve_is()
+        rs_threshold, rs_options = self._resolve_rs()
+        veto = self.rollout_token_veto_threshold
+        if veto is not None and not as_float("rollout_token_veto_threshold", veto) > 0:
+            raise invalid("rollout_token_veto_threshold", veto, "must be a positive ratio, e.g. 1e-4")
+        for name, value in (("rollout_is_threshold", is_threshold), ("rollout_rs_threshold", rs_threshold),
+                            ("is_spec", is_spec), ("rs_options", rs_options)):
+            object.__setattr__(self, name, value)
+
+    def _resolve_is(self) -> tuple[Any, Optional[ISSpec]]:
+        """(the threshold as held, the resolved spec)."""
+        level, spec, mode = self.rollout_is, self.rollout_is_threshold, self.rollout_is_mode
+        if level is None:
+            if mode is not None and mode not in _IS_MODES:
+                raise invalid("rollout_is_mode", mode, f"allowed values are {list(_IS_MODES)}")
+            return _unchecked("rollout_is_threshold", spec), None
+        if level not in _IS_LEVELS:
+            raise invalid("rollout_is", level, f"allowed values are None or {list(_IS_LEVELS)}")
+        if spec is None:
+            raise MissingSettingError(invalid("rollout_is_threshold", spec, f"required when rollout_is={level!r}"))
+        threshold = read_threshold("rollout_is_threshold", spec)
+        lower, upper = threshold if isinstance(threshold, Band) else (None, threshold)
+        if not upper > 0:
+            raise invalid("rollout_is_threshold", spec, "the upper bound must be > 0")
+        mode = mode or ("truncate" if lower is None else "mask")
+        if mode not in _IS_MODES:
+            raise invalid("rollout_is_mode", mode, f"allowed values are {list(_IS_MODES)}")
+        if self.rollout_is_threshold_lower is not None:
+            if lower is not None:
+                raise invalid("rollout_is_threshold_lower", self.rollout_is_threshold_lower,
+                              "give the lower bound either here or in rollout_is_threshold='lo_hi', not both")
+            lower = as_float("rollout_is_threshold_lower", self.rollout_is_threshold_lower)
+            if not 0 <= lower <= upper:
+                raise invalid("rollout_is_threshold_lower", lower, f"must lie in [0, upper={upper}]")
+        elif mode == "truncate" and lower is not None:
+            raise invalid("rollout_is_mode", mode, "a 'lo_hi' threshold needs mode 'mask' (IcePop) or 'clip', "
+                          "not 'truncate'")
+        if mode in ("clip", "mask") and lower is None:
+            lower = 1.0 / upper
+        metric_lower = lower if lower is not None else 1.0 / upper
+        return threshold, ISSpec(level, mode, upper, lower, metric_lower, self.rollout_is_batch_normalize)
+
+    def _resolve_rs(self) -> tuple[Any, tuple[RSOption, ...]]:
+        """(the threshold as held: one shared value or one per option, the resolved options)."""
+        rs, spec, lower = self.rollout_rs, self.rollout_rs_threshold, self.rollout_rs_threshold_lower
+        if rs is not None and not isinstance(rs, str):
+            raise invalid("rollout_rs", rs, "expected a comma-separated string of options")
+        names = list(dict.fromkeys(p.strip() for p in (rs or "").split(",") if p.strip()))
+        allowed = sorted(RS_OPTIONS) + sorted(LEGACY_RS)
+        if rs is not None and not names:
+            raise invalid("rollout_rs", rs, "expected at least one option")
+        for n in names:
+            if n not in allowed:
+                hint = difflib.get_close_matches(n, allowed, n=1)
+                raise invalid("rollout_rs", rs, f"unknown option {n!r}" + (f" (did you mean {hint[0]!r}?)" if hint
+                                                                          else "") + f"; allowed: {allowed}")
+        if any(n in LEGACY_RS for n in names):
+            if len(names) > 1:
+                raise invalid("rollout_rs", rs, "the modes 'token'/'sequence'/'geometric' cannot be chained; "
+                              "chain the k1 options instead (e.g. 'token_k1,seq_mean_k3')")
+            return self._legacy_option(names[0])
+        if lower is not None:
+            raise invalid("rollout_rs_threshold_lower", lower, "the k1/k2/k3 options take their bounds from "
+                          "rollout_rs_threshold ('lo_hi' for k1)" if rs else
+                          "only meaningful with rollout_rs='token'|'sequence'|'geometric'")
+        if rs is None:
+            return _unchecked("rollout_rs_threshold", spec), ()
+        if spec is None:
+            raise MissingSettingError(invalid("rollout_rs_threshold", spec, f"required when rollout_rs={rs!r}"))
+        parts = threshold_parts(spec)
+        if len(parts) not in (1, len(names)):
+            raise invalid("rollout_rs_threshold", spec,
+                          f"give one threshold shared by all options or exactly {len(names)} (one per option)")
+        values, options = [], []
+        for name, raw in zip(names, parts * len(names) if len(parts) == 1 else parts):
+            (agg, est), key = RS_OPTIONS[name], f"rollout_rs_threshold[{name}]"
+            value = read_threshold(key, raw)
+            if est == "k1":  # ratio bounds lo ≤ ρ ≤ hi  ⇔  −log hi ≤ k1 ≤ −log lo; a single x: [1/x, x]
+                lo, hi = value if isinstance(value, Band) else (1 / value if value > 0 else 0.0, value)
+                if not 0 < lo <= hi:
+                    raise invalid(key, raw, "a single bound x means [1/x, x] and must be ≥ 1 and finite")
+                options.append(RSOption(name, agg, est, -math.log(hi), -math.log(lo)))
+            elif isinstance(value, Band):
+                raise invalid(key, raw, f"{name} takes a single upper bound, not 'lo_hi'")
+            elif not value > 0:
+                raise invalid(key, raw, "must be > 0")
+            else:
+                options.append(RSOption(name, agg, est, None, value))
+            values.append(value)
+        return (values[0] if len(parts) == 1 else tuple(values)), tuple(options)
+
+    def _legacy_option(self, mode: str) -> tuple[Optional[float], tuple[RSOption, ...]]:
+        """A first-generation mode: the ratio band [lower, upper] on ρ_t, ∏ρ_t or exp(mean log ρ_t)."""
+        given = self.rollout_rs_threshold
+        spec = self.rollout_is_threshold if given is None else given
+        if spec is None or isinstance(spec, tuple) or (isinstance(spec, str) and "_" in spec):
+            raise invalid("rollout_rs_threshold", given, f"rollout_rs={mode!r} needs a numeric upper ratio bound")
+        upper, lower = as_float("rollout_rs_threshold", spec), self.rollout_rs_threshold_lower
+        if not upper > 0:
+            raise invalid("rollout_rs_threshold", spec, "must be > 0")
+        lower = 1.0 / upper if lower is None else as_float("rollout_rs_threshold_lower", lower)
+        if not 0 <= lower <= upper:
+            raise invalid("rollout_rs_threshold_lower", lower, f"must lie in [0, upper={upper}]")
+        name = LEGACY_RS[mode]
+        option = RSOption(name, *RS_OPTIONS[name], -math.log(upper), -math.log(lower) if lower else math.inf,
+                          legacy=mode)
+        return (None if given is None else upper), (option,)
+
+    # ------------------------------------------------------------------ derived flags
+    @property
+    def uses_pure_is(self) -> bool:
+        """Bypass mode with the REINFORCE loss (first-generation ``use_pure_rollout_correction``)."""
+        return self.bypass_mode and self.loss_type == "reinforce"
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.is_spec is not None
+
+    @property
+    def rs_enabled(self) -> bool:
+        return bool(self.rs_options) or self.rollout_token_veto_threshold is not None
+
+
+def _unchecked(key: str, value: Any) -> Any:
+    """A threshold no setting uses: held as read when it reads, else as given (it is not checked)."""
+    try:
+        values = tuple(read_threshold(key, p) for p in threshold_parts(value))
+    except ConfigError:
+        return value  # None too
+    return values[0] if len(values) == 1 else values or value
+
+
+def as_config(value: Any) -> RolloutCorrectionConfig:
+    """The one way every entry point reads a config: ``None`` → the default (metrics only); a config
+    → itself; a string → that preset; a mapping, an OmegaConf node, a dataclass (verl's config class)
+    or an object with attributes → ``from_dict`` of its keys. Unknown keys and invalid values raise
+    :class:`ConfigError`; an unreadable type raises TypeError."""
+    if value is None:
+        return RolloutCorrectionConfig()
+    if isinstance(value, RolloutCorrectionConfig):
+        return value
+    if isinstance(value, str):
+        return RolloutCorrectionConfig.from_preset(value)
+    return RolloutCorrectionConfig.from_dict(settings_dict(value))
