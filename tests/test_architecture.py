@@ -4,8 +4,10 @@
   function runs later and cannot deadlock the loader, but the core has none of those either
   towards the surfaces).
 * The core never imports a product surface (adapters depend on the core, not the reverse).
-* A surface imports from the core only public names: names listed in the core module's
-  ``__all__`` (or the package's), never a name starting with ``_``, never a private module.
+* A surface imports from the core only names listed in the core module's ``__all__`` (or the
+  package's), never a name starting with ``_``, never a private module other than the package's
+  own internals, ``rollout_correction._src`` (whose ``__all__`` lists are the seams the surfaces
+  use; users import from ``rollout_correction`` and the documented submodules).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ _spec.loader.exec_module(A)
 
 
 def test_scanner_sees_the_package():
-    assert "rollout_correction.correction" in A.MODULES and "rollout_correction.compat.verl" in A.MODULES
+    assert "rollout_correction._src.correction" in A.MODULES and "rollout_correction.compat.verl" in A.MODULES
     g = A.graph()
-    assert "rollout_correction.metrics" in g["rollout_correction.correction"]
-    assert "rollout_correction._src.config" in g["rollout_correction.weights"]
+    assert "rollout_correction._src.metrics" in g["rollout_correction._src.correction"]
+    assert "rollout_correction._src.config" in g["rollout_correction._src.weights"]
 
 
 def test_cycle_finder_finds_a_planted_cycle():
@@ -66,7 +68,7 @@ def _private_core_imports() -> list[str]:
         if A.surface(target) is not None:
             continue  # within the surfaces
         where = f"{A.where(m)}:{line}"
-        if any(part.startswith("_") and part != "__init__" for part in target.split(".")):
+        if any(part.startswith("_") and part not in ("__init__", "_src") for part in target.split(".")):
             bad.append(f"{where} imports the private module {target}")
         elif name is not None and (name.startswith("_") or name not in A.public_names(target)):
             bad.append(f"{where} imports {target}.{name}, which is not in {target}.__all__")
@@ -91,8 +93,8 @@ def test_surfaces_do_not_import_each_other():
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from rollout_correction.weights import _div\n", "weights._div"),
-    ("from ..stats import SufficientStats\nfrom ..logratio import _sanitised\n", "logratio._sanitised"),
+    ("from rollout_correction._src.weights import _div\n", "weights._div"),
+    ("from .._src.stats import SufficientStats\nfrom .._src.logratio import _sanitised\n", "_src.logratio._sanitised"),
 ])
 def test_private_import_check_catches_a_planted_violation(tmp_path, monkeypatch, source, expected):
     # a module of the compat surface (relative imports resolve as for compat/verl.py)
@@ -142,8 +144,8 @@ def test_layer_check_catches_an_upward_import(monkeypatch):
     monkeypatch.setattr(A, "LAYERS", [("low", "", ["correction", "metrics"]), ("high", "", ["logratio"])]
                         + [(n, w, [x for x in mods if x not in ("correction", "metrics", "logratio")])
                            for n, w, mods in A.LAYERS])
-    assert A.layer_of("rollout_correction.metrics") == 0 and A.layer_of("rollout_correction.logratio") == 1
-    with pytest.raises(AssertionError, match="metrics.py:.*imports rollout_correction.logratio"):
+    assert A.layer_of("rollout_correction._src.metrics") == 0 and A.layer_of("rollout_correction._src.logratio") == 1
+    with pytest.raises(AssertionError, match="metrics.py:.*imports rollout_correction._src.logratio"):
         test_modules_import_only_from_lower_layers()
 
 

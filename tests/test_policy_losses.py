@@ -10,7 +10,7 @@ import torch
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
 from rollout_correction import ConfigError
-from rollout_correction.policy_losses import (cispo_loss, dppo_loss, gspo_loss, sequence_advantage, topr_loss,
+from rollout_correction._src.policy_losses import (cispo_loss, dppo_loss, gspo_loss, sequence_advantage, topr_loss,
                                               topr_weights)
 
 ln = math.log

@@ -1,11 +1,13 @@
-"""The README's reference block is generated from rollout_correction.reference and must match it."""
+"""The README's reference block is generated from tools/reference.py and must match it."""
 
 import re
+import sys
 from pathlib import Path
 
 from rollout_correction import RolloutCorrectionConfig
 from rollout_correction.cli import main
-from rollout_correction.reference import CONFIG_KEYS, render_markdown
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # the docs generator
+from reference import CONFIG_KEYS, render_markdown  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -14,7 +16,7 @@ def test_readme_reference_block_is_current():
     text = README.read_text(encoding="utf-8")
     block = text.split("<!-- reference:start -->", 1)[1].split("<!-- reference:end -->", 1)[0]
     expected = render_markdown().split("\n", 3)[3].strip()
-    assert block.strip() == expected, "run: python -m rollout_correction.reference --readme README.md"
+    assert block.strip() == expected, "run: python tools/reference.py --readme README.md"
 
 
 def test_every_config_key_is_documented_and_every_preset_listed():
@@ -36,10 +38,10 @@ CONFIG_PAGE = README.parent / "docs" / "config.md"
 
 
 def test_config_page_is_current():
-    from rollout_correction.reference import render_config_page
+    from reference import render_config_page
 
     assert CONFIG_PAGE.read_text(encoding="utf-8") == render_config_page(), \
-        "run: python -m rollout_correction.reference --config-md docs/config.md"
+        "run: python tools/reference.py --config-md docs/config.md"
 
 
 def test_config_page_lists_every_key_and_preset_with_its_call():
@@ -56,7 +58,7 @@ def test_config_page_lists_every_key_and_preset_with_its_call():
 
 
 def test_preset_loss_label_says_ppo_clip_alone_without_is_weights():
-    from rollout_correction.reference import preset_rows
+    from reference import preset_rows
 
     loss = {r[0]: r[4] for r in preset_rows()}
     assert loss["decoupled_token_is"] == "ppo_clip × IS"

@@ -15,10 +15,10 @@ from rollout_correction import (ConfigError, CorrectionAccumulator, RolloutCorre
                                 as_config, compute_rollout_correction)
 from rollout_correction import config_value
 from rollout_correction._src.presets import PRESETS
-from rollout_correction.logratio import LogRatioBatch, log_ratio_batch
-from rollout_correction.rejection import rejection_keep, rs_metrics, rs_option_metrics
-from rollout_correction.stats import SufficientStats
-from rollout_correction.weights import importance_weights
+from rollout_correction._src.logratio import LogRatioBatch, log_ratio_batch
+from rollout_correction._src.rejection import rejection_keep, rs_metrics, rs_option_metrics
+from rollout_correction._src.stats import SufficientStats
+from rollout_correction._src.weights import importance_weights
 
 C = RolloutCorrectionConfig
 

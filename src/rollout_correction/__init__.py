@@ -9,12 +9,12 @@ The public surface is small::
 
 from ._src.config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
 from ._src.config_io import config_value, settings_dict
-from .constants import METRIC_PREFIX, SAFETY_BOUND
-from .correction import CorrectionAccumulator, CorrectionOutput, compute_rollout_correction
-from .losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
-from .metrics import OffPolicyAccumulator, compute_offpolicy_metrics, metrics_to_floats
-from .packed import compute_rollout_correction_packed
-from .validation import ShapeMismatchError
+from ._src.constants import METRIC_PREFIX, SAFETY_BOUND
+from ._src.correction import CorrectionAccumulator, CorrectionOutput, compute_rollout_correction
+from ._src.losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
+from ._src.metrics import OffPolicyAccumulator, compute_offpolicy_metrics, metrics_to_floats
+from ._src.packed import compute_rollout_correction_packed
+from ._src.validation import ShapeMismatchError
 
 __version__ = "0.1.0"
 

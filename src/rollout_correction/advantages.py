@@ -32,7 +32,7 @@ from typing import Literal, NamedTuple, Optional, Union
 
 import torch
 
-from .constants import METRIC_PREFIX
+from ._src.constants import METRIC_PREFIX
 
 __all__ = ["GroupAdvantages", "accepted_rows", "group_advantages", "grpo_advantages", "rloo_advantages"]
 

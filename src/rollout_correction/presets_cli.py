@@ -4,7 +4,36 @@ from __future__ import annotations
 
 import argparse
 
-from .reference import PRESET_HEADER, preset_rows
+from ._src.config import RolloutCorrectionConfig
+
+
+#: Columns of :func:`preset_rows`.
+PRESET_HEADER = ("preset", "mode", "IS weights", "rejection", "loss")
+
+
+def preset_rows() -> list[tuple[str, str, str, str, str]]:
+    """(name, mode, IS, RS, loss) for every preset, built from the preset table."""
+    rows = []
+    for name in RolloutCorrectionConfig.preset_names():
+        c = RolloutCorrectionConfig.from_preset(name)
+        keys = c.to_dict()  # bands as "lo_hi"
+        mode = "bypass" if c.bypass_mode else "decoupled"
+        is_ = "—" if c.rollout_is is None else f"{c.rollout_is} {keys['rollout_is_threshold']}"
+        rs = "—" if c.rollout_rs is None else f"{c.rollout_rs} {keys['rollout_rs_threshold']}"
+        if c.rollout_rs_threshold_lower is not None:
+            rs += f" (lower {c.rollout_rs_threshold_lower})"
+        if c.rollout_token_veto_threshold is not None:
+            rs += f" + veto {c.rollout_token_veto_threshold:g}"
+        if c.bypass_mode:
+            loss = c.loss_type
+        else:  # decoupled: the policy loss, multiplied by the IS weights when there are any
+            loss = f"{c.loss_type} × IS" if c.is_enabled else c.loss_type
+        if c.rollout_opsm_delta is not None:
+            loss += f" + OPSM δ={c.rollout_opsm_delta:g}"
+        if c.rollout_m2po_threshold is not None:
+            rs = ("" if rs == "—" else rs + " + ") + f"M2PO τ={c.rollout_m2po_threshold:g}"
+        rows.append((name, mode, is_, rs, loss))
+    return rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,10 +34,10 @@ from typing import Literal, Optional, Union
 import torch
 
 from ._src.config import RolloutCorrectionConfig, as_config
-from .constants import METRIC_PREFIX
-from .correction import compute_rollout_correction
-from .losses import compute_policy_loss
-from .metrics import compute_offpolicy_metrics
+from ._src.constants import METRIC_PREFIX
+from ._src.correction import compute_rollout_correction
+from ._src.losses import compute_policy_loss
+from ._src.metrics import compute_offpolicy_metrics
 
 __all__ = ["staleness_lag", "max_staleness_mask", "staleness_metrics", "proximal_log_prob_from_versions",
            "compute_staleness_policy_loss"]

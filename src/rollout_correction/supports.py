@@ -44,7 +44,7 @@ from typing import Literal, NamedTuple, Optional, Union
 
 import torch
 
-from .constants import METRIC_PREFIX
+from ._src.constants import METRIC_PREFIX
 
 __all__ = [
     "SupportLogProbs",

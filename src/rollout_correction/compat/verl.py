@@ -37,15 +37,15 @@ import torch
 
 from .. import ConfigError, RolloutCorrectionConfig, as_config
 from .. import config_value as _get
-from ..constants import METRIC_PREFIX as PREFIX
-from ..constants import SAFETY_BOUND
-from ..correction import compute_rollout_correction
-from ..logratio import LogRatioBatch
-from ..metrics import compute_offpolicy_metrics as _offpolicy_metrics
-from ..metrics import metrics_to_floats
-from ..rejection import RS_OPTIONS, RSOption, option_keep, rejection_keep, rs_metrics, rs_option_metrics
-from ..stats import SufficientStats
-from ..weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
+from .._src.constants import METRIC_PREFIX as PREFIX
+from .._src.constants import SAFETY_BOUND
+from .._src.correction import compute_rollout_correction
+from .._src.logratio import LogRatioBatch
+from .._src.metrics import compute_offpolicy_metrics as _offpolicy_metrics
+from .._src.metrics import metrics_to_floats
+from .._src.rejection import RS_OPTIONS, RSOption, option_keep, rejection_keep, rs_metrics, rs_option_metrics
+from .._src.stats import SufficientStats
+from .._src.weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
 __all__ = [
     "ConfigBlockError",
@@ -340,7 +340,7 @@ def compute_offpolicy_metrics(
     """Off-policy diagnostics without prefix: ``training_ppl``, ``training_log_ppl`` and, with
     rollout log-probs, ``kl``, ``k3_kl``, ``rollout_ppl``, ``rollout_log_ppl``, ``log_ppl_diff``,
     ``log_ppl_abs_diff``, ``log_ppl_diff_max``, ``log_ppl_diff_min``, ``ppl_ratio``,
-    ``chi2_token``, ``chi2_seq`` (see :mod:`rollout_correction.metrics` for the formulas)."""
+    ``chi2_token``, ``chi2_seq`` (see :mod:`rollout_correction._src.metrics` for the formulas)."""
     if rollout_log_prob is None:
         metrics = _unprefix(metrics_to_floats(_offpolicy_metrics(old_log_prob, old_log_prob, response_mask)))
         return {k: metrics[k] for k in ("training_ppl", "training_log_ppl")}

@@ -59,7 +59,7 @@ Context parallelism (``--context-parallel-size`` > 1): slime passes each rank's 
 log-probs (the response positions whose logits fall in the rank's two zig-zag chunks, see
 :func:`cp_response_ranges`) with full-length loss masks. The function then reduces every
 per-sample quantity over Megatron's context-parallel group with one all-gather of a few scalars
-per sample (see :mod:`rollout_correction.sequence_group`), so weights, masks and metrics are
+per sample (see :mod:`rollout_correction._src.sequence_group`), so weights, masks and metrics are
 those of the whole responses; ``pg_loss`` and the metrics cover this rank's tokens, the returned
 loss masks are full length, exact on this rank's positions (the ones slime's reducer reads) and
 carrying the sample-level decisions elsewhere.
@@ -74,9 +74,9 @@ import torch
 
 from rollout_correction import METRIC_PREFIX, RolloutCorrectionConfig
 from rollout_correction import config_value
-from rollout_correction.constants import SAFETY_BOUND
-from rollout_correction.correction import correction_pass
-from rollout_correction.sequence_group import RowExchange
+from rollout_correction._src.constants import SAFETY_BOUND
+from rollout_correction._src.correction import correction_pass
+from rollout_correction._src.sequence_group import RowExchange
 
 __all__ = ["SlimeOptions", "options_from_args", "config_from_slime_args", "tis_function"]
 

@@ -53,7 +53,7 @@ from rollout_correction import (METRIC_PREFIX, RolloutCorrectionConfig, as_confi
 from rollout_correction import config_value as _get
 from rollout_correction import settings_dict
 from rollout_correction.advantages import group_advantages
-from rollout_correction.metrics import metrics_to_floats
+from rollout_correction._src.metrics import metrics_to_floats
 
 __all__ = [
     "LOSS_NAME",

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ._src.config import ISSpec
+from .config import ISSpec
 from .constants import SAFETY_BOUND
 from .logratio import LogRatioBatch
 from .stats import SufficientStats, Value, clamp, exp, safe_div, seq_summary, sqrt0, where

@@ -11,9 +11,9 @@ c > 1 the dual-clip constant, w_t the (detached) IS weight.
 * bypass REINFORCE (pure IS): ℓ_t = −sg(w_t) · A_t · log π_θ(y_t), w = π_θ/π_rollout bounded as
   configured; with untruncated sequence weights its gradient is the on-policy gradient E_π[A ∇log π]
 * ``loss_type`` gspo / cispo / dppo_tv / dppo_kl / topr: the per-token losses of
-  :mod:`rollout_correction.policy_losses`, against π_prox as above, with the same weights, masks
+  :mod:`rollout_correction._src.policy_losses`, against π_prox as above, with the same weights, masks
   and aggregation modes
-* off-policy sequence masking (``rollout_opsm_delta``, :mod:`rollout_correction.opsm`) removes
+* off-policy sequence masking (``rollout_opsm_delta``, :mod:`rollout_correction._src.opsm`) removes
   whole sequences from the mask before aggregation (it needs the advantages, so it lives here)
 
 Values at masked or rejected positions never reach the loss (they are replaced with ``where``,
@@ -29,7 +29,7 @@ from typing import Literal, Optional, Union, get_args
 
 import torch
 
-from ._src.config import RolloutCorrectionConfig, as_config
+from .config import RolloutCorrectionConfig, as_config
 from .constants import SAFETY_BOUND
 from .correction import compute_rollout_correction, correction_pass
 from .metrics import Metrics, prefixed

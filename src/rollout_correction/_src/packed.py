@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ._src.config import RolloutCorrectionConfig
+from .config import RolloutCorrectionConfig
 from .correction import CorrectionOutput, compute_rollout_correction
 
 __all__ = ["lengths_from_cu_seqlens", "pack_index", "to_padded", "from_padded",

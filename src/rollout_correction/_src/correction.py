@@ -17,7 +17,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .alignment import MisalignmentWarning, alignment_report, alignment_statistics
-from ._src.config import RolloutCorrectionConfig, as_config
+from .config import RolloutCorrectionConfig, as_config
 from .logratio import LogRatioBatch, log_ratio_batch
 from .m2po import m2po_keep, second_moment
 from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
@@ -40,7 +40,7 @@ class CorrectionOutput:
     weights: (B, T) float32 IS weights (detached, 0 at padding and at rows dropped for
         non-finite input), or None when ``rollout_is`` is None.
     response_mask: (B, T) input mask with rejected tokens set to 0, same dtype as the input.
-    metrics: ``rollout_corr/<name>`` → 0-d tensor; a :class:`~rollout_correction.metrics.Metrics`
+    metrics: ``rollout_corr/<name>`` → 0-d tensor; a :class:`~rollout_correction._src.metrics.Metrics`
         mapping that derives the tensors on first access (on the device, without a sync).
     """
 
@@ -144,7 +144,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
 
     In the collect pass the outputs are placeholders; in the replay pass they are final (the
     statistics are then reduced over ``process_group``, counted on the ranks ``owner`` selects,
-    see :func:`~rollout_correction.sequence_group.stats_owner`).
+    see :func:`~rollout_correction._src.sequence_group.stats_owner`).
     """
     if config.check_alignment:
         raise ValueError("check_alignment compares adjacent tokens and cannot run on sequences split across "
@@ -244,7 +244,7 @@ def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
 
 def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Value]:
     """Every metric of ``config`` from reduced statistics (unprefixed names): 0-d tensors from a
-    :class:`SufficientStats`, Python floats from a :class:`~rollout_correction.stats.HostStats`."""
+    :class:`SufficientStats`, Python floats from a :class:`~rollout_correction._src.stats.HostStats`."""
     m: dict[str, Value] = {}
     if config.is_spec is not None:
         m.update(is_metrics(stats, config.is_spec))
@@ -271,9 +271,9 @@ def compute_rollout_correction(
     """IS weights, rejection-adjusted response mask and diagnostics for one batch.
 
     log ρ_t = old_log_prob − rollout_log_prob on valid tokens. Weights follow
-    ``config.rollout_is`` / ``rollout_is_threshold`` (see :mod:`rollout_correction.weights`),
-    rejection follows ``rollout_rs`` and the veto (see :mod:`rollout_correction.rejection`), then
-    M2PO (``rollout_m2po_threshold``, :mod:`rollout_correction.m2po`) masks among the tokens
+    ``config.rollout_is`` / ``rollout_is_threshold`` (see :mod:`rollout_correction._src.weights`),
+    rejection follows ``rollout_rs`` and the veto (see :mod:`rollout_correction._src.rejection`), then
+    M2PO (``rollout_m2po_threshold``, :mod:`rollout_correction._src.m2po`) masks among the tokens
     they keep — batch-global over ``process_group`` (32 small all-reduces).
 
     Args:

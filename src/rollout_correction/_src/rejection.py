@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ._src.config import RS_OPTIONS, RSOption
+from .config import RS_OPTIONS, RSOption
 from .logratio import LogRatioBatch
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 

@@ -120,7 +120,7 @@ class Metrics(MutableMapping):
     @classmethod
     def derived(cls, stats: SufficientStats, derive: Callable, prefix: str = METRIC_PREFIX) -> "Metrics":
         """Metrics ``prefix + name`` → ``derive(stats)[name]``; ``derive`` must work on
-        :class:`SufficientStats` and on :class:`HostStats` alike (see :mod:`rollout_correction.stats`)."""
+        :class:`SufficientStats` and on :class:`HostStats` alike (see :mod:`rollout_correction._src.stats`)."""
         out = cls()
         out.add_derived(stats, derive, prefix)
         return out

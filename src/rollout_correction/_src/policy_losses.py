@@ -2,7 +2,7 @@
 
 Each function takes (B, T) log-probs and advantages that are already 0 at invalid positions and
 returns the per-token loss ℓ_t (to be multiplied by the IS weight w_t and aggregated with
-:func:`rollout_correction.losses.agg_loss` over the rejection-adjusted mask) plus the indicator
+:func:`rollout_correction._src.losses.agg_loss` over the rejection-adjusted mask) plus the indicator
 the ``actor/pg_clipfrac`` metric counts. Notation: log r_t = log π_θ(y_t) − log π_prox(y_t)
 (π_prox is π_old in decoupled mode, π_rollout in bypass mode), clamped to ±20 before ``exp``;
 A_t the advantage; ε_lo / ε_hi the clip range (for DPPO: the divergence bounds δ_lo / δ_hi);
