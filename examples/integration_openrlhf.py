@@ -1,14 +1,13 @@
-"""OpenRLHF: swap the correction step of ``PolicyLoss`` for this library's.
+"""OpenRLHF: swap the correction step of ``PolicyLoss`` for this library's, without editing OpenRLHF.
 
-In OpenRLHF's ``openrlhf/trainer/ray/ppo_actor.py`` make the two edits of docs/integrations.md::
+Start training with this library's launcher instead of OpenRLHF's, on the same command line
+(docs/integrations.md)::
 
-    # ActorPPOTrainer.__init__: replaces `self.actor_loss_fn = PolicyLoss(...)`
-    from rollout_correction.integrations.openrlhf import RolloutCorrectionPolicyLoss
-    self.actor_loss_fn = RolloutCorrectionPolicyLoss.from_args(self.args)
-    # PolicyModelActor.append: replaces `self.trainer.replay_buffer.append(experience)`
-    self.trainer.replay_buffer.append(self.trainer.actor_loss_fn.prepare_experience(experience))
+    python -m rollout_correction.integrations.openrlhf.train_ppo_ray <your OpenRLHF flags> ...
 
-and keep the CLI flags (OpenRLHF 0.10.4 – 0.11.1: ``--algo.advantage.is_correction_enable
+It runs OpenRLHF's own ``train_ppo_ray`` with a subclass of OpenRLHF's ``PolicyModelActor`` whose
+trainer uses ``RolloutCorrectionPolicyLoss.from_args(args)`` and whose ``append`` passes each
+experience through the loss's ``prepare_experience``. Keep the CLI flags (OpenRLHF 0.10.4 – 0.11.1: ``--algo.advantage.is_correction_enable
 --algo.advantage.is_correction_type seq-mask-tis --algo.advantage.is_correction_threshold 0.5 5.0``;
 OpenRLHF 0.11.2: ``--algo.advantage.is_correction_level seq --algo.advantage.is_correction_mode mask
 --algo.advantage.is_correction_threshold 0.5 5.0``). This script parses that command line with the
@@ -125,7 +124,7 @@ def main() -> None:
     old[3] = rollout[3] - 3.0
     advantages = torch.randn(B, 1).expand(B, T).clone()
     mask = torch.ones(B, T, dtype=torch.bool)
-    # What PolicyModelActor.append hands the replay buffer after the second edit.
+    # What the launcher's PolicyModelActor subclass hands the replay buffer in append.
     experience = SimpleNamespace(action_mask=mask.clone(), action_log_probs=old, rollout_log_probs=rollout,
                                  advantages=advantages.clone(), info={})
     ours.prepare_experience(experience)

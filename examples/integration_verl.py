@@ -1,16 +1,19 @@
-"""verl 0.9.1: verl's correction step, policy loss and GRPO estimator from this library.
+"""verl 0.9.1: this library's correction step, policy loss and GRPO estimator inside verl.
 
-Installed, the package is imported by ``import verl`` in every process (its ``verl.plugins``
-entry point); the run's config then decides (docs/integrations.md, verl recipe)::
+Installed, the package registers two names in verl's registries in every verl process (its
+``verl.plugins`` entry point) and changes nothing else. The run is started through this library's
+entry point, with verl's own overrides (docs/integrations.md, verl recipe)::
 
-    +algorithm.rollout_correction.backend=rollout_correction
-    actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction      # optional
-    algorithm.adv_estimator=grpo_accepted                                 # optional
+    python -m rollout_correction.integrations.verl.main_ppo ... \
+        algorithm.rollout_correction.rollout_is=token ... \
+        actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction \
+        algorithm.adv_estimator=grpo_accepted
 
-This script applies those lines to verl's own default trainer YAML and runs, on one synthetic
-batch, what a training step calls: verl's own ``rollout_corr_helper`` entry (now switched by the
-config, with the ``rollout_corr/backend/rollout_correction`` metric), the GRPO advantage over
-accepted rows, and the registered policy loss, next to verl's own functions.
+This script composes that config with the entry point's Hydra config (verl's ``ppo_trainer.yaml``),
+asks the entry point which TaskRunner it would hand verl, and runs, on one synthetic batch, what a
+training step calls: the correction step of the V1 trainer subclass (with the
+``rollout_corr/backend/rollout_correction`` metric), the GRPO advantage over accepted rows, and the
+registered policy loss, next to verl's own functions.
 
     pip install verl==0.9.1               # with its dependencies (ray, ...)
     python examples/integration_verl.py
@@ -18,30 +21,29 @@ accepted rows, and the registered policy loss, next to verl's own functions.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 
 def main() -> None:
-    import verl
     from verl import DataProto
     from verl.trainer.ppo import core_algos
 
     from rollout_correction.integrations import verl as rc_verl  # registers the loss and estimator
 
+    from rollout_correction.integrations.verl import main_ppo
+    from rollout_correction.integrations.verl.trainer import trainer_class
+
     torch.manual_seed(0)
-    config = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__),
-                                         "trainer/config/_generated_ppo_trainer.yaml"))
-    config.algorithm.adv_estimator = "grpo"
-    config.algorithm.rollout_correction = OmegaConf.create({  # verl's block, unchanged
-        "rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k3",
-        "rollout_rs_threshold": 0.01, "bypass_mode": False, "loss_type": "ppo_clip",
-        "rollout_is_batch_normalize": False, "backend": rc_verl.BACKEND_NAME})
-    config.actor_rollout_ref.actor.policy_loss.loss_mode = rc_verl.LOSS_NAME
-    config.algorithm.adv_estimator = rc_verl.ADV_ESTIMATOR_NAME
+    config = main_ppo.compose([  # the command's overrides; verl's block keys, unchanged
+        "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0",
+        "algorithm.rollout_correction.rollout_rs=seq_mean_k3", "algorithm.rollout_correction.rollout_rs_threshold=0.01",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={rc_verl.LOSS_NAME}",
+        f"algorithm.adv_estimator={rc_verl.ADV_ESTIMATOR_NAME}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])  # every run sets it; the YAML has null
+    runner = main_ppo.task_runner_class(config)  # what the entry point hands verl's run_ppo
+    print("TaskRunner:", runner.__ray_actor_class__.__name__, "- trainer:",
+          trainer_class(config.trainer.v1.trainer_mode).__name__)
     print("actor.policy_loss.loss_mode:", config.actor_rollout_ref.actor.policy_loss.loss_mode)
     print("algorithm.adv_estimator:    ", config.algorithm.adv_estimator)
 
@@ -56,10 +58,9 @@ def main() -> None:
                                          "response_mask": torch.ones(B, T), "token_level_rewards": rewards},
                                 non_tensors={"uid": np.array([f"p{i // 4}" for i in range(B)], dtype=object)})
 
-    from verl.trainer.ppo import rollout_corr_helper  # where verl's trainers look the step up
-
-    batch, metrics = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(
-        batch, config.algorithm.rollout_correction)
+    trainer = object.__new__(trainer_class(config.trainer.v1.trainer_mode))  # its __init__ builds workers
+    trainer.config = config
+    batch, metrics = trainer.rollout_correction_step(batch)  # what its _compute_advantage calls
     print(rc_verl.BACKEND_METRIC, "=", metrics.get(rc_verl.BACKEND_METRIC))
     print("rejected rows:", (batch.batch["response_mask"].sum(-1) == 0).nonzero().flatten().tolist(),
           " rollout_corr/kl = %.4f" % metrics["rollout_corr/kl"])
@@ -75,7 +76,6 @@ def main() -> None:
     # the config object verl's actor worker builds from its section (verl/workers/engine_workers.py)
     from verl.utils.config import omega_conf_to_dataclass
 
-    config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 2  # every run sets it; the YAML has null
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     log_prob = (old + 0.1 * torch.randn(B, T)).requires_grad_(True)
     args = (old, log_prob, adv, batch.batch["response_mask"], "token-mean", actor, batch.batch["rollout_is_weights"])

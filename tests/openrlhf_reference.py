@@ -12,8 +12,7 @@ files on the tested path are executed unmodified from the release:
   that splits and re-collates experiences), ``utils/loss_utils.py`` (where ``batch_num_tokens`` /
   ``global_batch_size`` are counted), ``utils/config.py``, ``utils/utils.py``, ``utils/logging_utils.py``;
 * ``trainer/ray/ppo_actor.py`` (``ActorPPOTrainer.__init__``, ``ppo_train``, ``training_step``,
-  ``PolicyModelActor.append``), with the edits of docs/integrations.md applied to its source text
-  (:func:`load_ppo_actor` ``edits=``).
+  ``PolicyModelActor.append``), unedited (the recipe subclasses ``PolicyModelActor``).
 
 Stand-ins, only for what the tested path imports but never runs, or runs only for hardware:
 the package ``__init__`` files (they import every trainer, DeepSpeed and vLLM) are replaced by
@@ -183,20 +182,15 @@ def parse_cli(argv: list[str], root: Path | None = None):
 
 
 @contextmanager
-def ppo_actor(root: Path | None = None, edits: list[tuple[str, str]] = ()):
-    """OpenRLHF's ``ppo_actor`` module (and the real modules it uses) after the given source edits,
-    with the bare packages and stand-ins in ``sys.modules`` for the duration of the ``with`` block
+def ppo_actor(root: Path | None = None):
+    """OpenRLHF's ``ppo_actor`` module (and the real modules it uses), unedited, with the bare
+    packages and stand-ins in ``sys.modules`` for the duration of the ``with`` block
     (``from openrlhf.models import PolicyLoss`` inside it gives the release's real class).
-
-    Each edit is (the OpenRLHF statement, its replacement); the statement is located by its exact
-    text (whitespace-insensitive, so a multi-line call matches) and must occur exactly once.
     Returns a namespace with ``ppo_actor``, ``loss``, ``experience``, ``replay_buffer`` and ``loss_utils``.
     """
     root = root or installed_root()
     path = root / "trainer" / "ray" / "ppo_actor.py"
     source = path.read_text()
-    for statement, replacement in edits:
-        source = _replace_statement(source, statement, replacement)
     with _openrlhf_modules(root):
         loss = _import("openrlhf.models.loss")
         models = sys.modules["openrlhf.models"]
@@ -213,27 +207,6 @@ def ppo_actor(root: Path | None = None, edits: list[tuple[str, str]] = ()):
             ppo_actor=module, loss=loss, experience=_import("openrlhf.trainer.ppo_utils.experience"),
             replay_buffer=replay_buffer, loss_utils=_import("openrlhf.utils.loss_utils"), root=root,
         )
-
-
-def _replace_statement(source: str, statement: str, replacement: str) -> str:
-    """Replace the one statement of ``source`` whose code equals ``statement`` (``f(...)``: any
-    arguments), keeping its indentation."""
-    statement = statement.strip()
-    if statement.endswith("(...)"):  # a call whose arguments are left out: match on what precedes them
-        target = statement[: -len("...)")]
-        matches = lambda code: code.startswith(target)  # noqa: E731
-    else:
-        target = ast.unparse(ast.parse(statement))
-        matches = lambda code: code == target  # noqa: E731
-    lines = source.splitlines(keepends=True)
-    hits = [node for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.stmt) and not isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.If))
-            and matches(ast.unparse(node))]
-    assert len(hits) == 1, f"expected one `{target}` in ppo_actor.py, found {len(hits)}"
-    node = hits[0]
-    indent = lines[node.lineno - 1][: node.col_offset]
-    new = "".join(indent + line + "\n" for line in replacement.strip().splitlines())
-    return "".join(lines[: node.lineno - 1]) + new + "".join(lines[node.end_lineno:])
 
 
 def policy_loss_class(root: Path | None = None):

@@ -21,9 +21,8 @@ VERL = load_verl_rollout_corr_helper()
 
 
 def _verl(name):
-    """verl's own function (where the plugin's dispatcher sits in front of it, the one behind it)."""
-    fn = getattr(VERL, name)
-    return getattr(fn, "verl_original", fn)
+    """verl's own function (installing this library leaves it in place)."""
+    return getattr(VERL, name)
 
 
 B, T = 4, 5

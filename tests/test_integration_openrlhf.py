@@ -4,7 +4,7 @@ the option mapping of 0.11.2 is also checked here, its actor in tests/test_integ
 ``PolicyLoss`` is loaded unmodified from the installed release by tests/openrlhf_reference.py,
 which says what it stands in for (heavy imports the loss never runs: DeepSpeed, Ray, vLLM, the
 package ``__init__`` files) and why. Args come from OpenRLHF's own CLI parser. The actor-level
-tests (the recipe's edits in ``ppo_actor.py``, the denominators OpenRLHF counts) are in
+tests (the recipe's launcher and actor subclass over the unedited ``ppo_actor.py``, the denominators OpenRLHF counts) are in
 tests/test_integration_openrlhf_actor.py.
 """
 

@@ -1,13 +1,18 @@
 """The OpenRLHF recipe of docs/integrations.md, run through OpenRLHF's own code.
 
 Args come from OpenRLHF's CLI parser (``train_ppo_ray``'s argparse block + ``hierarchize`` and its
-validation, with its defaults); ``trainer/ray/ppo_actor.py`` is loaded from the installed release
-with the two documented edits applied to its source text, and its real ``ppo_train`` runs: the
+validation, with its defaults); the documented command is run by this library's launcher, which
+executes OpenRLHF's ``train_ppo_ray`` module as ``__main__`` up to the creation of the policy actor
+group (the class it hands Ray is checked); ``trainer/ray/ppo_actor.py`` is loaded from the release,
+unedited, the recipe's actor is this library's subclass of its ``PolicyModelActor``
+(``init_model_from_pretrained`` then ``append``), and OpenRLHF's real ``ppo_train`` runs: the
 replay buffer splits and re-collates experiences, ``iter_grad_accum_global_norm`` counts
 ``batch_num_tokens`` / ``global_batch_size`` per optimizer step, and ``training_step`` makes the
 loss call. What is stood in and why: tests/openrlhf_reference.py (heavy imports the numerics never
 touch), plus here a tiny policy in place of the transformer, a CPU stand-in for the DeepSpeed
-engine (:class:`CpuStrategy`) and ``torch.cuda.current_device`` (no GPU in CI).
+engine (:class:`CpuStrategy`), the model building inside OpenRLHF's ``init_model_from_pretrained``
+(the trainer is built as that method's last statement builds it, with the tiny policy) and
+``torch.cuda.current_device`` (no GPU in CI).
 
 The gradient of every optimizer step is compared with a loss written independently here over the
 accepted tokens only, on a batch where some tokens and whole sequences are rejected.
@@ -16,6 +21,7 @@ accepted tokens only, on a batch where some tokens and whole sequences are rejec
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import re
@@ -27,6 +33,8 @@ import pytest
 import torch
 
 import openrlhf_reference as ref
+from rollout_correction.integrations.openrlhf import train_ppo_ray as launcher
+from rollout_correction.integrations.openrlhf.actor import RolloutCorrectionActorMixin, policy_model_actor
 from rollout_correction.integrations.openrlhf import (
     ACTIVE_METRIC,
     PLACEHOLDER_METRIC,
@@ -40,14 +48,14 @@ torch.set_num_threads(1)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
 
-# The two edits of docs/integrations.md (OpenRLHF, step 2), as (OpenRLHF's statement, replacement).
-LOSS_STATEMENT = "self.actor_loss_fn = PolicyLoss(...)"
-LOSS_REPLACEMENT = """\
-from rollout_correction.integrations.openrlhf import RolloutCorrectionPolicyLoss
-self.actor_loss_fn = RolloutCorrectionPolicyLoss.from_args(self.args)"""
-APPEND_STATEMENT = "self.trainer.replay_buffer.append(experience)"
-APPEND_REPLACEMENT = "self.trainer.replay_buffer.append(self.trainer.actor_loss_fn.prepare_experience(experience))"
-RECIPE = [(LOSS_STATEMENT, LOSS_REPLACEMENT), (APPEND_STATEMENT, APPEND_REPLACEMENT)]
+# The recipe's actor (docs/integrations.md, OpenRLHF step 2: the launcher's subclass of OpenRLHF's
+# PolicyModelActor); with a config of this library, what --rollout_correction.config gives it.
+RECIPE = {"config": None}
+OPENRLHF = None  # OpenRLHF's own actor and loss
+
+
+def _recipe(config):
+    return {"config": config}
 
 # The recipe's command-line flags (step 3), on a GRPO command line.
 CLI = ["--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--algo.advantage.estimator", "group_norm",
@@ -165,27 +173,46 @@ def _experiences(ns, batch, per=4):
     return out
 
 
-def _train(root, edits, args, batch, monkeypatch, gas=1, part=None):
-    """OpenRLHF's actor after ``edits``: build the trainer, append the experiences through
-    ``PolicyModelActor.append``, run ``ppo_train``. Returns (trainer, status, per-step gradients,
-    the samples of each optimizer step)."""
-    with ref.ppo_actor(root, edits) as ns:
-        return _train_in(ns, args, batch, monkeypatch, gas, part)
+def _train(root, recipe, args, batch, monkeypatch, gas=1, part=None):
+    """OpenRLHF's actor (``recipe`` None) or the recipe's (``recipe``: ``{"config": ...}``): build the
+    trainer through ``init_model_from_pretrained``, append the experiences through the actor's
+    ``append``, run ``ppo_train``. Returns (trainer, status, per-step gradients, the samples of each
+    optimizer step)."""
+    with ref.ppo_actor(root) as ns:
+        return _train_in(ns, recipe, args, batch, monkeypatch, gas, part)
 
 
-def _train_in(ns, args, batch, monkeypatch, gas, part):
+def _actor_class(ns, policy, optim, sched):
+    """OpenRLHF's PolicyModelActor with its model building stood in: ``init_model_from_pretrained``
+    builds the trainer as OpenRLHF's method does in its last statement, on the tiny policy (the rest
+    of that method loads a transformer with DeepSpeed)."""
+    # with Ray installed, @ray.remote made PolicyModelActor an actor handle class; its original
+    # class (whose append the test calls) is __ray_actor_class__
+    openrlhf_actor = getattr(ns.ppo_actor.PolicyModelActor, "__ray_actor_class__", ns.ppo_actor.PolicyModelActor)
+    trainer_cls = ns.ppo_actor.ActorPPOTrainer
+
+    class Built(openrlhf_actor):
+        def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+            args = strategy.args
+            self.trainer = trainer_cls(strategy, policy, None, optim, sched,
+                                       micro_train_batch_size=args.train.micro_batch_size, dataloader_pin_memory=False)
+
+    return Built
+
+
+def _train_in(ns, recipe, args, batch, monkeypatch, gas, part):
     policy = TinyPolicy()
     optim = torch.optim.SGD(policy.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0)
     strategy = CpuStrategy(args, gas)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the replay buffer names a CUDA device
-    trainer = ns.ppo_actor.ActorPPOTrainer(strategy, policy, None, optim, sched, micro_train_batch_size=args.train.micro_batch_size,
-                                           dataloader_pin_memory=False)
-    # with Ray installed, @ray.remote made PolicyModelActor an actor handle class; its original
-    # class (whose append the test calls) is __ray_actor_class__
-    actor_cls = getattr(ns.ppo_actor.PolicyModelActor, "__ray_actor_class__", ns.ppo_actor.PolicyModelActor)
+    openrlhf_actor = _actor_class(ns, policy, optim, sched)
+    actor_cls = openrlhf_actor if recipe is None else policy_model_actor(openrlhf_actor, recipe["config"])
     actor = object.__new__(actor_cls)
-    actor.trainer = trainer
+    actor.init_model_from_pretrained(strategy, "tiny-policy")
+    trainer = actor.trainer
+    if recipe is not None:
+        assert isinstance(trainer.actor_loss_fn, RolloutCorrectionPolicyLoss)
     experiences = _experiences(ns, batch)
     for exp in experiences if part is None else experiences[part:part + 1]:  # part: this DP rank's share
         actor.append(exp)
@@ -233,13 +260,95 @@ def root(request):
     return ROOTS[request.param]
 
 
-def test_recipe_edits_and_flags_are_the_documented_ones():
+def _documented_command():
+    """The module and the arguments of the OpenRLHF section's step-2 command, read from the docs."""
+    import re
+
     text = DOCS.read_text()
     section = text[text.index("## OpenRLHF"):]
     section = section[: section.index("\n## ", 1)]
-    for snippet in (LOSS_REPLACEMENT, APPEND_REPLACEMENT, APPEND_STATEMENT, "self.actor_loss_fn = PolicyLoss(",
-                    " ".join(FLAGS), " ".join(FLAGS_0112), "pip install 'rollout-correction[openrlhf]'", ACTIVE_METRIC):
+    start = section.index("**2. Start training through this library's launcher.**")
+    block = re.search(r"```bash\n(.*?)```", section[start:], flags=re.S).group(1)
+    words = block.replace("\\\n", " ").split()
+    assert words[:2] == ["python", "-m"], words[:3]
+    return words[2], words[3:]
+
+
+def test_the_documented_flags_and_install_line():
+    text = DOCS.read_text()
+    section = text[text.index("## OpenRLHF"):]
+    section = section[: section.index("\n## ", 1)]
+    for snippet in (" ".join(FLAGS), " ".join(FLAGS_0112), "pip install 'rollout-correction[openrlhf]'", ACTIVE_METRIC,
+                    launcher.CONFIG_OPTION):
         assert snippet in section, snippet
+    module, argv = _documented_command()
+    assert module == launcher.__name__ and "..." in argv and " ".join(FLAGS) in " ".join(argv)
+
+
+class _ActorGroupCreated(Exception):
+    """Raised by the stand-in RayActorGroup: OpenRLHF's train() got as far as creating the actors."""
+
+
+def _launcher_stand_ins(monkeypatch, seen):
+    """What OpenRLHF's train_ppo_ray imports besides ppo_actor, up to the first RayActorGroup (the
+    policy actors): no Ray cluster is started, the actor group records its class and stops."""
+    import sys
+    import types
+
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # OpenRLHF's train() then skips ray.init
+
+    def actor_group(num_nodes, num_gpus_per_node, ray_actor_type, **kwargs):
+        seen["actor_type"] = ray_actor_type
+        raise _ActorGroupCreated
+
+    def get_strategy(args):
+        seen["args"] = args
+        return SimpleNamespace(print=lambda *a: None)
+
+    launcher_module = sys.modules["openrlhf.trainer.ray.launcher"]
+    monkeypatch.setattr(launcher_module, "RayActorGroup", actor_group, raising=False)
+    monkeypatch.setattr(launcher_module, "ReferenceModelActor", object, raising=False)
+    monkeypatch.setattr(launcher_module, "RewardModelActor", object, raising=False)
+    monkeypatch.setattr(sys.modules["openrlhf.trainer.ray"], "create_vllm_engines", None, raising=False)
+    monkeypatch.setattr(sys.modules["openrlhf.utils"], "get_strategy", get_strategy, raising=False)
+    monkeypatch.setitem(sys.modules, "openrlhf.trainer.ray.ppo_critic",
+                        types.ModuleType("openrlhf.trainer.ray.ppo_critic"))
+    sys.modules["openrlhf.trainer.ray.ppo_critic"].CriticModelActor = object
+
+
+def test_the_documented_command_runs_openrlhfs_launcher_with_the_actor_subclass(root):
+    """The docs' command, with this release's correction flags and ``...`` filled in: the launcher
+    runs OpenRLHF's own ``train_ppo_ray`` module as ``__main__`` (its parser, its validation, its
+    ``train``), which hands Ray the subclass of this release's PolicyModelActor; OpenRLHF's name is
+    restored afterwards and no file is read other than OpenRLHF's own."""
+    module, argv = _documented_command()
+    argv = " ".join(argv).replace(" ".join(FLAGS), " ".join(flags(root))).split()
+    argv = [x for a in argv for x in (CLI if a == "..." else [a])]
+    seen = {}
+    with ref.ppo_actor(root) as ns, pytest.MonkeyPatch.context() as mp:
+        openrlhf_actor = ns.ppo_actor.PolicyModelActor
+        _launcher_stand_ins(mp, seen)
+        with pytest.raises(_ActorGroupCreated):
+            launcher.main(argv)
+        assert ns.ppo_actor.PolicyModelActor is openrlhf_actor  # restored
+        plain = getattr(openrlhf_actor, "__ray_actor_class__", openrlhf_actor)
+    handed = seen["actor_type"]
+    cls = getattr(handed, "__ray_actor_class__", handed)  # a Ray actor class, as OpenRLHF's own
+    assert issubclass(cls, RolloutCorrectionActorMixin) and issubclass(cls, plain)
+    assert cls.rollout_correction_config is None
+    args = seen["args"]  # what OpenRLHF's parser and validation produced
+    assert args.train.micro_batch_size == 4 and args.rollout.n_samples_per_prompt == 4
+    assert RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=ref.policy_loss_class(root)).config == \
+        config_from_openrlhf("seq-mask-tis", [0.5, 5.0])
+    # the launcher's own option reaches the subclass, and OpenRLHF never sees it
+    seen.clear()
+    with ref.ppo_actor(root), pytest.MonkeyPatch.context() as mp:
+        _launcher_stand_ins(mp, seen)
+        with pytest.raises(_ActorGroupCreated):
+            launcher.main([launcher.CONFIG_OPTION, "decoupled_geo_rs_token_tis", *argv])
+    assert seen["actor_type"].__ray_actor_class__.rollout_correction_config == "decoupled_geo_rs_token_tis"
 
 
 def test_documented_statement_on_args_from_openrlhf_cli(root):
@@ -275,9 +384,9 @@ def test_token_types_equal_openrlhf_loss_call(root, kind, extra):
     args = ref.parse_cli(CLI + extra + ref.correction_flags(root, kind, ("0.8", "1.25")), root)
     batch = _batch(seed=1)
     grads, status = {}, {}
-    for name, edits in (("openrlhf", []), ("ours", RECIPE)):
+    for name, recipe in (("openrlhf", OPENRLHF), ("ours", RECIPE)):
         with pytest.MonkeyPatch.context() as mp:
-            _, status[name], grads[name], _ = _train(root, edits, args, batch, mp)
+            _, status[name], grads[name], _ = _train(root, recipe, args, batch, mp)
     assert len(grads["ours"]) == 2
     for ours, theirs in zip(grads["ours"], grads["openrlhf"]):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
@@ -319,7 +428,7 @@ def test_openrlhf_own_seq_mask_tis_counts_rejected_tokens(root, monkeypatch):
     keep, _ = _seq_mask_tis(batch)
     _, _, mask, old, rollout, _ = batch
     weight = torch.exp(old - rollout) * mask  # OpenRLHF's seq-mask-tis: the unclamped token ratio
-    _, _, grads, windows = _train(root, [], args, batch, monkeypatch)
+    _, _, grads, windows = _train(root, OPENRLHF, args, batch, monkeypatch)
     for got, want, rows in zip(grads, _expected_grads(batch, windows, keep, weight), windows):
         rows = torch.tensor(rows)
         scale = keep[rows].sum() / mask[rows].sum()
@@ -338,8 +447,9 @@ def test_token_rejection_leaves_token_and_sequence_counts(root, monkeypatch):
     accepted sequences, global_batch_size) is tested in tests/test_integration_openrlhf_methods.py."""
     loss_type = "ppo"
     args = ref.parse_cli(CLI + ["--actor.policy_loss_type", loss_type] + ref.enable_flags(root), root)
-    replacement = LOSS_REPLACEMENT.replace("from_args(self.args)", f"from_args(self.args, {TOKEN_RS!r})")
-    edits = [(LOSS_STATEMENT, replacement), (APPEND_STATEMENT, APPEND_REPLACEMENT)]
+    # the launcher's own option, as a user writes it; OpenRLHF gets the rest of the command line
+    config, rest = launcher.parse_config_option([launcher.CONFIG_OPTION, json.dumps(TOKEN_RS), *CLI])
+    assert rest == CLI and config == TOKEN_RS
     batch = _batch()
     _, _, mask, old, rollout, _ = batch
     rho = torch.exp(old - rollout)
@@ -347,7 +457,7 @@ def test_token_rejection_leaves_token_and_sequence_counts(root, monkeypatch):
     weight = rho.clamp(0.5, 2.0) * mask
     assert sorted(map(tuple, (mask & ~keep).nonzero().tolist())) == sorted(
         [(0, 1), (3, 0), (6, 2)] + [(2, t) for t in range(LENGTHS[2])] + [(5, t) for t in range(LENGTHS[5])])
-    _, status, grads, windows = _train(root, edits, args, batch, monkeypatch)
+    _, status, grads, windows = _train(root, _recipe(config), args, batch, monkeypatch)
     for got, want in zip(grads, _expected_grads(batch, windows, keep, weight)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     per_sample = [(LENGTHS[i] - int(keep[i].sum())) / LENGTHS[i] for i in range(N)]
@@ -410,8 +520,8 @@ def test_default_micro_batch_of_one_keeps_placeholders(root, monkeypatch):
 
 
 def test_unprepared_experience_is_reported(root, caplog):
-    """Only step 1 of the recipe applied: the loss still corrects, and warns once that the
-    rejected tokens remain in OpenRLHF's denominators."""
+    """The loss used without ``prepare_experience`` (a trainer of one's own): it still corrects, and
+    warns once that the rejected tokens remain in OpenRLHF's denominators."""
     args = ref.parse_cli(CLI + flags(root), root)
     loss = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=ref.policy_loss_class(root))
     seq, attn, mask, old, rollout, adv = _batch()
@@ -496,9 +606,9 @@ def test_upper_bound_only_threshold_trains_as_openrlhf(gate_root, monkeypatch):
     args = ref.parse_cli(_gate_argv("token", "clip", "ratio", ("1.25",)), gate_root)
     batch = _batch(seed=1)
     grads = {}
-    for name, edits in (("openrlhf", []), ("ours", RECIPE)):
+    for name, recipe in (("openrlhf", OPENRLHF), ("ours", RECIPE)):
         with pytest.MonkeyPatch.context() as mp:
-            _, _, grads[name], _ = _train(gate_root, edits, args, batch, mp)
+            _, _, grads[name], _ = _train(gate_root, recipe, args, batch, mp)
     for ours, theirs in zip(grads["ours"], grads["openrlhf"]):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
     # seq, mask, HIGH 5: row 2 (geometric mean e³ > 5) is rejected, row 5 (e⁻³) is not.

@@ -1,9 +1,10 @@
 """OPSM and the policy losses GSPO / CISPO / DPPO-TV / DPPO-KL on OpenRLHF, through its own call site.
 
 Every key of the config the OpenRLHF adapter accepts is honoured or refused at construction. The
-recipe's actor (OpenRLHF's CLI parser, its ``ppo_actor.py`` with the documented edits, its replay
-buffer, ``ppo_train`` and loss call; stand-ins as in tests/openrlhf_reference.py) trains with a
-config of this library passed to ``from_args(self.args, config)``; each optimizer step's gradient
+recipe's actor (OpenRLHF's CLI parser, this library's subclass of the unedited ``ppo_actor.py``'s
+``PolicyModelActor``, its replay buffer, ``ppo_train`` and loss call; stand-ins as in
+tests/openrlhf_reference.py and tests/test_integration_openrlhf_actor.py) trains with a config of
+this library (what the launcher's ``--rollout_correction.config`` gives it); each optimizer step's gradient
 is compared with a loss written here from the formulas, over the accepted tokens, with OpenRLHF's
 denominators (the accepted tokens, or accepted sequences for ``gspo``, of the optimizer step).
 """
@@ -17,6 +18,7 @@ import openrlhf_reference as ref
 import test_integration_openrlhf_actor as actor
 from rollout_correction import RolloutCorrectionConfig, as_config
 from rollout_correction.integrations.openrlhf import RolloutCorrectionPolicyLoss, config_from_openrlhf
+from rollout_correction.integrations.openrlhf import train_ppo_ray as launcher
 
 torch.set_num_threads(1)
 
@@ -32,9 +34,9 @@ def root(request):
     return actor.ROOTS[request.param]
 
 
-def _edits(config):
-    replacement = actor.LOSS_REPLACEMENT.replace("from_args(self.args)", f"from_args(self.args, {config!r})")
-    return [(actor.LOSS_STATEMENT, replacement), (actor.APPEND_STATEMENT, actor.APPEND_REPLACEMENT)]
+def _with(config):
+    """The recipe's actor with ``config`` (``--rollout_correction.config``)."""
+    return actor._recipe(config)
 
 
 def _negated_batch():
@@ -140,7 +142,7 @@ def test_opsm_through_openrlhf_loss_call(root, base, loss_type, extra, monkeypat
     dropped = {"tis": [3, 5], "token_rs": [0, 3]}[base]  # token_rs: (0, 1) rejected, row 5 fully
     assert (~rows).nonzero().flatten().tolist() == dropped
     assert bool((negative & rows).any())  # and some A < 0 rows are kept
-    trainer, status, grads, windows = actor._train(root, _edits(config), args, batch, monkeypatch)
+    trainer, status, grads, windows = actor._train(root, _with(config), args, batch, monkeypatch)
     dual = {"dual_clip": 3.0} if extra else {}
     _check(grads, _expected_grads(batch, windows, keep, keep & rows.unsqueeze(-1), weight, loss_type, **dual))
     # Without OPSM the same steps give other gradients: the option acts.
@@ -162,7 +164,7 @@ def test_loss_types_through_openrlhf_loss_call(root, loss_type, monkeypatch):
                          root)
     batch = actor._batch()
     keep, weight = _correction(batch, config)
-    trainer, status, grads, windows = actor._train(root, _edits(config), args, batch, monkeypatch)
+    trainer, status, grads, windows = actor._train(root, _with(config), args, batch, monkeypatch)
     _check(grads, _expected_grads(batch, windows, keep, keep, weight, loss_type, eps=eps))
     if loss_type != "gspo":  # not the PPO loss OpenRLHF would have computed with the same weights
         ppo = _expected_grads(batch, windows, keep, keep, weight, "ppo", eps=eps)
@@ -228,15 +230,16 @@ def test_gspo_preset_needs_the_gspo_flag(root):
 
 
 def test_documented_method_table(root):
-    """Every ``from_args(self.args, X)`` and preset of docs/integrations.md's OpenRLHF step 5 builds
+    """Every ``--rollout_correction.config X`` and preset of docs/integrations.md's OpenRLHF step 5 builds
     on the args of OpenRLHF's CLI (GSPO ones with ``--actor.policy_loss_type gspo``), and the
     methods the table marks as refused are refused."""
-    import ast
     import re
 
     text = actor.DOCS.read_text()
-    section = text[text.index("**5. Other methods**"):text.index("**What changes, and why two edits.**")]
-    configs = [ast.literal_eval(m) for m in re.findall(r"from_args\(self\.args, (.+?)\)`", section)]
+    section = text[text.index("**5. Other methods**"):text.index("**What changes, and why at experience time.**")]
+    configs = [launcher.parse_config_option([launcher.CONFIG_OPTION, m.strip("'")])[0]
+               for m in re.findall(r"`--rollout_correction\.config ('\{.+?\}'|[a-z0-9_]+)`", section)]
+    assert any(isinstance(c, dict) for c in configs) and any(isinstance(c, str) for c in configs)
     configs += re.findall(r'`"((?:decoupled|bypass)_[a-z0-9_]+)"`', section)
     assert {"decoupled_token_is_opsm", "decoupled_cispo_token_is", "decoupled_dppo_tv_token_is",
             "decoupled_dppo_kl_token_is", "decoupled_gspo_geo_is"} <= {c for c in configs if isinstance(c, str)}

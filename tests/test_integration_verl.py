@@ -177,17 +177,6 @@ def test_grpo_accepted_excludes_rejected_rows_from_the_baseline():
     assert not torch.allclose(theirs_all[kept], theirs_kept)
 
 
-def _restore_the_driver_binding(monkeypatch):
-    """wire_trainer_config / patch_driver rebind verl's correction step in this process: undo after the test."""
-    import sys
-
-    name = "compute_rollout_correction_and_add_to_batch"
-    monkeypatch.setattr(HELPER, name, getattr(HELPER, name))
-    v1 = sys.modules.get("verl.trainer.ppo.v1.trainer_base")
-    if v1 is not None:
-        monkeypatch.setattr(v1, name, getattr(v1, name))
-
-
 def _verl_trainer_yaml():
     import verl
 
@@ -202,10 +191,9 @@ def _worker_policy_loss_config(config):
     return _import("verl.utils.config").omega_conf_to_dataclass(section, dataclass_type=cls)
 
 
-def test_wire_trainer_config_puts_bypass_into_the_worker_config(monkeypatch):
-    # The wiring routes verl's driver-side helper; restore it after the test for other tests.
-    _restore_the_driver_binding(monkeypatch)
+def test_wire_trainer_config_puts_bypass_into_the_worker_config():
     name = "compute_rollout_correction_and_add_to_batch"
+    verls_step = getattr(HELPER, name)
     config = _verl_trainer_yaml()
     config.algorithm.adv_estimator = "grpo"
     config.algorithm.rollout_correction = OmegaConf.create(
@@ -215,9 +203,9 @@ def test_wire_trainer_config_puts_bypass_into_the_worker_config(monkeypatch):
     rc_verl.wire_trainer_config(config)
     assert config.algorithm.adv_estimator == rc_verl.ADV_ESTIMATOR_NAME
     assert config.actor_rollout_ref.rollout.calculate_log_probs
-    # the driver's step is the library's dispatcher, routed: plugin_active() says so
-    assert getattr(getattr(HELPER, name), "routed", False) and rc_verl.plugin_active()
-    assert config.algorithm.rollout_correction.backend == rc_verl.BACKEND_NAME
+    # it changes the config only: verl's step is untouched, and the block gets no key verl lacks
+    assert getattr(HELPER, name) is verls_step
+    assert "backend" not in config.algorithm.rollout_correction
     # What a worker builds from its copy of the actor config (verl's own conversion):
     policy_loss = _worker_policy_loss_config(config)
     assert policy_loss.loss_mode == rc_verl.LOSS_NAME
@@ -232,7 +220,7 @@ def test_wire_rejects_bad_keys_on_the_driver():
     config = _verl_trainer_yaml()
     config.algorithm.rollout_correction.rollout_rss = "token_k1"
     with pytest.raises(ValueError, match="rollout_rss"):
-        rc_verl.wire_trainer_config(config, driver=False)
+        rc_verl.wire_trainer_config(config)
 
 
 def test_verl_imports_the_adapter_in_a_fresh_process_and_registers_it():

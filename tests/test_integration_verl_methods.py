@@ -3,7 +3,7 @@
 As in tests/test_integration_verl_worker.py (whose helpers this reuses): Hydra composes verl's
 ``ppo_trainer.yaml`` with the documented override lines plus the method's key, ``OmegaConf.resolve``
 as verl's TaskRunner does, ``omega_conf_to_dataclass`` builds the actor config the worker holds,
-the correction step is looked up where verl's legacy trainer looks it up, and the loss is verl's
+the correction step is the method of the V1 trainer subclass this library's entry point runs, and the loss is verl's
 ``verl.workers.utils.losses.ppo_loss`` over verl's micro-batches. Each loss and its gradient (taken
 through the nested model output, as verl's backward does) is compared with a hand-written formula;
 GSPO, CISPO, DPPO-TV and DPPO-KL with verl's own ``loss_mode`` of that name on the same worker
@@ -22,8 +22,9 @@ from verl_reference import require_verl
 require_verl()
 
 import rollout_correction.integrations.verl as rc_verl  # noqa: E402
-from test_integration_verl_worker import (SIZES, Rollout, _compose, _doc_lines, _k3_seq_mean,  # noqa: E402
-                                          _legacy_correction_step, _ppo_clip, _worker_actor_config,
+from rollout_correction.integrations.verl import main_ppo  # noqa: E402
+from test_integration_verl_worker import (SIZES, Rollout, _compose, _compose_verl, _correction_step,  # noqa: E402
+                                          _doc_lines, _k3_seq_mean, _ppo_clip, _worker_actor_config,
                                           _worker_update)
 
 ACTOR_LINE = "+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}"
@@ -31,7 +32,7 @@ NAME = "compute_rollout_correction_and_add_to_batch"
 
 
 def _decoupled_lines() -> list[str]:
-    return _doc_lines("actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction", "trainer.use_v1=false")
+    return _doc_lines("actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction", "algorithm.adv_estimator=grpo_accepted")
 
 
 def _bypass_lines() -> list[str]:
@@ -56,7 +57,7 @@ def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _decoupled_step(config, r: Rollout):
-    batch, metrics = _legacy_correction_step(r.proto(), config)
+    batch, metrics = _correction_step(r.proto(), config)
     assert metrics[rc_verl.BACKEND_METRIC] == 1.0
     block = config.algorithm.rollout_correction
     log_ratio = r.old - r.rollout
@@ -199,35 +200,31 @@ def test_bypass_topr_block_in_verls_worker(with_rs):
 # ----------------------------------------------------------------------------- keys that cannot act
 
 
-class _Trainer:
-    """Calls the correction step as verl's two trainers do: from a method, with ``self.config``."""
-
-    def __init__(self, config):
-        self.config = config
-
-    def step(self, batch):
-        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
-
-        return compute_rollout_correction_and_add_to_batch(batch, self.config.algorithm.rollout_correction)
+def _launch(lines):
+    """The entry point on ``lines``: Hydra-composed, then its checks (``task_runner_class``)."""
+    config = main_ppo.compose(lines)
+    main_ppo.task_runner_class(config)
+    return config
 
 
 @pytest.mark.parametrize("key", ["+algorithm.rollout_correction.rollout_opsm_delta=0.05",
                                  "algorithm.rollout_correction.loss_type=gspo"])
-def test_a_loss_key_the_loss_cannot_see_is_refused_by_the_correction_step(key):
+def test_a_loss_key_the_loss_cannot_see_is_refused_by_the_entry_point_and_the_step(key):
     name = key.split("=")[0].lstrip("+").split(".")[-1]
     r = Rollout(seed=25)
     # loss_mode=rollout_correction, but the actor has no block: the loss would never see the key
-    config = _compose(_decoupled_lines() + SIZES + [key])
+    lines = _decoupled_lines() + SIZES + [key]
     with pytest.raises(ValueError, match=f"{name}.*policy_loss.rollout_correction"):
-        _Trainer(config).step(r.proto())
+        _launch(lines)  # on the driver, before any worker starts
+    with pytest.raises(ValueError, match=f"{name}.*policy_loss.rollout_correction"):
+        _correction_step(r.proto(), _compose_verl(lines))  # the trainer subclass's step checks it too
     # verl's own loss (here its gspo) would ignore the key too
-    other = _compose([x for x in _decoupled_lines() if "loss_mode" not in x] + SIZES + [key, ACTOR_LINE,
-                     "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
+    other = [x for x in _decoupled_lines() if "loss_mode" not in x] + SIZES + [
+        key, ACTOR_LINE, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"]
     with pytest.raises(ValueError, match=f"{name}.*loss_mode='gspo'"):
-        _Trainer(other).step(r.proto())
+        _launch(other)
     # with the documented line the step runs
-    good = _compose(_decoupled_lines() + SIZES + [key, ACTOR_LINE])
-    _, metrics = _Trainer(good).step(r.proto())
+    _, metrics = _correction_step(r.proto(), _compose(_decoupled_lines() + SIZES + [key, ACTOR_LINE]))
     assert metrics[rc_verl.BACKEND_METRIC] == 1.0
 
 
@@ -236,21 +233,21 @@ def test_verls_own_gspo_loss_mode_with_this_librarys_correction_step_runs_verls_
     config = _compose([x for x in _decoupled_lines() if "loss_mode" not in x] + SIZES
                       + ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
     r = Rollout(seed=26)
-    _, metrics = _Trainer(config).step(r.proto())
+    _, metrics = _correction_step(r.proto(), config)
     assert metrics[rc_verl.BACKEND_METRIC] == 1.0
 
 
 def test_wire_trainer_config_refuses_to_replace_verls_gspo_loss_mode(monkeypatch):
-    config = _compose(SIZES + ["algorithm.rollout_correction.rollout_is=token",
-                               "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
+    config = _compose_verl(SIZES + ["algorithm.rollout_correction.rollout_is=token",
+                                    "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
     with pytest.raises(ValueError, match="loss_mode='gspo'.*loss_type: gspo"):
-        rc_verl.wire_trainer_config(config, driver=False)
+        rc_verl.wire_trainer_config(config)
     assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"  # untouched
     # the same GSPO as a loss_type of the block: wired, and the actor's block carries it
-    config = _compose(SIZES + ["algorithm.rollout_correction.rollout_is=token",
-                               "algorithm.rollout_correction.loss_type=gspo",
+    config = _compose_verl(SIZES + ["algorithm.rollout_correction.rollout_is=token",
+                                    "algorithm.rollout_correction.loss_type=gspo",
                                "+algorithm.rollout_correction.rollout_opsm_delta=0.05"])
-    rc_verl.wire_trainer_config(config, driver=False)
+    rc_verl.wire_trainer_config(config)
     actor = _worker_actor_config(config)
     assert actor.policy_loss.loss_mode == rc_verl.LOSS_NAME
     assert actor.policy_loss.rollout_correction["loss_type"] == "gspo"
@@ -277,15 +274,13 @@ def test_the_decoupled_block_without_loss_keys_still_equals_plain_ppo_on_the_dri
 @pytest.mark.parametrize("key", ["+algorithm.rollout_correction.rollout_m2po_threshold=0.04",
                                  "+algorithm.rollout_correction.rollout_token_veto_threshold=0.0001"])
 def test_verls_own_correction_step_refuses_a_key_only_this_librarys_step_reads(key):
-    """Without the backend line verl's own step runs; it reads five keys and would ignore this one."""
+    """With backend=verl the entry point keeps verl's own step, which reads five keys and would
+    ignore this one: refused on the driver, naming it; by default this library's step runs it."""
     name = key.split("=")[0].split(".")[-1]
-    lines = [x for x in _decoupled_lines() if "backend" not in x] + SIZES + [key]
-    config = _compose(lines)
-    with pytest.raises(ValueError, match=f"{name}.*backend=rollout_correction"):
-        _Trainer(config).step(Rollout(seed=29).proto())
-    # with the backend line this library's step runs it
-    _, metrics = _Trainer(_compose(lines + ["+algorithm.rollout_correction.backend=rollout_correction"])).step(
-        Rollout(seed=29).proto())
+    lines = _decoupled_lines() + SIZES + [key]
+    with pytest.raises(ValueError, match=f"{name}.*verl's own correction step ignores it"):
+        _launch(lines + ["algorithm.rollout_correction.backend=verl"])
+    _, metrics = _correction_step(Rollout(seed=29).proto(), _compose(lines))
     assert metrics[rc_verl.BACKEND_METRIC] == 1.0
 
 

@@ -1,11 +1,14 @@
-"""verl's default trainer (V1, ``trainer.use_v1: true``) with the documented config lines, run for real.
+"""verl's default trainer (V1, ``trainer.use_v1: true``) through this library's entry point, run for real.
 
-Nothing here stands in for verl: a local Ray instance, verl's own ``TaskRunnerV1`` actor, verl's
-own TransferQueue (``transfer_queue``, the storage the V1 trainer reads and writes its batches
-through), verl's V1 trainer class and its ``_compute_advantage`` — the V1 correction step, which
-calls ``compute_rollout_correction_and_add_to_batch`` under the name ``trainer_base`` bound at
-import and then verl's ``compute_advantage_for_multi_trajectories``. The config is composed by
-Hydra from verl 0.9.1's ``ppo_trainer.yaml`` with the override lines of docs/integrations.md.
+The command of docs/integrations.md (``python -m rollout_correction.integrations.verl.main_ppo``
+with verl's overrides) is read from the docs. Nothing here stands in for verl: a local Ray
+instance, the entry point's TaskRunner actor (verl's ``TaskRunnerV1`` subclassed), verl's own
+TransferQueue (``transfer_queue``, the storage the V1 trainer reads and writes its batches through),
+the subclass of verl's V1 trainer class the entry point builds and its ``_compute_advantage`` — the
+V1 correction step, then verl's ``compute_advantage_for_multi_trajectories``. The config is composed
+by Hydra from verl 0.9.1's ``ppo_trainer.yaml`` through the entry point's config (and, once, by the
+entry point's own ``hydra.main`` in a child process). Without the entry point, verl's own trainer
+class runs verl's own step, unchanged.
 
 The trainer object is made with ``object.__new__`` and given only its ``config``: its ``__init__``
 builds worker groups, models and data loaders, none of which ``_compute_advantage`` reads. Ray is
@@ -29,9 +32,10 @@ tq = pytest.importorskip("transfer_queue", reason="CI installs TransferQueue==0.
 import rollout_correction.compat.verl as compat  # noqa: E402
 import rollout_correction.integrations.verl as rc_verl  # noqa: E402
 from rollout_correction.advantages import group_advantages  # noqa: E402
+from rollout_correction.integrations.verl import main_ppo  # noqa: E402
+from rollout_correction.integrations.verl.trainer import RolloutCorrectionTrainerMixin, trainer_class  # noqa: E402
 
 HELPER = load_verl_rollout_corr_helper()
-ON = "+algorithm.rollout_correction.backend=rollout_correction"
 SETTINGS = ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0",
             "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
             "algorithm.rollout_correction.rollout_rs_threshold=0.01"]
@@ -40,6 +44,14 @@ GROUP = 4  # actor_rollout_ref.rollout.n: GRPO group size
 
 
 def _compose(overrides):
+    """The entry point's config for ``overrides``, as it hands it to verl (``backend`` read and removed)."""
+    config = main_ppo.compose([ONE_STORAGE_UNIT, f"actor_rollout_ref.rollout.n={GROUP}", *overrides])
+    assert main_ppo.task_runner_class(config) is main_ppo.RolloutCorrectionTaskRunner
+    return config
+
+
+def _compose_verl(overrides):
+    """verl's own entry point's config for ``overrides``."""
     import verl
     from hydra import compose, initialize_config_dir
 
@@ -52,7 +64,7 @@ def _compose(overrides):
 @pytest.fixture(scope="module")
 def transfer_queue():
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
-    tq.init(_compose([]).transfer_queue)
+    tq.init(_compose_verl([]).transfer_queue)
     try:
         yield tq
     finally:
@@ -94,11 +106,13 @@ def _put(seed: int, prefix: str):
     return keys, meta, (mask, old, rollout, scores, uid)
 
 
-def _v1_correction_step(config, keys, meta):
-    """verl's V1 trainer runs its correction step (and its estimator) on the batch in TransferQueue."""
+def _v1_correction_step(config, keys, meta, verls_own=False):
+    """The V1 trainer runs its correction step (and its estimator) on the batch in TransferQueue: the
+    entry point's subclass, or (``verls_own``) verl's own trainer class for the mode."""
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    trainer = object.__new__(get_trainer_cls(config.trainer.v1.trainer_mode))
+    cls = (get_trainer_cls if verls_own else trainer_class)(config.trainer.v1.trainer_mode)
+    trainer = object.__new__(cls)
     trainer.config = config
     metrics: dict = {}
     _v1_correction_step.meta = trainer._compute_advantage(meta, metrics)  # what verl hands to update_actor
@@ -107,24 +121,30 @@ def _v1_correction_step(config, keys, meta):
     return {k: out[k].to_padded_tensor(0.0) for k in out.keys()}, metrics
 
 
-def test_v1_is_the_default_and_binds_the_dispatcher_at_import():
-    config = _compose(SETTINGS + [ON])
+def test_the_entry_point_runs_verls_default_v1_trainer_subclassed_and_verls_step_stays_verls():
+    config = _compose(SETTINGS)
     assert config.trainer.use_v1 is True and config.trainer.v1.trainer_mode == "sync"
     import verl.trainer.ppo.v1.trainer_base as trainer_base
+    from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
 
-    # the name trainer_base bound when it was imported is the library's dispatcher (import verl
-    # loaded the plugin first), so the config line decides at every call
+    cls = trainer_class(config.trainer.v1.trainer_mode)
+    assert cls.__mro__[1:3] == (RolloutCorrectionTrainerMixin, PPOTrainerSync)
+    assert get_trainer_cls("sync") is PPOTrainerSync  # verl's registry is untouched
+    for mode in ("colocate_async", "separate_async"):
+        assert issubclass(trainer_class(mode), get_trainer_cls(mode))
+    # verl's module-level step is verl's function, in the helper and where trainer_base bound it
     assert trainer_base.compute_rollout_correction_and_add_to_batch is HELPER.compute_rollout_correction_and_add_to_batch
-    assert trainer_base.compute_rollout_correction_and_add_to_batch.__module__ == rc_verl.__name__
+    assert trainer_base.compute_rollout_correction_and_add_to_batch.__module__ == HELPER.__name__
 
 
-def test_v1_correction_step_runs_this_library_with_the_config_line(transfer_queue):
-    config = _compose(SETTINGS + [ON, "algorithm.adv_estimator=grpo_accepted"])
+def test_v1_correction_step_runs_this_library_through_the_entry_point(transfer_queue):
+    config = _compose(SETTINGS + ["algorithm.adv_estimator=grpo_accepted"])
     keys, meta, (mask, old, rollout, scores, uid) = _put(seed=3, prefix="on")
     got, metrics = _v1_correction_step(config, keys, meta)
 
     assert metrics[rc_verl.BACKEND_METRIC] == 1.0
-    settings = {k: v for k, v in dict(config.algorithm.rollout_correction).items() if k != "backend"}
+    settings = dict(config.algorithm.rollout_correction)
+    assert "backend" not in settings
     from verl.protocol import DataProto
 
     expected, expected_metrics = compat.compute_rollout_correction_and_add_to_batch(
@@ -145,15 +165,15 @@ def test_v1_correction_step_runs_this_library_with_the_config_line(transfer_queu
     torch.testing.assert_close(got["advantages"], adv[:, None] * kept, rtol=1e-5, atol=1e-6)
 
 
-def test_v1_without_the_line_runs_verls_own_step_unchanged(transfer_queue):
-    config = _compose(SETTINGS + ["algorithm.adv_estimator=grpo"])  # verl's default gae needs a critic
+def test_v1_without_the_entry_point_runs_verls_own_step_unchanged(transfer_queue):
+    config = _compose_verl(SETTINGS + ["algorithm.adv_estimator=grpo"])  # verl's default gae needs a critic
     keys, meta, (mask, old, rollout, _, _) = _put(seed=3, prefix="off")
-    got, metrics = _v1_correction_step(config, keys, meta)
+    got, metrics = _v1_correction_step(config, keys, meta, verls_own=True)
 
     assert rc_verl.BACKEND_METRIC not in metrics
     from verl.protocol import DataProto
 
-    original = HELPER.compute_rollout_correction_and_add_to_batch.verl_original
+    original = HELPER.compute_rollout_correction_and_add_to_batch
     ref, ref_metrics = original(
         DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask.clone()}),
         config.algorithm.rollout_correction)
@@ -165,20 +185,29 @@ def test_v1_without_the_line_runs_verls_own_step_unchanged(transfer_queue):
     assert {k: metrics[k] for k in ref_metrics} == pytest.approx(ref_metrics)
 
 
-def test_two_lines_of_code_reach_v1_through_the_key_they_write(transfer_queue, monkeypatch):
-    """wire_trainer_config runs in main(), verl's V1 trainer in the TaskRunner actor: there only the
-    ``backend`` key the wiring wrote into the block (which travels with the config) can decide."""
-    import verl.trainer.ppo.v1.trainer_base as trainer_base
+def _own_entry_point_code() -> str:
+    """The python block of the verl section's "Your own entry point" route."""
+    import re
 
-    name = "compute_rollout_correction_and_add_to_batch"
-    plugin_binding = trainer_base.compute_rollout_correction_and_add_to_batch  # what import verl bound
-    assert not getattr(plugin_binding, "routed", False)
-    monkeypatch.setattr(HELPER, name, getattr(HELPER, name))
-    monkeypatch.setattr(trainer_base, name, plugin_binding)
-    config = _compose(SETTINGS + ["algorithm.adv_estimator=grpo"])
-    rc_verl.wire_trainer_config(config)  # the documented two lines, on the driver
-    assert config.algorithm.rollout_correction.backend == rc_verl.BACKEND_NAME
-    trainer_base.compute_rollout_correction_and_add_to_batch = plugin_binding  # the TaskRunner: no patch_driver
+    text = open(DOCS, encoding="utf-8").read()
+    section = text[text.index("## verl"):text.index("\n## ", text.index("## verl") + 4)]
+    start = section.index("**Your own entry point**")
+    return re.search(r"```python\n(.*?)```", section[start:], flags=re.S).group(1)
+
+
+def test_own_entry_point_lines_hand_verl_the_task_runner_and_reach_v1(transfer_queue, monkeypatch):
+    """The docs' python block, executed as written; verl's ``run_ppo`` (which starts Ray actors that
+    build models) is recorded instead of run, then the step runs as that runner's trainer runs it."""
+    import verl.trainer.main_ppo as verl_main
+
+    handed = {}
+    monkeypatch.setattr(verl_main, "run_ppo", lambda config, task_runner_class: handed.update(
+        config=config, runner=task_runner_class))
+    config = _compose_verl(SETTINGS + ["algorithm.adv_estimator=grpo"])  # the user's own (verl) config
+    exec(_own_entry_point_code(), {"config": config})
+    assert handed["runner"] is main_ppo.RolloutCorrectionTaskRunner and handed["config"] is config
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == rc_verl.LOSS_NAME  # wire_trainer_config
+    assert config.algorithm.adv_estimator == rc_verl.ADV_ESTIMATOR_NAME
     keys, meta, (mask, old, rollout, _, _) = _put(seed=3, prefix="wire")
     got, metrics = _v1_correction_step(config, keys, meta)
     assert metrics[rc_verl.BACKEND_METRIC] == 1.0
@@ -186,39 +215,46 @@ def test_two_lines_of_code_reach_v1_through_the_key_they_write(transfer_queue, m
 
 
 def _inside_the_task_runner(runner):
-    """Runs in verl's TaskRunnerV1 actor process: what that process sees after verl's imports."""
+    """Runs in the entry point's TaskRunner actor process: what that process sees."""
     import sys
 
-    loaded_by_verl = "rollout_correction.integrations.verl" in sys.modules  # nothing imported it yet
+    from verl.trainer.main_ppo import TaskRunnerV1
+
     import verl.trainer.ppo.v1.trainer_base as trainer_base
+    from rollout_correction.integrations.verl.trainer import RolloutCorrectionTrainerMixin, trainer_class
     from verl.trainer.ppo import core_algos
 
     bound = trainer_base.compute_rollout_correction_and_add_to_batch
-    return {"process": os.getpid(), "runner": type(runner).__name__, "plugin_loaded_by_verl": loaded_by_verl,
+    cls = trainer_class("sync")  # what the runner's run() builds for trainer.v1.trainer_mode=sync
+    return {"process": os.getpid(), "runner": type(runner).__name__,
+            "is_verls_task_runner": isinstance(runner, TaskRunnerV1.__ray_actor_class__),
+            "plugin_loaded": "rollout_correction.integrations.verl" in sys.modules,
             "bound": f"{bound.__module__}.{bound.__name__}",
+            "trainer": [c.__name__ for c in cls.__mro__[:3]],
+            "trainer_is_ours": issubclass(cls, RolloutCorrectionTrainerMixin),
             "policy_loss": "rollout_correction" in core_algos.POLICY_LOSS_REGISTRY,
             "estimator": "grpo_accepted" in core_algos.ADV_ESTIMATOR_REGISTRY}
 
 
-def test_inside_verls_task_runner_actor_the_plugin_is_active(transfer_queue):
-    # verl's main() creates TaskRunnerV1 as a Ray actor: a fresh process whose code never names
-    # this library; the verl.plugins entry point is all that brings it in
+def test_inside_the_entry_points_task_runner_actor(transfer_queue):
+    """verl's run_ppo creates the class the entry point hands it as a Ray actor: a fresh process,
+    where the trainer is the subclass and verl's own step stays verl's."""
     import sys
 
     from ray import cloudpickle
-    from verl.trainer.main_ppo import TaskRunnerV1
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probe travels by value
-    runner = TaskRunnerV1.remote()
+    runner = main_ppo.task_runner_class(main_ppo.compose(SETTINGS)).remote()
     try:
         # A fresh actor imports verl and torch: minutes on a loaded 2-core machine.
         seen = ray.get(runner.__ray_call__.remote(_inside_the_task_runner), timeout=600)
     finally:
         ray.kill(runner)
-    assert seen["process"] != os.getpid() and seen["runner"] == "TaskRunnerV1"
-    assert seen["plugin_loaded_by_verl"] is True
-    assert seen["bound"] == f"{rc_verl.__name__}.compute_rollout_correction_and_add_to_batch"
-    assert seen["policy_loss"] and seen["estimator"]
+    assert seen["process"] != os.getpid() and seen["runner"] == "RolloutCorrectionTaskRunnerV1"
+    assert seen["is_verls_task_runner"] and seen["plugin_loaded"]
+    assert seen["bound"] == "verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_and_add_to_batch"
+    assert seen["trainer"] == ["RolloutCorrectionPPOTrainerSync", "RolloutCorrectionTrainerMixin", "PPOTrainerSync"]
+    assert seen["trainer_is_ours"] and seen["policy_loss"] and seen["estimator"]
 
 
 # ----------------------------------------------------------------------------- the docs' headline lines, end to end
@@ -229,16 +265,47 @@ SIZES = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"]
 
 
-def headline_lines() -> list[str]:
-    """The override lines of the verl section's "Config lines only" ```bash block, read from the docs."""
+def headline_command() -> tuple[str, list[str]]:
+    """The module and the override lines of the verl section's headline ```bash block (this
+    library's correction step), read from the docs."""
     import re
 
     text = open(DOCS, encoding="utf-8").read()
     section = text[text.index("## verl"):text.index("\n## ", text.index("## verl") + 4)]
-    start = section.index("**Config lines only")
+    start = section.index("**This library's correction step")
     block = re.search(r"```bash\n(.*?)```", section[start:], flags=re.S).group(1)
-    return [raw.strip("'\"") for raw in block.replace("\\\n", " ").split()
-            if "=" in raw and not raw.startswith(("python", "--"))]
+    words = block.replace("\\\n", " ").split()
+    assert words[:2] == ["python", "-m"], words[:3]
+    return words[2], [raw.strip("'\"") for raw in words[3:] if "=" in raw and not raw.startswith("--")]
+
+
+def headline_lines() -> list[str]:
+    return headline_command()[1]
+
+
+def test_the_documented_command_is_the_entry_points_own_hydra_main():
+    """The docs' command, run as written in a child process up to Hydra's composition (``--cfg job``
+    prints the composed config and exits before the entry point's main body), and the module's
+    ``main`` is a Hydra entry point over the same config as :func:`main_ppo.compose`."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    module, lines = headline_command()
+    assert module == main_ppo.__name__
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-m", module, *lines, *SIZES, "--cfg", "job"], cwd=here, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = yaml.safe_load(done.stdout)
+    block = printed["algorithm"]["rollout_correction"]
+    assert block["backend"] == rc_verl.BACKEND_NAME and block["rollout_rs"] == "seq_mean_k3"
+    assert printed["algorithm"]["adv_estimator"] == rc_verl.ADV_ESTIMATOR_NAME
+    assert printed["trainer"]["use_v1"] is True
+    expected = main_ppo.compose([*lines, *SIZES])
+    assert block == dict(expected.algorithm.rollout_correction)
 
 
 def _worker_data(meta):
@@ -264,7 +331,7 @@ def test_docs_headline_lines_on_verls_default_trainer(transfer_queue, monkeypatc
     from test_integration_verl_worker import ENGINE_UTILS, _aggregate, _k3_seq_mean, _ppo_clip
 
     lines = headline_lines()
-    assert ON in lines and "algorithm.adv_estimator=grpo_accepted" in lines
+    assert "algorithm.adv_estimator=grpo_accepted" in lines and not any("backend" in x for x in lines)
     assert "actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction" in lines
     assert not any("use_v1" in x for x in lines)  # verl's default trainer
     config = _compose(lines + SIZES)

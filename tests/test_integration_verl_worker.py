@@ -2,13 +2,17 @@
 
 What runs is verl's, unmodified:
 
-* the config: Hydra composes verl's ``ppo_trainer.yaml`` with the override lines that
+* the config: Hydra composes verl's ``ppo_trainer.yaml`` (through the config of this library's
+  entry point, ``rollout_correction.integrations.verl.main_ppo``, which adds the ``backend`` key and
+  removes it with ``task_runner_class`` before verl sees the config) with the override lines that
   docs/integrations.md documents (read from the docs by this test), ``OmegaConf.resolve`` as verl's
   TaskRunner does, and ``omega_conf_to_dataclass(config.actor_rollout_ref.actor)`` as verl's actor
   worker does (``verl/workers/engine_workers.py``) — the config object the worker really holds;
-* the correction step: looked up where verl's legacy trainer looks it up at each step;
-* the worker's data: ``DataProto.to_tensordict`` + ``left_right_2_no_padding`` as the legacy
-  trainer's ``_update_actor`` does, the micro-batches from verl's ``prepare_micro_batches``, and
+* the correction step: the method ``rollout_correction_step`` of the subclass of verl's V1 trainer
+  that the entry point runs (its ``_compute_advantage`` calls it; run through TransferQueue in
+  tests/test_integration_verl_v1.py);
+* the worker's data: ``DataProto.to_tensordict`` + ``left_right_2_no_padding`` (verl's padded →
+  packed conversion, which takes ``loss_mask`` from the corrected ``response_mask``), the micro-batches from verl's ``prepare_micro_batches``, and
   the loss from verl's ``verl.workers.utils.losses.ppo_loss``, which looks the loss up in verl's
   registry (``get_policy_loss_fn(loss_mode)``) and fills ``global_batch_info`` itself;
 * the advantages: verl's ``compute_advantage`` (``verl/trainer/ppo/ray_trainer.py``) through the
@@ -101,11 +105,22 @@ def _doc_lines(*must_contain: str) -> list[str]:
 
 
 def _compose(overrides: list[str]):
+    """The config verl's processes get from the entry point for ``overrides``."""
+    from rollout_correction.integrations.verl import main_ppo
+
+    config = main_ppo.compose(overrides)
+    main_ppo.task_runner_class(config)  # reads and removes the backend key, refuses what cannot act
+    OmegaConf.resolve(config)  # verl's TaskRunner does this before building the trainer and workers
+    return config
+
+
+def _compose_verl(overrides: list[str]):
+    """The config of verl's own entry point (``verl.trainer.main_ppo``) for ``overrides``."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=os.path.join(VERL_DIR, "trainer/config"), version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
-    OmegaConf.resolve(config)  # verl's TaskRunner does this before building the trainer and workers
+    OmegaConf.resolve(config)
     return config
 
 
@@ -178,11 +193,14 @@ def _copy(batch: DataProto) -> DataProto:
                                non_tensors={k: v.copy() for k, v in batch.non_tensor_batch.items()})
 
 
-def _legacy_correction_step(batch: DataProto, config) -> tuple[DataProto, dict]:
-    # RayPPOTrainer.fit imports the function from rollout_corr_helper at each step
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+def _correction_step(batch: DataProto, config) -> tuple[DataProto, dict]:
+    """The correction step of the V1 trainer subclass the entry point runs (its method, on the
+    trainer's DataProto; the object is made without ``__init__``, which builds workers and models)."""
+    from rollout_correction.integrations.verl.trainer import trainer_class
 
-    return compute_rollout_correction_and_add_to_batch(batch, config.algorithm.rollout_correction)
+    trainer = object.__new__(trainer_class(config.trainer.v1.trainer_mode))
+    trainer.config = config
+    return trainer.rollout_correction_step(batch)
 
 
 def _worker_update(batch: DataProto, config, actor, rollout: Rollout, dp: int = 1):
@@ -257,7 +275,7 @@ def _grpo_accepted_by_hand(scores, uids, accepted, eps=1e-6, norm=True):
 
 @pytest.mark.parametrize("dp", [1, 2])
 def test_documented_decoupled_lines_run_our_loss_in_verls_worker_with_accepted_token_denominator(dp):
-    lines = _doc_lines("actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction", "trainer.use_v1=false")
+    lines = _doc_lines("actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction", "algorithm.adv_estimator=grpo_accepted")
     config = _compose(lines + SIZES)
     actor = _worker_actor_config(config)
     assert actor.policy_loss.loss_mode == rc_verl.LOSS_NAME
@@ -266,7 +284,7 @@ def test_documented_decoupled_lines_run_our_loss_in_verls_worker_with_accepted_t
     assert not block.bypass_mode and block.rollout_is == "token" and block.rollout_rs == "seq_mean_k3"
 
     r = Rollout(seed=3, grad=True)
-    batch, metrics = _legacy_correction_step(r.proto(), config)
+    batch, metrics = _correction_step(r.proto(), config)
     assert metrics[rc_verl.BACKEND_METRIC] == 1.0
 
     # Hand: rows whose mean k3(π_old/π_rollout) exceeds 0.01 are rejected; token TIS weights min(ρ, 2).
@@ -278,7 +296,8 @@ def test_documented_decoupled_lines_run_our_loss_in_verls_worker_with_accepted_t
     weights = log_ratio.double().exp().clamp(max=float(block.rollout_is_threshold))
 
     results, data = _worker_update(batch, config, actor, r, dp=dp)
-    # verl's legacy path rebuilds loss_mask from the corrected response_mask: only accepted tokens count
+    # the worker's loss_mask is the corrected response_mask (on V1 the trainer subclass writes it,
+    # tests/test_integration_verl_v1.py): only accepted tokens count
     assert data["batch_num_tokens"] == int(keep.sum()) < int(r.mask.sum())
     assert actor.global_batch_info["batch_num_tokens"] == int(keep.sum())  # filled by verl's ppo_loss
     assert actor.global_batch_info["dp_size"] == dp
@@ -298,11 +317,11 @@ def test_documented_decoupled_lines_run_our_loss_in_verls_worker_with_accepted_t
 
 def test_decoupled_loss_equals_verls_vanilla_loss_on_the_same_worker_data():
     """Without rejection, verl's own default loss and ours agree on verl's worker data."""
-    lines = _doc_lines("actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction", "trainer.use_v1=false")
+    lines = _doc_lines("actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction", "algorithm.adv_estimator=grpo_accepted")
     r = Rollout(seed=4, far=())
     ours = _compose(lines + SIZES)
     theirs = _compose([x for x in lines if "loss_mode" not in x] + SIZES)
-    batch, _ = _legacy_correction_step(r.proto(), ours)
+    batch, _ = _correction_step(r.proto(), ours)
     assert torch.equal(batch.batch["response_mask"], r.mask)  # nothing rejected
     mine, _ = _worker_update(_copy(batch), ours, _worker_actor_config(ours), r)
     actor = _worker_actor_config(theirs)
@@ -314,7 +333,7 @@ def test_decoupled_loss_equals_verls_vanilla_loss_on_the_same_worker_data():
         assert math.isclose(_aggregate(mine, key), _aggregate(verls, key), rel_tol=1e-5, abs_tol=1e-7), key
 
 
-@pytest.mark.parametrize("extra", [[], ["+algorithm.rollout_correction.backend=rollout_correction"]])
+@pytest.mark.parametrize("extra", [[], ["algorithm.rollout_correction.backend=rollout_correction"]])
 def test_documented_bypass_lines_reach_the_worker_and_run_the_correction_in_the_loss(extra):
     lines = _doc_lines("bypass_mode=true")
     config = _compose(lines + SIZES + extra)
@@ -442,7 +461,7 @@ def test_documented_estimator_line_gives_accepted_only_baselines_through_verls_c
     assert isinstance(omega_conf_to_dataclass(config.algorithm), AlgoConfig)
 
     r, batch, scores, uids, keys = _grpo_batch(seed=7)
-    batch, _ = _legacy_correction_step(batch, config)  # rows 1 and 5 rejected, response_mask zeroed
+    batch, _ = _correction_step(batch, config)  # rows 1 and 5 rejected, response_mask zeroed
     accepted = batch.batch["response_mask"].sum(-1) > 0
     assert not accepted[1] and not accepted[5] and int(accepted.sum()) >= 5
     compute = _v1_compute_advantage()
@@ -465,7 +484,7 @@ def test_estimator_reads_norm_adv_by_std_from_verls_algorithm_config():
     config = _compose(_doc_lines("algorithm.adv_estimator=grpo_accepted") + SIZES
                       + ["algorithm.norm_adv_by_std_in_grpo=false"])
     r, batch, scores, uids, keys = _grpo_batch(seed=8)
-    batch, _ = _legacy_correction_step(batch, config)
+    batch, _ = _correction_step(batch, config)
     accepted = (batch.batch["response_mask"].sum(-1) > 0).tolist()
     out = _v1_compute_advantage()(batch, batch_keys=keys, adv_estimator=config.algorithm.adv_estimator,
                                   config=config.algorithm)
@@ -517,7 +536,7 @@ def test_a_fresh_process_registers_both_names_through_verls_plugin_loading_only(
 
 
 def test_installing_alone_leaves_verls_default_loss_and_estimator_in_place():
-    config = _compose(SIZES)  # verl's defaults, nothing of ours
+    config = _compose_verl(SIZES)  # verl's own entry point's config, verl's defaults: nothing of ours
     actor = _worker_actor_config(config)
     assert actor.policy_loss.loss_mode == "vanilla" and config.algorithm.adv_estimator == "gae"
     assert CORE.get_policy_loss_fn("vanilla") is CORE.compute_policy_loss_vanilla
@@ -533,7 +552,9 @@ def test_installing_alone_leaves_verls_default_loss_and_estimator_in_place():
 
 def test_the_loss_refuses_a_misspelt_key_of_the_actor_block():
     lines = _doc_lines("bypass_mode=true") + ["+algorithm.rollout_correction.rollout_iss=token"]
-    config = _compose(lines + SIZES)
+    with pytest.raises(ValueError, match="rollout_iss"):  # the entry point: on the driver, before any worker
+        _compose(lines + SIZES)
+    config = _compose_verl(lines + SIZES)  # verl's own entry point: the loss refuses it in the worker
     r = Rollout(seed=10)
     batch = r.proto()
     batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]

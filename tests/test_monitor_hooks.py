@@ -1,6 +1,6 @@
-"""The adapters feed the process's active health monitor: verl's driver-side correction step
-(called through verl 0.9.1's own ``rollout_corr_helper`` attribute after ``patch_driver``, as
-``RayPPOTrainer.fit`` calls it) and slime's custom TIS function (loaded by dotted path as slime's
+"""The adapters feed the process's active health monitor: verl's correction step (the method of
+the V1 trainer subclass that ``rollout_correction.integrations.verl.main_ppo`` runs, which its
+``_compute_advantage`` calls once per training step) and slime's custom TIS function (loaded by dotted path as slime's
 ``--custom-tis-function-path`` does). The gap is a known shift δ of every log-prob, so
 |k1| = δ exactly: 0.01 for 20 steps, then 0.05."""
 
@@ -47,30 +47,23 @@ def _check(mon, returned):
     assert returned[27][P + "health/kl_rising"] == 0.0 and returned[28][P + "health/kl_rising"] == 1.0
 
 
-def test_verl_driver_step_feeds_the_monitor(monitor, monkeypatch):
-    from verl_reference import _import, load_verl_rollout_corr_helper
+def test_verl_driver_step_feeds_the_monitor(monitor):
+    from omegaconf import OmegaConf
+    from verl_reference import _import
 
-    from rollout_correction.integrations import verl as rc_verl
+    from rollout_correction.integrations.verl.trainer import trainer_class
 
-    helper = load_verl_rollout_corr_helper()
     protocol = _import("verl.protocol")
-    name = "compute_rollout_correction_and_add_to_batch"
-    # patch_driver rebinds verl's correction step in both places verl's trainers look it up (the
-    # legacy trainer's rollout_corr_helper and, when imported, the V1 trainer's trainer_base): both
-    # are restored after the test.
-    monkeypatch.setattr(helper, name, getattr(helper, name))
-    v1 = sys.modules.get("verl.trainer.ppo.v1.trainer_base")
-    if v1 is not None:
-        monkeypatch.setattr(v1, name, getattr(v1, name))
-    rc_verl.patch_driver()
-    assert getattr(helper, name).routed
+    trainer = object.__new__(trainer_class("sync"))  # its __init__ builds workers; the step needs the config
+    trainer.config = OmegaConf.create({"algorithm": {"rollout_correction": {"rollout_is": "token",
+                                                                            "rollout_is_threshold": 2.0}}})
     returned = []
     for step in range(30):
         old, rollout = _log_probs(step)
         batch = protocol.DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout,
                                                       "response_mask": torch.ones_like(old)})
-        _, metrics = getattr(helper, name)(batch, {"rollout_is": "token", "rollout_is_threshold": 2.0})
-        returned.append(metrics)  # what verl's fit merges into its tracker's metrics
+        _, metrics = trainer.rollout_correction_step(batch)
+        returned.append(metrics)  # what verl's trainer merges into its tracker's metrics
     _check(monitor, returned)
     assert returned[0][P + "kl"] == pytest.approx(-0.01, rel=1e-5)
 

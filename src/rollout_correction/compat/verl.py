@@ -49,6 +49,7 @@ from .._src.weights import ISWeights, add_is_statistics, batch_norm_factor, impo
 
 __all__ = [
     "ConfigBlockError",
+    "ThresholdTypeError",
     "SAFETY_BOUND",
     "SUPPORTED_ROLLOUT_RS_OPTIONS",
     "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS",
@@ -93,6 +94,19 @@ class ConfigBlockError(ConfigError, TypeError, AttributeError):
     an ``except`` written against verl still catches it."""
 
 
+class ThresholdTypeError(ConfigError, TypeError):
+    """``rollout_is_threshold`` is a boolean. verl raises a ``TypeError`` ("... not a boolean") for
+    it; this error is also that type (and a :class:`~rollout_correction.ConfigError`)."""
+
+
+def _threshold(value: Any) -> Any:
+    """``rollout_is_threshold`` as given, refusing a boolean with verl's exception type."""
+    if isinstance(value, bool):
+        raise ThresholdTypeError(f"rollout_is_threshold={value!r} is invalid: give a float or a string "
+                                 "threshold specification ('upper' or 'lower_upper'), not a boolean")
+    return value
+
+
 def _weights_holder(weights: torch.Tensor) -> Any:
     """verl's ``DataProto`` if the caller already imported verl (so ``batch.union`` works),
     otherwise the light :class:`RolloutISWeights`."""
@@ -114,7 +128,7 @@ def _resolve_group(process_group: Any, batch_normalize: bool) -> Optional[object
 
 def _is_config(rollout_is: Optional[str], rollout_is_threshold: Any,
                rollout_is_batch_normalize: bool = False) -> RolloutCorrectionConfig:
-    return RolloutCorrectionConfig(rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
+    return RolloutCorrectionConfig(rollout_is=rollout_is, rollout_is_threshold=_threshold(rollout_is_threshold),
                                    rollout_is_batch_normalize=rollout_is_batch_normalize)
 
 
@@ -151,7 +165,7 @@ def compute_rollout_correction_and_rejection_mask(
     if rollout_rs is not None and rollout_rs_threshold is None:
         raise ValueError("rollout_rs_threshold must be explicitly provided when rollout_rs is enabled "
                          f"(rollout_rs={rollout_rs!r}); e.g. '0.5_2.0' for k1 options, 0.01 for k2/k3")
-    if rollout_is_threshold is None:
+    if _threshold(rollout_is_threshold) is None:
         rollout_is = None  # verl computes no weights without a threshold
     cfg = RolloutCorrectionConfig(
         rollout_is=rollout_is,
@@ -376,6 +390,8 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
     """
     if rollout_corr_config is None:
         raise ConfigBlockError("rollout_corr_config is None: pass verl's algorithm.rollout_correction block")
+    if not isinstance(rollout_corr_config, (str, RolloutCorrectionConfig)):  # a block, not a preset or config
+        _threshold(_get(rollout_corr_config, "rollout_is_threshold", None))
     try:
         cfg = as_config(rollout_corr_config)
     except TypeError as exc:

@@ -1,5 +1,11 @@
 """OpenRLHF: its rollout correction options mapped onto ours, and a drop-in policy loss.
 
+Used through the launcher ``python -m rollout_correction.integrations.openrlhf.train_ppo_ray``
+(:mod:`.train_ppo_ray`: OpenRLHF's own ``train_ppo_ray`` on the same flags, whose policy actor is the
+subclass of :mod:`.actor`, which builds :class:`RolloutCorrectionPolicyLoss` from the args and calls
+its :meth:`~RolloutCorrectionPolicyLoss.prepare_experience` in ``append``). Importing this package
+changes nothing in OpenRLHF.
+
 OpenRLHF (0.10.4 to 0.11.2) corrects the vLLM/DeepSpeed mismatch inside ``PolicyLoss.forward``
 (``openrlhf/models/loss.py``), driven by options of ``openrlhf.cli.train_ppo_ray``. Two
 generations of options exist:

@@ -1,27 +1,33 @@
 """verl: this library's policy loss, correction step and GRPO advantage inside verl 0.9.1.
 
-Importing this module registers, in verl's ``verl.trainer.ppo.core_algos`` registries:
+Importing this module (verl does, in every process, through the package's ``verl.plugins`` entry
+point) registers two names in verl's ``verl.trainer.ppo.core_algos`` registries, and does nothing else:
 
 * the policy loss ``"rollout_correction"`` (:func:`policy_loss`), selected with
   ``actor_rollout_ref.actor.policy_loss.loss_mode=rollout_correction``;
 * the advantage estimator ``"grpo_accepted"`` (:func:`grpo_accepted_advantage`), GRPO whose group
   baselines use accepted rows only, selected with ``algorithm.adv_estimator=grpo_accepted``.
 
-and provides :func:`compute_rollout_correction_and_add_to_batch`, a replacement for verl's
-function of that name (decoupled mode, on a ``DataProto``), and :func:`wire_trainer_config`,
-which copies the ``algorithm.rollout_correction`` block into the actor's config before the
-workers are created and routes the correction step here (``backend: rollout_correction`` in the
-block, read in every process, and :func:`patch_driver` in the calling one).
+verl's correction step (``compute_rollout_correction_and_add_to_batch``) stays verl's own. This
+library's step runs where the user starts verl through this library's entry point,
+``python -m rollout_correction.integrations.verl.main_ppo`` (:mod:`.main_ppo`): it mirrors
+``verl.trainer.main_ppo`` with a V1 trainer subclass (:mod:`.trainer`) whose ``_compute_advantage``
+calls this library and writes the corrected mask as the workers' ``loss_mask``, so rejected tokens
+leave ``batch_num_tokens``. :func:`compute_rollout_correction_and_add_to_batch` is that step on a
+``DataProto``; :func:`wire_trainer_config` copies the ``algorithm.rollout_correction`` block into the
+actor's config before the workers are created.
 
-Whichever route is taken, this library says once per process in the log that it runs, and adds
+Whichever piece runs, this library says once per process in the log that it runs, and adds
 :data:`BACKEND_METRIC` (``rollout_corr/backend/rollout_correction``, which nothing in verl emits) to
-the correction step's metrics and to the loss's (verl logs the latter as ``actor/...``). On verl's
-V1 trainer the correction step also writes the corrected mask into the workers' ``loss_mask``, so
-rejected tokens leave ``batch_num_tokens`` there as on the legacy trainer.
+the correction step's metrics and to the loss's (verl logs the latter as ``actor/...``).
 
 verl's configuration is accepted unchanged: the ``algorithm.rollout_correction`` YAML block (or
 verl's ``RolloutCorrectionConfig`` dataclass, or a plain dict) with any key either verl
 generation documents, and the actor's ``policy_loss`` / ``clip_ratio*`` / ``global_batch_info``.
+The entry point adds one key to the block, ``backend`` (``rollout_correction``, its default, or
+``verl``), and removes it before verl sees the config: a ``backend`` key that reaches the loss or
+the estimator was added to verl's own entry point (``+algorithm.rollout_correction.backend=...``),
+where this library's step cannot run, and is refused there.
 
 Wiring traps of verl that this path avoids:
 
@@ -43,7 +49,6 @@ Wiring traps of verl that this path avoids:
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any, Optional
 
 import torch
@@ -63,15 +68,16 @@ __all__ = [
     "policy_loss",
     "grpo_accepted_advantage",
     "wire_trainer_config",
-    "patch_driver",
     "register",
+    "registered",
     "BACKEND_KEY",
     "BACKEND_NAME",
     "BACKEND_METRIC",
+    "ENTRY_POINT",
     "backend_requested",
-    "install_dispatcher",
-    "plugin_active",
     "check_trainer_config",
+    "refuse_backend_key",
+    "refuse_keys_verls_step_ignores",
 ]
 
 LOSS_NAME = "rollout_correction"
@@ -201,10 +207,12 @@ def _actor_block(config: Any) -> Optional[RolloutCorrectionConfig]:
 
     verl's worker config fills an absent block with its ``RolloutCorrectionConfig()`` dataclass
     defaults (``_target_`` empty, ``rollout_is="sequence"`` unlike the YAML): that counts as none.
-    The block may be an interpolation of ``algorithm.rollout_correction``, so the ``backend`` key of
-    the correction-step switch is dropped here; any other unknown key raises, naming it.
+    The block may be an interpolation of ``algorithm.rollout_correction``; a ``backend`` key in it is
+    refused (:func:`refuse_backend_key`: this library's entry point removes it); any other unknown key
+    raises, naming it.
     """
     block = _get(_get(config, "policy_loss", None), "rollout_correction", None)
+    refuse_backend_key(block, "actor_rollout_ref.actor.policy_loss.rollout_correction")
     if block is None or (dataclasses.is_dataclass(block) and type(block).__module__.startswith("verl.")
                          and block == type(block)()):
         return None
@@ -212,8 +220,8 @@ def _actor_block(config: Any) -> Optional[RolloutCorrectionConfig]:
 
 
 def _block_settings(block: Any) -> dict[str, Any]:
-    """The block's settings without the ``backend`` key of the correction-step switch (not a
-    config key; ``_target_`` is one :func:`~rollout_correction.as_config` ignores)."""
+    """The block's settings without the entry point's ``backend`` key (not a config key;
+    ``_target_`` is one :func:`~rollout_correction.as_config` ignores)."""
     return {k: v for k, v in settings_dict(block).items() if k != BACKEND_KEY}
 
 
@@ -246,7 +254,10 @@ def grpo_accepted_advantage(
     row's valid tokens. Rejected rows, and groups with fewer than two accepted rows, get 0 (verl
     gives a lone row its raw score). Without rejection and with groups of ≥ 2 this equals verl's
     ``compute_grpo_outcome_advantage``. Returns (advantages, returns), both (B, T), as verl's does.
+    A ``backend`` key in ``config.rollout_correction`` (verl passes ``algorithm``) is refused
+    (:func:`refuse_backend_key`).
     """
+    refuse_backend_key(_get(config, "rollout_correction", None), "algorithm.rollout_correction")
     if index is None:
         raise ValueError("grpo_accepted needs the group index (verl passes non_tensor_batch['uid'])")
     if norm_adv_by_std_in_grpo is None:
@@ -258,34 +269,19 @@ def grpo_accepted_advantage(
     return adv, adv
 
 
-def patch_driver() -> None:
-    """Route this process's verl correction step to this library, whatever the block's ``backend`` says.
-
-    Installs the dispatcher (:func:`install_dispatcher`) in its routed form where verl's trainers
-    look the function up (``rollout_corr_helper``, and ``trainer_base`` when already imported): the
-    step runs :func:`compute_rollout_correction_and_add_to_batch`, logs once that it does and
-    returns :data:`BACKEND_METRIC`, exactly as with ``backend: rollout_correction`` (only an explicit
-    ``backend: verl`` keeps verl's own step). :func:`plugin_active` is then true. Idempotent.
-    It acts in the calling process only; verl's V1 trainer runs in its TaskRunner actor, where the
-    ``backend`` key that :func:`wire_trainer_config` writes into the block decides.
-    """
-    _install_dispatcher(routed=True)
-
-
-def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool = True) -> Any:
-    """Route verl's trainer config through this library, before the trainer creates its workers.
+def wire_trainer_config(config: Any, *, grpo_accepted: bool = True) -> Any:
+    """Write the ``algorithm.rollout_correction`` block where verl's workers read it, before they exist.
 
     Reads ``config.algorithm.rollout_correction`` (unchanged verl block) and writes, in place:
     ``actor_rollout_ref.actor.policy_loss.loss_mode = "rollout_correction"``,
     ``actor_rollout_ref.actor.policy_loss.rollout_correction = <the block>``, and, in bypass mode,
     ``actor_rollout_ref.rollout.calculate_log_probs = True``. With ``grpo_accepted`` and
     ``algorithm.adv_estimator == "grpo"`` the estimator becomes ``"grpo_accepted"`` when
-    rejection sampling is configured. With ``driver`` the decoupled correction step is routed here
-    too: ``algorithm.rollout_correction.backend = rollout_correction`` is written into the block
-    (so the dispatcher in every verl process, the V1 trainer's TaskRunner actor included, runs this
-    library and emits :data:`BACKEND_METRIC`) and :func:`patch_driver` routes the calling process.
-    The block is validated here, so a bad key fails on the driver before any worker starts.
-    Returns ``config``.
+    rejection sampling is configured. The block is validated here, so a bad key fails on the
+    driver before any worker starts. Returns ``config``.
+
+    It changes the config only: which correction step runs is decided by the entry point (this
+    library's with :mod:`rollout_correction.integrations.verl.main_ppo`, verl's with verl's own).
     """
     from omegaconf import OmegaConf, open_dict
 
@@ -303,9 +299,8 @@ def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool
                 "leave loss_mode at vanilla")
         raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: wire_trainer_config replaces "
                          f"the loss with {LOSS_NAME!r}, which would drop verl's {mode!r} loss; {hint}, or keep "
-                         f"verl's loss with the config line +algorithm.rollout_correction.{BACKEND_KEY}="
-                         f"{BACKEND_NAME} instead of wire_trainer_config (this library's correction step, "
-                         "verl's loss on its weights)")
+                         f"verl's loss without wire_trainer_config (this library's correction step through "
+                         f"{ENTRY_POINT}, verl's loss on its weights)")
     with open_dict(config):
         if _get(actor, "policy_loss", None) is None:
             actor.policy_loss = OmegaConf.create({})
@@ -315,12 +310,7 @@ def wire_trainer_config(config: Any, *, grpo_accepted: bool = True, driver: bool
             config.actor_rollout_ref.rollout.calculate_log_probs = True
         if grpo_accepted and cfg.rs_enabled and str(_get(config.algorithm, "adv_estimator", "")) == "grpo":
             config.algorithm.adv_estimator = ADV_ESTIMATOR_NAME
-        if driver:
-            if _backend_value(block) is None:
-                config.algorithm.rollout_correction[BACKEND_KEY] = BACKEND_NAME
     check_trainer_config(config)
-    if driver:
-        patch_driver()
     return config
 
 
@@ -380,52 +370,51 @@ def register(core_algos: Any = None) -> None:
         core_algos.register_adv_est(ADV_ESTIMATOR_NAME)(grpo_accepted_advantage)
 
 
-#: ``+algorithm.rollout_correction.backend=rollout_correction`` routes verl's correction step here.
+def registered(core_algos: Any = None) -> bool:
+    """True when verl's registries resolve both names to this library's functions."""
+    if core_algos is None:
+        from verl.trainer.ppo import core_algos
+    return (core_algos.POLICY_LOSS_REGISTRY.get(LOSS_NAME) is policy_loss
+            and core_algos.ADV_ESTIMATOR_REGISTRY.get(ADV_ESTIMATOR_NAME) is grpo_accepted_advantage)
+
+
+#: The entry point that runs verl with this library's correction step (mirrors ``verl.trainer.main_ppo``).
+ENTRY_POINT = "python -m rollout_correction.integrations.verl.main_ppo"
+#: ``algorithm.rollout_correction.backend``: a key of the entry point's config only (``rollout_correction``
+#: by default, ``verl`` keeps verl's step); the entry point removes it before verl sees the config.
 BACKEND_KEY = "backend"
 BACKEND_NAME = "rollout_correction"
 #: Logged with value 1.0 by every correction step this library runs inside verl.
 BACKEND_METRIC = f"{METRIC_PREFIX}backend/rollout_correction"
-_TRAINER_MODULES = ("verl.trainer.ppo.rollout_corr_helper", "verl.trainer.ppo.v1.trainer_base")
 
 
 def backend_requested(rollout_corr_config: Any) -> bool:
-    """True when verl's ``algorithm.rollout_correction`` block says ``backend: rollout_correction``.
-
-    Any other value of ``backend`` raises (naming it), so a typo cannot fall back to verl silently.
-    """
+    """True when the block says ``backend: rollout_correction`` (or has no ``backend`` key: the entry
+    point's default); False for ``backend: verl``. Any other value raises, naming it."""
     value = _backend_value(rollout_corr_config)  # verl's config dataclass has no such field: None
-    if value is None or str(value) == "verl":
-        return False
-    if str(value) != BACKEND_NAME:
-        raise ValueError(f"algorithm.rollout_correction.backend={value!r}: use {BACKEND_NAME!r} "
-                         "(this library) or 'verl' (verl's own correction step)")
-    return True
+    if value is None or str(value) == BACKEND_NAME:
+        return True
+    if str(value) != "verl":
+        raise ValueError(f"algorithm.rollout_correction.{BACKEND_KEY}={value!r}: use {BACKEND_NAME!r} "
+                         "(this library's correction step) or 'verl' (verl's own)")
+    return False
 
 
-def _dispatching(original: Any, routed: bool = False) -> Any:
-    def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any):  # noqa: F811
-        requested = backend_requested(rollout_corr_config)  # raises on a misspelt backend
-        caller = sys._getframe(1)
-        trainer_config = getattr(caller.f_locals.get("self"), "config", None)  # verl's two trainers: self.config
-        if _get(trainer_config, "actor_rollout_ref", None) is not None:
-            check_trainer_config(trainer_config)  # the loss keys must reach this library's loss
-        if not requested and not (routed and _backend_value(rollout_corr_config) is None):
-            _refuse_keys_verls_step_ignores(rollout_corr_config)
-            return original(batch, rollout_corr_config)
-        _say_once("step", "rollout_correction: verl's rollout-correction step runs this library "
-                  + (f"(algorithm.rollout_correction.{BACKEND_KEY}={BACKEND_NAME})" if requested
-                     else "(patch_driver / wire_trainer_config)"))
-        batch, metrics = globals()["compute_rollout_correction_and_add_to_batch"](
-            batch, _block_settings(rollout_corr_config))
-        _v1_loss_mask(caller, batch)
-        return batch, {**metrics, BACKEND_METRIC: 1.0}
+def refuse_backend_key(rollout_corr_config: Any, where: str) -> None:
+    """Refuse a ``backend`` key that reached verl's processes.
 
-    compute_rollout_correction_and_add_to_batch.verl_original = original
-    compute_rollout_correction_and_add_to_batch.routed = routed
-    compute_rollout_correction_and_add_to_batch.__doc__ = (
-        "verl's correction step, or this library's when algorithm.rollout_correction.backend=rollout_correction"
-        + (" or when routed by patch_driver" if routed else ""))
-    return compute_rollout_correction_and_add_to_batch
+    :mod:`.main_ppo` removes the key before verl sees the config, so a block that still has it was
+    given to verl's own entry point (``+algorithm.rollout_correction.backend=...``), where verl's own
+    correction step runs and ignores it. Called by the loss and the estimator (``where`` names them).
+    """
+    value = _backend_value(rollout_corr_config)
+    if value is None:
+        return
+    raise ValueError(
+        f"{where}.{BACKEND_KEY}={value!r}: this key belongs to this library's entry point ({ENTRY_POINT} "
+        f"<verl's overrides>, where it is written without '+'), which removes it before verl sees the config; "
+        f"here verl was started by another entry point, so verl's own correction step runs and would ignore "
+        f"the key. Start the run with {ENTRY_POINT}, or remove the key to keep verl's step")
 
 
 #: The keys verl 0.9.1's own correction step reads (``rollout_corr_helper``), plus those its trainer
@@ -434,19 +423,19 @@ _VERL_STEP_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_norma
                    "rollout_rs_threshold", "bypass_mode", "loss_type", "rollout_opsm_delta", BACKEND_KEY, "_target_")
 
 
-def _refuse_keys_verls_step_ignores(rollout_corr_config: Any) -> None:
+def refuse_keys_verls_step_ignores(rollout_corr_config: Any) -> None:
     """verl's own correction step reads five keys and ignores the rest: a setting of this library's
     step (veto, lower bounds, ``rollout_is_mode``, M2PO, ``on_nonfinite``, ``check_alignment``) that
     differs from its default is refused, naming the key and where it acts."""
-    if rollout_corr_config is None:
-        return
+    if rollout_corr_config is None or _get(rollout_corr_config, "bypass_mode", False):
+        return  # bypass: every key acts in this library's loss
     defaults = RolloutCorrectionConfig()
     for key, value in settings_dict(rollout_corr_config).items():
         if key in _VERL_STEP_KEYS or value is None or value == getattr(defaults, key, None):
             continue
         raise ValueError(f"algorithm.rollout_correction.{key}={value!r}: verl's own correction step ignores it; "
-                         f"it acts in this library's correction step: add +algorithm.rollout_correction."
-                         f"{BACKEND_KEY}={BACKEND_NAME}")
+                         f"it acts in this library's correction step ({ENTRY_POINT}, without "
+                         f"algorithm.rollout_correction.{BACKEND_KEY}=verl)")
 
 
 def _backend_value(rollout_corr_config: Any) -> Any:
@@ -456,80 +445,7 @@ def _backend_value(rollout_corr_config: Any) -> Any:
         return None
 
 
-def _v1_loss_mask(caller: Any, batch: Any) -> None:
-    """On verl's V1 trainer, make the workers' ``loss_mask`` the corrected ``response_mask``.
-
-    verl 0.9.1's V1 agent loop stores ``loss_mask = response_mask`` in TransferQueue at rollout
-    time (``verl/trainer/ppo/v1/agent_loop_tq.py``), every training engine counts its
-    ``batch_num_tokens`` (the token-mean denominator) from ``loss_mask``, and
-    ``PPOTrainer._compute_advantage`` writes back only the corrected ``response_mask``: rejected
-    tokens would leave the numerator but stay in the denominator. When the caller is that method
-    (``trainer_base``), the corrected mask is written to TransferQueue as ``loss_mask`` for the
-    batch's keys. The legacy trainer rebuilds ``loss_mask`` from ``response_mask`` itself.
-    """
-    local = caller.f_locals
-    if caller.f_globals.get("__name__") != _TRAINER_MODULES[1] or caller.f_code.co_name != "_compute_advantage":
-        if any(hasattr(v, "partition_id") for v in local.values()):  # a TransferQueue batch, another caller
-            _say_once("v1_loss_mask", f"rollout_correction: called from {caller.f_code.co_name} in "
-                      f"{caller.f_globals.get('__name__')}, not verl's V1 PPOTrainer._compute_advantage: the "
-                      "workers' loss_mask is not updated, so rejected tokens stay in verl's batch_num_tokens")
-        return
-    meta, nested = local.get("batch"), local.get("response_mask")
-    if not (hasattr(meta, "keys") and hasattr(meta, "partition_id") and getattr(nested, "is_nested", False)):
-        _say_once("v1_loss_mask", "rollout_correction: could not find verl's V1 batch keys; rejected tokens "
-                  "stay in verl's batch_num_tokens (loss_mask)")
-        return
-    import transfer_queue as tq
-    from tensordict import TensorDict
-    from verl.workers.utils.padding import response_to_nested
-
-    corrected = batch.batch["response_mask"].to(nested.dtype)
-    loss_mask = response_to_nested(corrected, nested)
-    tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id,
-                    fields=TensorDict({"loss_mask": loss_mask}, batch_size=len(meta.keys)))
-
-
-def install_dispatcher() -> None:
-    """Put the dispatching correction step where verl's trainers look the function up.
-
-    The legacy ``RayPPOTrainer`` imports it from ``rollout_corr_helper`` at each step; the V1
-    trainer binds it when ``trainer_base`` is imported. Both module attributes are replaced (the
-    second only if ``trainer_base`` is already imported; otherwise it binds the helper's, which is
-    already the dispatcher). Idempotent. Without ``backend: rollout_correction`` in the block the
-    dispatcher calls verl's original function unchanged.
-    """
-    _install_dispatcher(routed=False)
-
-
-def _install_dispatcher(routed: bool) -> None:
-    """Install the dispatcher (``routed``: :func:`patch_driver`'s form) in ``rollout_corr_helper``,
-    and in ``trainer_base`` when that is imported and still binds verl's function or the helper's
-    previous one. An installed dispatcher is kept unless it must become the routed one (a routed
-    one is never downgraded)."""
-    import importlib
-
-    helper = importlib.import_module(_TRAINER_MODULES[0])
-    current = helper.compute_rollout_correction_and_add_to_batch
-    original = getattr(current, "verl_original", current)
-    keep = hasattr(current, "verl_original") and (getattr(current, "routed", False) or not routed)
-    dispatcher = current if keep else _dispatching(original, routed)
-    helper.compute_rollout_correction_and_add_to_batch = dispatcher
-    v1 = sys.modules.get(_TRAINER_MODULES[1])
-    bound = getattr(v1, "compute_rollout_correction_and_add_to_batch", None)
-    if v1 is not None and (bound is original or bound is current):
-        v1.compute_rollout_correction_and_add_to_batch = dispatcher
-
-
-def plugin_active() -> bool:
-    """True when verl's correction step in this process goes through the dispatcher."""
-    helper = sys.modules.get(_TRAINER_MODULES[0])
-    v1 = sys.modules.get(_TRAINER_MODULES[1])
-    return (helper is not None and hasattr(helper.compute_rollout_correction_and_add_to_batch, "verl_original")
-            and (v1 is None or hasattr(v1.compute_rollout_correction_and_add_to_batch, "verl_original")))
-
-
-try:  # on import when verl is importable (in every verl process via the plugin entry point)
+try:  # verl imports this module in each of its processes (the package's verl.plugins entry point)
     register()
-    install_dispatcher()
-except ImportError:
+except ImportError:  # verl is not installed: the functions are usable on their own
     pass

@@ -1,0 +1,81 @@
+"""``python -m rollout_correction.integrations.openrlhf.train_ppo_ray <OpenRLHF's flags>``.
+
+OpenRLHF's own launcher, ``openrlhf.cli.train_ppo_ray``, run as ``__main__`` on the same command
+line (its argument parser, its validation, its ``train``), with one difference: the policy actor it
+creates in Ray is :func:`~.actor.policy_model_actor` of OpenRLHF's ``PolicyModelActor``, whose loss
+and replay-buffer append are this library's. No OpenRLHF file is edited.
+
+OpenRLHF's launcher takes its actor class from the name ``PolicyModelActor`` it imports from
+``openrlhf.trainer.ray.ppo_actor`` and offers no option to supply another, so this launcher binds
+that name to the subclass in its own process before running OpenRLHF's launcher (and restores it
+after). That is the only OpenRLHF name it touches, in the process the user started with this
+command; the actor processes receive the subclass from Ray.
+
+One option of this launcher's own, removed before OpenRLHF parses the rest:
+``--rollout_correction.config CONFIG``, a preset name or a JSON mapping of this library's config
+keys, replaces the mapping of OpenRLHF's correction flags (``RolloutCorrectionPolicyLoss.from_args(args,
+CONFIG)``); OpenRLHF's flags must still turn the correction on, for the sampling log-probs.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from typing import Any, Optional, Sequence
+
+__all__ = ["CONFIG_OPTION", "OPENRLHF_MAIN", "main", "parse_config_option"]
+
+CONFIG_OPTION = "--rollout_correction.config"
+OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
+
+
+def parse_config_option(argv: Sequence[str]) -> tuple[Any, list[str]]:
+    """(the config given with :data:`CONFIG_OPTION` or None, the remaining arguments for OpenRLHF)."""
+    rest, config = [], None
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if item == CONFIG_OPTION or item.startswith(CONFIG_OPTION + "="):
+            if item == CONFIG_OPTION:
+                if i + 1 >= len(items):
+                    raise SystemExit(f"{CONFIG_OPTION} needs a value: a preset name or a JSON mapping")
+                value, i = items[i + 1], i + 2
+            else:
+                value, i = item.split("=", 1)[1], i + 1
+            config = json.loads(value) if value.lstrip().startswith("{") else value
+            continue
+        rest.append(item)
+        i += 1
+    if config is not None:
+        from rollout_correction import as_config
+
+        as_config(config)  # a bad key or value fails here, naming it, before Ray starts
+    return config, rest
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Run OpenRLHF's ``train_ppo_ray`` as ``__main__`` on ``argv`` with this library's policy actor."""
+    import ray
+
+    from . import check_openrlhf_version
+    from .actor import policy_model_actor
+
+    config, rest = parse_config_option(sys.argv[1:] if argv is None else argv)
+    check_openrlhf_version()
+    from openrlhf.trainer.ray import ppo_actor
+
+    openrlhf_actor = ppo_actor.PolicyModelActor
+    ppo_actor.PolicyModelActor = ray.remote(num_gpus=1)(policy_model_actor(openrlhf_actor, config))
+    saved_argv = sys.argv
+    sys.argv = [OPENRLHF_MAIN, *rest]
+    try:
+        runpy.run_module(OPENRLHF_MAIN, run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = saved_argv
+        ppo_actor.PolicyModelActor = openrlhf_actor
+
+
+if __name__ == "__main__":
+    main()
