@@ -107,32 +107,21 @@ def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, resp
 
 @dataclass
 class RowValues:
-    """Per-sequence values of the whole (unsplit) sequences, (B,) each, on every rank of the
-    sequence group (float32 unless noted).
+    """Per-sequence values of the whole (unsplit) sequences on every rank of the sequence group.
 
-    n_tok: valid tokens used (0 for rows dropped for a non-finite value); kept: valid tokens
-    every rejection criterion accepts; token_keep: (B, T_local) float 0/1, this rank's valid
-    tokens accepted by the token-level criteria (the final mask is ``token_keep · row_keep``);
-    row_keep: bool, rows accepted by the sequence-level criteria and the veto; log_ratio_sum:
-    Σ_t log ρ_t; train_mean / rollout_mean: mean_t log π_train / log π_rollout (float64);
-    dropped: bool, rows dropped for a non-finite value; batch: the :class:`LogRatioBatch` of the
-    final pass (its per-row reductions span the group); weights: (B, T_local) IS weights before
-    batch normalisation (None without IS); row_weight: the bounded per-row weight at sequence /
-    geometric level (None at token level).
+    kept: (B,) valid tokens every rejection criterion accepts; token_keep: (B, T_local) float 0/1,
+    this rank's valid tokens the token-level criteria accept (the final mask is ``token_keep ·
+    row_keep``); row_keep: (B,) bool, rows the sequence-level criteria and the veto accept;
+    dropped: (B,) bool, rows dropped for a non-finite value; weights: (B, T_local) IS weights before
+    batch normalisation (None without IS); row_weight: (B,) bounded per-row weight at sequence /
+    geometric level (None at token level). A partial passed to the exchange must depend on this
+    rank's tokens only: apply ``row_keep`` / ``row_weight`` to the reduced value.
+    """
 
-    A partial passed to the exchange must depend on this rank's tokens only: build it from
-    ``token_keep`` and ``weights`` at token level, and apply ``row_keep`` / ``row_weight`` /
-    the batch-normalisation factor to the reduced value."""
-
-    n_tok: torch.Tensor
     kept: torch.Tensor
     token_keep: torch.Tensor
     row_keep: torch.Tensor
-    log_ratio_sum: torch.Tensor
-    train_mean: torch.Tensor
-    rollout_mean: torch.Tensor
     dropped: torch.Tensor
-    batch: LogRatioBatch
     weights: Optional[torch.Tensor] = None
     row_weight: Optional[torch.Tensor] = None
 
@@ -156,11 +145,8 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     isw, rej = local_correction(batch, config, stats)
     weights = isw.weights if isw is not None else None
     keep = rej.keep_mask(batch)
-    kept = rej.kept_per_row(batch)
     token_keep = batch.mask if rej.token_keep is None else batch.mask * rej.token_keep
-    means = batch.train_means64()
-    values = RowValues(batch.n_row, kept, token_keep, rej.rows(batch), batch.row_sum, means[1],
-                       means[1] - means[0], batch.bad_rows, batch, weights,
+    values = RowValues(rej.kept_per_row(batch), token_keep, rej.rows(batch), batch.bad_rows, weights,
                        isw.row_weight if isw is not None else None)
     if not rows.final:
         return CorrectionOutput(weights, keep), values
@@ -191,10 +177,9 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
 #: temporary): temporaries stay cache-sized, and peak memory does not grow with the batch
 #: beyond the outputs. Statistics of all blocks are reduced together, so results are identical.
 BLOCK_TOKENS = 1 << 17
-#: On an accelerator the blocks are larger (64 MiB per float32 temporary): every block costs its
-#: own kernel launches (at 1024x32768 on an H100, 4M-token blocks made eager slower than one pass;
-#: 16M-token blocks are 1.7-2.8x faster with a peak still below verl's), and device memory
-#: bandwidth, not cache, is what a block must saturate.
+#: On an accelerator the blocks are larger (64 MiB per float32 temporary): each block costs its own
+#: kernel launches, and memory bandwidth, not cache, is what it must saturate (H100, 1024x32768:
+#: 1.7-2.8x faster than 4M-token blocks, peak still below verl's).
 DEVICE_BLOCK_TOKENS = 1 << 24
 
 
@@ -289,20 +274,15 @@ def compute_rollout_correction(
             the first call per config compiles, later calls reuse it). Same results as eager.
             Not used with ``sequence_group`` (that path runs eagerly).
         sequence_group: a ``torch.distributed`` group over which every sequence is split
-            (context parallelism: Megatron's ``mpu.get_context_parallel_group()``, or a Ulysses
-            sequence-parallel group). Each rank passes its own tokens of the same B rows in the
-            same order — any layout: a contiguous slice, the two zig-zag chunks, padding inside
-            the slice, an empty slice — and every valid token is held by exactly one rank. The
-            per-sequence sums, counts and maxima are reduced across the group with one
-            all-gather of a (B, k) tensor of per-row partials (k = 6 to 26 scalars
-            per row, never token tensors), so weights, masks and metrics equal those of the
-            unsplit sequences (floating-point sums up to rounding); the returned (B, T_local)
-            tensors cover this rank's tokens. ``process_group`` is then the data-parallel group
-            either without context parallelism (``mpu.get_data_parallel_group()``: one rank per
-            sequence group) or with it (``mpu.get_data_parallel_group(with_context_parallel=True)``),
-            or None when the sequence group holds the whole batch; a group that contains only
-            some ranks of ``sequence_group`` raises ValueError. ``check_alignment`` needs whole
-            sequences and raises with a sequence group.
+            (context parallelism: Megatron's ``mpu.get_context_parallel_group()``, or Ulysses).
+            Each rank passes its own tokens of the same B rows in the same order, in any layout
+            (a slice, the two zig-zag chunks, padding, an empty slice), every valid token held by
+            exactly one rank. One all-gather of (B, k) per-row partials (never token tensors)
+            makes weights, masks and metrics those of the unsplit sequences (up to rounding); the
+            (B, T_local) outputs cover this rank's tokens. ``process_group`` is then the
+            data-parallel group without or with context parallelism, or None when the sequence
+            group holds the whole batch (see :func:`~rollout_correction._src.sequence_group.stats_owner`;
+            a partial overlap raises ValueError). ``check_alignment`` raises with a sequence group.
     Returns:
         :class:`CorrectionOutput`.
     """

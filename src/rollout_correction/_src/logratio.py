@@ -1,13 +1,8 @@
 """The per-token log-ratio and the per-row sums every estimator shares.
 
 :func:`log_ratio_batch` makes one pass over ``(old_log_prob, rollout_log_prob, response_mask)``
-and returns a :class:`LogRatioBatch` of named results:
-
-* per token (B, T), float32, exactly 0 at every position not used:
-  ``mask`` (0/1), ``log_ratio`` = log π_train − log π_rollout, ``log_ratio_clamped`` (±20),
-  ``ratio`` = exp(clamped log ρ), ``k3`` = ρ − 1 − log ρ;
-* per row (B,), in :class:`RowSums`: the token counts and Σ log ρ, Σ log π_train, Σ k3, Σ ρ, Σ ρ²,
-  taken with one reduction each.
+and returns a :class:`LogRatioBatch`: per token (B, T) float32, exactly 0 at every position not
+used, and per row (B,) sums taken with one reduction.
 
 Non-finite input. NaN / ±inf are replaced by ±1e30 and multiplied by the 0/1 mask, so nothing in
 padding reaches a sum; a valid position holding a non-finite value (or |log ρ| ≥ 1e30) makes its
@@ -72,7 +67,8 @@ class LogRatioBatch:
         response_mask: the caller's (B, T) mask, as given.
         input_mask: (B, T) float32 0/1, the valid input tokens.
         mask: (B, T) float32 0/1, the tokens used: ``input_mask`` minus dropped rows.
-        log_ratio, log_ratio_clamped, ratio, k3: (B, T) float32, 0 where ``mask`` is 0.
+        log_ratio, log_ratio_clamped, ratio, k3: (B, T) float32, 0 where ``mask`` is 0: log ρ =
+            log π_train − log π_rollout, log ρ clamped to ±20, ρ = exp(clamped log ρ), ρ − 1 − log ρ.
         bad_rows: (B,) bool, rows dropped for a non-finite value at a valid position.
         sums: the per-row sums (:class:`RowSums`); ``n_row`` and ``row_sum`` name the two every
             estimator reads.

@@ -25,10 +25,9 @@ from .logratio import LogRatioBatch, log_ratio_batch
 from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, reduce_owned, stats_owner
 from .stats import HostStats, SufficientStats, Value, safe_div, where
 
-__all__ = ["PREFIX", "compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics",
+__all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics",
            "nonfinite_metrics", "Metrics", "metrics_to_floats", "prefixed", "Accumulator", "OffPolicyAccumulator"]
 
-PREFIX = METRIC_PREFIX  # the name this module has always exported
 _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
 
 

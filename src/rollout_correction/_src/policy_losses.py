@@ -35,19 +35,7 @@ import torch
 
 from .constants import SAFETY_BOUND
 
-__all__ = ["POLICY_LOSSES", "sequence_advantage", "gspo_loss", "cispo_loss", "dppo_loss", "topr_loss",
-           "topr_weights"]
-
-#: ``loss_type`` values and what they compute (PPO clip and REINFORCE live in ``losses.py``).
-POLICY_LOSSES = {
-    "ppo_clip": "PPO clipped surrogate with dual clip",
-    "reinforce": "−sg(w)·A·log π_θ (bypass mode: pure IS)",
-    "gspo": "PPO clip on the length-normalised sequence ratio",
-    "cispo": "−sg(clip(r))·A·log π_θ",
-    "dppo_tv": "truncated-ratio REINFORCE masked by the token probability difference",
-    "dppo_kl": "truncated-ratio REINFORCE masked by the binary KL of the token",
-    "topr": "REINFORCE; negative-advantage sequences weighted by min(∏r, 1) (bypass mode)",
-}
+__all__ = ["sequence_advantage", "gspo_loss", "cispo_loss", "dppo_loss", "topr_loss", "topr_weights"]
 
 
 def _log_ratio(log_prob: torch.Tensor, prox_log_prob: torch.Tensor) -> torch.Tensor:

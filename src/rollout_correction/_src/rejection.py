@@ -56,11 +56,6 @@ class RejectionResult:
     token_keep: Optional[torch.Tensor]
     row_keep: Optional[torch.Tensor]
 
-    @property
-    def rows_filtered(self) -> bool:
-        """False when no sequence-level criterion ran."""
-        return self.row_keep is not None
-
     def rows(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B,) bool ``row_keep`` (all True when no sequence-level criterion ran)."""
         if self.row_keep is not None:
@@ -136,11 +131,8 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         else:
             keep = option_keep(batch, opt, _row_stat(batch, divergence(opt.estimator), opt.agg), stats)
             row_keep = keep if row_keep is None else row_keep & keep
-    if stats is not None and options:
-        kept = batch.n_row if token_keep is None else batch.row_total(token_keep * batch.mask)
-        if row_keep is not None:
-            kept = kept * row_keep
-        rejected = batch.n_row - kept  # valid tokens rejected by the chained options, per row
+    if stats is not None and options:  # valid tokens rejected by the chained options, per row
+        rejected = batch.n_row - RejectionResult(token_keep, row_keep).kept_per_row(batch)
         stats.add_sum("rs.masked", rejected)
         stats.add_sum("rs.seq_masked", rejected > 0, rows=batch.row_valid)
     if veto_threshold is not None:

@@ -2,29 +2,21 @@
 
 With Megatron context parallelism each rank of the CP group holds a part of every sequence (a
 contiguous slice, or the two "zig-zag" chunks r and 2·CP−1−r); Ulysses / verl sequence
-parallelism splits sequences likewise. The correction is defined per sequence (sequence weights,
-sequence rejection, per-sequence means), so the per-sequence reductions must span the group.
+parallelism splits sequences likewise. The correction is defined per sequence, so the
+per-sequence reductions must span the group. With one collective of O(B) scalars per call:
 
-How it is done, with one collective of O(B) scalars per call:
+1. **Collect pass.** The computation runs on the local tokens; every per-sequence reduction goes
+   through a :class:`RowExchange`, which records the local (B,) partial and hands it back
+   unchanged as a placeholder.
+2. **Exchange.** The partials are packed into one (B, k) float64 tensor and all-gathered over the
+   group; each rank adds (sums) or takes the maximum (maxima, minima, "any") locally.
+3. **Replay pass.** The computation runs again; each reduction now returns the group's value, so
+   every decision and every per-token output is the one of the unsplit computation.
 
-1. **Collect pass.** The computation runs once on the local tokens. Every per-sequence
-   reduction goes through a :class:`RowExchange`, which records the local partial value — a
-   (B,) vector of partial sums or partial maxima — and hands it back unchanged as a
-   placeholder.
-2. **Exchange.** The partials are packed into one (B, k) float64 tensor and gathered over the
-   group with a single all-gather (``all_gather_single``, formerly
-   ``all_gather_into_tensor``); each rank then adds (sums, counts) or takes
-   the maximum (maxima, minima, "any") over the group locally. No token tensor is ever sent.
-3. **Replay pass.** The computation runs again on the same local tokens; each per-sequence
-   reduction now returns the group's value for the sequence, so every decision (sequence weight,
-   rejection, denominators) and every per-token output is the one of the unsplit computation.
-
-A partial must be a function of this rank's tokens only (never of another reduced value); the
-code in this package is written so. Rows dropped in the replay pass (a non-finite value at a
-valid position anywhere in the sequence) get this rank's own value computed without them,
-which is the value of an empty row. The layout (which positions a rank holds, padding inside
-its slice, empty slices) does not matter: every valid token of a sequence must be held by
-exactly one rank of the group, and every rank must hold the same B sequences in the same order.
+A partial must be a function of this rank's tokens only (never of another reduced value). Rows
+dropped in the replay pass get this rank's own value computed without them (an empty row's). Any
+layout works as long as every valid token of a sequence is held by exactly one rank of the group
+and every rank holds the same B sequences in the same order.
 """
 
 from __future__ import annotations
@@ -118,15 +110,11 @@ def raise_nonfinite(bad_rows: torch.Tensor, what: str = "log-prob") -> None:
 
 
 class RowExchange:
-    """Per-sequence reductions across ``group`` in two passes with one collective (module docstring).
-
-    Usage::
+    """Per-sequence reductions across ``group`` in two passes with one collective (module docstring)::
 
         ex = RowExchange(group)
         for _ in ex.passes():          # collect pass, one all_gather, replay pass
-            n = ex.sum(mask.sum(-1))   # (B,) partial in, (B,) group value out (in the replay pass)
-            ...
-        # results of the replay pass are final
+            n = ex.sum(mask.sum(-1))   # (B,) partial in, (B,) group value out (final in the replay pass)
 
     ``group`` None makes every reduction the identity (a single pass, no communication).
     """

@@ -167,14 +167,12 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
         m["rollout_is_max"] = where(n_tok > 0, stats.max("is.max"), 0.0)
         m["rollout_is_min"] = where(n_tok > 0, stats.min("is.min"), 0.0)
         den = n_tok
+        out, signed = stats.sum("is.out"), stats.sum("is.out_signed")
+        high, low = (out + signed) * 0.5, (out - signed) * 0.5
     else:
         m["rollout_is_max"] = where(n_rows > 0, exp(clamp(stats.max("is.max_log"), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
         m["rollout_is_min"] = where(n_rows > 0, exp(clamp(stats.min("is.min_log"), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
         den = n_rows
-    if spec.level == "token":
-        out, signed = stats.sum("is.out"), stats.sum("is.out_signed")
-        high, low = (out + signed) * 0.5, (out - signed) * 0.5
-    else:
         high, low = stats.sum("is.high"), stats.sum("is.low")
     m["rollout_is_ratio_fraction_high"] = safe_div(high, den)
     m["rollout_is_ratio_fraction_low"] = safe_div(low, den)
