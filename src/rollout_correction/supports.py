@@ -1,26 +1,16 @@
 """Truncated sampling supports: trainer log-probs renormalised over the sampler's kept set.
 
-When the rollout engine samples with top-k / top-p / min-p, the behaviour policy is the
-*truncated* distribution
-
-    q_S(y) = q(y) / Σ_{v∈S} q(v)        for y ∈ S,   0 otherwise,
-
-and engines configured to return "processed" log-probs (vLLM ``logprobs_mode="processed_logprobs"``)
-report log q_S(y). A trainer that takes a full-vocabulary log-softmax reports log p(y), so the
-log-ratio becomes
+When the rollout engine samples with top-k / top-p / min-p, the behaviour policy is the truncated
+distribution q_S(y) = q(y) / Σ_{v∈S} q(v) on the kept set S, and engines that return "processed"
+log-probs (vLLM ``logprobs_mode="processed_logprobs"``) report log q_S(y). A trainer taking a
+full-vocabulary log-softmax reports log p(y), so the log-ratio becomes
 
     log p(y) − log q_S(y) = log Z_p(S) + [log p_S(y) − log q_S(y)],      Z_p(S) = Σ_{v∈S} p(v),
 
-i.e. every ratio is multiplied by the kept mass Z_p(S) < 1, whichever token was sampled
-(TRL #6789). This is not a policy difference; it is a comparison of two distributions on
-different supports. The fix is to compare like with like:
-
-    log p_S(y) = z_y / τ − logsumexp_{v∈S} z_v / τ
-
-with z the trainer logits and τ the sampling temperature. Under the sampler,
-E_{y∼q_S}[p_S(y) / q_S(y)] = Σ_{y∈S} p_S(y) = 1, while the raw ratio has expectation Z_p(S).
-
-The kept set S is either given (the engine's own kept-token mask, the exact answer) or
+i.e. every ratio carries the kept mass Z_p(S) < 1 (TRL #6789): a comparison of two distributions
+on different supports, not a policy difference. The fix compares like with like, log p_S(y) (see
+:func:`renormalized_log_probs`); under the sampler E_{y∼q_S}[p_S(y) / q_S(y)] = 1, while the raw
+ratio has expectation Z_p(S). S is either given (the engine's kept-token mask, exact) or
 reconstructed from the sampling settings on the trainer logits (:func:`sampling_support_mask`).
 
 Conventions:
@@ -187,18 +177,11 @@ def sampling_support_mask(logits: torch.Tensor, *, temperature: Setting = 1.0, t
     if m is not None and bool(((m < 0) | (m > 1)).any()):
         raise ValueError(f"min_p must be in [0, 1]; got {min_p!r}")
     filters = {"top_k": (_keep_top_k, k), "top_p": (_keep_top_p, p), "min_p": (_keep_min_p, m)}
-    finite = z > float("-inf")  # False for −inf and NaN
-    if _ORDERS[order] is None:
-        keep = finite
-        for fn, arg in filters.values():
-            if arg is not None:
-                keep = keep & fn(z, finite, arg)
-        return keep
-    keep = finite
-    for name in _ORDERS[order]:
+    keep = finite = z > float("-inf")  # False for −inf and NaN
+    for name in _ORDERS[order] or filters:  # in sequence, or each on the full distribution (sglang)
         fn, arg = filters[name]
         if arg is not None:
-            keep = fn(z, keep, arg)
+            keep = fn(z, keep, arg) if _ORDERS[order] else keep & fn(z, finite, arg)
     return keep
 
 

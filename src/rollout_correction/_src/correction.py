@@ -49,8 +49,7 @@ class CorrectionOutput:
     metrics: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def metrics_as_floats(self) -> dict[str, float]:
-        """All metrics as Python floats, with one device sync (the packed statistics are copied
-        to the host once; every metric is derived there in float64)."""
+        """All metrics as Python floats, derived on the host in float64 after one device sync."""
         return metrics_to_floats(self.metrics)
 
 
@@ -87,8 +86,7 @@ def _alignment_metrics(stats) -> dict[str, Value]:
 
 def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                 config: RolloutCorrectionConfig, row_offset: int = 0):
-    """Everything that touches (B, T) data: weights before normalisation, the 0/1 keep mask, and
-    the local statistics."""
+    """Everything that touches (B, T) data: weights before normalisation, keep mask, local statistics."""
     batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite,
                             row_offset=row_offset)
     stats = SufficientStats()
@@ -214,11 +212,8 @@ _COMPILED: dict[RolloutCorrectionConfig, Callable] = {}
 
 
 def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
-    """A compiled per-token pass for ``config``.
-
-    torch.compile caches per code object, with a limit on recompilations; each config gets its
-    own copy of the code so that many configs in one process never share (and exhaust) a cache.
-    """
+    """A compiled per-token pass for ``config``: torch.compile caches per code object, with a limit
+    on recompilations, so each config gets its own copy of the code (many configs never exhaust it)."""
     fn = _COMPILED.get(config)
     if fn is None:
         code = _local_pass.__code__.replace(co_name=f"_local_pass_{len(_COMPILED)}")
@@ -326,18 +321,11 @@ BatchHook = Callable[[LogRatioBatch, Optional[torch.Tensor], torch.Tensor], None
 
 
 class CorrectionAccumulator(Accumulator):
-    """Streaming metrics of :func:`compute_rollout_correction` for ``config``.
-
-    ``update`` per chunk of whole rows, then ``compute`` gives exactly the metrics of one call on
-    the concatenated batch.
-
-    Args:
-        config: a :class:`RolloutCorrectionConfig`, or anything :func:`as_config` reads.
-        on_batch: optional hook for extra per-chunk statistics, called after the chunk's own
-            statistics are recorded as ``on_batch(batch, weights, keep)`` with the chunk's
-            :class:`LogRatioBatch`, its (B, T) IS weights before batch normalisation (None when
-            the config has no IS) and its (B, T) float 0/1 mask of the valid tokens every
-            rejection criterion accepts.
+    """Streaming metrics of :func:`compute_rollout_correction` for ``config`` (anything
+    :func:`as_config` reads): ``update`` per chunk of whole rows, then ``compute`` gives exactly the
+    metrics of one call on the concatenated batch. ``on_batch(batch, weights, keep)``, optional, is
+    called per chunk after its statistics are recorded, with its :class:`LogRatioBatch`, its (B, T)
+    IS weights before batch normalisation (None without IS) and its (B, T) float 0/1 keep mask.
     """
 
     def __init__(self, config: Union[RolloutCorrectionConfig, None, object] = None,

@@ -100,12 +100,9 @@ class LogRatioBatch:
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str = "reject",
                        row_offset: int = 0) -> "LogRatioBatch":
-        """A batch from a precomputed (B, T) log-ratio log π_train − log π_rollout.
-
-        Everything that depends on the ratio only (IS weights, rejection, their statistics) works
-        as on a batch built from the two log-probs; the perplexity metrics need the log-probs
-        themselves, so :meth:`train_means64` raises on such a batch.
-        """
+        """A batch from a precomputed (B, T) log-ratio log π_train − log π_rollout: what depends on
+        the ratio only works as usual; the perplexity metrics need the log-probs (:meth:`train_means64`
+        raises)."""
         check_same([("log_ratio", log_ratio), ("response_mask", response_mask)], float_names=("log_ratio",))
         return _build(log_ratio.to(torch.float32, copy=True), response_mask, on_nonfinite, row_offset,
                       source=log_ratio)
@@ -145,18 +142,15 @@ class LogRatioBatch:
                              "log_ratio_batch(old_log_prob, rollout_log_prob, response_mask)")
         return self.row_means64
 
-    # -- reductions over a row (span the group when the rows are split) -----------------
-    # Each returns a per-row (B,) part; SufficientStats reduces parts in float64, batched.
+    # -- reductions over a row: a per-row (B,) partial sum / max / min in, the row's value out
+    # (the partial itself for whole rows, the group's value when the rows are split)
     def reduce_sum(self, partial: torch.Tensor) -> torch.Tensor:
-        """The row's total of a per-row partial sum (B,) (the partial itself for whole rows)."""
         return partial if self.rows is None else self.rows.sum(partial)
 
     def reduce_max(self, partial: torch.Tensor) -> torch.Tensor:
-        """The row's maximum of a per-row partial maximum (B,)."""
         return partial if self.rows is None else self.rows.max(partial)
 
     def reduce_min(self, partial: torch.Tensor) -> torch.Tensor:
-        """The row's minimum of a per-row partial minimum (B,)."""
         return partial if self.rows is None else self.rows.min(partial)
 
     def row_total(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,8 +268,8 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         stacked = torch.stack([x.sum(-1, dtype=torch.float32) for x in per_token])
     else:
         stacked = torch.stack(per_token).sum(-1, dtype=torch.float32)
-    stacked = rows.sum(stacked) if rows is not None else stacked
     if rows is not None:  # the group's sums of a row some rank found bad are those of an empty row
+        stacked = rows.sum(stacked)
         stacked[1:].masked_fill_(bad, 0.0)
         rows.drop(bad)
     sums = RowSums(*stacked[:3].unbind(), stacked[3] if old is not None else None, *stacked[-3:].unbind())

@@ -10,15 +10,13 @@ c > 1 the dual-clip constant, w_t the (detached) IS weight.
 * bypass PPO-clip: π_prox = π_rollout; rejection masks apply; IS weights are diagnostics only
 * bypass REINFORCE (pure IS): ℓ_t = −sg(w_t) · A_t · log π_θ(y_t), w = π_θ/π_rollout bounded as
   configured; with untruncated sequence weights its gradient is the on-policy gradient E_π[A ∇log π]
-* ``loss_type`` gspo / cispo / dppo_tv / dppo_kl / topr: the per-token losses of
-  :mod:`rollout_correction._src.policy_losses`, against π_prox as above, with the same weights, masks
-  and aggregation modes
-* off-policy sequence masking (``rollout_opsm_delta``, :mod:`rollout_correction._src.opsm`) removes
-  whole sequences from the mask before aggregation (it needs the advantages, so it lives here)
+* the other ``loss_type`` values: :mod:`rollout_correction._src.policy_losses`, with the same
+  weights, masks and aggregation; OPSM (:mod:`rollout_correction._src.opsm`) drops whole sequences
+  from the mask before aggregation (it needs the advantages, so it lives here)
 
-Values at masked or rejected positions never reach the loss (they are replaced with ``where``,
-so a NaN there cannot propagate, not even into the gradient). When every token is masked the
-loss is exactly 0, still attached to the graph, with zero gradient.
+Values at masked or rejected positions never reach the loss (they are replaced with ``where``, so
+a NaN there cannot propagate, not even into the gradient). When every token is masked the loss is
+exactly 0, still attached to the graph, with zero gradient.
 """
 
 from __future__ import annotations
@@ -75,12 +73,10 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: 
     all-masked batch gives exactly 0 (still attached to the graph).
 
     ``sequence_group``: every sequence is split across this group (context parallelism; see
-    :func:`~rollout_correction.compute_rollout_correction`). The per-sequence counts n_i (hence
-    the local N_tok, N_seq) are those of the whole sequences, obtained with one all-gather of
-    B scalars; the result is this rank's share — Σ over its tokens of ℓ divided by the whole
-    sequences' denominators — so the shares add up over the group to the unsplit loss and each
-    rank's gradient is the unsplit gradient on its tokens. S must then be given
-    (``loss_scale_factor``), since T here is only this rank's slice.
+    :func:`~rollout_correction.compute_rollout_correction`). The counts n_i are those of the whole
+    sequences (one all-gather of B scalars) and the result is this rank's share: the shares add up
+    over the group to the unsplit loss, and each rank's gradient is the unsplit gradient on its
+    tokens. S must then be given (``loss_scale_factor``): T here is only this rank's slice.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
@@ -189,13 +185,6 @@ def _actor_metrics(stats, rows: int) -> dict[str, Value]:
     return out
 
 
-def _split_masked_mean(x: torch.Tensor, token_keep: torch.Tensor, row_keep: torch.Tensor, kept: torch.Tensor,
-                       rows: RowExchange) -> torch.Tensor:
-    """:func:`_masked_mean` over the kept tokens of sequences split across ``rows.group``."""
-    part = torch.where(token_keep > 0, x.detach().to(torch.float64), 0.0).sum(-1)
-    return (rows.sum(part) * row_keep).sum() / kept.sum().clamp_min(1)
-
-
 def compute_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: Optional[torch.Tensor],
@@ -241,13 +230,11 @@ def compute_policy_loss(
         loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see
             :func:`agg_loss`; rejected tokens are not counted in local denominators.
         process_group: reduce the correction statistics over this group.
-        sequence_group: every sequence is split across this group (context parallelism); see
-            :func:`~rollout_correction.compute_rollout_correction` for the layout and for which
-            ``process_group`` to pass. One all-gather of (B, k) per-row scalars serves the
-            non-finite check, the correction, the denominators and the ``actor/*`` metrics
-            (which then cover this data-parallel rank's whole sequences). The loss is this
-            rank's share (see :func:`agg_loss`): the shares add up over the group to the unsplit
-            loss, and each rank's gradient is the unsplit gradient on its tokens.
+        sequence_group: every sequence is split across this group (context parallelism; layout
+            and ``process_group`` as for :func:`~rollout_correction.compute_rollout_correction`).
+            One all-gather of (B, k) per-row scalars serves the non-finite check, the correction,
+            the denominators and the ``actor/*`` metrics; the loss is this rank's share (see
+            :func:`agg_loss`).
     Returns:
         (loss, metrics): scalar loss; 0-d tensors ``actor/pg_clipfrac``, ``actor/ppo_kl``,
         ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` and, when the
@@ -385,14 +372,14 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
     if rollout_is_weights is not None and not bypass:
         weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
 
+    def kept_sum(x: torch.Tensor) -> torch.Tensor:  # (B,) float64: Σ over each sequence's kept tokens
+        return rows.sum(torch.where(token_keep > 0, x.detach().double(), 0.0).sum(-1)) * row_keep
+
     def mean(x: torch.Tensor) -> torch.Tensor:
-        return _split_masked_mean(x, token_keep, row_keep, kept, rows)
+        return kept_sum(x).sum() / kept.sum().clamp_min(1)
 
     seq_values: dict[str, torch.Tensor] = {}
     if config.loss_type in ("gspo", "topr"):  # per-sequence Σ log r (and Σ A) over the kept tokens
-        def kept_sum(x: torch.Tensor) -> torch.Tensor:
-            return rows.sum(torch.where(token_keep > 0, x.detach().double(), 0.0).sum(-1)) * row_keep
-
         if config.loss_type == "gspo":
             seq_values["seq_log_ratio"] = kept_sum(lp - prox_s) / kept.clamp_min(1)
         else:

@@ -1,21 +1,14 @@
 """Rejection sampling: divergence-based trust-region masks and the catastrophic-token veto.
 
 Per-token estimators of KL(π_rollout ‖ π_train) from log ρ_t (clamped to ±20):
-
-* k1 = −log ρ_t
-* k2 = ½ (log ρ_t)²
-* k3 = ρ_t − 1 − log ρ_t     (≥ 0)
+k1 = −log ρ_t,  k2 = ½ (log ρ_t)²,  k3 = ρ_t − 1 − log ρ_t (≥ 0).
 
 Aggregations over a sequence's valid tokens: ``token`` (each token on its own), ``seq_sum``,
 ``seq_mean``, ``seq_max``. A token/sequence is kept iff its statistic lies in the option's bounds;
 chained options must all accept (logical AND). k1 bounds are ratio bounds lo ≤ ρ_agg ≤ hi, where
 ρ_agg = exp(−k1_agg) — e.g. ``seq_mean_k1`` with "0.999_1.001" keeps sequences whose geometric-mean
-ratio lies within ±0.1% of 1.
-
-Veto (first-generation ``rollout_token_veto_threshold`` C): reject a sequence if any valid token
-has unclamped ρ_t < C.
-
-Rejection changes the response mask only: rejected tokens leave the loss and its denominator.
+ratio lies within ±0.1% of 1. Veto (``rollout_token_veto_threshold`` C): reject a sequence if any
+valid token has unclamped ρ_t < C. Rejection changes the response mask only.
 """
 
 from __future__ import annotations
@@ -30,9 +23,8 @@ from .config import RS_OPTIONS, RSOption
 from .logratio import LogRatioBatch
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
-# RS_OPTIONS and RSOption (the options and their resolved form) are the config's, shared with the surfaces here.
-__all__ = ["RS_OPTIONS", "RSOption", "token_divergence", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics", "rs_metrics",
-           "veto_metrics"]
+__all__ = ["RS_OPTIONS", "RSOption", "token_divergence", "RejectionResult", "option_keep", "rejection_keep",
+           "rs_option_metrics", "rs_metrics", "veto_metrics"]  # RS_OPTIONS, RSOption: the config's
 
 
 def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
@@ -103,11 +95,7 @@ def option_keep(batch: LogRatioBatch, opt: RSOption, statistic: torch.Tensor,
     low = batch.below(statistic, opt.stat_lower) if opt.stat_lower is not None else None
     keep = 1.0 - high if low is None else (1.0 - high).sub_(low)
     if stats is not None:
-        x = statistic
-        c_sum, c_sum2 = batch.token_moments(_std_clamp(opt, x).mul_(batch.mask))
-        _add_token_option_stats(stats, batch, opt, batch.row_total(x), c_sum, c_sum2, *batch.token_extremes(x),
-                                batch.row_total(high),
-                                batch.row_total(low) if low is not None else None)
+        _add_token_option_stats(stats, batch, opt, statistic, high, low)
     return keep
 
 
@@ -150,12 +138,15 @@ def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
     return x.clamp(min=opt.stat_lower if opt.stat_lower is not None else 0.0, max=opt.stat_upper)
 
 
-def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, x_sum: torch.Tensor,
-                            c_sum: torch.Tensor, c_sum2: torch.Tensor, x_max: torch.Tensor, x_min: torch.Tensor,
-                            n_high: torch.Tensor, n_low: Optional[torch.Tensor]) -> None:
-    """Record a token option's statistics from its per-row values: Σx, Σc and Σc² of x clamped to
-    the bounds (float64), max / min of x over valid tokens, and the counts above / below."""
+def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, x: torch.Tensor,
+                            high: torch.Tensor, low: Optional[torch.Tensor]) -> None:
+    """Record a token option's per-row statistics: Σx, Σc and Σc² of x clamped to the bounds
+    (float64), max / min of x over valid tokens, and the counts above (``high``) / below (``low``)."""
     p = f"rs.{opt.name}."
+    c_sum, c_sum2 = batch.token_moments(_std_clamp(opt, x).mul_(batch.mask))
+    x_sum = batch.row_total(x)
+    x_max, x_min = batch.token_extremes(x)
+    n_high, n_low = batch.row_total(high), batch.row_total(low) if low is not None else None
     stats.add_sum(p + "sum", x_sum)
     stats.add_sum(p + "c_sum", c_sum)
     stats.add_sum(p + "c_sum2", c_sum2)
