@@ -51,15 +51,9 @@ def _valid(response_mask: torch.Tensor) -> torch.Tensor:
 
 
 def staleness_lag(versions: torch.Tensor, current_version: Version, response_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token lag ℓ_t = V − v_t, shape (B, T) int64, 0 at invalid positions.
-
-    Args:
-      versions: (B,) per-sample or (B, T) per-token integer policy versions.
-      current_version: V, an int or a 0-d integer tensor.
-      response_mask: (B, T) bool or 0/1.
-
-    Raises ValueError if a valid token's version is newer than V (naming row and column).
-    """
+    """Per-token lag ℓ_t = V − v_t, (B, T) int64, 0 at invalid positions, from ``versions`` (B,) or
+    (B, T) integer policy versions, ``current_version`` V (an int or a 0-d integer tensor) and
+    ``response_mask`` (B, T) bool or 0/1. A valid token newer than V raises ValueError naming it."""
     valid = _valid(response_mask)
     if not isinstance(versions, torch.Tensor) or versions.is_floating_point() or versions.dtype == torch.bool:
         raise TypeError("versions must be an integer tensor of policy versions, (B,) or (B, T)")
@@ -88,9 +82,8 @@ def max_staleness_mask(response_mask: torch.Tensor, versions: torch.Tensor, curr
         sequence:  keep row b  iff  max_t ℓ_bt ≤ max_staleness
         token:     keep token t iff ℓ_t ≤ max_staleness
 
-    Returns (mask, metrics): the mask has the input's dtype and only loses tokens; metrics
-    ``staleness_masked_fraction`` (tokens) and ``staleness_seq_masked_fraction`` (rows with ≥ 1
-    valid token) are 0-d tensors.
+    Returns (mask in the input's dtype, metrics: 0-d ``staleness_masked_fraction`` over tokens and
+    ``staleness_seq_masked_fraction`` over rows with ≥ 1 valid token).
     """
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
         raise ValueError(f"max_staleness must be an integer ≥ 0; got {max_staleness!r}")
@@ -124,8 +117,7 @@ def staleness_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
       kl, k3_kl, chi2_token, log_ppl_abs_diff   the core's off-policy metrics on those tokens
 
     plus ``staleness/lag_mean`` (over valid tokens) and ``staleness/lag_max``. Every bucket is
-    always reported (0 when empty), so ranks agree on the keys; with ``process_group`` all values
-    cover the whole batch.
+    reported (0 when empty), so ranks agree on the keys; ``process_group`` covers the whole batch.
     """
     if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) or num_buckets < 1:
         raise ValueError(f"num_buckets must be an integer ≥ 1; got {num_buckets!r}")
@@ -168,8 +160,7 @@ def proximal_log_prob_from_versions(rollout_log_prob: torch.Tensor, log_prob: to
     """Approximate log π_prox per token from π_behav, π_θ and the lag (module docstring).
 
     α_t = ℓ_t / (ℓ_t + 1);  "loglinear": lb + α (lθ − lb);  "linear": log((1−α) e^lb + α e^lθ);
-    "behaviour": lb. Returns a detached float32 (B, T) tensor; non-finite inputs give
-    non-finite outputs at the same positions (the core's non-finite policy handles them).
+    "behaviour": lb. Detached float32 (B, T); non-finite inputs stay non-finite (the core handles them).
     """
     if method not in ("loglinear", "linear", "behaviour"):
         raise ValueError(f"method must be 'loglinear', 'linear' or 'behaviour'; got {method!r}")
@@ -216,8 +207,7 @@ def compute_staleness_policy_loss(
       loss_kwargs: passed to :func:`compute_policy_loss` (clip ratios, loss_agg_mode, …).
 
     Returns:
-      (loss, metrics): the core's loss metrics, the correction's ``rollout_corr/*`` metrics (of
-      π_prox vs π_behav) and the staleness metrics.
+      (loss, metrics): the core's loss metrics, ``rollout_corr/*`` of π_prox vs π_behav, staleness.
     """
     config = as_config(config if config is not None else "decoupled_token_is")
     if config.bypass_mode:

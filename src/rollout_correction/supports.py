@@ -47,30 +47,20 @@ Setting = Union[None, int, float, torch.Tensor]
 SamplingOrder = Literal["vllm", "hf", "sglang"]
 OutsideSupport = Literal["include", "raise"]
 
-_ORDERS = {
-    # vLLM (v1 sampler): temperature, then min-p as an argmax-invariant logits processor,
-    # then top-k, then top-p on the distribution renormalised after top-k.
-    "vllm": ("min_p", "top_k", "top_p"),
-    # transformers generate(): TemperatureLogitsWarper, TopK, TopP, MinP, each on the output
-    # of the previous one.
-    "hf": ("top_k", "top_p", "min_p"),
-    # SGLang: top-k, top-p and min-p are all computed on the full distribution and intersected.
+_ORDERS = {  # each filter on the survivors of the previous one; SGLang: all on the full distribution
+    "vllm": ("min_p", "top_k", "top_p"),  # v1 sampler: min-p is an argmax-invariant logits processor
+    "hf": ("top_k", "top_p", "min_p"),  # transformers generate(): the warpers in this order
     "sglang": None,
 }
 
 
 class SupportLogProbs(NamedTuple):
-    """Trainer log-probs of the sampled tokens on the sampler's kept support.
-
-    Attributes:
-      log_prob: (B, T) float32, log p_S(y): the log-prob to compare with the engine's
-        processed log-prob (pass it as ``old_log_prob``).
-      full_log_prob: (B, T) float32, log p(y) over the full vocabulary (temperature applied).
-      kept_log_mass: (B, T) float32, log Z_p(S) = log Σ_{v∈S} p(v) ≤ 0, the bias the raw ratio
-        carries.
-      in_support: (B, T) bool, whether the sampled token was in the kept set as given or
-        reconstructed (before ``outside_support="include"`` added it). True on padding.
-    """
+    """Trainer log-probs of the sampled tokens on the sampler's kept support, each (B, T):
+    ``log_prob`` float32 log p_S(y), to compare with the engine's processed log-prob (pass it as
+    ``old_log_prob``); ``full_log_prob`` float32 log p(y) over the full vocabulary (temperature
+    applied); ``kept_log_mass`` float32 log Z_p(S) ≤ 0, the bias the raw ratio carries; ``in_support``
+    bool, the sampled token was in the kept set as given or reconstructed (before
+    ``outside_support="include"`` added it; True on padding)."""
 
     log_prob: torch.Tensor
     full_log_prob: torch.Tensor
@@ -149,10 +139,9 @@ def sampling_support_mask(logits: torch.Tensor, *, temperature: Setting = 1.0, t
         top-p:  keep v  iff  p_v ≥ p_(j*),  j* = max{j : Σ_{i<j} p_(i) < top_p}
         min-p:  keep v  iff  p_v ≥ min_p · max_u p_u
 
-    ``order`` selects how the filters compose: ``"vllm"`` (min-p, top-k, top-p, each on the
-    renormalised survivors), ``"hf"`` (transformers: top-k, top-p, min-p) or ``"sglang"``
-    (each filter on the full distribution, then intersected). Tokens with logit −inf or NaN are
-    never kept.
+    ``order``: ``"vllm"`` (min-p, top-k, top-p, each on the renormalised survivors), ``"hf"``
+    (top-k, top-p, min-p) or ``"sglang"`` (each on the full distribution, then intersected).
+    Tokens with logit −inf or NaN are never kept.
 
     Args:
       logits: (..., V) trainer logits, any float dtype (computed in float32).
@@ -183,20 +172,6 @@ def sampling_support_mask(logits: torch.Tensor, *, temperature: Setting = 1.0, t
         if arg is not None:
             keep = fn(z, keep, arg) if _ORDERS[order] else keep & fn(z, finite, arg)
     return keep
-
-
-def _check_tokens(tokens: torch.Tensor, lead_shape: torch.Size, vocab: int,
-                  valid: torch.Tensor) -> None:
-    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-        raise TypeError("tokens must be an integer tensor of sampled token ids")
-    if tokens.shape != lead_shape:
-        raise ValueError(f"tokens has shape {tuple(tokens.shape)} but logits have leading shape "
-                         f"{tuple(lead_shape)} (logits are (B, T, V), tokens (B, T))")
-    bad = valid & ((tokens < 0) | (tokens >= vocab))
-    if bool(bad.any()):
-        where = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"token id {int(tokens[where])} at position {where} is outside the vocabulary "
-                         f"[0, {vocab}) of the logits")
 
 
 def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
@@ -238,7 +213,16 @@ def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
             raise ValueError(f"response_mask has shape {tuple(response_mask.shape)} but logits have "
                              f"leading shape {tuple(lead)}")
         valid = response_mask.to(device=z.device) != 0
-    _check_tokens(tokens, lead, vocab, valid)
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise TypeError("tokens must be an integer tensor of sampled token ids")
+    if tokens.shape != lead:
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)} but logits have leading shape "
+                         f"{tuple(lead)} (logits are (B, T, V), tokens (B, T))")
+    bad = valid & ((tokens < 0) | (tokens >= vocab))
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"token id {int(tokens[where])} at position {where} is outside the vocabulary "
+                         f"[0, {vocab}) of the logits")
 
     if kept_mask is not None:
         if any(s is not None for s in (top_k, top_p, min_p)):
@@ -290,14 +274,9 @@ def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
 
 def support_metrics(result: SupportLogProbs, response_mask: Optional[torch.Tensor] = None,
                     prefix: str = METRIC_PREFIX) -> dict[str, torch.Tensor]:
-    """Mean kept mass and the fraction of sampled tokens outside the kept set, over valid tokens.
-
-        support_kept_mass_mean = mean_t Z_p(S_t)          (the factor the raw ratio carries)
-        support_log_kept_mass_mean = mean_t log Z_p(S_t)
-        support_outside_fraction = mean_t 1[y_t ∉ S_t]
-
-    Non-finite positions are left out of the means. With no valid token every metric is 0.
-    Returns 0-d float32 tensors (no device sync).
+    """Over valid tokens, as 0-d float32 tensors (no sync; 0 with no valid token; non-finite
+    positions left out of the means): ``support_kept_mass_mean`` = mean_t Z_p(S_t),
+    ``support_log_kept_mass_mean`` = mean_t log Z_p(S_t), ``support_outside_fraction`` = mean_t 1[y_t ∉ S_t].
     """
     lm = result.kept_log_mass
     valid = torch.ones_like(lm, dtype=torch.bool) if response_mask is None else response_mask.to(lm.device) != 0

@@ -129,11 +129,8 @@ def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: Optional[torc
 def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor, *,
                   clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss with dual clip (see module docstring).
-
-    Returns (loss (B, T), clipped (B, T) bool — the clipped branch is active, clipped_lower
-    (B, T) bool — the dual clip is active).
-    """
+    """Per-token PPO-clip loss with dual clip (module docstring): (loss (B, T), clipped (B, T) bool,
+    the clipped branch is active, clipped_lower (B, T) bool, the dual clip is active)."""
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c} is invalid: the dual-clip constant must be > 1")
     if clip_ratio_low < 0 or clip_ratio_high < 0:
@@ -207,16 +204,14 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss with rollout correction, in the mode ``config`` selects.
 
-    Decoupled (``config.bypass_mode`` False): PPO clip against ``old_log_prob``; the per-token
-    loss is multiplied by ``rollout_is_weights`` if given, otherwise — when ``rollout_log_prob``
-    is given — the correction (weights and rejection mask) is computed here from
-    ``old_log_prob`` vs ``rollout_log_prob``. With neither, this is plain PPO.
+    Decoupled (``config.bypass_mode`` False): PPO clip against ``old_log_prob``, the per-token loss
+    multiplied by ``rollout_is_weights`` if given, else by the correction (weights and rejection
+    mask) of ``old_log_prob`` vs ``rollout_log_prob`` computed here; with neither, plain PPO.
 
     Bypass (``config.bypass_mode`` True): π_old := π_rollout (``rollout_log_prob``, or
-    ``old_log_prob`` when the trainer already substituted it). The correction is computed from
-    π_θ (``log_prob``, without gradient) vs π_rollout; its rejection mask always applies.
-    ``loss_type="ppo_clip"`` clips against π_rollout and uses no IS weights;
-    ``loss_type="reinforce"`` is −sg(w)·A·log π_θ.
+    ``old_log_prob`` when the trainer already substituted it); the correction of π_θ (``log_prob``,
+    without gradient) vs π_rollout is computed here and its rejection mask always applies.
+    ``loss_type="ppo_clip"`` uses no IS weights; ``"reinforce"`` is −sg(w)·A·log π_θ.
 
     Args:
         log_prob: (B, T) log π_θ, with gradient.
@@ -335,11 +330,8 @@ def compute_policy_loss(
 def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config, rollout_is_weights,
                        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens,
                        global_num_seqs, dp_size, loss_scale_factor, process_group, rows: RowExchange, owner):
-    """One pass of :func:`compute_policy_loss` over sequences split across ``rows.group``.
-
-    Every per-row reduction goes through ``rows``; in the collect pass only the reductions are
-    made (returns None), in the replay pass the loss and metrics are built from the group's values.
-    """
+    """One pass of :func:`compute_policy_loss` over sequences split across ``rows.group``: the
+    collect pass makes the reductions only (returns None), the replay pass builds loss and metrics."""
     bypass = config.bypass_mode
     input_valid = response_mask.bool()
     finite = torch.isfinite(log_prob.detach()) & torch.isfinite(prox) & torch.isfinite(advantages)

@@ -55,9 +55,8 @@ def m2po_keep(m2: torch.Tensor, keep: torch.Tensor, threshold: float,
         process_groups: ``torch.distributed`` groups over which the batch's tokens are split
             (e.g. the data-parallel and the context-parallel group); sums are reduced over each.
     Returns:
-        (keep (B, T) bool, unprefixed metrics): ``m2po_masked_fraction`` (share of the input
-        tokens masked), ``m2po_m2_before`` / ``m2po_m2_after`` (mean m_t over the tokens before /
-        after masking; 0 over an empty set).
+        (keep (B, T) bool, unprefixed metrics): ``m2po_masked_fraction`` (share of the input tokens
+        masked), ``m2po_m2_before`` / ``m2po_m2_after`` (mean m_t before / after; 0 over an empty set).
     """
     m2 = torch.where(keep, m2.float(), torch.zeros((), device=m2.device))
     bits = m2.view(torch.int32).to(torch.int64)

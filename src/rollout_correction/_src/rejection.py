@@ -32,18 +32,13 @@ def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
     x = batch.log_ratio_clamped
     if estimator == "k1":
         return -x
-    if estimator == "k2":
-        return 0.5 * x * x
-    if estimator == "k3":
-        return batch.k3
-    raise ValueError(f"unknown divergence estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
+    return 0.5 * x * x if estimator == "k2" else batch.k3  # the estimator of a validated RSOption
 
 
 @dataclass
 class RejectionResult:
-    """``token_keep`` (B, T) float 0/1 or None and ``row_keep`` (B,) bool: the AND of all
-    criteria (veto included). ``row_keep`` is None when no sequence-level criterion ran (every
-    row kept); :meth:`rows` gives it as a tensor either way."""
+    """``token_keep`` (B, T) float 0/1 and ``row_keep`` (B,) bool, the AND of all criteria (veto
+    included); each None when no criterion of its level ran (:meth:`rows` gives a tensor anyway)."""
 
     token_keep: Optional[torch.Tensor]
     row_keep: Optional[torch.Tensor]
@@ -83,9 +78,8 @@ def _within(x: torch.Tensor, opt: RSOption) -> torch.Tensor:
 
 def option_keep(batch: LogRatioBatch, opt: RSOption, statistic: torch.Tensor,
                 stats: Optional[SufficientStats] = None) -> torch.Tensor:
-    """Keep indicator of one option for its statistic — (B, T) float 0/1 for token options
-    (statistic (B, T), 0 at invalid positions), (B,) bool for sequence options (statistic
-    (B,)) — recording the option's statistics when given ``stats``."""
+    """Keep indicator of one option for its statistic: (B, T) float 0/1 for token options (statistic
+    (B, T), 0 at invalid positions), (B,) bool for sequence options; recorded into ``stats`` if given."""
     if opt.agg != "token":
         keep = _within(statistic, opt)
         if stats is not None:
@@ -197,13 +191,12 @@ def rs_option_metrics(stats, opt: RSOption) -> dict[str, Value]:
     """``rollout_rs_<option>_*`` metrics of one option from reduced statistics (recorded by
     :func:`option_keep` with ``stats``, plus the counts of ``LogRatioBatch.add_counts``).
 
-    With s the option's statistic (per token, or per sequence broadcast over its tokens):
-    mean = token mean of s; max/min over tokens (token options) or sequences (sequence options);
-    fraction_high/low = share above the upper / below the lower statistic bound (tokens or
-    sequences); std = token-weighted std of s clamped to the bounds; seq_* = statistics of the
-    per-sequence value (sequence mean of s for token options) over sequences with ≥ 1 valid token,
-    seq_max_deviation = max |value|; masked_fraction = share of valid tokens this option rejects;
-    seq_masked_fraction = share of sequences with at least one token it rejects.
+    With s the option's statistic (per token, or per sequence broadcast over its tokens): mean =
+    token mean of s; max/min and fraction_high/low (above / below the statistic bounds) over tokens
+    or sequences, as the option decides; std = token-weighted std of s clamped to the bounds; seq_* =
+    statistics of the per-sequence value (the sequence mean of s for token options), seq_max_deviation
+    = max |value|; masked_fraction = share of valid tokens this option rejects; seq_masked_fraction =
+    share of sequences with at least one token it rejects.
     """
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
     p, out = f"rs.{opt.name}.", f"rollout_rs_{opt.name}_"

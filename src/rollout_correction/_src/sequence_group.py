@@ -54,21 +54,13 @@ def check_sequence_group(sequence_group: object) -> None:
 
 
 def stats_owner(sequence_group: object, process_group: Optional[object]) -> Optional[bool]:
-    """Whether this rank's batch statistics enter the reduction over ``process_group``.
-
-    After the exchange every rank of ``sequence_group`` holds the same per-sequence values, so a
-    statistic must be counted on one rank of the group only:
-
-    * ``process_group`` None: the batch is exactly the sequences split over ``sequence_group``;
-      every rank already has the whole statistics (returns None: no reduction needed).
-    * ``process_group`` holds no other rank of ``sequence_group`` (the data-parallel group
-      *without* context parallelism, e.g. ``mpu.get_data_parallel_group()``): every rank
-      counts its sequences (True).
-    * ``process_group`` contains all of ``sequence_group`` (the data-parallel group *with*
-      context parallelism, ``mpu.get_data_parallel_group(with_context_parallel=True)``): only the
-      group's first rank counts (True there, False elsewhere).
-
-    Anything else (a partial overlap) cannot give whole-batch statistics and raises ValueError.
+    """Whether this rank's batch statistics enter the reduction over ``process_group``: after the
+    exchange every rank of ``sequence_group`` holds the same per-sequence values, so a statistic is
+    counted on one rank of the group only. None without ``process_group`` (the sequence group holds
+    the whole batch); True when ``process_group`` holds no other rank of ``sequence_group`` (data
+    parallel without CP, ``mpu.get_data_parallel_group()``); True on the group's first rank only when
+    it holds all of it (``mpu.get_data_parallel_group(with_context_parallel=True)``). A partial
+    overlap cannot give whole-batch statistics and raises ValueError.
     """
     if process_group is None:
         return None

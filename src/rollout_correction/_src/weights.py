@@ -36,13 +36,9 @@ __all__ = ["ISWeights", "importance_weights", "bound_weights", "add_is_statistic
 
 @dataclass
 class ISWeights:
-    """Weights before batch normalisation.
-
-    ``weights``: (B, T) bounded weights, 0 at invalid positions.
-    For sequence/geometric levels ``row_log`` (B,) is the unclamped log weight per row and
-    ``row_raw`` / ``row_weight`` (B,) the safety-bounded and bounded row weights.
-    For token level ``raw`` (B, T) holds the safety-bounded weights before bounding.
-    """
+    """Weights before batch normalisation: ``weights`` (B, T) bounded, 0 at invalid positions; token
+    level: ``raw`` (B, T) safety-bounded, before bounding; sequence / geometric level, per row (B,):
+    ``row_log`` the unclamped log weight, ``row_raw`` / ``row_weight`` the safety-bounded / bounded."""
 
     weights: torch.Tensor
     raw: Optional[torch.Tensor] = None
@@ -52,8 +48,7 @@ class ISWeights:
 
 
 def bound_weights(w: torch.Tensor, spec: ISSpec, mask: torch.Tensor) -> torch.Tensor:
-    """Apply the truncate / clip / mask bound of ``spec`` to safety-bounded weights ``w``
-    (0 where the 0/1 ``mask`` is 0; ``w`` must already be 0 there)."""
+    """The truncate / clip / mask bound of ``spec`` on weights ``w`` that are 0 where ``mask`` is 0."""
     if spec.mode == "truncate":
         return w.clamp(max=spec.upper)
     if spec.mode == "clip":
