@@ -33,16 +33,10 @@ Estimator = Literal["grpo", "rloo"]
 
 
 class GroupAdvantages(NamedTuple):
-    """Result of :func:`group_advantages`.
-
-    Attributes:
-      advantages: (B,) float32 sequence advantages; 0 on rejected rows and in groups with fewer
-        than two accepted members.
-      token_advantages: (B, T) float32 = advantages broadcast over the valid tokens of
-        ``response_mask`` (0 elsewhere), or None when no response mask was given.
-      accepted: (B,) bool, the rows that entered a baseline.
-      metrics: dict of 0-d tensors, prefixed ``rollout_corr/``.
-    """
+    """Result of :func:`group_advantages`: ``advantages`` (B,) float32, 0 on rejected rows and in
+    groups with fewer than two accepted members; ``token_advantages`` (B, T) float32, broadcast over
+    the valid tokens of ``response_mask`` (None without one); ``accepted`` (B,) bool, the rows that
+    entered a baseline; ``metrics``, 0-d tensors prefixed ``rollout_corr/``."""
 
     advantages: torch.Tensor
     token_advantages: Optional[torch.Tensor]
@@ -157,8 +151,8 @@ def group_advantages(scores: torch.Tensor, group_ids: GroupIds, *, estimator: Es
     index = _group_index(group_ids, batch, device)
     groups = int(index.max()) + 1 if batch else 0
 
-    # Per-group sufficient statistics over accepted members only (float64; deviations are
-    # rescaled by their group maximum so huge rewards cannot overflow the sum of squares).
+    # Per-group statistics over accepted members (float64; deviations rescaled by their group
+    # maximum, so huge rewards cannot overflow the sum of squares).
     r_acc = torch.where(accepted, r, 0.0)
     n = _scatter_sum(accepted.double(), index, groups)
     mean = _scatter_sum(r_acc, index, groups) / n.clamp(min=1)

@@ -109,8 +109,7 @@ def staleness_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
                       ) -> dict[str, torch.Tensor]:
     """Off-policy metrics per staleness bucket: lags 0, 1, …, num_buckets − 2 and "≥ num_buckets − 1".
 
-    For each bucket ``lag_<ℓ>`` (the last one ``lag_<ℓ>plus``), keys
-    ``<prefix>staleness/lag_<ℓ>/<name>``:
+    For each bucket ``lag_<ℓ>`` (the last one ``lag_<ℓ>plus``), keys ``<prefix>staleness/lag_<ℓ>/<name>``:
 
       token_count, token_fraction   valid tokens with that lag, and their share of all valid tokens
       seq_count, seq_fraction       rows whose lag (stalest token) falls in the bucket

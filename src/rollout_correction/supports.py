@@ -183,9 +183,8 @@ def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
 
         log p_S(y) = z_y/τ − logsumexp_{v∈S} z_v/τ,      log Z_p(S) = logsumexp_{v∈S} z_v/τ − logsumexp_v z_v/τ
 
-    Compare ``log_prob`` with the engine's processed log-probs: the ratio then measures the
-    engine/trainer mismatch only, not the kept mass (TRL #6789; DeepSeek-V3.2's "keep sampling
-    mask").
+    Compare ``log_prob`` with the engine's processed log-probs: the ratio then measures the mismatch
+    only, not the kept mass (TRL #6789; DeepSeek-V3.2's "keep sampling mask").
 
     Args:
       logits: (B, T, V) trainer logits at the positions that predicted ``tokens``.

@@ -54,12 +54,8 @@ class AlignmentReport(NamedTuple):
 
 def alignment_statistics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                          response_mask: torch.Tensor) -> torch.Tensor:
-    """Sufficient statistics [n_pairs, Σ|o_t − r_t|, Σ|o_t − r_{t+1}|, Σ|o_{t+1} − r_t|] (float64, (4,)).
-
-    Args:
-      old_log_prob, rollout_log_prob: (B, T) log-probs, any float dtype.
-      response_mask: (B, T) bool or 0/1 mask of valid tokens.
-    """
+    """Sufficient statistics [n_pairs, Σ|o_t − r_t|, Σ|o_t − r_{t+1}|, Σ|o_{t+1} − r_t|] (float64, (4,))
+    of (B, T) log-probs (any float dtype) and a (B, T) bool or 0/1 mask of valid tokens."""
     for name, t in (("old_log_prob", old_log_prob), ("rollout_log_prob", rollout_log_prob),
                     ("response_mask", response_mask)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -118,14 +114,9 @@ def alignment_report(stats: torch.Tensor, *, shift_ratio: float = 0.5, min_pairs
 def check_alignment(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                     *, process_group: Optional[object] = None, warn: bool = True, shift_ratio: float = 0.5,
                     min_pairs: int = 32, min_aligned_mae: float = 1e-2) -> AlignmentReport:
-    """Compare aligned vs ±1-shifted distances and warn (:class:`MisalignmentWarning`) on a shift.
-
-    Args:
-      old_log_prob, rollout_log_prob, response_mask: (B, T), as for the correction.
-      process_group: all-reduce the four sums over this ``torch.distributed`` group first.
-      warn: emit ``warnings.warn`` when misaligned.
-      shift_ratio, min_pairs, min_aligned_mae: the decision rule (module docstring).
-    """
+    """Compare aligned vs ±1-shifted distances of (B, T) inputs as for the correction, the four sums
+    all-reduced over ``process_group`` first, and with ``warn`` warn (:class:`MisalignmentWarning`)
+    on a shift; ``shift_ratio``, ``min_pairs``, ``min_aligned_mae``: the rule of the module docstring."""
     stats = alignment_statistics(old_log_prob, rollout_log_prob, response_mask)
     if process_group is not None:
         import torch.distributed as dist

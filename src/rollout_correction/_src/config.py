@@ -276,9 +276,8 @@ def _unchecked(key: str, value: Any) -> Any:
 
 def as_config(value: Any) -> RolloutCorrectionConfig:
     """The one way every entry point reads a config: ``None`` → the default (metrics only); a config
-    → itself; a string → that preset; a mapping, an OmegaConf node, a dataclass (verl's config class)
-    or an object with attributes → ``from_dict`` of its keys. Unknown keys and invalid values raise
-    :class:`ConfigError`; an unreadable type raises TypeError."""
+    → itself; a string → that preset; anything :func:`settings_dict` reads → ``from_dict`` of its
+    keys. Unknown keys and invalid values raise :class:`ConfigError`, an unreadable type TypeError."""
     if value is None:
         return RolloutCorrectionConfig()
     if isinstance(value, RolloutCorrectionConfig):

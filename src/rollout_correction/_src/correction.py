@@ -35,14 +35,11 @@ __all__ = ["CorrectionOutput", "compute_rollout_correction", "CorrectionAccumula
 
 @dataclass
 class CorrectionOutput:
-    """Result of :func:`compute_rollout_correction`.
-
-    weights: (B, T) float32 IS weights (detached, 0 at padding and at rows dropped for
-        non-finite input), or None when ``rollout_is`` is None.
-    response_mask: (B, T) input mask with rejected tokens set to 0, same dtype as the input.
-    metrics: ``rollout_corr/<name>`` → 0-d tensor; a :class:`~rollout_correction._src.metrics.Metrics`
-        mapping that derives the tensors on first access (on the device, without a sync).
-    """
+    """Result of :func:`compute_rollout_correction`: ``weights`` (B, T) float32 IS weights (detached,
+    0 at padding and at rows dropped for non-finite input; None without ``rollout_is``);
+    ``response_mask`` (B, T), the input mask (and dtype) with rejected tokens set to 0; ``metrics``
+    ``rollout_corr/<name>`` → 0-d tensor, a :class:`~rollout_correction._src.metrics.Metrics` mapping
+    that derives the tensors on first access (on the device, without a sync)."""
 
     weights: Optional[torch.Tensor]
     response_mask: torch.Tensor
@@ -70,10 +67,6 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig,
 
 
 _ALIGN_KEYS = ("align.n", "align.d0", "align.late", "align.early")
-
-
-def _alignment_sums(stats: SufficientStats) -> torch.Tensor:
-    return torch.stack([stats.sum(k) for k in _ALIGN_KEYS])
 
 
 def _alignment_metrics(stats) -> dict[str, Value]:
@@ -127,12 +120,9 @@ class RowValues:
 def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                     config: RolloutCorrectionConfig, process_group: Optional[object], rows: RowExchange,
                     owner: Optional[bool]) -> tuple[CorrectionOutput, RowValues]:
-    """One pass of the correction over sequences split across ``rows.group``.
-
-    In the collect pass the outputs are placeholders; in the replay pass they are final (the
-    statistics are then reduced over ``process_group``, counted on the ranks ``owner`` selects,
-    see :func:`~rollout_correction._src.sequence_group.stats_owner`).
-    """
+    """One pass of the correction over sequences split across ``rows.group``: placeholders in the
+    collect pass, final in the replay pass (statistics reduced over ``process_group``, counted on
+    the ranks ``owner`` selects, see :func:`~rollout_correction._src.sequence_group.stats_owner`)."""
     if config.check_alignment:
         raise ValueError("check_alignment compares adjacent tokens and cannot run on sequences split across "
                          "sequence_group; run the alignment check on whole sequences (rollout-correction "
@@ -250,11 +240,10 @@ def compute_rollout_correction(
 ) -> CorrectionOutput:
     """IS weights, rejection-adjusted response mask and diagnostics for one batch.
 
-    log ρ_t = old_log_prob − rollout_log_prob on valid tokens. Weights follow
-    ``config.rollout_is`` / ``rollout_is_threshold`` (see :mod:`rollout_correction._src.weights`),
-    rejection follows ``rollout_rs`` and the veto (see :mod:`rollout_correction._src.rejection`), then
-    M2PO (``rollout_m2po_threshold``, :mod:`rollout_correction._src.m2po`) masks among the tokens
-    they keep — batch-global over ``process_group`` (32 small all-reduces).
+    log ρ_t = old_log_prob − rollout_log_prob on valid tokens; weights as in
+    :mod:`~rollout_correction._src.weights`, rejection and veto as in
+    :mod:`~rollout_correction._src.rejection`, then M2PO among the tokens they keep
+    (:mod:`~rollout_correction._src.m2po`: batch-global over ``process_group``, 32 small all-reduces).
 
     Args:
         old_log_prob: (B, T) π_old log-probs (decoupled mode) or π_θ log-probs (bypass mode);
@@ -263,11 +252,9 @@ def compute_rollout_correction(
         response_mask: (B, T) bool or 0/1 mask of valid tokens.
         config: a :class:`RolloutCorrectionConfig`; None means metrics only.
         process_group: a ``torch.distributed`` group over which the batch is split; batch
-            normalisation and every metric then cover the whole batch (exactly the
-            single-process result).
-        compile: run the per-token pass through ``torch.compile`` (one fused kernel per config;
-            the first call per config compiles, later calls reuse it). Same results as eager.
-            Not used with ``sequence_group`` (that path runs eagerly).
+            normalisation and every metric then cover the whole batch (the single-process result).
+        compile: run the per-token pass through ``torch.compile`` (compiled once per config; same
+            results as eager; not with ``sequence_group``, which runs eagerly).
         sequence_group: a ``torch.distributed`` group over which every sequence is split
             (context parallelism: Megatron's ``mpu.get_context_parallel_group()``, or Ulysses).
             Each rank passes its own tokens of the same B rows in the same order, in any layout
@@ -310,7 +297,7 @@ def compute_rollout_correction(
             metrics.update(prefixed(m2po))
         out_mask = keep.to(response_mask.dtype)
         if config.check_alignment:  # the warning needs the values: one sync, only with this option
-            report = alignment_report(_alignment_sums(stats))
+            report = alignment_report(torch.stack([stats.sum(k) for k in _ALIGN_KEYS]))
             if report.misaligned:
                 warnings.warn(report.message, MisalignmentWarning, stacklevel=2)
     return CorrectionOutput(weights=weights, response_mask=out_mask, metrics=metrics)

@@ -60,8 +60,7 @@ class RowSums(NamedTuple):
 
 @dataclass(frozen=True)
 class LogRatioBatch:
-    """The result of :func:`log_ratio_batch` (module docstring). Every tensor belongs to this
-    batch alone.
+    """The result of :func:`log_ratio_batch` (module docstring); every tensor belongs to it alone.
 
     Attributes:
         response_mask: the caller's (B, T) mask, as given.
@@ -70,8 +69,7 @@ class LogRatioBatch:
         log_ratio, log_ratio_clamped, ratio, k3: (B, T) float32, 0 where ``mask`` is 0: log ρ =
             log π_train − log π_rollout, log ρ clamped to ±20, ρ = exp(clamped log ρ), ρ − 1 − log ρ.
         bad_rows: (B,) bool, rows dropped for a non-finite value at a valid position.
-        sums: the per-row sums (:class:`RowSums`); ``n_row`` and ``row_sum`` name the two every
-            estimator reads.
+        sums: the per-row sums (:class:`RowSums`; ``n_row`` and ``row_sum`` name two of them).
         row_valid: (B,) bool, the row has a token used; ``input_rows``: it has a valid input token.
         row_sum64: (B,) float64 Σ_t log ρ_t.
         row_means64: (2, B) float64 mean_t log ρ_t and mean_t log π_train per row (0 for empty
@@ -168,11 +166,9 @@ class LogRatioBatch:
         return self.reduce_sum(s), self.reduce_sum(xd.mul_(xd).sum(-1))
 
     def above(self, x: torch.Tensor, threshold: float) -> torch.Tensor:
-        """(B, T) float 0/1 indicator of x > threshold on the tokens used (x must be 0 elsewhere).
-
-        Computed as sign(max(x − c, 0)) — exact, since a > c implies a − c > 0 in IEEE
-        arithmetic — several times faster on CPU than a bool comparison and reduction.
-        """
+        """(B, T) float 0/1 indicator of x > threshold on the tokens used (x must be 0 elsewhere),
+        as sign(max(x − c, 0)): exact, since a > c implies a − c > 0 in IEEE arithmetic, and several
+        times faster on CPU than a bool comparison and reduction."""
         ind = (x - threshold).clamp_min_(0.0).sign_()
         return ind.mul_(self.mask) if threshold < 0 else ind
 
@@ -197,8 +193,7 @@ class LogRatioBatch:
         return x.to(torch.float32).unsqueeze(-1) * self.mask
 
     def add_counts(self, stats: SufficientStats) -> None:
-        """The counts every statistic family divides by (recorded once per call). The rows dropped
-        for a non-finite value are ``n_rows_input − n_rows`` (see ``nonfinite_metrics``)."""
+        """The counts every statistic family divides by (recorded once per call)."""
         stats.add_sum("n_tok", self.sums.n)
         stats.add_sum("n_rows", self.row_valid)
         stats.add_sum("n_rows_input", self.input_rows)

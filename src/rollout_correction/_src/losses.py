@@ -66,11 +66,10 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: 
     * seq-mean-token-mean:     Σ_i (Σ_t ℓ_it / n_i) / N_seq
     * seq-mean-token-sum-norm: Σ_i (Σ_t ℓ_it) / N_seq / S   (S = ``loss_scale_factor``, default T)
 
-    N_tok / N_seq (sequences with ≥ 1 valid token) are the local counts unless
-    ``global_num_tokens`` / ``global_num_seqs`` give the totals over all data-parallel ranks;
-    with global denominators under gradient averaging (DDP/FSDP) pass ``dp_size`` = world size
-    so the averaged gradient is that of the global loss. Denominators are at least 1, so an
-    all-masked batch gives exactly 0 (still attached to the graph).
+    N_tok / N_seq (sequences with ≥ 1 valid token) are the local counts unless ``global_num_tokens``
+    / ``global_num_seqs`` give the totals over all data-parallel ranks; with those under gradient
+    averaging (DDP/FSDP) pass ``dp_size`` = world size, so the averaged gradient is the global
+    loss's. Denominators are at least 1: an all-masked batch gives exactly 0 (attached to the graph).
 
     ``sequence_group``: every sequence is split across this group (context parallelism; see
     :func:`~rollout_correction.compute_rollout_correction`). The counts n_i are those of the whole
@@ -149,9 +148,8 @@ def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantage
 def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor,
                     valid: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
                     seq_values: Optional[dict[str, torch.Tensor]] = None):
-    """(ℓ (B, T), clipped, clipped_lower) for ``loss_type``; the indicators are None for REINFORCE,
-    and for TOPR mark the tokens of tapered sequences (clipped_lower: none). ``seq_values``: the
-    per-sequence values of GSPO / TOPR when they come from elsewhere (split sequences)."""
+    """(ℓ (B, T), clipped, clipped_lower) for ``loss_type`` (indicators None for REINFORCE; for TOPR
+    the tokens of tapered sequences); ``seq_values``: GSPO / TOPR per-sequence values given."""
     seq_values = seq_values or {}
     if loss_type == "reinforce" and bypass:
         return -adv * lp, None, None
@@ -171,9 +169,8 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
 
 
 def _actor_metrics(stats, rows: int) -> dict[str, Value]:
-    """``actor/*`` metrics from the sums recorded by :func:`compute_policy_loss` (means over the
-    tokens in the loss; the non-finite share over sequences with ≥ 1 valid input token: a dropped
-    row has one, so the dropped rows are ``rows`` minus the rows kept)."""
+    """``actor/*`` metrics from :func:`compute_policy_loss`'s sums: means over the tokens in the loss,
+    the non-finite share over sequences with a valid input token (dropped: ``rows`` − rows kept)."""
     out = {"actor/nonfinite_seq_fraction": (rows - stats.sum("kept_rows")) / maximum(stats.sum("input_rows"), 1.0)}
     n = maximum(stats.sum("n"), 1.0)
     for name in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_lower"):

@@ -60,8 +60,7 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
 
 
 def offpolicy_metrics(stats) -> dict[str, Value]:
-    """The 13 off-policy metrics (see module docstring) from reduced statistics; 0 when empty.
-    0-d tensors from :class:`SufficientStats`, floats from :class:`HostStats`."""
+    """The 13 off-policy metrics (module docstring) from reduced statistics of either kind; 0 when empty."""
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
 
     def seq_mean(k: str) -> Value:

@@ -36,15 +36,9 @@ class OPSMResult:
 
 def opsm_keep(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
               response_mask: torch.Tensor, delta: float) -> OPSMResult:
-    """Which sequences OPSM keeps (module docstring).
-
-    Args:
-        log_prob: (B, T) log π_θ (used without gradient).
-        rollout_log_prob: (B, T) log π_rollout.
-        advantages: (B, T), (B, 1) or (B,) advantages.
-        response_mask: (B, T) bool or 0/1 mask of valid tokens.
-        delta: δ, the divergence a negative-advantage sequence may have and still be kept.
-    """
+    """Which sequences OPSM keeps (module docstring), from (B, T) ``log_prob`` (log π_θ, used without
+    gradient), ``rollout_log_prob`` and ``response_mask`` (bool or 0/1), (B, T), (B, 1) or (B,)
+    ``advantages``, and δ (``delta``), the divergence a negative-advantage sequence may have."""
     if log_prob.shape != rollout_log_prob.shape or log_prob.shape != response_mask.shape:
         raise ValueError(f"log_prob {tuple(log_prob.shape)}, rollout_log_prob {tuple(rollout_log_prob.shape)} and "
                          f"response_mask {tuple(response_mask.shape)} must have the same (batch, response_length) shape")

@@ -82,8 +82,7 @@ def stats_owner(sequence_group: object, process_group: Optional[object]) -> Opti
 
 
 def reduce_owned(stats: SufficientStats, process_group: Optional[object], owner: Optional[bool]) -> SufficientStats:
-    """Batch statistics recorded from the group's per-row values, reduced over ``process_group``
-    and counted once per sequence (``owner`` from :func:`stats_owner`)."""
+    """``stats`` reduced over ``process_group``, counted once per sequence (``owner``: stats_owner)."""
     sums, maxes = stats.sums, stats.maxes
     if owner is False:  # another rank of the sequence group counts these sequences
         sums = {k: torch.zeros_like(v) for k, v in sums.items()}
@@ -189,8 +188,7 @@ class RowExchange:
         gather(out, packed.contiguous(), group=self.group)
         self.collectives += 1
         out = out.view(world, B, packed.shape[1])
-        # Each column is reduced by its own op; both reductions are taken whole and sliced (a
-        # per-column mask built on the host would be a host-to-device copy, i.e. a sync).
+        # Both reductions are taken whole and sliced per column (a host-built mask would sync).
         ops = {op for op, _ in self._parts}
         reduced = {"sum": out.sum(0).T if "sum" in ops else None,
                    "max": out.amax(0).T if "max" in ops else None}  # (columns, B) each

@@ -235,11 +235,8 @@ class SufficientStats(_Reading):
         return self
 
     def all_reduce(self, process_group: Optional[object] = None) -> "SufficientStats":
-        """Reduce in place over ``process_group`` with one SUM and one MAX collective.
-
-        Every rank must have recorded the same names in the same order (true by construction:
-        names and their order depend on the config only, never on the data).
-        """
+        """Reduce in place over ``process_group`` with one SUM and one MAX collective (every rank has
+        recorded the same names in the same order: they depend on the config only, never on the data)."""
         import torch.distributed as dist
 
         if process_group is None or not (dist.is_available() and dist.is_initialized()):
@@ -311,9 +308,8 @@ def maximum(a: Value, b: Value) -> Value:
 
 
 def seq_summary(stats, key: str, n_rows: Value, center: float) -> dict[str, Value]:
-    """mean, unbiased std, max, min and max |x − center| of per-row values recorded under
-    ``key`` (as ``<key>_sum``, ``<key>_sum2``, ``<key>_max`` and ``<key>_min``); all 0 when
-    ``n_rows`` is 0, std 0 when it is 1."""
+    """mean, unbiased std, max, min and max |x − center| of the per-row values recorded as
+    ``<key>_sum``, ``_sum2``, ``_max`` and ``_min``; all 0 when ``n_rows`` is 0, std 0 when it is 1."""
     s, s2 = stats.sum(f"{key}_sum"), stats.sum(f"{key}_sum2")
     mean = safe_div(s, n_rows)
     var = safe_div(s2 - s * mean, n_rows - 1)

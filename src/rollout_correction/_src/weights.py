@@ -139,18 +139,15 @@ def batch_norm_factor(stats, spec: ISSpec) -> Value:
 def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     """``rollout_is_*`` metrics from reduced statistics (values before batch normalisation).
 
-    mean / std / ESS are token-weighted over valid tokens (for every level):
-    std = sqrt(E[w²] − E[w]²), ESS = 1 / E[(w / (E[w] + 1e-8))²] = (E[w] + 1e-8)² / E[w²]
-    (0 when every weight is 0). max / min: over valid tokens at token level; for sequence and
-    geometric levels exp of the extreme log weight clamped to ±20.
-    fraction_high / fraction_low: share of raw (safety-bounded, unbounded) weights above U /
-    below L (tokens at token level, sequences otherwise). seq_*: statistics of the per-row mean
-    weight over sequences with ≥ 1 valid token; seq_fraction_* use the raw per-row mean.
-    Sequence / geometric levels also report the row weights before truncation (length-aware
-    statistics; one value per sequence): seq_raw_mean, seq_raw_ess = (Σw)² / (n·Σw²) (Kish),
-    seq_log_mean (mean log weight, unclamped) and seq_collapsed_fraction (share of rows with raw
-    weight < 0.1). A long response drives log ∏ρ_t far from 0 even at a small per-token gap; these
-    show it before truncation hides it.
+    mean / std / ESS are token-weighted over valid tokens (every level): std = sqrt(E[w²] − E[w]²),
+    ESS = 1 / E[(w / (E[w] + 1e-8))²] = (E[w] + 1e-8)² / E[w²] (0 when every weight is 0). max / min:
+    over valid tokens, or (sequence / geometric) exp of the extreme log weight clamped to ±20.
+    fraction_high / fraction_low: share of raw (safety-bounded, unbounded) weights above U / below L
+    (tokens or sequences). seq_*: statistics of the per-row mean weight over sequences with ≥ 1 valid
+    token; seq_fraction_* use the raw per-row mean. Sequence / geometric levels also report the row
+    weights before truncation, where a long response drives log ∏ρ_t far from 0 even at a small
+    per-token gap: seq_raw_mean, seq_raw_ess = (Σw)² / (n·Σw²) (Kish), seq_log_mean (mean log weight,
+    unclamped) and seq_collapsed_fraction (share of rows with raw weight < 0.1).
     """
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
     mean = safe_div(stats.sum("is.sum_w"), n_tok)
