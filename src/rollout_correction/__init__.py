@@ -1,11 +1,5 @@
 """rollout-correction: keep LLM reinforcement learning correct when the tokens were sampled by a
-different engine than the one computing gradients.
-
-The public surface is small::
-
-    from rollout_correction import (RolloutCorrectionConfig, compute_rollout_correction,
-                                    compute_offpolicy_metrics, compute_policy_loss)
-"""
+different engine than the one computing gradients. The public surface is the names below."""
 
 from ._src.config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
 from ._src.config_io import config_value, settings_dict

@@ -1,28 +1,20 @@
 """Group-relative advantages (GRPO, RLOO) whose baselines use accepted samples only.
 
-Rejection sampling removes a sequence from the loss by zeroing its response mask. If the group
-baseline is still computed over every member, a rejected sample — typically the most
-off-policy one — keeps shifting its siblings' advantages although it never contributes a
-gradient itself (verl #6375). Here the baseline of group g is computed over its accepted members
-A_g only, with n_g = |A_g| and scores r:
+Rejection sampling removes a sequence from the loss by zeroing its response mask; a baseline
+still computed over every member lets a rejected sample (typically the most off-policy one) shift
+its siblings' advantages although it never contributes a gradient itself (verl #6375). Here the
+baseline of group g is computed over its accepted members A_g only, with n_g = |A_g| and scores r:
 
     GRPO:  μ_g = (1/n_g) Σ_{j∈A_g} r_j,   σ_g = sqrt( Σ_{j∈A_g} (r_j − μ_g)² / (n_g − 1) )
            Â_i = (r_i − μ_g) / (σ_g + ε)          (or r_i − μ_g without std normalisation)
     RLOO:  Â_i = r_i − (1/(n_g − 1)) Σ_{j∈A_g, j≠i} r_j  =  n_g/(n_g − 1) · (r_i − μ_g)
 
-(Shao et al. 2024, DeepSeekMath, for GRPO; Ahmadian et al. 2024 for RLOO.)
-
-Rules for what rejection leaves behind, each counted in a metric:
-
-* A rejected row gets advantage 0.
-* A group that lost every member has no baseline: nothing in it is trained, all its rows get
-  advantage 0 (``group_empty_count``).
-* A group left with one accepted member has nothing to compare that member with, so its
-  advantage is 0 as well (``group_singleton_count``). (verl instead hands a lone member its raw
-  score as advantage — mean 0, std 1 — which is not a group-relative signal at all.)
-* A row whose score is NaN or ±inf is rejected (``on_nonfinite="reject"``, counted in
-  ``group_nonfinite_score_count``) or raises (``on_nonfinite="raise"``), so one bad reward
-  cannot poison its group.
+(Shao et al. 2024, DeepSeekMath, for GRPO; Ahmadian et al. 2024 for RLOO.) A rejected row gets
+advantage 0; so does every row of a group left with no accepted member (``group_empty_count``) or
+with one, which has nothing to compare with (``group_singleton_count``; verl hands a lone member
+its raw score, not a group-relative signal). A row whose score is NaN or ±inf is rejected
+(``on_nonfinite="reject"``, ``group_nonfinite_score_count``) or raises, so one bad reward cannot
+poison its group.
 """
 
 from __future__ import annotations
@@ -41,16 +33,10 @@ Estimator = Literal["grpo", "rloo"]
 
 
 class GroupAdvantages(NamedTuple):
-    """Result of :func:`group_advantages`.
-
-    Attributes:
-      advantages: (B,) float32 sequence advantages; 0 on rejected rows and in groups with fewer
-        than two accepted members.
-      token_advantages: (B, T) float32 = advantages broadcast over the valid tokens of
-        ``response_mask`` (0 elsewhere), or None when no response mask was given.
-      accepted: (B,) bool, the rows that entered a baseline.
-      metrics: dict of 0-d tensors, prefixed ``rollout_corr/``.
-    """
+    """Result of :func:`group_advantages`: ``advantages`` (B,) float32, 0 on rejected rows and in
+    groups with fewer than two accepted members; ``token_advantages`` (B, T) float32, broadcast over
+    the valid tokens of ``response_mask`` (None without one); ``accepted`` (B,) bool, the rows that
+    entered a baseline; ``metrics``, 0-d tensors prefixed ``rollout_corr/``."""
 
     advantages: torch.Tensor
     token_advantages: Optional[torch.Tensor]
@@ -165,8 +151,8 @@ def group_advantages(scores: torch.Tensor, group_ids: GroupIds, *, estimator: Es
     index = _group_index(group_ids, batch, device)
     groups = int(index.max()) + 1 if batch else 0
 
-    # Per-group sufficient statistics over accepted members only (float64; deviations are
-    # rescaled by their group maximum so huge rewards cannot overflow the sum of squares).
+    # Per-group statistics over accepted members (float64; deviations rescaled by their group
+    # maximum, so huge rewards cannot overflow the sum of squares).
     r_acc = torch.where(accepted, r, 0.0)
     n = _scatter_sum(accepted.double(), index, groups)
     mean = _scatter_sum(r_acc, index, groups) / n.clamp(min=1)

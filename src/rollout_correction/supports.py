@@ -1,26 +1,16 @@
 """Truncated sampling supports: trainer log-probs renormalised over the sampler's kept set.
 
-When the rollout engine samples with top-k / top-p / min-p, the behaviour policy is the
-*truncated* distribution
-
-    q_S(y) = q(y) / Σ_{v∈S} q(v)        for y ∈ S,   0 otherwise,
-
-and engines configured to return "processed" log-probs (vLLM ``logprobs_mode="processed_logprobs"``)
-report log q_S(y). A trainer that takes a full-vocabulary log-softmax reports log p(y), so the
-log-ratio becomes
+When the rollout engine samples with top-k / top-p / min-p, the behaviour policy is the truncated
+distribution q_S(y) = q(y) / Σ_{v∈S} q(v) on the kept set S, and engines that return "processed"
+log-probs (vLLM ``logprobs_mode="processed_logprobs"``) report log q_S(y). A trainer taking a
+full-vocabulary log-softmax reports log p(y), so the log-ratio becomes
 
     log p(y) − log q_S(y) = log Z_p(S) + [log p_S(y) − log q_S(y)],      Z_p(S) = Σ_{v∈S} p(v),
 
-i.e. every ratio is multiplied by the kept mass Z_p(S) < 1, whichever token was sampled
-(TRL #6789). This is not a policy difference; it is a comparison of two distributions on
-different supports. The fix is to compare like with like:
-
-    log p_S(y) = z_y / τ − logsumexp_{v∈S} z_v / τ
-
-with z the trainer logits and τ the sampling temperature. Under the sampler,
-E_{y∼q_S}[p_S(y) / q_S(y)] = Σ_{y∈S} p_S(y) = 1, while the raw ratio has expectation Z_p(S).
-
-The kept set S is either given (the engine's own kept-token mask, the exact answer) or
+i.e. every ratio carries the kept mass Z_p(S) < 1 (TRL #6789): a comparison of two distributions
+on different supports, not a policy difference. The fix compares like with like, log p_S(y) (see
+:func:`renormalized_log_probs`); under the sampler E_{y∼q_S}[p_S(y) / q_S(y)] = 1, while the raw
+ratio has expectation Z_p(S). S is either given (the engine's kept-token mask, exact) or
 reconstructed from the sampling settings on the trainer logits (:func:`sampling_support_mask`).
 
 Conventions:
@@ -57,30 +47,20 @@ Setting = Union[None, int, float, torch.Tensor]
 SamplingOrder = Literal["vllm", "hf", "sglang"]
 OutsideSupport = Literal["include", "raise"]
 
-_ORDERS = {
-    # vLLM (v1 sampler): temperature, then min-p as an argmax-invariant logits processor,
-    # then top-k, then top-p on the distribution renormalised after top-k.
-    "vllm": ("min_p", "top_k", "top_p"),
-    # transformers generate(): TemperatureLogitsWarper, TopK, TopP, MinP, each on the output
-    # of the previous one.
-    "hf": ("top_k", "top_p", "min_p"),
-    # SGLang: top-k, top-p and min-p are all computed on the full distribution and intersected.
+_ORDERS = {  # each filter on the survivors of the previous one; SGLang: all on the full distribution
+    "vllm": ("min_p", "top_k", "top_p"),  # v1 sampler: min-p is an argmax-invariant logits processor
+    "hf": ("top_k", "top_p", "min_p"),  # transformers generate(): the warpers in this order
     "sglang": None,
 }
 
 
 class SupportLogProbs(NamedTuple):
-    """Trainer log-probs of the sampled tokens on the sampler's kept support.
-
-    Attributes:
-      log_prob: (B, T) float32, log p_S(y): the log-prob to compare with the engine's
-        processed log-prob (pass it as ``old_log_prob``).
-      full_log_prob: (B, T) float32, log p(y) over the full vocabulary (temperature applied).
-      kept_log_mass: (B, T) float32, log Z_p(S) = log Σ_{v∈S} p(v) ≤ 0, the bias the raw ratio
-        carries.
-      in_support: (B, T) bool, whether the sampled token was in the kept set as given or
-        reconstructed (before ``outside_support="include"`` added it). True on padding.
-    """
+    """Trainer log-probs of the sampled tokens on the sampler's kept support, each (B, T):
+    ``log_prob`` float32 log p_S(y), to compare with the engine's processed log-prob (pass it as
+    ``old_log_prob``); ``full_log_prob`` float32 log p(y) over the full vocabulary (temperature
+    applied); ``kept_log_mass`` float32 log Z_p(S) ≤ 0, the bias the raw ratio carries; ``in_support``
+    bool, the sampled token was in the kept set as given or reconstructed (before
+    ``outside_support="include"`` added it; True on padding)."""
 
     log_prob: torch.Tensor
     full_log_prob: torch.Tensor
@@ -159,10 +139,9 @@ def sampling_support_mask(logits: torch.Tensor, *, temperature: Setting = 1.0, t
         top-p:  keep v  iff  p_v ≥ p_(j*),  j* = max{j : Σ_{i<j} p_(i) < top_p}
         min-p:  keep v  iff  p_v ≥ min_p · max_u p_u
 
-    ``order`` selects how the filters compose: ``"vllm"`` (min-p, top-k, top-p, each on the
-    renormalised survivors), ``"hf"`` (transformers: top-k, top-p, min-p) or ``"sglang"``
-    (each filter on the full distribution, then intersected). Tokens with logit −inf or NaN are
-    never kept.
+    ``order``: ``"vllm"`` (min-p, top-k, top-p, each on the renormalised survivors), ``"hf"``
+    (top-k, top-p, min-p) or ``"sglang"`` (each on the full distribution, then intersected).
+    Tokens with logit −inf or NaN are never kept.
 
     Args:
       logits: (..., V) trainer logits, any float dtype (computed in float32).
@@ -187,33 +166,12 @@ def sampling_support_mask(logits: torch.Tensor, *, temperature: Setting = 1.0, t
     if m is not None and bool(((m < 0) | (m > 1)).any()):
         raise ValueError(f"min_p must be in [0, 1]; got {min_p!r}")
     filters = {"top_k": (_keep_top_k, k), "top_p": (_keep_top_p, p), "min_p": (_keep_min_p, m)}
-    finite = z > float("-inf")  # False for −inf and NaN
-    if _ORDERS[order] is None:
-        keep = finite
-        for fn, arg in filters.values():
-            if arg is not None:
-                keep = keep & fn(z, finite, arg)
-        return keep
-    keep = finite
-    for name in _ORDERS[order]:
+    keep = finite = z > float("-inf")  # False for −inf and NaN
+    for name in _ORDERS[order] or filters:  # in sequence, or each on the full distribution (sglang)
         fn, arg = filters[name]
         if arg is not None:
-            keep = fn(z, keep, arg)
+            keep = fn(z, keep, arg) if _ORDERS[order] else keep & fn(z, finite, arg)
     return keep
-
-
-def _check_tokens(tokens: torch.Tensor, lead_shape: torch.Size, vocab: int,
-                  valid: torch.Tensor) -> None:
-    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-        raise TypeError("tokens must be an integer tensor of sampled token ids")
-    if tokens.shape != lead_shape:
-        raise ValueError(f"tokens has shape {tuple(tokens.shape)} but logits have leading shape "
-                         f"{tuple(lead_shape)} (logits are (B, T, V), tokens (B, T))")
-    bad = valid & ((tokens < 0) | (tokens >= vocab))
-    if bool(bad.any()):
-        where = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"token id {int(tokens[where])} at position {where} is outside the vocabulary "
-                         f"[0, {vocab}) of the logits")
 
 
 def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
@@ -225,9 +183,8 @@ def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
 
         log p_S(y) = z_y/τ − logsumexp_{v∈S} z_v/τ,      log Z_p(S) = logsumexp_{v∈S} z_v/τ − logsumexp_v z_v/τ
 
-    Compare ``log_prob`` with the engine's processed log-probs: the ratio then measures the
-    engine/trainer mismatch only, not the kept mass (TRL #6789; DeepSeek-V3.2's "keep sampling
-    mask").
+    Compare ``log_prob`` with the engine's processed log-probs: the ratio then measures the mismatch
+    only, not the kept mass (TRL #6789; DeepSeek-V3.2's "keep sampling mask").
 
     Args:
       logits: (B, T, V) trainer logits at the positions that predicted ``tokens``.
@@ -255,7 +212,16 @@ def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
             raise ValueError(f"response_mask has shape {tuple(response_mask.shape)} but logits have "
                              f"leading shape {tuple(lead)}")
         valid = response_mask.to(device=z.device) != 0
-    _check_tokens(tokens, lead, vocab, valid)
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise TypeError("tokens must be an integer tensor of sampled token ids")
+    if tokens.shape != lead:
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)} but logits have leading shape "
+                         f"{tuple(lead)} (logits are (B, T, V), tokens (B, T))")
+    bad = valid & ((tokens < 0) | (tokens >= vocab))
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"token id {int(tokens[where])} at position {where} is outside the vocabulary "
+                         f"[0, {vocab}) of the logits")
 
     if kept_mask is not None:
         if any(s is not None for s in (top_k, top_p, min_p)):
@@ -307,14 +273,9 @@ def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
 
 def support_metrics(result: SupportLogProbs, response_mask: Optional[torch.Tensor] = None,
                     prefix: str = METRIC_PREFIX) -> dict[str, torch.Tensor]:
-    """Mean kept mass and the fraction of sampled tokens outside the kept set, over valid tokens.
-
-        support_kept_mass_mean = mean_t Z_p(S_t)          (the factor the raw ratio carries)
-        support_log_kept_mass_mean = mean_t log Z_p(S_t)
-        support_outside_fraction = mean_t 1[y_t ∉ S_t]
-
-    Non-finite positions are left out of the means. With no valid token every metric is 0.
-    Returns 0-d float32 tensors (no device sync).
+    """Over valid tokens, as 0-d float32 tensors (no sync; 0 with no valid token; non-finite
+    positions left out of the means): ``support_kept_mass_mean`` = mean_t Z_p(S_t),
+    ``support_log_kept_mass_mean`` = mean_t log Z_p(S_t), ``support_outside_fraction`` = mean_t 1[y_t ∉ S_t].
     """
     lm = result.kept_log_mass
     valid = torch.ones_like(lm, dtype=torch.bool) if response_mask is None else response_mask.to(lm.device) != 0

@@ -1,10 +1,9 @@
 """One-token misalignment detector for rollout vs trainer log-probs.
 
-If the rollout engine's log-probs are off by one position against the trainer's (the log-prob
-of the last prompt token kept, the first response token dropped, an off-by-one in a slice), the
-log-ratio is not a mismatch between policies but a comparison of unrelated tokens, and every
-correction built on it is wrong (ms-swift #8196). The symptom is distinctive: the two sequences
-agree far better after shifting one of them by a single position.
+If the rollout engine's log-probs are off by one position against the trainer's (the last prompt
+token's log-prob kept, the first response token's dropped), the log-ratio compares unrelated tokens
+and every correction built on it is wrong (ms-swift #8196); the two sequences then agree far better
+after shifting one of them by a single position.
 
 Over the pairs of adjacent valid positions (t, t+1) of each row, with o = old_log_prob and
 r = rollout_log_prob (non-finite values left out):
@@ -18,10 +17,8 @@ and the inputs are reported as misaligned by s ∈ {+1, −1} when
     n_pairs ≥ min_pairs,   D₀ ≥ min_aligned_mae   and   D_s < shift_ratio · D₀.
 
 For aligned log-probs D₀ is the engine mismatch (typically 1e-3 – 1e-1 nats) while a shift
-compares neighbouring tokens (typically ≥ 0.5 nats), so the two cases are far apart.
-
-The statistics are four sums (:func:`alignment_statistics`), so they can be added across
-micro-batches or all-reduced across ranks before :func:`alignment_report` decides.
+compares neighbouring tokens (typically ≥ 0.5 nats). The statistics are four sums
+(:func:`alignment_statistics`): they add across micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -42,13 +39,9 @@ class MisalignmentWarning(UserWarning):
 
 
 class AlignmentReport(NamedTuple):
-    """Result of :func:`alignment_report` / :func:`check_alignment`.
-
-    n_pairs: adjacent valid pairs compared. aligned_mae: D₀. late_mae: D₊₁ (rollout one
-    position late). early_mae: D₋₁ (rollout one position early). best_shift: 0, +1 or −1, the
-    offset with the smallest distance. misaligned: the decision rule above. message: a sentence
-    for logs ("" when aligned).
-    """
+    """Result of :func:`alignment_report`: ``n_pairs`` compared, D₀ / D₊₁ / D₋₁ (``aligned_mae``,
+    ``late_mae``, ``early_mae``), ``best_shift`` (0, +1 or −1: the smallest distance), ``misaligned``
+    (the decision rule above) and ``message``, a sentence for logs ("" when aligned)."""
 
     n_pairs: int
     aligned_mae: float
@@ -61,12 +54,8 @@ class AlignmentReport(NamedTuple):
 
 def alignment_statistics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                          response_mask: torch.Tensor) -> torch.Tensor:
-    """Sufficient statistics [n_pairs, Σ|o_t − r_t|, Σ|o_t − r_{t+1}|, Σ|o_{t+1} − r_t|] (float64, (4,)).
-
-    Args:
-      old_log_prob, rollout_log_prob: (B, T) log-probs, any float dtype.
-      response_mask: (B, T) bool or 0/1 mask of valid tokens.
-    """
+    """Sufficient statistics [n_pairs, Σ|o_t − r_t|, Σ|o_t − r_{t+1}|, Σ|o_{t+1} − r_t|] (float64, (4,))
+    of (B, T) log-probs (any float dtype) and a (B, T) bool or 0/1 mask of valid tokens."""
     for name, t in (("old_log_prob", old_log_prob), ("rollout_log_prob", rollout_log_prob),
                     ("response_mask", response_mask)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -125,14 +114,9 @@ def alignment_report(stats: torch.Tensor, *, shift_ratio: float = 0.5, min_pairs
 def check_alignment(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                     *, process_group: Optional[object] = None, warn: bool = True, shift_ratio: float = 0.5,
                     min_pairs: int = 32, min_aligned_mae: float = 1e-2) -> AlignmentReport:
-    """Compare aligned vs ±1-shifted distances and warn (:class:`MisalignmentWarning`) on a shift.
-
-    Args:
-      old_log_prob, rollout_log_prob, response_mask: (B, T), as for the correction.
-      process_group: all-reduce the four sums over this ``torch.distributed`` group first.
-      warn: emit ``warnings.warn`` when misaligned.
-      shift_ratio, min_pairs, min_aligned_mae: the decision rule (module docstring).
-    """
+    """Compare aligned vs ±1-shifted distances of (B, T) inputs as for the correction, the four sums
+    all-reduced over ``process_group`` first, and with ``warn`` warn (:class:`MisalignmentWarning`)
+    on a shift; ``shift_ratio``, ``min_pairs``, ``min_aligned_mae``: the rule of the module docstring."""
     stats = alignment_statistics(old_log_prob, rollout_log_prob, response_mask)
     if process_group is not None:
         import torch.distributed as dist

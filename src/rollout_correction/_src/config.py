@@ -1,8 +1,7 @@
-"""``RolloutCorrectionConfig``: verl's keys (both generations, read by vocab.py), slime's IS modes
-and the methods beyond them, validated at construction and resolved once into the specs the
-computation reads (:class:`ISSpec`, a tuple of :class:`RSOption`). Each key is documented once, in
-its field's metadata, which docs/config.md renders. Bands are held as ``Band(lo, hi)``. The
-presets are presets.py's, loading and dict-style access config_io.py's.
+"""``RolloutCorrectionConfig``: verl's keys (both generations), slime's IS modes and the methods
+beyond them, validated at construction and resolved once into the specs the computation reads
+(:class:`ISSpec`, a tuple of :class:`RSOption`). Each key is documented once, in its field's
+metadata, which docs/config.md renders.
 """
 
 from __future__ import annotations
@@ -40,13 +39,8 @@ RS_OPTIONS: dict[str, tuple[RsAggregation, DivergenceEstimator]] = {
 
 @dataclass(frozen=True)
 class ISSpec:
-    """Resolved importance-sampling settings.
-
-    ``mode``: ``truncate`` (w ← min(w, upper)), ``clip`` (w ← clamp(w, lower, upper)) or
-    ``mask`` (IcePop: w ← w·1[lower ≤ w ≤ upper]; the response mask is left unchanged).
-    ``metric_lower`` is the lower bound used by the ``*_fraction_low`` metrics: the configured
-    lower bound, or 1/upper when none is configured.
-    """
+    """Resolved importance-sampling settings: ``mode`` as in :mod:`rollout_correction._src.weights`;
+    ``metric_lower``, the bound of the ``*_fraction_low`` metrics: ``lower``, or 1/upper without one."""
 
     level: IsLevel
     mode: IsMode
@@ -58,14 +52,9 @@ class ISSpec:
 
 @dataclass(frozen=True)
 class RSOption:
-    """One rejection criterion.
-
-    A token or sequence is kept iff its statistic lies in ``[stat_lower, stat_upper]``.
-    For k1 options the statistic is k1 = −log ρ and the configured bounds are on the ratio:
-    lo ≤ ρ ≤ hi  ⇔  −log hi ≤ k1 ≤ −log lo, so ``stat_lower = −log hi`` and
-    ``stat_upper = −log lo``. For k2/k3 ``stat_lower`` is None (one upper bound).
-    ``legacy`` names the first-generation mode this option was configured as, if any.
-    """
+    """One rejection criterion: a token or sequence is kept iff its statistic lies in
+    ``[stat_lower, stat_upper]``. For k1 the ratio bounds lo ≤ ρ ≤ hi become −log hi ≤ k1 ≤ −log lo;
+    for k2/k3 ``stat_lower`` is None. ``legacy``: the first-generation mode configured, if any."""
 
     name: str
     agg: RsAggregation
@@ -287,9 +276,8 @@ def _unchecked(key: str, value: Any) -> Any:
 
 def as_config(value: Any) -> RolloutCorrectionConfig:
     """The one way every entry point reads a config: ``None`` → the default (metrics only); a config
-    → itself; a string → that preset; a mapping, an OmegaConf node, a dataclass (verl's config class)
-    or an object with attributes → ``from_dict`` of its keys. Unknown keys and invalid values raise
-    :class:`ConfigError`; an unreadable type raises TypeError."""
+    → itself; a string → that preset; anything :func:`settings_dict` reads → ``from_dict`` of its
+    keys. Unknown keys and invalid values raise :class:`ConfigError`, an unreadable type TypeError."""
     if value is None:
         return RolloutCorrectionConfig()
     if isinstance(value, RolloutCorrectionConfig):

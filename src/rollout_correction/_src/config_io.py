@@ -1,7 +1,5 @@
-"""Reading a config from dicts, YAML, OmegaConf or any object holding settings, and writing it
-back as a dict of verl's keys: ``Loading``, a mixin of ``RolloutCorrectionConfig``; and
-:func:`settings_dict` and :func:`config_value`, which read settings from whatever holds them.
-"""
+"""Reading a config from dicts, YAML, OmegaConf or any object holding settings (``Loading``, a mixin
+of ``RolloutCorrectionConfig``; :func:`settings_dict`; :func:`config_value`), and writing it back."""
 
 from __future__ import annotations
 
@@ -65,11 +63,10 @@ class Loading:
 
         import yaml  # optional dependency: pip install 'rollout-correction[yaml]'
 
+        text = source
         if os.path.exists(source):
             with open(source, encoding="utf-8") as f:
                 text = f.read()
-        else:
-            text = source
         data = yaml.safe_load(text)
         data = {} if data is None else data
         if not isinstance(data, Mapping):

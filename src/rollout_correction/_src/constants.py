@@ -1,15 +1,11 @@
-"""Constants every layer of the core shares (defined once, imported everywhere else).
-
-* ``SAFETY_BOUND``: the log-space clamp applied before every ``exp`` — weights, metrics and
-  losses live in [e^-20, e^20] ≈ [2e-9, 4.9e8], so no exponential overflows float32.
-* ``METRIC_PREFIX``: every metric the library returns is named ``rollout_corr/<name>``.
-"""
+"""Constants every layer of the core shares (defined once, imported everywhere else)."""
 
 from __future__ import annotations
 
 __all__ = ["SAFETY_BOUND", "METRIC_PREFIX"]
 
-#: Log-space clamp applied before every ``exp``: weights live in [e^-20, e^20] ≈ [2e-9, 4.9e8].
+#: Log-space clamp applied before every ``exp``: weights, metrics and losses live in
+#: [e^-20, e^20] ≈ [2e-9, 4.9e8], so no exponential overflows float32.
 SAFETY_BOUND = 20.0
 
 #: Prefix of every metric name (``rollout_corr/rollout_is_mean``, ``rollout_corr/kl``, …).

@@ -35,22 +35,18 @@ __all__ = ["CorrectionOutput", "compute_rollout_correction", "CorrectionAccumula
 
 @dataclass
 class CorrectionOutput:
-    """Result of :func:`compute_rollout_correction`.
-
-    weights: (B, T) float32 IS weights (detached, 0 at padding and at rows dropped for
-        non-finite input), or None when ``rollout_is`` is None.
-    response_mask: (B, T) input mask with rejected tokens set to 0, same dtype as the input.
-    metrics: ``rollout_corr/<name>`` → 0-d tensor; a :class:`~rollout_correction._src.metrics.Metrics`
-        mapping that derives the tensors on first access (on the device, without a sync).
-    """
+    """Result of :func:`compute_rollout_correction`: ``weights`` (B, T) float32 IS weights (detached,
+    0 at padding and at rows dropped for non-finite input; None without ``rollout_is``);
+    ``response_mask`` (B, T), the input mask (and dtype) with rejected tokens set to 0; ``metrics``
+    ``rollout_corr/<name>`` → 0-d tensor, a :class:`~rollout_correction._src.metrics.Metrics` mapping
+    that derives the tensors on first access (on the device, without a sync)."""
 
     weights: Optional[torch.Tensor]
     response_mask: torch.Tensor
     metrics: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def metrics_as_floats(self) -> dict[str, float]:
-        """All metrics as Python floats, with one device sync (the packed statistics are copied
-        to the host once; every metric is derived there in float64)."""
+        """All metrics as Python floats, derived on the host in float64 after one device sync."""
         return metrics_to_floats(self.metrics)
 
 
@@ -73,10 +69,6 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig,
 _ALIGN_KEYS = ("align.n", "align.d0", "align.late", "align.early")
 
 
-def _alignment_sums(stats: SufficientStats) -> torch.Tensor:
-    return torch.stack([stats.sum(k) for k in _ALIGN_KEYS])
-
-
 def _alignment_metrics(stats) -> dict[str, Value]:
     """``alignment_pairs`` and the mean |old − rollout| at shifts 0, +1, −1 (0 with no pair)."""
     n = stats.sum("align.n")
@@ -87,8 +79,7 @@ def _alignment_metrics(stats) -> dict[str, Value]:
 
 def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                 config: RolloutCorrectionConfig, row_offset: int = 0):
-    """Everything that touches (B, T) data: weights before normalisation, the 0/1 keep mask, and
-    the local statistics."""
+    """Everything that touches (B, T) data: weights before normalisation, keep mask, local statistics."""
     batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite,
                             row_offset=row_offset)
     stats = SufficientStats()
@@ -107,32 +98,21 @@ def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, resp
 
 @dataclass
 class RowValues:
-    """Per-sequence values of the whole (unsplit) sequences, (B,) each, on every rank of the
-    sequence group (float32 unless noted).
+    """Per-sequence values of the whole (unsplit) sequences on every rank of the sequence group.
 
-    n_tok: valid tokens used (0 for rows dropped for a non-finite value); kept: valid tokens
-    every rejection criterion accepts; token_keep: (B, T_local) float 0/1, this rank's valid
-    tokens accepted by the token-level criteria (the final mask is ``token_keep · row_keep``);
-    row_keep: bool, rows accepted by the sequence-level criteria and the veto; log_ratio_sum:
-    Σ_t log ρ_t; train_mean / rollout_mean: mean_t log π_train / log π_rollout (float64);
-    dropped: bool, rows dropped for a non-finite value; batch: the :class:`LogRatioBatch` of the
-    final pass (its per-row reductions span the group); weights: (B, T_local) IS weights before
-    batch normalisation (None without IS); row_weight: the bounded per-row weight at sequence /
-    geometric level (None at token level).
+    kept: (B,) valid tokens every rejection criterion accepts; token_keep: (B, T_local) float 0/1,
+    this rank's valid tokens the token-level criteria accept (the final mask is ``token_keep ·
+    row_keep``); row_keep: (B,) bool, rows the sequence-level criteria and the veto accept;
+    dropped: (B,) bool, rows dropped for a non-finite value; weights: (B, T_local) IS weights before
+    batch normalisation (None without IS); row_weight: (B,) bounded per-row weight at sequence /
+    geometric level (None at token level). A partial passed to the exchange must depend on this
+    rank's tokens only: apply ``row_keep`` / ``row_weight`` to the reduced value.
+    """
 
-    A partial passed to the exchange must depend on this rank's tokens only: build it from
-    ``token_keep`` and ``weights`` at token level, and apply ``row_keep`` / ``row_weight`` /
-    the batch-normalisation factor to the reduced value."""
-
-    n_tok: torch.Tensor
     kept: torch.Tensor
     token_keep: torch.Tensor
     row_keep: torch.Tensor
-    log_ratio_sum: torch.Tensor
-    train_mean: torch.Tensor
-    rollout_mean: torch.Tensor
     dropped: torch.Tensor
-    batch: LogRatioBatch
     weights: Optional[torch.Tensor] = None
     row_weight: Optional[torch.Tensor] = None
 
@@ -140,12 +120,9 @@ class RowValues:
 def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                     config: RolloutCorrectionConfig, process_group: Optional[object], rows: RowExchange,
                     owner: Optional[bool]) -> tuple[CorrectionOutput, RowValues]:
-    """One pass of the correction over sequences split across ``rows.group``.
-
-    In the collect pass the outputs are placeholders; in the replay pass they are final (the
-    statistics are then reduced over ``process_group``, counted on the ranks ``owner`` selects,
-    see :func:`~rollout_correction._src.sequence_group.stats_owner`).
-    """
+    """One pass of the correction over sequences split across ``rows.group``: placeholders in the
+    collect pass, final in the replay pass (statistics reduced over ``process_group``, counted on
+    the ranks ``owner`` selects, see :func:`~rollout_correction._src.sequence_group.stats_owner`)."""
     if config.check_alignment:
         raise ValueError("check_alignment compares adjacent tokens and cannot run on sequences split across "
                          "sequence_group; run the alignment check on whole sequences (rollout-correction "
@@ -156,11 +133,8 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     isw, rej = local_correction(batch, config, stats)
     weights = isw.weights if isw is not None else None
     keep = rej.keep_mask(batch)
-    kept = rej.kept_per_row(batch)
     token_keep = batch.mask if rej.token_keep is None else batch.mask * rej.token_keep
-    means = batch.train_means64()
-    values = RowValues(batch.n_row, kept, token_keep, rej.rows(batch), batch.row_sum, means[1],
-                       means[1] - means[0], batch.bad_rows, batch, weights,
+    values = RowValues(rej.kept_per_row(batch), token_keep, rej.rows(batch), batch.bad_rows, weights,
                        isw.row_weight if isw is not None else None)
     if not rows.final:
         return CorrectionOutput(weights, keep), values
@@ -191,10 +165,9 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
 #: temporary): temporaries stay cache-sized, and peak memory does not grow with the batch
 #: beyond the outputs. Statistics of all blocks are reduced together, so results are identical.
 BLOCK_TOKENS = 1 << 17
-#: On an accelerator the blocks are larger (64 MiB per float32 temporary): every block costs its
-#: own kernel launches (at 1024x32768 on an H100, 4M-token blocks made eager slower than one pass;
-#: 16M-token blocks are 1.7-2.8x faster with a peak still below verl's), and device memory
-#: bandwidth, not cache, is what a block must saturate.
+#: On an accelerator the blocks are larger (64 MiB per float32 temporary): each block costs its own
+#: kernel launches, and memory bandwidth, not cache, is what it must saturate (H100, 1024x32768:
+#: 1.7-2.8x faster than 4M-token blocks, peak still below verl's).
 DEVICE_BLOCK_TOKENS = 1 << 24
 
 
@@ -229,11 +202,8 @@ _COMPILED: dict[RolloutCorrectionConfig, Callable] = {}
 
 
 def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
-    """A compiled per-token pass for ``config``.
-
-    torch.compile caches per code object, with a limit on recompilations; each config gets its
-    own copy of the code so that many configs in one process never share (and exhaust) a cache.
-    """
+    """A compiled per-token pass for ``config``: torch.compile caches per code object, with a limit
+    on recompilations, so each config gets its own copy of the code (many configs never exhaust it)."""
     fn = _COMPILED.get(config)
     if fn is None:
         code = _local_pass.__code__.replace(co_name=f"_local_pass_{len(_COMPILED)}")
@@ -270,11 +240,10 @@ def compute_rollout_correction(
 ) -> CorrectionOutput:
     """IS weights, rejection-adjusted response mask and diagnostics for one batch.
 
-    log ρ_t = old_log_prob − rollout_log_prob on valid tokens. Weights follow
-    ``config.rollout_is`` / ``rollout_is_threshold`` (see :mod:`rollout_correction._src.weights`),
-    rejection follows ``rollout_rs`` and the veto (see :mod:`rollout_correction._src.rejection`), then
-    M2PO (``rollout_m2po_threshold``, :mod:`rollout_correction._src.m2po`) masks among the tokens
-    they keep — batch-global over ``process_group`` (32 small all-reduces).
+    log ρ_t = old_log_prob − rollout_log_prob on valid tokens; weights as in
+    :mod:`~rollout_correction._src.weights`, rejection and veto as in
+    :mod:`~rollout_correction._src.rejection`, then M2PO among the tokens they keep
+    (:mod:`~rollout_correction._src.m2po`: batch-global over ``process_group``, 32 small all-reduces).
 
     Args:
         old_log_prob: (B, T) π_old log-probs (decoupled mode) or π_θ log-probs (bypass mode);
@@ -283,26 +252,19 @@ def compute_rollout_correction(
         response_mask: (B, T) bool or 0/1 mask of valid tokens.
         config: a :class:`RolloutCorrectionConfig`; None means metrics only.
         process_group: a ``torch.distributed`` group over which the batch is split; batch
-            normalisation and every metric then cover the whole batch (exactly the
-            single-process result).
-        compile: run the per-token pass through ``torch.compile`` (one fused kernel per config;
-            the first call per config compiles, later calls reuse it). Same results as eager.
-            Not used with ``sequence_group`` (that path runs eagerly).
+            normalisation and every metric then cover the whole batch (the single-process result).
+        compile: run the per-token pass through ``torch.compile`` (compiled once per config; same
+            results as eager; not with ``sequence_group``, which runs eagerly).
         sequence_group: a ``torch.distributed`` group over which every sequence is split
-            (context parallelism: Megatron's ``mpu.get_context_parallel_group()``, or a Ulysses
-            sequence-parallel group). Each rank passes its own tokens of the same B rows in the
-            same order — any layout: a contiguous slice, the two zig-zag chunks, padding inside
-            the slice, an empty slice — and every valid token is held by exactly one rank. The
-            per-sequence sums, counts and maxima are reduced across the group with one
-            all-gather of a (B, k) tensor of per-row partials (k = 6 to 26 scalars
-            per row, never token tensors), so weights, masks and metrics equal those of the
-            unsplit sequences (floating-point sums up to rounding); the returned (B, T_local)
-            tensors cover this rank's tokens. ``process_group`` is then the data-parallel group
-            either without context parallelism (``mpu.get_data_parallel_group()``: one rank per
-            sequence group) or with it (``mpu.get_data_parallel_group(with_context_parallel=True)``),
-            or None when the sequence group holds the whole batch; a group that contains only
-            some ranks of ``sequence_group`` raises ValueError. ``check_alignment`` needs whole
-            sequences and raises with a sequence group.
+            (context parallelism: Megatron's ``mpu.get_context_parallel_group()``, or Ulysses).
+            Each rank passes its own tokens of the same B rows in the same order, in any layout
+            (a slice, the two zig-zag chunks, padding, an empty slice), every valid token held by
+            exactly one rank. One all-gather of (B, k) per-row partials (never token tensors)
+            makes weights, masks and metrics those of the unsplit sequences (up to rounding); the
+            (B, T_local) outputs cover this rank's tokens. ``process_group`` is then the
+            data-parallel group without or with context parallelism, or None when the sequence
+            group holds the whole batch (see :func:`~rollout_correction._src.sequence_group.stats_owner`;
+            a partial overlap raises ValueError). ``check_alignment`` raises with a sequence group.
     Returns:
         :class:`CorrectionOutput`.
     """
@@ -335,7 +297,7 @@ def compute_rollout_correction(
             metrics.update(prefixed(m2po))
         out_mask = keep.to(response_mask.dtype)
         if config.check_alignment:  # the warning needs the values: one sync, only with this option
-            report = alignment_report(_alignment_sums(stats))
+            report = alignment_report(torch.stack([stats.sum(k) for k in _ALIGN_KEYS]))
             if report.misaligned:
                 warnings.warn(report.message, MisalignmentWarning, stacklevel=2)
     return CorrectionOutput(weights=weights, response_mask=out_mask, metrics=metrics)
@@ -346,18 +308,11 @@ BatchHook = Callable[[LogRatioBatch, Optional[torch.Tensor], torch.Tensor], None
 
 
 class CorrectionAccumulator(Accumulator):
-    """Streaming metrics of :func:`compute_rollout_correction` for ``config``.
-
-    ``update`` per chunk of whole rows, then ``compute`` gives exactly the metrics of one call on
-    the concatenated batch.
-
-    Args:
-        config: a :class:`RolloutCorrectionConfig`, or anything :func:`as_config` reads.
-        on_batch: optional hook for extra per-chunk statistics, called after the chunk's own
-            statistics are recorded as ``on_batch(batch, weights, keep)`` with the chunk's
-            :class:`LogRatioBatch`, its (B, T) IS weights before batch normalisation (None when
-            the config has no IS) and its (B, T) float 0/1 mask of the valid tokens every
-            rejection criterion accepts.
+    """Streaming metrics of :func:`compute_rollout_correction` for ``config`` (anything
+    :func:`as_config` reads): ``update`` per chunk of whole rows, then ``compute`` gives exactly the
+    metrics of one call on the concatenated batch. ``on_batch(batch, weights, keep)``, optional, is
+    called per chunk after its statistics are recorded, with its :class:`LogRatioBatch`, its (B, T)
+    IS weights before batch normalisation (None without IS) and its (B, T) float 0/1 keep mask.
     """
 
     def __init__(self, config: Union[RolloutCorrectionConfig, None, object] = None,

@@ -1,13 +1,8 @@
 """The per-token log-ratio and the per-row sums every estimator shares.
 
 :func:`log_ratio_batch` makes one pass over ``(old_log_prob, rollout_log_prob, response_mask)``
-and returns a :class:`LogRatioBatch` of named results:
-
-* per token (B, T), float32, exactly 0 at every position not used:
-  ``mask`` (0/1), ``log_ratio`` = log π_train − log π_rollout, ``log_ratio_clamped`` (±20),
-  ``ratio`` = exp(clamped log ρ), ``k3`` = ρ − 1 − log ρ;
-* per row (B,), in :class:`RowSums`: the token counts and Σ log ρ, Σ log π_train, Σ k3, Σ ρ, Σ ρ²,
-  taken with one reduction each.
+and returns a :class:`LogRatioBatch`: per token (B, T) float32, exactly 0 at every position not
+used, and per row (B,) sums taken with one reduction.
 
 Non-finite input. NaN / ±inf are replaced by ±1e30 and multiplied by the 0/1 mask, so nothing in
 padding reaches a sum; a valid position holding a non-finite value (or |log ρ| ≥ 1e30) makes its
@@ -65,17 +60,16 @@ class RowSums(NamedTuple):
 
 @dataclass(frozen=True)
 class LogRatioBatch:
-    """The result of :func:`log_ratio_batch` (module docstring). Every tensor belongs to this
-    batch alone.
+    """The result of :func:`log_ratio_batch` (module docstring); every tensor belongs to it alone.
 
     Attributes:
         response_mask: the caller's (B, T) mask, as given.
         input_mask: (B, T) float32 0/1, the valid input tokens.
         mask: (B, T) float32 0/1, the tokens used: ``input_mask`` minus dropped rows.
-        log_ratio, log_ratio_clamped, ratio, k3: (B, T) float32, 0 where ``mask`` is 0.
+        log_ratio, log_ratio_clamped, ratio, k3: (B, T) float32, 0 where ``mask`` is 0: log ρ =
+            log π_train − log π_rollout, log ρ clamped to ±20, ρ = exp(clamped log ρ), ρ − 1 − log ρ.
         bad_rows: (B,) bool, rows dropped for a non-finite value at a valid position.
-        sums: the per-row sums (:class:`RowSums`); ``n_row`` and ``row_sum`` name the two every
-            estimator reads.
+        sums: the per-row sums (:class:`RowSums`; ``n_row`` and ``row_sum`` name two of them).
         row_valid: (B,) bool, the row has a token used; ``input_rows``: it has a valid input token.
         row_sum64: (B,) float64 Σ_t log ρ_t.
         row_means64: (2, B) float64 mean_t log ρ_t and mean_t log π_train per row (0 for empty
@@ -104,12 +98,9 @@ class LogRatioBatch:
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str = "reject",
                        row_offset: int = 0) -> "LogRatioBatch":
-        """A batch from a precomputed (B, T) log-ratio log π_train − log π_rollout.
-
-        Everything that depends on the ratio only (IS weights, rejection, their statistics) works
-        as on a batch built from the two log-probs; the perplexity metrics need the log-probs
-        themselves, so :meth:`train_means64` raises on such a batch.
-        """
+        """A batch from a precomputed (B, T) log-ratio log π_train − log π_rollout: what depends on
+        the ratio only works as usual; the perplexity metrics need the log-probs (:meth:`train_means64`
+        raises)."""
         check_same([("log_ratio", log_ratio), ("response_mask", response_mask)], float_names=("log_ratio",))
         return _build(log_ratio.to(torch.float32, copy=True), response_mask, on_nonfinite, row_offset,
                       source=log_ratio)
@@ -149,18 +140,15 @@ class LogRatioBatch:
                              "log_ratio_batch(old_log_prob, rollout_log_prob, response_mask)")
         return self.row_means64
 
-    # -- reductions over a row (span the group when the rows are split) -----------------
-    # Each returns a per-row (B,) part; SufficientStats reduces parts in float64, batched.
+    # -- reductions over a row: a per-row (B,) partial sum / max / min in, the row's value out
+    # (the partial itself for whole rows, the group's value when the rows are split)
     def reduce_sum(self, partial: torch.Tensor) -> torch.Tensor:
-        """The row's total of a per-row partial sum (B,) (the partial itself for whole rows)."""
         return partial if self.rows is None else self.rows.sum(partial)
 
     def reduce_max(self, partial: torch.Tensor) -> torch.Tensor:
-        """The row's maximum of a per-row partial maximum (B,)."""
         return partial if self.rows is None else self.rows.max(partial)
 
     def reduce_min(self, partial: torch.Tensor) -> torch.Tensor:
-        """The row's minimum of a per-row partial minimum (B,)."""
         return partial if self.rows is None else self.rows.min(partial)
 
     def row_total(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,11 +166,9 @@ class LogRatioBatch:
         return self.reduce_sum(s), self.reduce_sum(xd.mul_(xd).sum(-1))
 
     def above(self, x: torch.Tensor, threshold: float) -> torch.Tensor:
-        """(B, T) float 0/1 indicator of x > threshold on the tokens used (x must be 0 elsewhere).
-
-        Computed as sign(max(x − c, 0)) — exact, since a > c implies a − c > 0 in IEEE
-        arithmetic — several times faster on CPU than a bool comparison and reduction.
-        """
+        """(B, T) float 0/1 indicator of x > threshold on the tokens used (x must be 0 elsewhere),
+        as sign(max(x − c, 0)): exact, since a > c implies a − c > 0 in IEEE arithmetic, and several
+        times faster on CPU than a bool comparison and reduction."""
         ind = (x - threshold).clamp_min_(0.0).sign_()
         return ind.mul_(self.mask) if threshold < 0 else ind
 
@@ -207,8 +193,7 @@ class LogRatioBatch:
         return x.to(torch.float32).unsqueeze(-1) * self.mask
 
     def add_counts(self, stats: SufficientStats) -> None:
-        """The counts every statistic family divides by (recorded once per call). The rows dropped
-        for a non-finite value are ``n_rows_input − n_rows`` (see ``nonfinite_metrics``)."""
+        """The counts every statistic family divides by (recorded once per call)."""
         stats.add_sum("n_tok", self.sums.n)
         stats.add_sum("n_rows", self.row_valid)
         stats.add_sum("n_rows_input", self.input_rows)
@@ -278,8 +263,8 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         stacked = torch.stack([x.sum(-1, dtype=torch.float32) for x in per_token])
     else:
         stacked = torch.stack(per_token).sum(-1, dtype=torch.float32)
-    stacked = rows.sum(stacked) if rows is not None else stacked
     if rows is not None:  # the group's sums of a row some rank found bad are those of an empty row
+        stacked = rows.sum(stacked)
         stacked[1:].masked_fill_(bad, 0.0)
         rows.drop(bad)
     sums = RowSums(*stacked[:3].unbind(), stacked[3] if old is not None else None, *stacked[-3:].unbind())

@@ -10,15 +10,13 @@ c > 1 the dual-clip constant, w_t the (detached) IS weight.
 * bypass PPO-clip: π_prox = π_rollout; rejection masks apply; IS weights are diagnostics only
 * bypass REINFORCE (pure IS): ℓ_t = −sg(w_t) · A_t · log π_θ(y_t), w = π_θ/π_rollout bounded as
   configured; with untruncated sequence weights its gradient is the on-policy gradient E_π[A ∇log π]
-* ``loss_type`` gspo / cispo / dppo_tv / dppo_kl / topr: the per-token losses of
-  :mod:`rollout_correction._src.policy_losses`, against π_prox as above, with the same weights, masks
-  and aggregation modes
-* off-policy sequence masking (``rollout_opsm_delta``, :mod:`rollout_correction._src.opsm`) removes
-  whole sequences from the mask before aggregation (it needs the advantages, so it lives here)
+* the other ``loss_type`` values: :mod:`rollout_correction._src.policy_losses`, with the same
+  weights, masks and aggregation; OPSM (:mod:`rollout_correction._src.opsm`) drops whole sequences
+  from the mask before aggregation (it needs the advantages, so it lives here)
 
-Values at masked or rejected positions never reach the loss (they are replaced with ``where``,
-so a NaN there cannot propagate, not even into the gradient). When every token is masked the
-loss is exactly 0, still attached to the graph, with zero gradient.
+Values at masked or rejected positions never reach the loss (they are replaced with ``where``, so
+a NaN there cannot propagate, not even into the gradient). When every token is masked the loss is
+exactly 0, still attached to the graph, with zero gradient.
 """
 
 from __future__ import annotations
@@ -68,19 +66,16 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: 
     * seq-mean-token-mean:     Σ_i (Σ_t ℓ_it / n_i) / N_seq
     * seq-mean-token-sum-norm: Σ_i (Σ_t ℓ_it) / N_seq / S   (S = ``loss_scale_factor``, default T)
 
-    N_tok / N_seq (sequences with ≥ 1 valid token) are the local counts unless
-    ``global_num_tokens`` / ``global_num_seqs`` give the totals over all data-parallel ranks;
-    with global denominators under gradient averaging (DDP/FSDP) pass ``dp_size`` = world size
-    so the averaged gradient is that of the global loss. Denominators are at least 1, so an
-    all-masked batch gives exactly 0 (still attached to the graph).
+    N_tok / N_seq (sequences with ≥ 1 valid token) are the local counts unless ``global_num_tokens``
+    / ``global_num_seqs`` give the totals over all data-parallel ranks; with those under gradient
+    averaging (DDP/FSDP) pass ``dp_size`` = world size, so the averaged gradient is the global
+    loss's. Denominators are at least 1: an all-masked batch gives exactly 0 (attached to the graph).
 
     ``sequence_group``: every sequence is split across this group (context parallelism; see
-    :func:`~rollout_correction.compute_rollout_correction`). The per-sequence counts n_i (hence
-    the local N_tok, N_seq) are those of the whole sequences, obtained with one all-gather of
-    B scalars; the result is this rank's share — Σ over its tokens of ℓ divided by the whole
-    sequences' denominators — so the shares add up over the group to the unsplit loss and each
-    rank's gradient is the unsplit gradient on its tokens. S must then be given
-    (``loss_scale_factor``), since T here is only this rank's slice.
+    :func:`~rollout_correction.compute_rollout_correction`). The counts n_i are those of the whole
+    sequences (one all-gather of B scalars) and the result is this rank's share: the shares add up
+    over the group to the unsplit loss, and each rank's gradient is the unsplit gradient on its
+    tokens. S must then be given (``loss_scale_factor``): T here is only this rank's slice.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
@@ -133,11 +128,8 @@ def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: Optional[torc
 def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor, *,
                   clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss with dual clip (see module docstring).
-
-    Returns (loss (B, T), clipped (B, T) bool — the clipped branch is active, clipped_lower
-    (B, T) bool — the dual clip is active).
-    """
+    """Per-token PPO-clip loss with dual clip (module docstring): (loss (B, T), clipped (B, T) bool,
+    the clipped branch is active, clipped_lower (B, T) bool, the dual clip is active)."""
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c} is invalid: the dual-clip constant must be > 1")
     if clip_ratio_low < 0 or clip_ratio_high < 0:
@@ -156,9 +148,8 @@ def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantage
 def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor,
                     valid: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
                     seq_values: Optional[dict[str, torch.Tensor]] = None):
-    """(ℓ (B, T), clipped, clipped_lower) for ``loss_type``; the indicators are None for REINFORCE,
-    and for TOPR mark the tokens of tapered sequences (clipped_lower: none). ``seq_values``: the
-    per-sequence values of GSPO / TOPR when they come from elsewhere (split sequences)."""
+    """(ℓ (B, T), clipped, clipped_lower) for ``loss_type`` (indicators None for REINFORCE; for TOPR
+    the tokens of tapered sequences); ``seq_values``: GSPO / TOPR per-sequence values given."""
     seq_values = seq_values or {}
     if loss_type == "reinforce" and bypass:
         return -adv * lp, None, None
@@ -178,22 +169,14 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
 
 
 def _actor_metrics(stats, rows: int) -> dict[str, Value]:
-    """``actor/*`` metrics from the sums recorded by :func:`compute_policy_loss` (means over the
-    tokens in the loss; the non-finite share over sequences with ≥ 1 valid input token: a dropped
-    row has one, so the dropped rows are ``rows`` minus the rows kept)."""
+    """``actor/*`` metrics from :func:`compute_policy_loss`'s sums: means over the tokens in the loss,
+    the non-finite share over sequences with a valid input token (dropped: ``rows`` − rows kept)."""
     out = {"actor/nonfinite_seq_fraction": (rows - stats.sum("kept_rows")) / maximum(stats.sum("input_rows"), 1.0)}
     n = maximum(stats.sum("n"), 1.0)
     for name in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_lower"):
         if name in stats.sums:
             out["actor/" + name] = stats.sum(name) / n
     return out
-
-
-def _split_masked_mean(x: torch.Tensor, token_keep: torch.Tensor, row_keep: torch.Tensor, kept: torch.Tensor,
-                       rows: RowExchange) -> torch.Tensor:
-    """:func:`_masked_mean` over the kept tokens of sequences split across ``rows.group``."""
-    part = torch.where(token_keep > 0, x.detach().to(torch.float64), 0.0).sum(-1)
-    return (rows.sum(part) * row_keep).sum() / kept.sum().clamp_min(1)
 
 
 def compute_policy_loss(
@@ -218,16 +201,14 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss with rollout correction, in the mode ``config`` selects.
 
-    Decoupled (``config.bypass_mode`` False): PPO clip against ``old_log_prob``; the per-token
-    loss is multiplied by ``rollout_is_weights`` if given, otherwise — when ``rollout_log_prob``
-    is given — the correction (weights and rejection mask) is computed here from
-    ``old_log_prob`` vs ``rollout_log_prob``. With neither, this is plain PPO.
+    Decoupled (``config.bypass_mode`` False): PPO clip against ``old_log_prob``, the per-token loss
+    multiplied by ``rollout_is_weights`` if given, else by the correction (weights and rejection
+    mask) of ``old_log_prob`` vs ``rollout_log_prob`` computed here; with neither, plain PPO.
 
     Bypass (``config.bypass_mode`` True): π_old := π_rollout (``rollout_log_prob``, or
-    ``old_log_prob`` when the trainer already substituted it). The correction is computed from
-    π_θ (``log_prob``, without gradient) vs π_rollout; its rejection mask always applies.
-    ``loss_type="ppo_clip"`` clips against π_rollout and uses no IS weights;
-    ``loss_type="reinforce"`` is −sg(w)·A·log π_θ.
+    ``old_log_prob`` when the trainer already substituted it); the correction of π_θ (``log_prob``,
+    without gradient) vs π_rollout is computed here and its rejection mask always applies.
+    ``loss_type="ppo_clip"`` uses no IS weights; ``"reinforce"`` is −sg(w)·A·log π_θ.
 
     Args:
         log_prob: (B, T) log π_θ, with gradient.
@@ -241,13 +222,11 @@ def compute_policy_loss(
         loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see
             :func:`agg_loss`; rejected tokens are not counted in local denominators.
         process_group: reduce the correction statistics over this group.
-        sequence_group: every sequence is split across this group (context parallelism); see
-            :func:`~rollout_correction.compute_rollout_correction` for the layout and for which
-            ``process_group`` to pass. One all-gather of (B, k) per-row scalars serves the
-            non-finite check, the correction, the denominators and the ``actor/*`` metrics
-            (which then cover this data-parallel rank's whole sequences). The loss is this
-            rank's share (see :func:`agg_loss`): the shares add up over the group to the unsplit
-            loss, and each rank's gradient is the unsplit gradient on its tokens.
+        sequence_group: every sequence is split across this group (context parallelism; layout
+            and ``process_group`` as for :func:`~rollout_correction.compute_rollout_correction`).
+            One all-gather of (B, k) per-row scalars serves the non-finite check, the correction,
+            the denominators and the ``actor/*`` metrics; the loss is this rank's share (see
+            :func:`agg_loss`).
     Returns:
         (loss, metrics): scalar loss; 0-d tensors ``actor/pg_clipfrac``, ``actor/ppo_kl``,
         ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` and, when the
@@ -348,11 +327,8 @@ def compute_policy_loss(
 def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config, rollout_is_weights,
                        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens,
                        global_num_seqs, dp_size, loss_scale_factor, process_group, rows: RowExchange, owner):
-    """One pass of :func:`compute_policy_loss` over sequences split across ``rows.group``.
-
-    Every per-row reduction goes through ``rows``; in the collect pass only the reductions are
-    made (returns None), in the replay pass the loss and metrics are built from the group's values.
-    """
+    """One pass of :func:`compute_policy_loss` over sequences split across ``rows.group``: the
+    collect pass makes the reductions only (returns None), the replay pass builds loss and metrics."""
     bypass = config.bypass_mode
     input_valid = response_mask.bool()
     finite = torch.isfinite(log_prob.detach()) & torch.isfinite(prox) & torch.isfinite(advantages)
@@ -385,14 +361,14 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
     if rollout_is_weights is not None and not bypass:
         weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
 
+    def kept_sum(x: torch.Tensor) -> torch.Tensor:  # (B,) float64: Σ over each sequence's kept tokens
+        return rows.sum(torch.where(token_keep > 0, x.detach().double(), 0.0).sum(-1)) * row_keep
+
     def mean(x: torch.Tensor) -> torch.Tensor:
-        return _split_masked_mean(x, token_keep, row_keep, kept, rows)
+        return kept_sum(x).sum() / kept.sum().clamp_min(1)
 
     seq_values: dict[str, torch.Tensor] = {}
     if config.loss_type in ("gspo", "topr"):  # per-sequence Σ log r (and Σ A) over the kept tokens
-        def kept_sum(x: torch.Tensor) -> torch.Tensor:
-            return rows.sum(torch.where(token_keep > 0, x.detach().double(), 0.0).sum(-1)) * row_keep
-
         if config.loss_type == "gspo":
             seq_values["seq_log_ratio"] = kept_sum(lp - prox_s) / kept.clamp_min(1)
         else:

@@ -1,20 +1,17 @@
 """Second-moment trust region (M2PO; Zheng et al. 2025, "Prosperity before Collapse").
 
-M2PO bounds the second moment of the per-token log-ratio over the batch, masking only the
-extreme tokens. With m_t = (log ρ_t)² (log ρ_t = log π_train − log π_rollout, clamped to ±20) over
-the tokens still in the loss, it masks the tokens with the largest m_t until the mean over the kept
-tokens is at most τ:
+With m_t = (log ρ_t)² (log ρ_t = log π_train − log π_rollout, clamped to ±20) over the tokens
+still in the loss, M2PO masks the tokens with the largest m_t until the mean over the kept tokens
+is at most τ:
 
     keep_t = 1[m_t ≤ c],   c = the largest value with  mean{m_s : m_s ≤ c} ≤ τ
 
-(mean{m_s : m_s ≤ c} grows with c, so c is well defined). Tokens with equal m_t are kept or masked
-together. When even the smallest m_t exceeds τ no token is kept (the loss is then exactly 0).
-
-The statistic is batch-global: c depends on every token of the batch, on every rank. It is found
-by bisection over the (monotone) bit patterns of the float32 values m_t; each of the 32 steps
-all-reduces a count and a float64 sum over the given process groups, so a batch split across
-data-parallel or context-parallel ranks gets the same c — and the same mask — as one process
-holding the whole batch, with no token tensor ever gathered and no host synchronisation.
+(the mean grows with c, so c is well defined). Tokens with equal m_t are kept or masked together;
+when even the smallest m_t exceeds τ no token is kept (the loss is then exactly 0). c is
+batch-global: it is found by bisection over the (monotone) bit patterns of the float32 m_t, each
+of the 32 steps all-reducing a count and a float64 sum over the given process groups, so a split
+batch gets the same mask as one process holding it all, with no token tensor gathered and no
+host synchronisation.
 """
 
 from __future__ import annotations
@@ -58,9 +55,8 @@ def m2po_keep(m2: torch.Tensor, keep: torch.Tensor, threshold: float,
         process_groups: ``torch.distributed`` groups over which the batch's tokens are split
             (e.g. the data-parallel and the context-parallel group); sums are reduced over each.
     Returns:
-        (keep (B, T) bool, unprefixed metrics): ``m2po_masked_fraction`` (share of the input
-        tokens masked), ``m2po_m2_before`` / ``m2po_m2_after`` (mean m_t over the tokens before /
-        after masking; 0 over an empty set).
+        (keep (B, T) bool, unprefixed metrics): ``m2po_masked_fraction`` (share of the input tokens
+        masked), ``m2po_m2_before`` / ``m2po_m2_after`` (mean m_t before / after; 0 over an empty set).
     """
     m2 = torch.where(keep, m2.float(), torch.zeros((), device=m2.device))
     bits = m2.view(torch.int32).to(torch.int64)

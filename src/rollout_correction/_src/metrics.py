@@ -25,10 +25,9 @@ from .logratio import LogRatioBatch, log_ratio_batch
 from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, reduce_owned, stats_owner
 from .stats import HostStats, SufficientStats, Value, safe_div, where
 
-__all__ = ["PREFIX", "compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics",
+__all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics",
            "nonfinite_metrics", "Metrics", "metrics_to_floats", "prefixed", "Accumulator", "OffPolicyAccumulator"]
 
-PREFIX = METRIC_PREFIX  # the name this module has always exported
 _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
 
 
@@ -61,8 +60,7 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
 
 
 def offpolicy_metrics(stats) -> dict[str, Value]:
-    """The 13 off-policy metrics (see module docstring) from reduced statistics; 0 when empty.
-    0-d tensors from :class:`SufficientStats`, floats from :class:`HostStats`."""
+    """The 13 off-policy metrics (module docstring) from reduced statistics of either kind; 0 when empty."""
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
 
     def seq_mean(k: str) -> Value:
@@ -87,9 +85,8 @@ def offpolicy_metrics(stats) -> dict[str, Value]:
 
 
 def nonfinite_metrics(stats) -> dict[str, Value]:
-    """``nonfinite_seq_fraction``: share of sequences dropped for a NaN/±inf log-prob at a
-    valid position (denominator: sequences with ≥ 1 valid token in the input). A row with a
-    valid input token is used unless dropped, so the dropped ones are ``n_rows_input − n_rows``."""
+    """``nonfinite_seq_fraction``: share of the sequences with a valid input token (all used unless
+    dropped, so the dropped are ``n_rows_input − n_rows``) dropped for a NaN/±inf log-prob."""
     n_input = stats.sum("n_rows_input")
     return {"nonfinite_seq_fraction": safe_div(n_input - stats.sum("n_rows"), n_input)}
 
@@ -102,12 +99,10 @@ def prefixed(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class Metrics(MutableMapping):
     """Metrics derived on demand from reduced statistics: ``name`` → 0-d tensor.
 
-    Holds the packed statistics (:class:`SufficientStats`) and the function that derives the
-    metrics from them, so the call that returns it launches no kernel per metric and never
-    syncs. Reading it as a mapping derives every value once as 0-d tensors on the statistics'
-    device (no sync); :meth:`as_floats` instead copies the packed statistics to the host once
-    (one sync) and derives every value there in float64. Values set with ``m[name] = value``
-    (tensors or floats) are kept as given.
+    Holds the packed statistics and the functions that derive the metrics, so the call that returns
+    it launches no kernel per metric and never syncs. Read as a mapping, it derives every value once
+    as 0-d tensors on the statistics' device; :meth:`as_floats` copies the packed statistics to the
+    host once (one sync) and derives there in float64. Values set with ``m[name] = value`` are kept.
     """
 
     def __init__(self) -> None:
@@ -131,17 +126,13 @@ class Metrics(MutableMapping):
 
     def update(self, other=(), /, **kwargs) -> None:
         """Like dict.update; another :class:`Metrics` is added lazily (nothing is derived)."""
-        if isinstance(other, Metrics):
-            for stats, derive, prefix in other._sources:
-                self.add_derived(stats, derive, prefix)
-            for k, v in other._extra.items():
-                self[k] = v
-            for k in other._deleted:
-                self._deleted.add(k)
-        else:
-            super().update(other, **kwargs)
-        for k, v in kwargs.items():
-            self[k] = v
+        if not isinstance(other, Metrics):
+            return super().update(other, **kwargs)
+        for stats, derive, prefix in other._sources:
+            self.add_derived(stats, derive, prefix)
+        super().update(other._extra)
+        self._deleted |= other._deleted
+        super().update(**kwargs)
 
     # -- mapping --------------------------------------------------------------------------
     def _derived_keys(self) -> list[str]:
@@ -212,27 +203,20 @@ class Metrics(MutableMapping):
         if extra_t:
             packed.append(torch.stack([self._extra[k].detach().reshape(()).to(torch.float64, copy=False)
                                        .to(packed[0].device if packed else self._extra[k].device) for k in extra_t]))
-        if packed:
-            values = (packed[0] if len(packed) == 1 else torch.cat([p.to(packed[0].device) for p in packed])).tolist()
-        else:
-            values = []
+        if len(packed) > 1:
+            packed = [torch.cat([p.to(packed[0].device) for p in packed])]
+        values = iter(packed[0].tolist() if packed else [])  # zip takes a name first: no value is skipped
         out: dict[str, float] = {}
-        i = 0
         for names_s, names_m, derive, prefix in layout:
-            host = HostStats(dict(zip(names_s, values[i:i + len(names_s)])),
-                             dict(zip(names_m, values[i + len(names_s):i + len(names_s) + len(names_m)])))
-            i += len(names_s) + len(names_m)
+            host = HostStats(dict(zip(names_s, values)), dict(zip(names_m, values)))
             out.update((prefix + k, float(v)) for k, v in derive(host).items())
-        for k in extra_t:
-            out[k] = values[i]
-            i += 1
+        out.update(zip(extra_t, values))
         out.update((k, float(v)) for k, v in self._extra.items() if not isinstance(v, torch.Tensor))
         return {k: out[k] for k in self}
 
 
 def metrics_to_floats(metrics: Mapping[str, Union[torch.Tensor, float]]) -> dict[str, float]:
-    """Convert metrics (0-d tensors, floats, or a :class:`Metrics`) to Python floats with a
-    single device sync."""
+    """Metrics (0-d tensors, floats, or a :class:`Metrics`) as Python floats, with one device sync."""
     if isinstance(metrics, Metrics):
         return metrics.as_floats()
     keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
@@ -252,13 +236,11 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         old_log_prob: (B, T) log-probs of the training-side policy.
         rollout_log_prob: (B, T) log-probs of the sampling policy.
         response_mask: (B, T) bool or 0/1, non-zero on valid tokens.
-        process_group: reduce the statistics over this ``torch.distributed`` group, so every
-            rank gets the metrics of the whole (split) batch.
+        process_group: reduce the statistics over this group (metrics of the whole batch).
         sequence_group: every sequence is split across this group (context parallelism), as in
-            :func:`rollout_correction.compute_rollout_correction`: one all-gather of per-row
-            partials, metrics of the unsplit sequences.
+            :func:`rollout_correction.compute_rollout_correction`.
     Returns:
-        dict of 0-d float64 tensors (see the module docstring for the formulas).
+        dict of 0-d float64 tensors (formulas in the module docstring).
     """
     if sequence_group is not None:
         check_sequence_group(sequence_group)
@@ -266,25 +248,20 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         rows = RowExchange(sequence_group)
         for _ in rows.passes():
             batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=on_nonfinite, rows=rows)
-            stats = SufficientStats()
-            batch.add_counts(stats)
-            add_offpolicy_statistics(stats, batch)
+            acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite)
+            acc.update_batch(batch)
         if on_nonfinite == "raise":
             raise_nonfinite(batch.bad_rows)
-        reduced = reduce_owned(stats, process_group, owner)
-        return prefixed({**offpolicy_metrics(reduced), **nonfinite_metrics(reduced)})
+        return prefixed(acc.finalize(reduce_owned(acc.stats, process_group, owner)))
     acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite)
     acc.update(old_log_prob, rollout_log_prob, response_mask)
     return acc.compute(process_group)
 
 
 class Accumulator:
-    """Streaming version of a statistic family: ``update`` per chunk of whole rows, then
-    ``compute`` gives exactly what one call on the concatenated batch would give.
-
-    A family is a subclass with two methods: ``record(stats, batch)`` adds the chunk's sufficient
-    statistics, ``finalize(stats)`` derives the (unprefixed) metrics from reduced statistics.
-    """
+    """Streaming version of a statistic family: ``update`` per chunk of whole rows, then ``compute``
+    gives exactly what one call on the concatenated batch would give. A subclass defines
+    ``record(stats, batch)`` (a chunk's statistics) and ``finalize(stats)`` (unprefixed metrics)."""
 
     def __init__(self, on_nonfinite: str = "reject") -> None:
         self.stats = SufficientStats()
@@ -296,8 +273,7 @@ class Accumulator:
         self.update_batch(log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=self.on_nonfinite))
 
     def update_batch(self, batch: LogRatioBatch) -> None:
-        """Add a chunk already wrapped in a :class:`LogRatioBatch` (so several accumulators can
-        share one batch and its lazily computed quantities)."""
+        """Add a chunk already wrapped in a :class:`LogRatioBatch` (several accumulators may share one)."""
         local = SufficientStats()
         batch.add_counts(local)
         self.record(local, batch)

@@ -5,12 +5,10 @@ from the current policy:
 
     keep(y) = 1[A(y) ≥ 0  or  D(y) ≤ δ],     D(y) = mean_{t ∈ E(y)} (log π_rollout(y_t) − log π_θ(y_t))
 
-where A(y) is the sequence advantage (mean over its valid tokens) and E(y) the valid tokens whose
-two log-probs are both finite: a token the engine could not score (NaN / ±inf) carries no evidence
-about the divergence, so it neither raises nor lowers D(y). A sequence with no such token is kept.
-D(y) is the per-token k1 estimate of KL(π_rollout ‖ π_θ) averaged over the sequence; π_θ is taken
-without gradient. The decision is per sequence: every token of a dropped sequence leaves the loss
-(and its denominator), whatever each token's own advantage.
+with A(y) the sequence advantage (mean over its valid tokens) and E(y) the valid tokens whose two
+log-probs are both finite (a token the engine could not score carries no evidence; a sequence with
+no such token is kept). π_θ is taken without gradient. Every token of a dropped sequence leaves
+the loss and its denominator, whatever its own advantage.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import torch
 from .policy_losses import sequence_advantage
 from .stats import SufficientStats, safe_div
 
-__all__ = ["OPSMResult", "opsm_keep", "add_opsm_statistics", "opsm_metrics", "compute_opsm"]
+__all__ = ["OPSMResult", "opsm_keep", "compute_opsm"]
 
 
 @dataclass
@@ -38,19 +36,13 @@ class OPSMResult:
 
 def opsm_keep(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
               response_mask: torch.Tensor, delta: float) -> OPSMResult:
-    """Which sequences OPSM keeps (module docstring).
-
-    Args:
-        log_prob: (B, T) log π_θ (used without gradient).
-        rollout_log_prob: (B, T) log π_rollout.
-        advantages: (B, T), (B, 1) or (B,) advantages.
-        response_mask: (B, T) bool or 0/1 mask of valid tokens.
-        delta: δ, the divergence a negative-advantage sequence may have and still be kept.
-    """
+    """Which sequences OPSM keeps (module docstring), from (B, T) ``log_prob`` (log π_θ, used without
+    gradient), ``rollout_log_prob`` and ``response_mask`` (bool or 0/1), (B, T), (B, 1) or (B,)
+    ``advantages``, and δ (``delta``), the divergence a negative-advantage sequence may have."""
     if log_prob.shape != rollout_log_prob.shape or log_prob.shape != response_mask.shape:
         raise ValueError(f"log_prob {tuple(log_prob.shape)}, rollout_log_prob {tuple(rollout_log_prob.shape)} and "
                          f"response_mask {tuple(response_mask.shape)} must have the same (batch, response_length) shape")
-    valid = response_mask.bool() if response_mask.dtype == torch.bool else response_mask != 0
+    valid = response_mask.bool()
     d = rollout_log_prob.float() - log_prob.detach().float()
     evidence = valid & torch.isfinite(d)
     d = torch.where(evidence, d, torch.zeros((), device=d.device))
@@ -61,38 +53,27 @@ def opsm_keep(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages
     return OPSMResult(keep, div, n)
 
 
-def add_opsm_statistics(stats: SufficientStats, result: OPSMResult, valid: torch.Tensor) -> None:
-    """Counts behind :func:`opsm_metrics` (``valid``: (B, T) bool tokens OPSM decided on)."""
-    n_row = valid.sum(-1)
+def compute_opsm(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, delta: float, process_group: Optional[object] = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """OPSM keep mask and metrics reduced over ``process_group``: (row_keep (B,) bool, unprefixed
+    ``opsm_masked_fraction`` (share of valid tokens dropped), ``opsm_seq_masked_fraction`` (share of
+    sequences dropped), ``opsm_seq_kl_mean`` (mean D(y) over sequences with evidence))."""
+    res = opsm_keep(log_prob, rollout_log_prob, advantages, response_mask, delta)
+    n_row = response_mask.bool().sum(-1)
     rows = n_row > 0
-    dropped = rows & ~result.row_keep
+    dropped = rows & ~res.row_keep
+    has = rows & (res.evidence > 0)
+    stats = SufficientStats()
     stats.add_sum("opsm.n_tok", n_row)
     stats.add_sum("opsm.n_rows", rows)
     stats.add_sum("opsm.masked", torch.where(dropped, n_row, 0))
     stats.add_sum("opsm.seq_masked", dropped)
-    has = rows & (result.evidence > 0)
     stats.add_sum("opsm.div_rows", has)
-    stats.add_sum("opsm.div_sum", torch.where(has, result.divergence.double(), 0.0))
-
-
-def opsm_metrics(stats: SufficientStats) -> dict[str, torch.Tensor]:
-    """``opsm_masked_fraction`` (share of valid tokens dropped), ``opsm_seq_masked_fraction``
-    (share of sequences dropped), ``opsm_seq_kl_mean`` (mean D(y) over sequences with evidence)."""
-    return {
+    stats.add_sum("opsm.div_sum", torch.where(has, res.divergence.double(), 0.0))
+    stats.all_reduce(process_group)
+    return res.row_keep, {
         "opsm_masked_fraction": safe_div(stats.sum("opsm.masked"), stats.sum("opsm.n_tok")),
         "opsm_seq_masked_fraction": safe_div(stats.sum("opsm.seq_masked"), stats.sum("opsm.n_rows")),
         "opsm_seq_kl_mean": safe_div(stats.sum("opsm.div_sum"), stats.sum("opsm.div_rows")),
     }
-
-
-def compute_opsm(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
-                 response_mask: torch.Tensor, delta: float, process_group: Optional[object] = None
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """OPSM keep mask and metrics: (row_keep (B,) bool, unprefixed metrics reduced over
-    ``process_group``, so fractions cover the whole batch)."""
-    res = opsm_keep(log_prob, rollout_log_prob, advantages, response_mask, delta)
-    valid = response_mask.bool() if response_mask.dtype == torch.bool else response_mask != 0
-    stats = SufficientStats()
-    add_opsm_statistics(stats, res, valid)
-    stats.all_reduce(process_group)
-    return res.row_keep, opsm_metrics(stats)

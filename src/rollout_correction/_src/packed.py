@@ -1,9 +1,6 @@
-"""Variable-length (packed) inputs: flat token tensors with per-sequence lengths.
-
-Packed trainers hold a batch as one flat stream of tokens plus ``cu_seqlens`` (cumulative
-lengths, starting at 0) or ``lengths``. The correction is defined per sequence, so the flat
-stream is scattered into a (B, T_max) layout once, the usual computation runs, and the results
-are gathered back: identical numbers to the padded form, by construction.
+"""Variable-length (packed) inputs: flat token tensors with ``cu_seqlens`` or ``lengths``. The flat
+stream is scattered into a (B, T_max) layout once, the usual computation runs, and the results are
+gathered back: identical numbers to the padded form, by construction.
 """
 
 from __future__ import annotations
@@ -15,8 +12,7 @@ import torch
 from .config import RolloutCorrectionConfig
 from .correction import CorrectionOutput, compute_rollout_correction
 
-__all__ = ["lengths_from_cu_seqlens", "pack_index", "to_padded", "from_padded",
-           "compute_rollout_correction_packed"]
+__all__ = ["lengths_from_cu_seqlens", "pack_index", "to_padded", "compute_rollout_correction_packed"]
 
 
 def lengths_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -45,10 +41,6 @@ def to_padded(flat: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, B: int
     out = torch.full((B, T), fill, dtype=flat.dtype, device=flat.device)
     out[rows, cols] = flat
     return out
-
-
-def from_padded(padded: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    return padded[rows, cols]
 
 
 def compute_rollout_correction_packed(
@@ -92,5 +84,5 @@ def compute_rollout_correction_packed(
         to_padded(old_log_prob, rows, cols, B, T), to_padded(rollout_log_prob, rows, cols, B, T),
         to_padded(response_mask, rows, cols, B, T, fill=False if response_mask.dtype == torch.bool else 0),
         config=config, process_group=process_group, sequence_group=sequence_group)
-    weights = from_padded(out.weights, rows, cols) if out.weights is not None else None
-    return CorrectionOutput(weights, from_padded(out.response_mask, rows, cols), out.metrics)
+    weights = out.weights[rows, cols] if out.weights is not None else None
+    return CorrectionOutput(weights, out.response_mask[rows, cols], out.metrics)

@@ -1,12 +1,10 @@
 """Per-token policy losses that trainers pair with rollout-correction weights.
 
-Each function takes (B, T) log-probs and advantages that are already 0 at invalid positions and
-returns the per-token loss ℓ_t (to be multiplied by the IS weight w_t and aggregated with
-:func:`rollout_correction._src.losses.agg_loss` over the rejection-adjusted mask) plus the indicator
-the ``actor/pg_clipfrac`` metric counts. Notation: log r_t = log π_θ(y_t) − log π_prox(y_t)
-(π_prox is π_old in decoupled mode, π_rollout in bypass mode), clamped to ±20 before ``exp``;
-A_t the advantage; ε_lo / ε_hi the clip range (for DPPO: the divergence bounds δ_lo / δ_hi);
-sg(·) stop-gradient.
+Each function takes (B, T) log-probs and advantages already 0 at invalid positions and returns
+the per-token loss ℓ_t (weighted and aggregated by :mod:`rollout_correction._src.losses`) plus the
+indicator ``actor/pg_clipfrac`` counts. log r_t = log π_θ(y_t) − log π_prox(y_t) (π_prox: π_old in
+decoupled mode, π_rollout in bypass mode), clamped to ±20 before ``exp``; A_t the advantage;
+ε_lo / ε_hi the clip range (for DPPO: the divergence bounds δ_lo / δ_hi); sg(·) stop-gradient.
 
 * GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one ratio per sequence,
   s = exp(mean_t log r_t) over the sequence's valid tokens, carried to each token as
@@ -35,19 +33,7 @@ import torch
 
 from .constants import SAFETY_BOUND
 
-__all__ = ["POLICY_LOSSES", "sequence_advantage", "gspo_loss", "cispo_loss", "dppo_loss", "topr_loss",
-           "topr_weights"]
-
-#: ``loss_type`` values and what they compute (PPO clip and REINFORCE live in ``losses.py``).
-POLICY_LOSSES = {
-    "ppo_clip": "PPO clipped surrogate with dual clip",
-    "reinforce": "−sg(w)·A·log π_θ (bypass mode: pure IS)",
-    "gspo": "PPO clip on the length-normalised sequence ratio",
-    "cispo": "−sg(clip(r))·A·log π_θ",
-    "dppo_tv": "truncated-ratio REINFORCE masked by the token probability difference",
-    "dppo_kl": "truncated-ratio REINFORCE masked by the binary KL of the token",
-    "topr": "REINFORCE; negative-advantage sequences weighted by min(∏r, 1) (bypass mode)",
-}
+__all__ = ["sequence_advantage", "gspo_loss", "cispo_loss", "dppo_loss", "topr_loss", "topr_weights"]
 
 
 def _log_ratio(log_prob: torch.Tensor, prox_log_prob: torch.Tensor) -> torch.Tensor:
@@ -55,11 +41,8 @@ def _log_ratio(log_prob: torch.Tensor, prox_log_prob: torch.Tensor) -> torch.Ten
 
 
 def sequence_advantage(advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """A(y): the mean advantage over a sequence's valid tokens, shape (B,); 0 for empty rows.
-
-    Outcome-reward advantages (GRPO, RLOO) are constant over a sequence, so this is that constant.
-    ``advantages`` may be (B, T), (B, 1) or (B,).
-    """
+    """A(y): the mean of ``advantages`` ((B, T), (B, 1) or (B,)) over a sequence's valid tokens, (B,);
+    0 for empty rows (for outcome rewards, GRPO or RLOO, the sequence's constant advantage)."""
     if advantages.dim() == 1:
         return advantages.float()
     if advantages.shape[-1] == 1 and valid.shape[-1] != 1:
@@ -71,11 +54,8 @@ def sequence_advantage(advantages: torch.Tensor, valid: torch.Tensor) -> torch.T
 def gspo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor,
               valid: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
               seq_log_ratio: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """GSPO per-token loss (module docstring); returns (ℓ (B, T), clipped (B, T) bool).
-
-    ``valid`` (B, T) bool selects the tokens of each sequence's mean log-ratio;
-    ``seq_log_ratio`` (B,), when given, is that mean (e.g. reduced over a context-parallel group).
-    """
+    """GSPO per-token loss (module docstring): (ℓ (B, T), clipped (B, T) bool). ``valid`` (B, T)
+    selects the tokens of each sequence's mean log-ratio; ``seq_log_ratio`` (B,), if given, is it."""
     if seq_log_ratio is None:
         lr = torch.where(valid, log_prob - prox_log_prob, torch.zeros((), device=log_prob.device))
         seq = lr.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp_min(1)
@@ -99,11 +79,8 @@ def cispo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: 
 def dppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor,
               divergence: Literal["tv", "kl"], clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
               clip_ratio_c: float = 3.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DPPO-TV / DPPO-KL per-token loss (module docstring).
-
-    Returns (ℓ (B, T), outside (B, T) bool — masked by the trust region, truncated (B, T) bool —
-    inside the region with r_t > c).
-    """
+    """DPPO-TV / DPPO-KL per-token loss (module docstring): (ℓ (B, T), outside (B, T) bool, masked by
+    the trust region, truncated (B, T) bool, inside the region with r_t > c)."""
     lr = _log_ratio(log_prob, prox_log_prob).detach()
     r = lr.exp()
     lp, lq = log_prob.detach(), prox_log_prob.detach()
@@ -123,11 +100,9 @@ def dppo_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: t
 def topr_weights(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
                  valid: torch.Tensor, seq_log_ratio_sum: Optional[torch.Tensor] = None,
                  seq_advantage: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """TOPR sequence weights (B,): 1 where A(y) ≥ 0, min(exp(clamp(Σ_t log r_t, ±20)), 1) where
-    A(y) < 0 (log r_t = log π_θ − log π_rollout over valid tokens). Detached.
-
-    ``seq_log_ratio_sum`` / ``seq_advantage`` (B,), when given, are Σ_t log r_t and A(y) (e.g.
-    reduced over a context-parallel group)."""
+    """Detached TOPR sequence weights (B,): 1 where A(y) ≥ 0, min(exp(clamp(Σ_t log r_t, ±20)), 1)
+    where A(y) < 0, log r_t = log π_θ − log π_rollout over valid tokens. ``seq_log_ratio_sum`` /
+    ``seq_advantage`` (B,), if given, are Σ_t log r_t and A(y) (e.g. reduced over a CP group)."""
     if seq_log_ratio_sum is None:
         lr = torch.where(valid, (log_prob - rollout_log_prob).detach(), torch.zeros((), device=log_prob.device))
         seq_log_ratio_sum = lr.sum(-1)
@@ -140,8 +115,7 @@ def topr_weights(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advanta
 def topr_loss(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
               valid: torch.Tensor, seq_log_ratio_sum: Optional[torch.Tensor] = None,
               seq_advantage: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """TOPR per-token loss −sg(w)·A_t·log π_θ(y_t); returns (ℓ (B, T), tapered (B,) bool — the
-    negative-advantage sequences whose weight is below 1). The optional per-sequence values are
-    passed to :func:`topr_weights`."""
+    """TOPR per-token loss −sg(w)·A_t·log π_θ(y_t) (per-sequence values as for :func:`topr_weights`):
+    (ℓ (B, T), tapered (B,) bool, the negative-advantage sequences whose weight is below 1)."""
     w = topr_weights(log_prob, rollout_log_prob, advantages, valid, seq_log_ratio_sum, seq_advantage)
     return -(w.unsqueeze(-1) * advantages) * log_prob, w < 1.0

@@ -1,8 +1,6 @@
-"""Presets: named configurations, each a plain classmethod of the ``Presets`` mixin of
-``RolloutCorrectionConfig`` (return annotations name that class, which imports this module). A
-name for exactly another preset is an alias (``pure_is = bypass_pg_is``). :data:`PRESETS`, read by
-``from_preset``, ``rollout-correction presets`` and the docs, is derived from the definitions. The
-verl names and defaults are verl 0.9.1's.
+"""Presets: named configurations, each a classmethod of ``RolloutCorrectionConfig``'s ``Presets``
+mixin; a name for exactly another preset is an alias (``pure_is = bypass_pg_is``). :data:`PRESETS`
+is derived from the definitions. The verl names and defaults are verl 0.9.1's.
 """
 
 from __future__ import annotations
@@ -229,8 +227,7 @@ class Presets:
 
 
 class Preset(NamedTuple):
-    """A preset as the docs list it: its arguments with their defaults (in positional order), the
-    keys it sets, and the preset it is another name for."""
+    """A preset as the docs list it: arguments and defaults in order, the keys it sets, its alias target."""
 
     name: str
     doc: str

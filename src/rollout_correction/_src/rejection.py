@@ -1,21 +1,14 @@
 """Rejection sampling: divergence-based trust-region masks and the catastrophic-token veto.
 
 Per-token estimators of KL(π_rollout ‖ π_train) from log ρ_t (clamped to ±20):
-
-* k1 = −log ρ_t
-* k2 = ½ (log ρ_t)²
-* k3 = ρ_t − 1 − log ρ_t     (≥ 0)
+k1 = −log ρ_t,  k2 = ½ (log ρ_t)²,  k3 = ρ_t − 1 − log ρ_t (≥ 0).
 
 Aggregations over a sequence's valid tokens: ``token`` (each token on its own), ``seq_sum``,
 ``seq_mean``, ``seq_max``. A token/sequence is kept iff its statistic lies in the option's bounds;
 chained options must all accept (logical AND). k1 bounds are ratio bounds lo ≤ ρ_agg ≤ hi, where
 ρ_agg = exp(−k1_agg) — e.g. ``seq_mean_k1`` with "0.999_1.001" keeps sequences whose geometric-mean
-ratio lies within ±0.1% of 1.
-
-Veto (first-generation ``rollout_token_veto_threshold`` C): reject a sequence if any valid token
-has unclamped ρ_t < C.
-
-Rejection changes the response mask only: rejected tokens leave the loss and its denominator.
+ratio lies within ±0.1% of 1. Veto (``rollout_token_veto_threshold`` C): reject a sequence if any
+valid token has unclamped ρ_t < C. Rejection changes the response mask only.
 """
 
 from __future__ import annotations
@@ -30,9 +23,8 @@ from .config import RS_OPTIONS, RSOption
 from .logratio import LogRatioBatch
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
-# RS_OPTIONS and RSOption (the options and their resolved form) are the config's, shared with the surfaces here.
-__all__ = ["RS_OPTIONS", "RSOption", "token_divergence", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics", "rs_metrics",
-           "veto_metrics"]
+__all__ = ["RS_OPTIONS", "RSOption", "token_divergence", "RejectionResult", "option_keep", "rejection_keep",
+           "rs_option_metrics", "rs_metrics", "veto_metrics"]  # RS_OPTIONS, RSOption: the config's
 
 
 def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
@@ -40,26 +32,16 @@ def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
     x = batch.log_ratio_clamped
     if estimator == "k1":
         return -x
-    if estimator == "k2":
-        return 0.5 * x * x
-    if estimator == "k3":
-        return batch.k3
-    raise ValueError(f"unknown divergence estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
+    return 0.5 * x * x if estimator == "k2" else batch.k3  # the estimator of a validated RSOption
 
 
 @dataclass
 class RejectionResult:
-    """``token_keep`` (B, T) float 0/1 or None and ``row_keep`` (B,) bool: the AND of all
-    criteria (veto included). ``row_keep`` is None when no sequence-level criterion ran (every
-    row kept); :meth:`rows` gives it as a tensor either way."""
+    """``token_keep`` (B, T) float 0/1 and ``row_keep`` (B,) bool, the AND of all criteria (veto
+    included); each None when no criterion of its level ran (:meth:`rows` gives a tensor anyway)."""
 
     token_keep: Optional[torch.Tensor]
     row_keep: Optional[torch.Tensor]
-
-    @property
-    def rows_filtered(self) -> bool:
-        """False when no sequence-level criterion ran."""
-        return self.row_keep is not None
 
     def rows(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B,) bool ``row_keep`` (all True when no sequence-level criterion ran)."""
@@ -96,9 +78,8 @@ def _within(x: torch.Tensor, opt: RSOption) -> torch.Tensor:
 
 def option_keep(batch: LogRatioBatch, opt: RSOption, statistic: torch.Tensor,
                 stats: Optional[SufficientStats] = None) -> torch.Tensor:
-    """Keep indicator of one option for its statistic — (B, T) float 0/1 for token options
-    (statistic (B, T), 0 at invalid positions), (B,) bool for sequence options (statistic
-    (B,)) — recording the option's statistics when given ``stats``."""
+    """Keep indicator of one option for its statistic: (B, T) float 0/1 for token options (statistic
+    (B, T), 0 at invalid positions), (B,) bool for sequence options; recorded into ``stats`` if given."""
     if opt.agg != "token":
         keep = _within(statistic, opt)
         if stats is not None:
@@ -108,11 +89,7 @@ def option_keep(batch: LogRatioBatch, opt: RSOption, statistic: torch.Tensor,
     low = batch.below(statistic, opt.stat_lower) if opt.stat_lower is not None else None
     keep = 1.0 - high if low is None else (1.0 - high).sub_(low)
     if stats is not None:
-        x = statistic
-        c_sum, c_sum2 = batch.token_moments(_std_clamp(opt, x).mul_(batch.mask))
-        _add_token_option_stats(stats, batch, opt, batch.row_total(x), c_sum, c_sum2, *batch.token_extremes(x),
-                                batch.row_total(high),
-                                batch.row_total(low) if low is not None else None)
+        _add_token_option_stats(stats, batch, opt, statistic, high, low)
     return keep
 
 
@@ -136,11 +113,8 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         else:
             keep = option_keep(batch, opt, _row_stat(batch, divergence(opt.estimator), opt.agg), stats)
             row_keep = keep if row_keep is None else row_keep & keep
-    if stats is not None and options:
-        kept = batch.n_row if token_keep is None else batch.row_total(token_keep * batch.mask)
-        if row_keep is not None:
-            kept = kept * row_keep
-        rejected = batch.n_row - kept  # valid tokens rejected by the chained options, per row
+    if stats is not None and options:  # valid tokens rejected by the chained options, per row
+        rejected = batch.n_row - RejectionResult(token_keep, row_keep).kept_per_row(batch)
         stats.add_sum("rs.masked", rejected)
         stats.add_sum("rs.seq_masked", rejected > 0, rows=batch.row_valid)
     if veto_threshold is not None:
@@ -158,12 +132,15 @@ def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
     return x.clamp(min=opt.stat_lower if opt.stat_lower is not None else 0.0, max=opt.stat_upper)
 
 
-def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, x_sum: torch.Tensor,
-                            c_sum: torch.Tensor, c_sum2: torch.Tensor, x_max: torch.Tensor, x_min: torch.Tensor,
-                            n_high: torch.Tensor, n_low: Optional[torch.Tensor]) -> None:
-    """Record a token option's statistics from its per-row values: Σx, Σc and Σc² of x clamped to
-    the bounds (float64), max / min of x over valid tokens, and the counts above / below."""
+def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, x: torch.Tensor,
+                            high: torch.Tensor, low: Optional[torch.Tensor]) -> None:
+    """Record a token option's per-row statistics: Σx, Σc and Σc² of x clamped to the bounds
+    (float64), max / min of x over valid tokens, and the counts above (``high``) / below (``low``)."""
     p = f"rs.{opt.name}."
+    c_sum, c_sum2 = batch.token_moments(_std_clamp(opt, x).mul_(batch.mask))
+    x_sum = batch.row_total(x)
+    x_max, x_min = batch.token_extremes(x)
+    n_high, n_low = batch.row_total(high), batch.row_total(low) if low is not None else None
     stats.add_sum(p + "sum", x_sum)
     stats.add_sum(p + "c_sum", c_sum)
     stats.add_sum(p + "c_sum2", c_sum2)
@@ -214,13 +191,12 @@ def rs_option_metrics(stats, opt: RSOption) -> dict[str, Value]:
     """``rollout_rs_<option>_*`` metrics of one option from reduced statistics (recorded by
     :func:`option_keep` with ``stats``, plus the counts of ``LogRatioBatch.add_counts``).
 
-    With s the option's statistic (per token, or per sequence broadcast over its tokens):
-    mean = token mean of s; max/min over tokens (token options) or sequences (sequence options);
-    fraction_high/low = share above the upper / below the lower statistic bound (tokens or
-    sequences); std = token-weighted std of s clamped to the bounds; seq_* = statistics of the
-    per-sequence value (sequence mean of s for token options) over sequences with ≥ 1 valid token,
-    seq_max_deviation = max |value|; masked_fraction = share of valid tokens this option rejects;
-    seq_masked_fraction = share of sequences with at least one token it rejects.
+    With s the option's statistic (per token, or per sequence broadcast over its tokens): mean =
+    token mean of s; max/min and fraction_high/low (above / below the statistic bounds) over tokens
+    or sequences, as the option decides; std = token-weighted std of s clamped to the bounds; seq_* =
+    statistics of the per-sequence value (the sequence mean of s for token options), seq_max_deviation
+    = max |value|; masked_fraction = share of valid tokens this option rejects; seq_masked_fraction =
+    share of sequences with at least one token it rejects.
     """
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
     p, out = f"rs.{opt.name}.", f"rollout_rs_{opt.name}_"

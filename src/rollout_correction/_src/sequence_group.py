@@ -2,29 +2,21 @@
 
 With Megatron context parallelism each rank of the CP group holds a part of every sequence (a
 contiguous slice, or the two "zig-zag" chunks r and 2·CP−1−r); Ulysses / verl sequence
-parallelism splits sequences likewise. The correction is defined per sequence (sequence weights,
-sequence rejection, per-sequence means), so the per-sequence reductions must span the group.
+parallelism splits sequences likewise. The correction is defined per sequence, so the
+per-sequence reductions must span the group. With one collective of O(B) scalars per call:
 
-How it is done, with one collective of O(B) scalars per call:
+1. **Collect pass.** The computation runs on the local tokens; every per-sequence reduction goes
+   through a :class:`RowExchange`, which records the local (B,) partial and hands it back
+   unchanged as a placeholder.
+2. **Exchange.** The partials are packed into one (B, k) float64 tensor and all-gathered over the
+   group; each rank adds (sums) or takes the maximum (maxima, minima, "any") locally.
+3. **Replay pass.** The computation runs again; each reduction now returns the group's value, so
+   every decision and every per-token output is the one of the unsplit computation.
 
-1. **Collect pass.** The computation runs once on the local tokens. Every per-sequence
-   reduction goes through a :class:`RowExchange`, which records the local partial value — a
-   (B,) vector of partial sums or partial maxima — and hands it back unchanged as a
-   placeholder.
-2. **Exchange.** The partials are packed into one (B, k) float64 tensor and gathered over the
-   group with a single all-gather (``all_gather_single``, formerly
-   ``all_gather_into_tensor``); each rank then adds (sums, counts) or takes
-   the maximum (maxima, minima, "any") over the group locally. No token tensor is ever sent.
-3. **Replay pass.** The computation runs again on the same local tokens; each per-sequence
-   reduction now returns the group's value for the sequence, so every decision (sequence weight,
-   rejection, denominators) and every per-token output is the one of the unsplit computation.
-
-A partial must be a function of this rank's tokens only (never of another reduced value); the
-code in this package is written so. Rows dropped in the replay pass (a non-finite value at a
-valid position anywhere in the sequence) get this rank's own value computed without them,
-which is the value of an empty row. The layout (which positions a rank holds, padding inside
-its slice, empty slices) does not matter: every valid token of a sequence must be held by
-exactly one rank of the group, and every rank must hold the same B sequences in the same order.
+A partial must be a function of this rank's tokens only (never of another reduced value). Rows
+dropped in the replay pass get this rank's own value computed without them (an empty row's). Any
+layout works as long as every valid token of a sequence is held by exactly one rank of the group
+and every rank holds the same B sequences in the same order.
 """
 
 from __future__ import annotations
@@ -62,21 +54,13 @@ def check_sequence_group(sequence_group: object) -> None:
 
 
 def stats_owner(sequence_group: object, process_group: Optional[object]) -> Optional[bool]:
-    """Whether this rank's batch statistics enter the reduction over ``process_group``.
-
-    After the exchange every rank of ``sequence_group`` holds the same per-sequence values, so a
-    statistic must be counted on one rank of the group only:
-
-    * ``process_group`` None: the batch is exactly the sequences split over ``sequence_group``;
-      every rank already has the whole statistics (returns None: no reduction needed).
-    * ``process_group`` holds no other rank of ``sequence_group`` (the data-parallel group
-      *without* context parallelism, e.g. ``mpu.get_data_parallel_group()``): every rank
-      counts its sequences (True).
-    * ``process_group`` contains all of ``sequence_group`` (the data-parallel group *with*
-      context parallelism, ``mpu.get_data_parallel_group(with_context_parallel=True)``): only the
-      group's first rank counts (True there, False elsewhere).
-
-    Anything else (a partial overlap) cannot give whole-batch statistics and raises ValueError.
+    """Whether this rank's batch statistics enter the reduction over ``process_group``: after the
+    exchange every rank of ``sequence_group`` holds the same per-sequence values, so a statistic is
+    counted on one rank of the group only. None without ``process_group`` (the sequence group holds
+    the whole batch); True when ``process_group`` holds no other rank of ``sequence_group`` (data
+    parallel without CP, ``mpu.get_data_parallel_group()``); True on the group's first rank only when
+    it holds all of it (``mpu.get_data_parallel_group(with_context_parallel=True)``). A partial
+    overlap cannot give whole-batch statistics and raises ValueError.
     """
     if process_group is None:
         return None
@@ -98,8 +82,7 @@ def stats_owner(sequence_group: object, process_group: Optional[object]) -> Opti
 
 
 def reduce_owned(stats: SufficientStats, process_group: Optional[object], owner: Optional[bool]) -> SufficientStats:
-    """Batch statistics recorded from the group's per-row values, reduced over ``process_group``
-    and counted once per sequence (``owner`` from :func:`stats_owner`)."""
+    """``stats`` reduced over ``process_group``, counted once per sequence (``owner``: stats_owner)."""
     sums, maxes = stats.sums, stats.maxes
     if owner is False:  # another rank of the sequence group counts these sequences
         sums = {k: torch.zeros_like(v) for k, v in sums.items()}
@@ -118,15 +101,11 @@ def raise_nonfinite(bad_rows: torch.Tensor, what: str = "log-prob") -> None:
 
 
 class RowExchange:
-    """Per-sequence reductions across ``group`` in two passes with one collective (module docstring).
-
-    Usage::
+    """Per-sequence reductions across ``group`` in two passes with one collective (module docstring)::
 
         ex = RowExchange(group)
         for _ in ex.passes():          # collect pass, one all_gather, replay pass
-            n = ex.sum(mask.sum(-1))   # (B,) partial in, (B,) group value out (in the replay pass)
-            ...
-        # results of the replay pass are final
+            n = ex.sum(mask.sum(-1))   # (B,) partial in, (B,) group value out (final in the replay pass)
 
     ``group`` None makes every reduction the identity (a single pass, no communication).
     """
@@ -209,8 +188,7 @@ class RowExchange:
         gather(out, packed.contiguous(), group=self.group)
         self.collectives += 1
         out = out.view(world, B, packed.shape[1])
-        # Each column is reduced by its own op; both reductions are taken whole and sliced (a
-        # per-column mask built on the host would be a host-to-device copy, i.e. a sync).
+        # Both reductions are taken whole and sliced per column (a host-built mask would sync).
         ops = {op for op, _ in self._parts}
         reduced = {"sum": out.sum(0).T if "sum" in ops else None,
                    "max": out.amax(0).T if "max" in ops else None}  # (columns, B) each

@@ -1,22 +1,14 @@
 """Sufficient statistics that reduce exactly across ranks and chunks.
 
-Every batch-level number the library reports is a function of a few named **sums** (counts,
-sums, sums of squares) and **maxima** (a minimum is stored as the maximum of the negated value).
-Sums add and maxima take the max, whether the parts are data-parallel ranks or streamed chunks,
-so the derived numbers do not depend on how the batch was split.
+Every batch-level number the library reports is a function of a few named **sums** and **maxima**
+(a minimum is stored as the maximum of the negated value). Sums add and maxima take the max,
+whether the parts are data-parallel ranks or streamed chunks, so the derived numbers do not
+depend on how the batch was split. All values live in one packed float64 vector: reducing over a
+process group takes two collectives (SUM, MAX), reading every value on the host one copy.
 
-Recording is deferred and batched: a part is a per-row vector (B,) or a scalar, optionally
-restricted to some rows (``rows``, a (B,) bool mask) and weighted per row (``weight``); when the
-values are first needed, parts recorded alike are stacked and reduced together in float64, and
-all sums end up in **one packed float64 vector** (all maxima in another). A call with dozens of
-statistics therefore costs a handful of kernel launches, reducing over a process group takes two
-collectives (one SUM, one MAX), and reading every value on the host is one copy
-(:meth:`SufficientStats.to_host`, one device sync).
-
-Values are derived from the statistics by plain functions that work on either form: on
-:class:`SufficientStats` they give 0-d device tensors (no sync), on :class:`HostStats` Python
-floats computed in float64 (the helpers ``safe_div``, ``where``, ``sqrt0``, ``exp``, ``clamp``,
-``maximum`` below accept both).
+Values are derived by plain functions that work on :class:`SufficientStats` (0-d device tensors,
+no sync) and on :class:`HostStats` (Python floats in float64) alike: ``safe_div``, ``where``,
+``sqrt0``, ``exp``, ``clamp``, ``maximum`` below accept both.
 """
 
 from __future__ import annotations
@@ -106,18 +98,28 @@ def _reduce_shape(parts: list[_Part]) -> tuple[list[str], Optional[torch.Tensor]
     return ([p.name for p in sums], vs, [p.name for p in maxes + mins], vm)
 
 
-class SufficientStats:
+class _Reading:
+    """``sum`` / ``max`` / ``min`` by name over the ``sums`` and ``maxes`` mappings."""
+
+    def sum(self, name: str) -> Value:
+        return self.sums[name]
+
+    def max(self, name: str) -> Value:
+        return self.maxes[name]
+
+    def min(self, name: str) -> Value:
+        return -self.maxes["-" + name]
+
+
+class SufficientStats(_Reading):
     """Named float64 sums and maxima, with exact merge and all-reduce.
 
     ``add_sum(name, x)`` / ``add_max(name, x)`` / ``add_min(name, x)`` record tensors of any shape
     (their elements are summed / maxed); ``rows=`` (bool, same shape) keeps only those elements,
     ``weight=`` (same shape) multiplies them first (sums only). Adding to an existing name
     accumulates. An empty maximum is ``-inf`` or a large negative number; the code that derives a
-    metric checks the matching count before using it.
-
-    All values live in one packed float64 vector, sums first, then maxima: settling the
-    recorded parts costs one stacked reduction per part shape (a handful of operations
-    whatever the number of statistics), reading them on the host is one copy.
+    metric checks the matching count before using it. Recording is deferred: parts of one shape
+    are stacked and reduced together when the values are first read.
     """
 
     def __init__(self) -> None:
@@ -154,14 +156,6 @@ class SufficientStats:
 
     def add_min(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
         self._parts.append(_Part("min", "-" + name, value, rows, None))
-
-    @property
-    def _sum_vec(self) -> Optional[torch.Tensor]:
-        return self._vec[:len(self._sum_names)] if self._vec is not None and self._sum_names else None
-
-    @property
-    def _max_vec(self) -> Optional[torch.Tensor]:
-        return self._vec[len(self._sum_names):] if self._vec is not None and self._max_names else None
 
     def _set(self, sum_names: list[str], max_names: list[str], vec: Optional[torch.Tensor]) -> None:
         self._sum_names, self._max_names, self._vec = sum_names, max_names, vec
@@ -210,11 +204,6 @@ class SufficientStats:
         self._accumulate(names_s, names_m, vec)
 
     # -- reading -----------------------------------------------------------------------
-    def packed(self) -> tuple[list[str], Optional[torch.Tensor], list[str], Optional[torch.Tensor]]:
-        """(sum names, (K,) float64 sums, max names, (M,) float64 maxima)."""
-        self._settle()
-        return self._sum_names, self._sum_vec, self._max_names, self._max_vec
-
     def packed_vector(self) -> tuple[list[str], list[str], Optional[torch.Tensor]]:
         """(sum names, max names, (K + M,) float64 vector: the sums, then the maxima)."""
         self._settle()
@@ -236,24 +225,6 @@ class SufficientStats:
     def maxes(self) -> dict[str, torch.Tensor]:
         return self._named()[1]
 
-    def sum(self, name: str) -> torch.Tensor:
-        return self.sums[name]
-
-    def max(self, name: str) -> torch.Tensor:
-        return self.maxes[name]
-
-    def min(self, name: str) -> torch.Tensor:
-        return -self.maxes["-" + name]
-
-    def to_host(self) -> "HostStats":
-        """Every value as a Python float, with one device-to-host copy (one sync)."""
-        names_s, names_m, vec = self.packed_vector()
-        if vec is None:
-            return HostStats({}, {})
-        values = vec.tolist()
-        k = len(names_s)
-        return HostStats(dict(zip(names_s, values[:k])), dict(zip(names_m, values[k:])))
-
     # -- combining ---------------------------------------------------------------------
     def merge(self, other: "SufficientStats") -> "SufficientStats":
         """Accumulate ``other`` into ``self`` (sums add, maxima take the max)."""
@@ -264,11 +235,8 @@ class SufficientStats:
         return self
 
     def all_reduce(self, process_group: Optional[object] = None) -> "SufficientStats":
-        """Reduce in place over ``process_group`` with one SUM and one MAX collective.
-
-        Every rank must have recorded the same names in the same order (true by construction:
-        names and their order depend on the config only, never on the data).
-        """
+        """Reduce in place over ``process_group`` with one SUM and one MAX collective (every rank has
+        recorded the same names in the same order: they depend on the config only, never on the data)."""
         import torch.distributed as dist
 
         if process_group is None or not (dist.is_available() and dist.is_initialized()):
@@ -291,21 +259,12 @@ class SufficientStats:
         return self
 
 
-class HostStats:
-    """Reduced statistics as Python floats (see :meth:`SufficientStats.to_host`); the same
-    reading interface as :class:`SufficientStats`, so every derivation runs on either."""
+class HostStats(_Reading):
+    """Reduced statistics as Python floats, read like :class:`SufficientStats`, so every
+    derivation runs on either."""
 
     def __init__(self, sums: dict[str, float], maxes: dict[str, float]) -> None:
         self.sums, self.maxes = sums, maxes
-
-    def sum(self, name: str) -> float:
-        return self.sums[name]
-
-    def max(self, name: str) -> float:
-        return self.maxes[name]
-
-    def min(self, name: str) -> float:
-        return -self.maxes["-" + name]
 
 
 # -- deriving values from reduced statistics (0-d tensors or Python floats) ------------------
@@ -349,9 +308,8 @@ def maximum(a: Value, b: Value) -> Value:
 
 
 def seq_summary(stats, key: str, n_rows: Value, center: float) -> dict[str, Value]:
-    """mean, unbiased std, max, min and max |x − center| of per-row values recorded under
-    ``key`` (as ``<key>_sum``, ``<key>_sum2``, ``<key>_max`` and ``<key>_min``); all 0 when
-    ``n_rows`` is 0, std 0 when it is 1."""
+    """mean, unbiased std, max, min and max |x − center| of the per-row values recorded as
+    ``<key>_sum``, ``_sum2``, ``_max`` and ``_min``; all 0 when ``n_rows`` is 0, std 0 when it is 1."""
     s, s2 = stats.sum(f"{key}_sum"), stats.sum(f"{key}_sum2")
     mean = safe_div(s, n_rows)
     var = safe_div(s2 - s * mean, n_rows - 1)

@@ -19,10 +19,8 @@ def _describe(name: str, t: torch.Tensor) -> str:
 
 
 def check_same(names_tensors: list[tuple[str, Optional[torch.Tensor]]], *, float_names: tuple[str, ...] = ()) -> None:
-    """Raise ValueError/TypeError unless all given tensors share shape and device.
-
-    Expected layout is (batch, response_length). ``float_names`` must be floating point.
-    """
+    """Raise ValueError/TypeError unless the given (batch, response_length) tensors share shape and
+    device; ``float_names`` must be floating point."""
     present = [(n, t) for n, t in names_tensors if t is not None]
     for n, t in present:
         if not isinstance(t, torch.Tensor):

@@ -1,7 +1,6 @@
-"""The words settings arrive in, read at the edge into the config's values: numbers that may
-come as strings (YAML 1.1 reads ``1e-4`` as one); verl's ratio bands ``"lo_hi"``, held as
-``Band(lo, hi)`` and written back as ``"lo_hi"``; verl's first-generation keys and rejection
-modes. A value outside them raises :class:`ConfigError`, naming the key and what is allowed.
+"""The words settings arrive in, read at the edge: numbers as strings (YAML 1.1 reads ``1e-4`` as
+one), verl's ratio bands ``"lo_hi"`` (held as ``Band(lo, hi)``), verl's first-generation keys and
+rejection modes. A value outside them raises :class:`ConfigError`, naming the key and what is allowed.
 """
 
 from __future__ import annotations

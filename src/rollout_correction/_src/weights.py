@@ -36,13 +36,9 @@ __all__ = ["ISWeights", "importance_weights", "bound_weights", "add_is_statistic
 
 @dataclass
 class ISWeights:
-    """Weights before batch normalisation.
-
-    ``weights``: (B, T) bounded weights, 0 at invalid positions.
-    For sequence/geometric levels ``row_log`` (B,) is the unclamped log weight per row and
-    ``row_raw`` / ``row_weight`` (B,) the safety-bounded and bounded row weights.
-    For token level ``raw`` (B, T) holds the safety-bounded weights before bounding.
-    """
+    """Weights before batch normalisation: ``weights`` (B, T) bounded, 0 at invalid positions; token
+    level: ``raw`` (B, T) safety-bounded, before bounding; sequence / geometric level, per row (B,):
+    ``row_log`` the unclamped log weight, ``row_raw`` / ``row_weight`` the safety-bounded / bounded."""
 
     weights: torch.Tensor
     raw: Optional[torch.Tensor] = None
@@ -52,8 +48,7 @@ class ISWeights:
 
 
 def bound_weights(w: torch.Tensor, spec: ISSpec, mask: torch.Tensor) -> torch.Tensor:
-    """Apply the truncate / clip / mask bound of ``spec`` to safety-bounded weights ``w``
-    (0 where the 0/1 ``mask`` is 0; ``w`` must already be 0 there)."""
+    """The truncate / clip / mask bound of ``spec`` on weights ``w`` that are 0 where ``mask`` is 0."""
     if spec.mode == "truncate":
         return w.clamp(max=spec.upper)
     if spec.mode == "clip":
@@ -144,18 +139,15 @@ def batch_norm_factor(stats, spec: ISSpec) -> Value:
 def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     """``rollout_is_*`` metrics from reduced statistics (values before batch normalisation).
 
-    mean / std / ESS are token-weighted over valid tokens (for every level):
-    std = sqrt(E[w²] − E[w]²), ESS = 1 / E[(w / (E[w] + 1e-8))²] = (E[w] + 1e-8)² / E[w²]
-    (0 when every weight is 0). max / min: over valid tokens at token level; for sequence and
-    geometric levels exp of the extreme log weight clamped to ±20.
-    fraction_high / fraction_low: share of raw (safety-bounded, unbounded) weights above U /
-    below L (tokens at token level, sequences otherwise). seq_*: statistics of the per-row mean
-    weight over sequences with ≥ 1 valid token; seq_fraction_* use the raw per-row mean.
-    Sequence / geometric levels also report the row weights before truncation (length-aware
-    statistics; one value per sequence): seq_raw_mean, seq_raw_ess = (Σw)² / (n·Σw²) (Kish),
-    seq_log_mean (mean log weight, unclamped) and seq_collapsed_fraction (share of rows with raw
-    weight < 0.1). A long response drives log ∏ρ_t far from 0 even at a small per-token gap; these
-    show it before truncation hides it.
+    mean / std / ESS are token-weighted over valid tokens (every level): std = sqrt(E[w²] − E[w]²),
+    ESS = 1 / E[(w / (E[w] + 1e-8))²] = (E[w] + 1e-8)² / E[w²] (0 when every weight is 0). max / min:
+    over valid tokens, or (sequence / geometric) exp of the extreme log weight clamped to ±20.
+    fraction_high / fraction_low: share of raw (safety-bounded, unbounded) weights above U / below L
+    (tokens or sequences). seq_*: statistics of the per-row mean weight over sequences with ≥ 1 valid
+    token; seq_fraction_* use the raw per-row mean. Sequence / geometric levels also report the row
+    weights before truncation, where a long response drives log ∏ρ_t far from 0 even at a small
+    per-token gap: seq_raw_mean, seq_raw_ess = (Σw)² / (n·Σw²) (Kish), seq_log_mean (mean log weight,
+    unclamped) and seq_collapsed_fraction (share of rows with raw weight < 0.1).
     """
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
     mean = safe_div(stats.sum("is.sum_w"), n_tok)
@@ -167,14 +159,12 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
         m["rollout_is_max"] = where(n_tok > 0, stats.max("is.max"), 0.0)
         m["rollout_is_min"] = where(n_tok > 0, stats.min("is.min"), 0.0)
         den = n_tok
+        out, signed = stats.sum("is.out"), stats.sum("is.out_signed")
+        high, low = (out + signed) * 0.5, (out - signed) * 0.5
     else:
         m["rollout_is_max"] = where(n_rows > 0, exp(clamp(stats.max("is.max_log"), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
         m["rollout_is_min"] = where(n_rows > 0, exp(clamp(stats.min("is.min_log"), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
         den = n_rows
-    if spec.level == "token":
-        out, signed = stats.sum("is.out"), stats.sum("is.out_signed")
-        high, low = (out + signed) * 0.5, (out - signed) * 0.5
-    else:
         high, low = stats.sum("is.high"), stats.sum("is.low")
     m["rollout_is_ratio_fraction_high"] = safe_div(high, den)
     m["rollout_is_ratio_fraction_low"] = safe_div(low, den)
