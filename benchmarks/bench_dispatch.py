@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import sys
 from collections import Counter
 from pathlib import Path

@@ -25,7 +25,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from verl_reference import require_verl
 
@@ -36,7 +35,7 @@ from omegaconf import OmegaConf  # noqa: E402
 import rollout_correction.integrations.verl as rc_verl  # noqa: E402
 from rollout_correction.integrations.verl import main_ppo  # noqa: E402
 from test_integration_verl_worker import (CORE, DOCS, SIZES, Rollout, _aggregate, _compose,  # noqa: E402
-                                          _compose_verl, _correction_step, _doc_lines, _k3_seq_mean, _ppo_clip,
+                                          _compose_verl, _correction_step, _doc_lines, _k3_seq_mean,
                                           _worker_actor_config, _worker_update)
 
 HERE = os.path.dirname(os.path.abspath(__file__))

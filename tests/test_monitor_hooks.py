@@ -7,7 +7,6 @@ the V1 trainer subclass that ``rollout_correction.integrations.verl.main_ppo`` r
 from __future__ import annotations
 
 import importlib
-import sys
 from types import SimpleNamespace
 
 import pytest

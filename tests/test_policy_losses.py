@@ -8,8 +8,6 @@ import math
 import pytest
 import torch
 
-from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
-from rollout_correction import ConfigError
 from rollout_correction._src.policy_losses import (cispo_loss, dppo_loss, gspo_loss, sequence_advantage, topr_loss,
                                               topr_weights)
 

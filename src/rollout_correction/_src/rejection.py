@@ -19,12 +19,12 @@ from typing import Optional
 
 import torch
 
-from .config import RS_OPTIONS, RSOption
+from .config import RSOption
 from .logratio import LogRatioBatch
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
-__all__ = ["RS_OPTIONS", "RSOption", "token_divergence", "RejectionResult", "option_keep", "rejection_keep",
-           "rs_option_metrics", "rs_metrics", "veto_metrics"]  # RS_OPTIONS, RSOption: the config's
+__all__ = ["token_divergence", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics", "rs_metrics",
+           "veto_metrics"]
 
 
 def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:

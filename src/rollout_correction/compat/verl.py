@@ -43,7 +43,8 @@ from .._src.correction import compute_rollout_correction
 from .._src.logratio import LogRatioBatch
 from .._src.metrics import compute_offpolicy_metrics as _offpolicy_metrics
 from .._src.metrics import metrics_to_floats
-from .._src.rejection import RS_OPTIONS, RSOption, option_keep, rejection_keep, rs_metrics, rs_option_metrics
+from .._src.config import RS_OPTIONS, RSOption
+from .._src.rejection import option_keep, rejection_keep, rs_metrics, rs_option_metrics
 from .._src.stats import SufficientStats
 from .._src.weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 

@@ -53,8 +53,7 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_correction import (METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_policy_loss,
-                                compute_rollout_correction)
+from rollout_correction import METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_policy_loss
 from rollout_correction import config_value as _get
 from rollout_correction import settings_dict
 from rollout_correction.advantages import group_advantages
