@@ -36,11 +36,17 @@ def _order(parts: list[_Part]) -> tuple[list[_Part], list[_Part], list[_Part]]:
     unweighted, then by weight), maxima (unrestricted, then per mask), minima (per mask, then
     unrestricted) — so that each restriction, weight and sign applies to one contiguous slice."""
     def by_rows(ps: list[_Part], last_unrestricted: bool = False) -> list[_Part]:
-        keyed: dict[int, list[_Part]] = {}
+        # grouped by identity of the mask with `is` (torch.compile cannot trace id() of a tensor
+        # made inside the graph: a graph break, then a recompilation per call)
+        free, groups = [p for p in ps if p.rows is None], []
         for p in ps:
-            keyed.setdefault(id(p.rows) if p.rows is not None else 0, []).append(p)
-        free = keyed.pop(0, [])
-        masked = [p for g in keyed.values() for p in g]
+            if p.rows is not None:
+                group = next((g for g in groups if g[0].rows is p.rows), None)
+                if group is None:
+                    groups.append([p])
+                else:
+                    group.append(p)
+        masked = [p for g in groups for p in g]
         return masked + free if last_unrestricted else free + masked
 
     sums = by_rows([p for p in parts if p.kind == "sum"])
@@ -78,15 +84,16 @@ def _reduce_shape(parts: list[_Part]) -> tuple[list[str], Optional[torch.Tensor]
     for a, b, weight in _segments(sums, 0, "weight"):
         stacked[a:b].mul_(weight.reshape(1, -1))
     # Restricted to ``rows``: sums get 0, maxima (and negated minima) −inf elsewhere.
-    inverse: dict[int, torch.Tensor] = {}
+    inverse: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, ~rows), found by identity
     for a, b, rows in _segments(ordered, 0, "rows"):
         if a < ns < b:  # a run across the sums/maxima boundary: two fills
             runs = [(a, ns, 0.0), (ns, b, -math.inf)]
         else:
             runs = [(a, b, 0.0 if a < ns else -math.inf)]
-        inv = inverse.get(id(rows))
+        inv = next((i for r, i in inverse if r is rows), None)
         if inv is None:
-            inv = inverse[id(rows)] = ~rows.reshape(1, -1)
+            inv = ~rows.reshape(1, -1)
+            inverse.append((rows, inv))
         for lo, hi, fill in runs:
             stacked[lo:hi].masked_fill_(inv, fill)
     vs = stacked[:ns].sum(1) if ns else None
