@@ -23,8 +23,8 @@ log-ratio or of a float32 sum of up to T = 300 of them: with a sum of magnitude 
 rounding ≈ √T·2⁻²⁴ per ordering, the weights differ by ≲ 2e-6 relative — checked against
 ``W_RTOL`` = 2e-5. Metrics are float64 combinations of float32 sums (rel 1e-4, abs 1e-5; a
 standard deviation within 1e-3 of the size of the values it is the spread of, since it is a
-difference of sums): the tolerances of the CPU's two passes (``test_native``), which differ in
-the same two ways. Each comparison prints the largest difference it saw (``pytest -s``).
+difference of sums): the tolerances the CPU tests use between the eager and the compiled pass,
+which differ in the same two ways. Each comparison prints the largest difference it saw (``pytest -s``).
 """
 
 from __future__ import annotations

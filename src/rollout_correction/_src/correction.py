@@ -167,7 +167,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
 BLOCK_TOKENS = 1 << 17
 #: On an accelerator the blocks are larger (64 MiB per float32 temporary): each block costs its own
 #: kernel launches, and memory bandwidth, not cache, is what it must saturate (H100, 1024x32768:
-#: 1.7-2.8x faster than 4M-token blocks, peak still below verl's).
+#: 4M-token blocks ran eager at 0.5-1.0x verl's speed, 16M-token blocks at 1.9-3.1x).
 DEVICE_BLOCK_TOKENS = 1 << 24
 
 
