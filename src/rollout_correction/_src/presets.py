@@ -44,81 +44,98 @@ class Presets:
     def decoupled_token_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
         """Decoupled PPO × token-level TIS: w_t = min(ρ_t, C)."""
         return cls(rollout_is="token", rollout_is_threshold=threshold)
+
     @preset
     def decoupled_seq_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
         """Decoupled PPO × sequence-level TIS: w = min(∏ρ_t, C)."""
         return cls(rollout_is="sequence", rollout_is_threshold=threshold)
+
     @preset
     def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> RolloutCorrectionConfig:
         """Decoupled PPO × token IcePop: w_t = ρ_t·1[lo ≤ ρ_t ≤ hi]."""
         return cls(rollout_is="token", rollout_is_threshold=(threshold_lower, threshold))
+
     @preset
     def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: str = "0.5_2.0") -> RolloutCorrectionConfig:
         """Sequence TIS + reject sequences whose ∏ρ_t lies outside the band (seq_sum_k1)."""
         return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_sum_k1",
                    rollout_rs_threshold=rs_threshold)
+
     @preset
     def decoupled_geo_rs(cls, rs_threshold: str = "0.999_1.001") -> RolloutCorrectionConfig:
         """Reject sequences whose geometric-mean ratio lies outside the band (seq_mean_k1)."""
         return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
     @preset
     def decoupled_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: str = "0.999_1.001"
                                  ) -> RolloutCorrectionConfig:
         """Geometric-mean rejection + sequence TIS."""
         return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
                    rollout_rs_threshold=rs_threshold)
+
     @preset
     def decoupled_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: str = "0.999_1.001"
                                    ) -> RolloutCorrectionConfig:
         """Geometric-mean rejection + token TIS."""
         return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
                    rollout_rs_threshold=rs_threshold)
+
     @preset
     def decoupled_k3_rs(cls, rs_threshold: float = 0.01) -> RolloutCorrectionConfig:
         """Reject sequences whose mean k3 = mean(ρ − 1 − log ρ) exceeds the bound."""
         return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
     @preset
     def decoupled_k3_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> RolloutCorrectionConfig:
         """Mean-k3 rejection + sequence TIS."""
         return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
                    rollout_rs_threshold=rs_threshold)
+
     @preset
     def decoupled_k3_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
                                   ) -> RolloutCorrectionConfig:
         """Mean-k3 rejection + token TIS."""
         return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
                    rollout_rs_threshold=rs_threshold)
+
     @preset
     def bypass_ppo_clip(cls) -> RolloutCorrectionConfig:
         """PPO clipped against π_rollout (bypass); no IS weights."""
         return cls(bypass_mode=True, loss_type="ppo_clip")
+
     @preset
     def bypass_ppo_clip_geo_rs(cls, rs_threshold: str = "0.999_1.001") -> RolloutCorrectionConfig:
         """Bypass PPO-clip + geometric-mean rejection."""
         return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="ppo_clip")
+
     @preset
     def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01) -> RolloutCorrectionConfig:
         """Bypass PPO-clip + mean-k3 rejection."""
         return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="ppo_clip")
+
     @preset
     def bypass_pg_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
         """REINFORCE with sequence TIS: L = −sg(min(∏ρ_t, C))·A·log π_θ."""
         return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, loss_type="reinforce")
+
     @preset
     def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> RolloutCorrectionConfig:
         """REINFORCE with token IcePop weights."""
         return cls(rollout_is="token", rollout_is_threshold=(threshold_lower, threshold), bypass_mode=True,
                    loss_type="reinforce")
+
     @preset
     def bypass_pg_geo_rs(cls, rs_threshold: str = "0.999_1.001") -> RolloutCorrectionConfig:
         """REINFORCE + geometric-mean rejection; no IS weights."""
         return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+
     @preset
     def bypass_pg_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: str = "0.999_1.001"
                                  ) -> RolloutCorrectionConfig:
         """REINFORCE with sequence TIS + geometric-mean rejection."""
         return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
                    rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+
     @preset
     def bypass_pg_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: str = "0.999_1.001"
                                    ) -> RolloutCorrectionConfig:
@@ -132,35 +149,43 @@ class Presets:
         """Decoupled PPO × geometric TIS: w = min(exp(mean_t log ρ_t), C), a length-normalised sequence
         weight (for long responses, where ∏ρ_t collapses)."""
         return cls(rollout_is="geometric", rollout_is_threshold=threshold)
+
     @preset
     def decoupled_token_is_opsm(cls, is_threshold: float = 2.0, delta: float = 0.05) -> RolloutCorrectionConfig:
         """Decoupled PPO × token TIS + off-policy sequence masking (drop A < 0 sequences with mean
         log(π_rollout/π_θ) > δ)."""
         return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_opsm_delta=delta)
+
     @preset
     def decoupled_token_is_m2po(cls, is_threshold: float = 2.0, threshold: float = 0.04) -> RolloutCorrectionConfig:
         """Decoupled PPO × token TIS + M2PO: mask the largest (log ρ_t)² until their batch mean ≤ τ."""
         return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_m2po_threshold=threshold)
+
     @preset
     def bypass_topr(cls) -> RolloutCorrectionConfig:
         """TOPR: REINFORCE with weight 1 for A ≥ 0 and min(∏π_θ/π_rollout, 1) for A < 0."""
         return cls(bypass_mode=True, loss_type="topr")
+
     @preset
     def decoupled_gspo_geo_is(cls, is_threshold: float = 2.0) -> RolloutCorrectionConfig:
         """GSPO (PPO clip on exp(mean log π_θ/π_old)) × geometric TIS min(exp(mean log ρ_t), C)."""
         return cls(rollout_is="geometric", rollout_is_threshold=is_threshold, loss_type="gspo")
+
     @preset
     def decoupled_cispo_token_is(cls, is_threshold: float = 2.0) -> RolloutCorrectionConfig:
         """CISPO (−sg(clip r)·A·log π_θ) × token TIS."""
         return cls(rollout_is="token", rollout_is_threshold=is_threshold, loss_type="cispo")
+
     @preset
     def decoupled_dppo_tv_token_is(cls, is_threshold: float = 2.0) -> RolloutCorrectionConfig:
         """DPPO-TV (probability-difference trust region) × token TIS."""
         return cls(rollout_is="token", rollout_is_threshold=is_threshold, loss_type="dppo_tv")
+
     @preset
     def decoupled_dppo_kl_token_is(cls, is_threshold: float = 2.0) -> RolloutCorrectionConfig:
         """DPPO-KL (binary-KL trust region) × token TIS."""
         return cls(rollout_is="token", rollout_is_threshold=is_threshold, loss_type="dppo_kl")
+
     @preset
     def disabled(cls) -> RolloutCorrectionConfig:
         """Metrics only: no weights, no rejection."""
@@ -176,17 +201,20 @@ class Presets:
         """Sequence TIS + sequence ratio-band rejection (lower bound defaults to 1/upper)."""
         return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="sequence",
                    rollout_rs_threshold=rs_threshold, rollout_rs_threshold_lower=rs_threshold_lower)
+
     @preset
     def seq_mis(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
         """Sequence masked IS: truncate at C and reject sequences with ∏ρ_t > C (no lower bound)."""
         return cls(rollout_is="sequence", rollout_is_threshold=threshold, rollout_rs="sequence",
                    rollout_rs_threshold=threshold, rollout_rs_threshold_lower=0.0)
+
     @preset
     def geo_rs(cls, rs_threshold: float = 1.001, rs_threshold_lower: Optional[float] = None,
                veto_threshold: Optional[float] = 1e-4) -> RolloutCorrectionConfig:
         """Geometric-mean ratio rejection (lower bound defaults to 1/upper) + veto; no IS weights."""
         return cls(rollout_rs="geometric", rollout_rs_threshold=rs_threshold,
                    rollout_rs_threshold_lower=rs_threshold_lower, rollout_token_veto_threshold=veto_threshold)
+
     @preset
     def geo_mis(cls, is_threshold: float = 2.0, rs_threshold: float = 1.001, rs_threshold_lower: Optional[float] = None,
                 veto_threshold: Optional[float] = 1e-4) -> RolloutCorrectionConfig:
@@ -194,6 +222,7 @@ class Presets:
         return cls(rollout_is="geometric", rollout_is_threshold=is_threshold, rollout_rs="geometric",
                    rollout_rs_threshold=rs_threshold, rollout_rs_threshold_lower=rs_threshold_lower,
                    rollout_token_veto_threshold=veto_threshold)
+
     @preset
     def ppo_is_bypass(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
         """PPO clipped against π_rollout; token IS weights reported as diagnostics only."""
