@@ -156,7 +156,7 @@ LAYERS: list[tuple[str, str, list[str]]] = [
      ["weights", "rejection", "metrics", "opsm"]),
     ("pipeline", "compute_rollout_correction", ["correction"]),
     ("entry points", "policy loss; packed inputs", ["losses", "packed"]),
-    ("extensions", "asynchronous RL", ["staleness"]),
+    ("extensions", "asynchronous RL; MoE routing replay", ["staleness", "moe"]),
     ("public API", "rollout_correction/__init__.py", ["__init__"]),
     ("surfaces", "public names of the core only",
      ["compat", "integrations", "diagnose", "demo", "diffusion", "monitor", "presets_cli"]),

@@ -1,0 +1,593 @@
+"""Mixture-of-experts routing: record it, replay it, measure how often two stacks disagree.
+
+For an MoE model the largest part of the training–inference mismatch is often the router: the
+rollout engine and the trainer score the experts with different kernels and precisions, near-tied
+scores flip, and the token's log-probability then comes from a different sub-network. Routing
+replay removes that part of the gap:
+
+* **R3** (rollout routing replay): the engine records the experts it used while sampling, the
+  trainer replays them in its forwards (the π_old recompute and π_θ with gradient);
+* **R2** (trainer routing replay): the trainer records its own first pass and replays it in the
+  later passes over the same batch.
+
+Both go through the same two context managers, :func:`record_routing` and
+:func:`replay_routing`, on any Hugging Face ``transformers`` model whose routers follow the
+library's top-k router convention (Mixtral, Qwen3-MoE, OLMoE; a router module with ``top_k`` and a
+``(num_experts, hidden)`` ``weight`` whose forward returns ``(router_logits, router_scores,
+router_indices)``), with
+
+    p = softmax(router_logits)                 (in fp32)
+    I = top-k(p),  sᵢ = p_i  for i ∈ I,         sᵢ ← sᵢ / Σ_{j∈I} p_j  when the architecture renormalises
+
+Each router is checked against this formula when a context is entered (a few random tokens through
+the router itself); a model without such routers, or whose routers compute anything else (sigmoid
+scores, bias-corrected selection, grouped top-k), is refused by name. Nothing in the model is
+changed: the context managers add forward hooks (``torch.nn.Module.register_forward_hook``) and
+remove them on exit.
+
+Under replay the router still computes its own probabilities p, so the gate values of the recorded
+experts R are sᵢ = p_i (/ Σ_{j∈R} p_j), a differentiable function of the router weights: the router
+keeps learning. :func:`routing_agreement` measures two records against each other with the
+library's exact, data-parallel reductions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from ._src.constants import METRIC_PREFIX
+from ._src.stats import SufficientStats, safe_div
+from ._src.validation import ShapeMismatchError
+
+__all__ = ["RoutingRecord", "RecordingHandle", "Router", "find_routers", "record_routing", "replay_routing",
+           "gate_weights", "routing_agreement", "routing_mask_from_response", "UnsupportedModelError",
+           "RoutingMismatchError", "ROUTING_METRICS"]
+
+#: The metrics :func:`routing_agreement` returns (besides the per-layer ones), unprefixed.
+ROUTING_METRICS = ("routing_match", "routing_overlap", "routing_token_differs", "routing_tokens")
+
+
+class UnsupportedModelError(TypeError):
+    """The model has no routers following the top-k router convention."""
+
+
+class RoutingMismatchError(ShapeMismatchError):
+    """A routing record does not fit the model or the batch (rows, positions, layers, top-k)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The record
+
+
+@dataclass(frozen=True)
+class RoutingRecord:
+    """The experts every router selected: ``experts[b, t, l]`` is the top-k set of layer ``l``'s
+    router for the token at row ``b``, position ``t`` (the token *fed* to the model there; its
+    output predicts position t + 1).
+
+    Attributes:
+      experts: (B, T, L, K) int64 expert indices.
+      valid: (B, T) bool, True where the position was routed (recorded); replay leaves the other
+        positions to the router's own choice and agreement skips them.
+    """
+
+    experts: torch.Tensor
+    valid: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.experts.dim() != 4:
+            raise RoutingMismatchError(f"experts must be (rows, positions, layers, top_k), got shape "
+                                       f"{tuple(self.experts.shape)}")
+        if self.experts.dtype.is_floating_point or self.experts.dtype == torch.bool:
+            raise RoutingMismatchError(f"experts must hold integer expert indices, got {self.experts.dtype}")
+        if tuple(self.valid.shape) != tuple(self.experts.shape[:2]):
+            raise RoutingMismatchError(f"valid must be (rows, positions) = {tuple(self.experts.shape[:2])}, "
+                                       f"got {tuple(self.valid.shape)}")
+
+    @classmethod
+    def from_experts(cls, experts: torch.Tensor, valid: Optional[torch.Tensor] = None) -> "RoutingRecord":
+        """A record from a (B, T, L, K) integer tensor; ``valid`` (B, T) defaults to every position."""
+        experts = torch.as_tensor(experts)
+        if experts.dim() != 4:
+            raise RoutingMismatchError(f"experts must be (rows, positions, layers, top_k), got shape "
+                                       f"{tuple(experts.shape)}")
+        if valid is None:
+            valid = torch.ones(experts.shape[:2], dtype=torch.bool, device=experts.device)
+        return cls(experts.long(), torch.as_tensor(valid, device=experts.device).bool())
+
+    # -- shape ---------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        return self.experts.shape[0]
+
+    @property
+    def positions(self) -> int:
+        return self.experts.shape[1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.experts.shape[2]
+
+    @property
+    def top_k(self) -> int:
+        return self.experts.shape[3]
+
+    # -- slicing and layouts -----------------------------------------------------------
+    def __getitem__(self, rows) -> "RoutingRecord":
+        """The record of some rows (a slice, an index tensor or a bool row mask): one micro-batch."""
+        if isinstance(rows, int):
+            rows = slice(rows, rows + 1)
+        return RoutingRecord(self.experts[rows], self.valid[rows])
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def to(self, device) -> "RoutingRecord":
+        return RoutingRecord(self.experts.to(device), self.valid.to(device))
+
+    def positions_slice(self, start: int, stop: Optional[int] = None) -> "RoutingRecord":
+        """The record of positions [start, stop) of every row (e.g. the response part)."""
+        return RoutingRecord(self.experts[:, start:stop], self.valid[:, start:stop])
+
+    def pack(self, attention_mask: torch.Tensor) -> "RoutingRecord":
+        """The packed (varlen) layout: the positions where ``attention_mask`` (B, T) is non-zero,
+        row after row, as one row (1, N, L, K) — the order a packed forward feeds them in."""
+        m = _layout_mask(attention_mask, self)
+        return RoutingRecord(self.experts[m].unsqueeze(0), self.valid[m].unsqueeze(0))
+
+    def unpack(self, attention_mask: torch.Tensor) -> "RoutingRecord":
+        """Inverse of :meth:`pack`: scatter a (1, N, L, K) record back to the (B, T) layout of
+        ``attention_mask`` (positions outside the mask are not valid)."""
+        m = torch.as_tensor(attention_mask, device=self.experts.device).bool()
+        if self.rows != 1 or m.dim() != 2 or int(m.sum()) != self.positions:
+            raise RoutingMismatchError(f"unpack needs a packed record (1, N, L, K) and a (B, T) mask with N "
+                                       f"non-zero entries; got record {tuple(self.experts.shape)} and mask "
+                                       f"{tuple(m.shape)} with {int(m.sum())} tokens")
+        experts = self.experts.new_zeros((*m.shape, self.num_layers, self.top_k))
+        valid = torch.zeros(m.shape, dtype=torch.bool, device=m.device)
+        experts[m], valid[m] = self.experts[0], self.valid[0]
+        return RoutingRecord(experts, valid)
+
+    @staticmethod
+    def cat(records: Sequence["RoutingRecord"]) -> "RoutingRecord":
+        """Records of the same positions, layers and top-k stacked along rows."""
+        if not records:
+            raise ValueError("cat needs at least one record")
+        shapes = {tuple(r.experts.shape[1:]) for r in records}
+        if len(shapes) > 1:
+            raise RoutingMismatchError(f"records to stack differ in (positions, layers, top_k): {sorted(shapes)}")
+        return RoutingRecord(torch.cat([r.experts for r in records]), torch.cat([r.valid for r in records]))
+
+    # -- engines' formats ----------------------------------------------------------------
+    @classmethod
+    def from_verl(cls, data, attention_mask: Optional[torch.Tensor] = None) -> "RoutingRecord":
+        """verl's ``routed_experts``: a (B, prompt_len + response_len, L, K) integer tensor (int16)
+        aligned with ``input_ids`` (left-padded prompt, right-padded response), zero where the
+        engine recorded nothing. ``data`` is that tensor, or a ``DataProto`` / ``TensorDict`` /
+        mapping holding ``routed_experts`` (and ``attention_mask``).
+
+        Valid positions: ``attention_mask`` non-zero and, for K > 1, a top-k set of K distinct
+        experts (verl's zero fill repeats expert 0, which no router selects, so unrecorded rows —
+        the last token, turns after the last generation — are left to the trainer's own router).
+        """
+        batch = getattr(data, "batch", data)
+        if isinstance(batch, torch.Tensor):
+            experts = batch
+        else:
+            experts = batch["routed_experts"]
+            if attention_mask is None and "attention_mask" in batch.keys():
+                attention_mask = batch["attention_mask"]
+        experts = torch.as_tensor(experts)
+        if experts.dim() != 4:
+            raise RoutingMismatchError(f"verl's routed_experts is (batch, seq_len, layers, top_k); got shape "
+                                       f"{tuple(experts.shape)}")
+        valid = _distinct(experts)
+        if attention_mask is not None:
+            valid = valid & _layout_mask(attention_mask, RoutingRecord.from_experts(experts))
+        return cls.from_experts(experts, valid)
+
+    @classmethod
+    def from_slime(cls, routed_experts: Sequence) -> "RoutingRecord":
+        """slime's ``rollout_routed_experts``: one (len(tokens) − 1, L, K) array per sample (the
+        routing of every token fed to the engine; the last token is never fed), as
+        ``Sample.rollout_routed_experts`` holds it. Returns a right-padded (B, max_len, L, K)
+        record whose ``valid`` marks each sample's rows."""
+        items = [torch.as_tensor(x) for x in routed_experts]
+        if not items:
+            raise RoutingMismatchError("slime's rollout_routed_experts is empty")
+        bad = [i for i, x in enumerate(items) if x.dim() != 3 or tuple(x.shape[1:]) != tuple(items[0].shape[1:])]
+        if bad:
+            raise RoutingMismatchError(f"slime's rollout_routed_experts are (len(tokens) - 1, layers, top_k) with the "
+                                       f"same layers and top_k for every sample; samples {bad} differ "
+                                       f"(first: {tuple(items[bad[0]].shape)}, expected (*, {tuple(items[0].shape[1:])}))")
+        n = max(x.shape[0] for x in items)
+        experts = items[0].new_zeros((len(items), n, *items[0].shape[1:]), dtype=torch.long)
+        valid = torch.zeros((len(items), n), dtype=torch.bool)
+        for i, x in enumerate(items):
+            experts[i, :x.shape[0]] = x.long()
+            valid[i, :x.shape[0]] = True
+        return cls(experts, valid)
+
+
+def _distinct(experts: torch.Tensor) -> torch.Tensor:
+    """(B, T) True where every layer's top-k set holds K distinct experts."""
+    if experts.shape[-1] < 2:
+        return torch.ones(experts.shape[:2], dtype=torch.bool, device=experts.device)
+    s = experts.sort(dim=-1).values
+    return (s[..., 1:] != s[..., :-1]).all(-1).all(-1)
+
+
+def _layout_mask(mask: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+    m = torch.as_tensor(mask, device=record.experts.device)
+    if tuple(m.shape) != (record.rows, record.positions):
+        raise RoutingMismatchError(f"mask must be (rows, positions) = ({record.rows}, {record.positions}), "
+                                   f"got {tuple(m.shape)}")
+    return m.bool()
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the routers
+
+
+@dataclass(frozen=True)
+class Router:
+    """One router module of the model: its layer index among the routers, its name, and whether
+    the architecture renormalises the top-k probabilities."""
+
+    layer: int
+    name: str
+    module: torch.nn.Module
+    top_k: int
+    num_experts: int
+    renormalize: bool
+
+
+def _model_name(model: torch.nn.Module) -> str:
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    return f"{type(model).__name__}" + (f" (model_type {kind!r})" if kind else "")
+
+
+def _candidate(module: torch.nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return ("Router" in type(module).__name__ and isinstance(getattr(module, "top_k", None), int)
+            and isinstance(w, torch.Tensor) and w.dim() == 2)
+
+
+@torch.no_grad()
+def _renormalizes(name: str, module: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """Run a few random tokens through the router and tell which form of the convention it
+    computes (top-k probabilities renormalised or not); refuse any other router."""
+    w = module.weight
+    if w.device.type == "meta":
+        raise UnsupportedModelError(f"{_model_name(model)}: router {name} has no weights (meta device)")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, w.shape[1], generator=gen).to(device=w.device, dtype=w.dtype)
+    out = module.forward(x)  # not through __call__: no forward hook (ours or the user's) sees the probe
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise UnsupportedModelError(f"{_model_name(model)}: router {name} ({type(module).__name__}) does not return "
+                                    "(router_logits, router_scores, router_indices)")
+    logits, scores, idx = out
+    p = torch.softmax(logits.float(), dim=-1)
+    top, top_idx = torch.topk(p, module.top_k, dim=-1)
+    same_set = torch.equal(idx.sort(-1).values.long(), top_idx.sort(-1).values.long())
+    if same_set:
+        own = p.gather(-1, idx.long())
+        for renorm in (True, False):
+            expect = own / own.sum(-1, keepdim=True) if renorm else own
+            if torch.allclose(scores.float(), expect.to(scores.dtype).float(), rtol=1e-3, atol=1e-6):
+                return renorm
+    raise UnsupportedModelError(
+        f"{_model_name(model)}: router {name} ({type(module).__name__}) does not compute softmax → top-k "
+        "(→ renormalise) over its logits; routing replay supports Mixtral, Qwen3-MoE, OLMoE and models whose "
+        "routers follow that convention")
+
+
+def find_routers(model: torch.nn.Module) -> list[Router]:
+    """The model's routers in forward order (their order among the modules), each checked against
+    the top-k router convention; raises :class:`UnsupportedModelError` naming the model otherwise."""
+    found = [(name, m) for name, m in model.named_modules() if _candidate(m)]
+    if not found:
+        raise UnsupportedModelError(
+            f"{_model_name(model)} has no top-k router modules; routing record/replay supports Hugging Face "
+            "transformers MoE models whose routers follow the top-k router convention (Mixtral, Qwen3-MoE, OLMoE)")
+    routers = []
+    for layer, (name, m) in enumerate(found):
+        num_experts = int(m.weight.shape[0])
+        routers.append(Router(layer, name, m, int(m.top_k), num_experts, _renormalizes(name, m, model)))
+    return routers
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracking the calls: which rows and positions a forward covers
+
+
+_CACHE_ARGS = ("cache", "past_key_values")
+
+
+class _Calls:
+    """Reads each top-level forward's (rows, positions) and where it starts: 0 for a fresh
+    forward, the cached length for a KV-cache continuation."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.shape: Optional[tuple[int, int]] = None
+        self.start = 0
+
+    def pre_hook(self, module, args, kwargs):
+        x = kwargs.get("input_ids")
+        if x is None and args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            raise RoutingMismatchError(f"{_model_name(self.model)} was called without (batch, seq) input_ids or "
+                                       "inputs_embeds; routing record/replay cannot place its tokens")
+        self.shape = (int(x.shape[0]), int(x.shape[1]))
+        cache = next((kwargs[k] for k in _CACHE_ARGS if kwargs.get(k) is not None), None)
+        self.start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+        self.on_call()
+
+    def on_call(self) -> None:
+        pass
+
+    def tokens(self, n: int, router: Router) -> tuple[int, int]:
+        if self.shape is None:
+            raise RoutingMismatchError(f"router {router.name} ran outside a forward of the model given to the "
+                                       "context manager; pass the model you call")
+        b, s = self.shape
+        if b * s != n:
+            raise RoutingMismatchError(f"router {router.name} saw {n} tokens, the forward has {b} × {s}")
+        return b, s
+
+
+@contextlib.contextmanager
+def _hooked(model: torch.nn.Module, calls: _Calls, routers: list[Router], router_hook, prepend: bool):
+    handles = [model.register_forward_pre_hook(calls.pre_hook, with_kwargs=True, prepend=True)]
+    try:
+        for r in routers:
+            handles.append(r.module.register_forward_hook(
+                lambda mod, inp, out, r=r: router_hook(r, out), prepend=prepend))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# Record
+
+
+class _Recorder(_Calls):
+    def __init__(self, model: torch.nn.Module, routers: list[Router]):
+        super().__init__(model)
+        self.routers = routers
+        self.segments: list[list[torch.Tensor]] = []   # per fresh forward: (B, S_i, L, K) pieces
+        self._layers: list[torch.Tensor] = []
+        self._length = 0
+
+    def on_call(self) -> None:
+        self._flush()
+        b, s = self.shape
+        if self.start == 0:
+            self.segments.append([])
+            self._length = 0
+        elif not self.segments or self.start != self._length:
+            raise RoutingMismatchError(
+                f"a KV-cache forward starts at position {self.start} but the record holds "
+                f"{self._length if self.segments else 0} positions; record the whole generation, prompt included")
+        self._length += s
+
+    def hook(self, router: Router, out) -> None:
+        idx = out[2]
+        b, s = self.tokens(idx.shape[0], router)
+        if router.layer != len(self._layers):
+            raise RoutingMismatchError(f"router {router.name} ran out of order (layer {router.layer} after "
+                                       f"{len(self._layers)} layers of this forward)")
+        self._layers.append(idx.detach().reshape(b, s, -1).long())
+
+    def _flush(self) -> None:
+        if self._layers:
+            if len(self._layers) != len(self.routers):
+                raise RoutingMismatchError(f"a forward ran {len(self._layers)} of the {len(self.routers)} routers")
+            self.segments[-1].append(torch.stack(self._layers, dim=2))
+            self._layers = []
+
+    def record(self) -> RoutingRecord:
+        self._flush()
+        if not self.segments:
+            raise RoutingMismatchError("nothing was recorded: no forward of the model ran inside record_routing")
+        parts = [torch.cat(seg, dim=1) for seg in self.segments]
+        return RoutingRecord.cat([RoutingRecord.from_experts(p) for p in parts])
+
+
+class RecordingHandle:
+    """What :func:`record_routing` yields; ``.record`` is available once the block has run (and
+    inside it, for the forwards so far)."""
+
+    def __init__(self, recorder: _Recorder):
+        self._recorder = recorder
+        self._final: Optional[RoutingRecord] = None
+
+    @property
+    def record(self) -> RoutingRecord:
+        return self._final if self._final is not None else self._recorder.record()
+
+
+@contextlib.contextmanager
+def record_routing(model: torch.nn.Module) -> Iterator[RecordingHandle]:
+    """Record the experts every router of ``model`` selects in the forwards run inside the block.
+
+    Each fresh forward (no KV cache, or an empty one) adds its rows; a forward continuing a KV
+    cache (generation) appends its positions to the rows of the forward that filled the cache, so
+    a generation loop yields the (B, P + T − 1) routing of the tokens it fed — exactly the
+    positions a trainer's teacher-forced forward over ``tokens[:, :-1]`` routes. Fresh forwards of
+    different lengths cannot be stacked into one record (their ``record`` raises).
+
+    The record holds the router's *own* choice, also inside :func:`replay_routing` (the recording
+    hook runs first), which is how the trainer's agreement with a replayed record is measured.
+    Padded batches are recorded as laid out (pad positions included; mask them in the
+    agreement); a packed forward (one row of concatenated sequences) gives a (1, N, L, K)
+    record (:meth:`RoutingRecord.unpack` restores the rows).
+
+    Yields:
+      a handle whose ``.record`` is the :class:`RoutingRecord`.
+    """
+    routers = find_routers(model)
+    recorder = _Recorder(model, routers)
+    handle = RecordingHandle(recorder)
+    with _hooked(model, recorder, routers, recorder.hook, prepend=True):
+        yield handle
+    if recorder.segments:
+        handle._final = recorder.record()
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay
+
+
+class _Replayer(_Calls):
+    def __init__(self, model: torch.nn.Module, routers: list[Router], record: RoutingRecord):
+        super().__init__(model)
+        self.routers = routers
+        self.record = record
+
+    def on_call(self) -> None:
+        b, s = self.shape
+        rec = self.record
+        if b != rec.rows:
+            raise RoutingMismatchError(f"the batch has {b} rows, the routing record {rec.rows}; slice the record "
+                                       "by rows (record[i:j]) for each micro-batch")
+        if self.start + s > rec.positions:
+            raise RoutingMismatchError(f"the forward covers positions [{self.start}, {self.start + s}), the routing "
+                                       f"record holds {rec.positions}; the record covers the tokens fed to the model "
+                                       "(forward tokens[:, :-1], or pass the positions the record was made over)")
+
+    def hook(self, router: Router, out):
+        logits, scores, idx = out
+        b, s = self.tokens(idx.shape[0], router)
+        sl = slice(self.start, self.start + s)
+        rec = self.record.experts[:, sl, router.layer].reshape(b * s, -1).to(idx.device)
+        valid = self.record.valid[:, sl].reshape(b * s, 1).to(idx.device)
+        chosen = torch.where(valid, rec, idx.long())
+        return logits, gate_weights(logits, chosen, router.renormalize).to(scores.dtype), chosen.to(idx.dtype)
+
+
+def gate_weights(router_logits: torch.Tensor, experts: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """Gate values of the given experts from the router's own logits.
+
+    p = softmax(router_logits) in fp32;  sᵢ = p_{eᵢ}, divided by Σⱼ p_{eⱼ} when ``renormalize``.
+
+    Args:
+      router_logits: (N, E) logits of N tokens over E experts.
+      experts: (N, K) expert indices.
+    Returns:
+      (N, K) float32 gate values, differentiable with respect to the logits.
+    """
+    p = torch.softmax(router_logits.float(), dim=-1).gather(-1, experts)
+    return p / p.sum(-1, keepdim=True) if renormalize else p
+
+
+@contextlib.contextmanager
+def replay_routing(model: torch.nn.Module, record: RoutingRecord) -> Iterator[None]:
+    """Make every router of ``model`` select the experts in ``record`` for the forwards run inside
+    the block; the gate values are :func:`gate_weights` of the router's own logits over those
+    experts (renormalised where the architecture renormalises), so gradients reach the router.
+
+    A forward of (B, S) tokens replays rows 0..B−1 of the record at positions [c, c + S), where c
+    is the KV cache's length (0 for a teacher-forced forward): slice the record by rows for
+    micro-batches (``record[i:j]``). Positions the record marks not valid keep the router's own
+    choice. R3 passes the engine's record, R2 the trainer's own first-pass record.
+
+    Raises:
+      RoutingMismatchError: rows, positions, layers or top-k of the record do not fit.
+      UnsupportedModelError: the model's routers do not follow the top-k router convention.
+    """
+    if not isinstance(record, RoutingRecord):
+        raise TypeError(f"record must be a RoutingRecord, got {type(record).__name__}")
+    routers = find_routers(model)
+    if record.num_layers != len(routers):
+        raise RoutingMismatchError(f"the routing record has {record.num_layers} layers, {_model_name(model)} has "
+                                   f"{len(routers)} routers")
+    k = {r.top_k for r in routers}
+    if k != {record.top_k}:
+        raise RoutingMismatchError(f"the routing record has top_k = {record.top_k}, the model's routers select "
+                                   f"{sorted(k)}")
+    e = min(r.num_experts for r in routers)
+    if record.experts.numel() and (int(record.experts.min()) < 0 or int(record.experts.max()) >= e):
+        raise RoutingMismatchError(f"the routing record names experts outside [0, {e})")
+    replayer = _Replayer(model, routers, record)
+    with _hooked(model, replayer, routers, replayer.hook, prepend=False):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement
+
+
+def routing_agreement(record_a: RoutingRecord | torch.Tensor, record_b: RoutingRecord | torch.Tensor,
+                      mask: Optional[torch.Tensor] = None, *, process_group: Optional[object] = None
+                      ) -> dict[str, torch.Tensor]:
+    """How often two records route the same tokens to the same experts.
+
+    Over the tokens n = 1..N that ``mask`` (B, T) keeps and both records hold, and layers l = 1..L,
+    with top-k sets Aₙₗ and Bₙₗ of size K:
+
+      routing_match          = Σₙₗ [Aₙₗ = Bₙₗ] / (N·L)              (exact top-k set match)
+      routing_overlap        = Σₙₗ |Aₙₗ ∩ Bₙₗ| / (K·N·L)             (mean top-k overlap)
+      routing_match_layer{l} = Σₙ [Aₙₗ = Bₙₗ] / N,   routing_overlap_layer{l} likewise
+      routing_token_differs  = Σₙ [∃l: Aₙₗ ≠ Bₙₗ] / N              (tokens routed differently anywhere)
+      routing_tokens         = N
+
+    With ``process_group`` the sums are all-reduced first, so every rank gets the values of the
+    whole batch, however it was split (one collective, no host sync). Values over an empty set are 0.
+
+    Args:
+      record_a, record_b: :class:`RoutingRecord` or (B, T, L, K) expert indices, same shape.
+      mask: (B, T) bool or 0/1, e.g. the response mask placed at the recorded positions.
+    Returns:
+      dict ``rollout_corr/<name>`` → 0-d float64 tensor.
+    """
+    a = record_a if isinstance(record_a, RoutingRecord) else RoutingRecord.from_experts(record_a)
+    b = record_b if isinstance(record_b, RoutingRecord) else RoutingRecord.from_experts(record_b)
+    if tuple(a.experts.shape) != tuple(b.experts.shape):
+        raise RoutingMismatchError(f"the records differ in shape (rows, positions, layers, top_k): "
+                                   f"{tuple(a.experts.shape)} vs {tuple(b.experts.shape)}")
+    keep = a.valid & b.valid.to(a.valid.device)
+    if mask is not None:
+        keep = keep & _layout_mask(mask, a)
+    ea, eb = a.experts, b.experts.to(a.experts.device)
+    k = a.top_k
+    same_set = (ea.sort(-1).values == eb.sort(-1).values).all(-1)                     # (B, T, L)
+    overlap = (ea.unsqueeze(-1) == eb.unsqueeze(-2)).any(-1).sum(-1).double() / k     # (B, T, L)
+    w = keep.double().unsqueeze(-1)
+    names = ["tokens", "token_differs"] + [f"match{l}" for l in range(a.num_layers)] \
+        + [f"overlap{l}" for l in range(a.num_layers)]
+    vec = torch.cat([keep.double().sum().reshape(1), (keep & ~same_set.all(-1)).double().sum().reshape(1),
+                     (same_set.double() * w).sum((0, 1)), (overlap * w).sum((0, 1))])
+    stats = SufficientStats.from_vector(names, vec).all_reduce(process_group)
+    s = stats.sums
+    n, layers = s["tokens"], a.num_layers
+    out = {"routing_tokens": n, "routing_token_differs": safe_div(s["token_differs"], n)}
+    match = [safe_div(s[f"match{l}"], n) for l in range(layers)]
+    over = [safe_div(s[f"overlap{l}"], n) for l in range(layers)]
+    out["routing_match"] = torch.stack(match).mean()
+    out["routing_overlap"] = torch.stack(over).mean()
+    for l in range(layers):
+        out[f"routing_match_layer{l}"] = match[l]
+        out[f"routing_overlap_layer{l}"] = over[l]
+    return {METRIC_PREFIX + name: torch.as_tensor(v, dtype=torch.float64) for name, v in out.items()}
+
+
+def routing_mask_from_response(response_mask: torch.Tensor, prompt_len: int, positions: int) -> torch.Tensor:
+    """The (B, positions) mask of the recorded positions whose routing produced a response token's
+    log-prob: response token t (0-based) is predicted from the token fed at position
+    prompt_len − 1 + t."""
+    m = torch.as_tensor(response_mask).bool()
+    out = torch.zeros((m.shape[0], positions), dtype=torch.bool, device=m.device)
+    out[:, prompt_len - 1: prompt_len - 1 + m.shape[1]] = m[:, : positions - prompt_len + 1]
+    return out
