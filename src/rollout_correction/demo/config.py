@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from rollout_correction.demo.model import MODEL_SIZES
+from rollout_correction.demo.model import MODEL_SIZES, MOE_SIZES
 from rollout_correction.demo.task import REWARDS, TASKS
 from rollout_correction.demo.engine import GRANULARITIES, PRECISIONS, QUANTS
 
@@ -22,6 +22,7 @@ class Method:
     preset: str | None      # library preset, or None for the uncorrected PPO loss
     mismatched: bool        # sample from the mismatched engine (False: engine = trainer)
     description: str
+    replay: bool = False    # R3: the trainer replays the engine's expert routing (MoE models only)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -63,6 +64,19 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dppo_kl", "DPPO-KL × token TIS", "decoupled_dppo_kl_token_is", True,
            "truncated-ratio REINFORCE masked where the token's binary KL leaves ε, token TIS weights"),
 )}
+
+# Mixture-of-experts routing replay (R3): the engine records the experts it routed each token to
+# while sampling; the trainer's forwards (π_old recompute and π_θ) replay them.
+METHODS.update({m.name: m for m in (
+    Method("r3", "R3 routing replay", None, True,
+           "naive PPO with the trainer's routers replaying the engine's experts (π_old and π_θ)", replay=True),
+    Method("r3_token_tis", "R3 + token TIS", "decoupled_token_is", True,
+           "R3 routing replay, then token TIS ρₜ = min(π_old/π_rollout, 2) on what is left of the gap", replay=True),
+    Method("bypass_r3", "bypass PPO-clip + R3", "bypass_ppo_clip", True,
+           "R3 routing replay with π_old := π_rollout, PPO ratio π_θ/π_rollout clipped", replay=True),
+)})
+#: The methods of the ``moe`` scenario.
+MOE_METHODS = ("naive", "token_tis", "r3", "r3_token_tis", "bypass_r3")
 
 #: Run when ``--methods`` is not given: the reference pair and the verl-preset corrections.
 DEFAULT_METHODS = ("on_policy", "naive", "bypass_ppo", "token_tis", "seq_is_rs", "geo_rs", "pure_is")
@@ -126,6 +140,10 @@ class DemoConfig:
             raise ValueError("sft_steps and lag must be >= 0")
         if self.samples < 2:
             raise ValueError(f"samples per prompt must be >= 2 for group advantages, got {self.samples}")
+        replaying = [m for m in self.methods if METHODS[m].replay]
+        if replaying and self.model not in MOE_SIZES:
+            raise ValueError(f"method(s) {replaying} replay expert routing and need a mixture-of-experts model "
+                             f"(--model {' or '.join(MOE_SIZES)}), got --model {self.model}")
         if (self.prompts * self.samples) % self.minibatches:
             raise ValueError(f"minibatches ({self.minibatches}) must divide prompts × samples "
                              f"({self.prompts * self.samples})")
@@ -146,6 +164,11 @@ SCENARIOS: dict[str, dict] = {
     "stale": dict(task="sort", digits=6, precision="fp32", quant="none", lag=4),
     "bf16-long": dict(task="sort", digits=16, precision="bf16", quant="none", lag=0, sft_steps=120, steps=300),
 }
+# ``moe``: a tiny Mixtral whose engine copy has 3-bit fake-quantised attention and expert weights
+# (routers unquantised), so near-tied router scores flip between engine and trainer; the
+# routing-replay comparison. 16 prompts × 8 samples per step keep a run within the dense budget.
+SCENARIOS["moe"] = dict(task="sort", digits=6, model="moe", precision="fp32", quant="int3", granularity="tensor",
+                        lag=0, prompts=16, methods=MOE_METHODS)
 
 # ``--quick``: a first look and the CI smoke run.
 QUICK = dict(steps=40, seeds=(0,), eval_every=20, eval_prompts=256, prompts=16,

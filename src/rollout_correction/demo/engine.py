@@ -13,7 +13,9 @@ policy π_old, all of them real numerics rather than injected noise:
   (symmetric absmax, one scale per output channel or per tensor — ``granularity``): ``int8`` /
   ``int4`` / ``int3`` round to 2^(b−1)−1 levels each side, ``fp8`` rounds through
   ``float8_e4m3fn`` after scaling the max to 448; embeddings and the output head stay at
-  ``precision``;
+  ``precision``; in a mixture-of-experts model each expert's matrices (the 3-D expert weights)
+  are quantised the same way, expert by expert, and the routers stay at ``precision``, as
+  MoE inference engines do;
 * ``lag``: the engine loads the trainer's weights from ``lag`` optimizer steps ago, as an
   asynchronous RL system does.
 
@@ -140,6 +142,9 @@ class RolloutEngine:
             p.requires_grad_(False)
         self._quantized = {name for name, mod in self.model.named_modules()
                            if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}"}
+        # MoE expert weights: (experts, out, in) parameters of an ``experts`` module.
+        self._quantized_experts = {name for name, p in self.model.named_parameters()
+                                   if p.dim() == 3 and ".experts." in f".{name}" and ".layers." in f".{name}"}
         self._history: deque[dict[str, torch.Tensor]] = deque(maxlen=lag + 1)
 
     @property
@@ -159,6 +164,8 @@ class RolloutEngine:
             module_name = name.rsplit(".", 1)[0]
             if name.endswith(".weight") and module_name in self._quantized:
                 src = fake_quantize(src, self.quant, self.granularity)
+            elif name in self._quantized_experts:
+                src = torch.stack([fake_quantize(w, self.quant, self.granularity) for w in src])
             params[name].copy_(src.to(params[name].dtype))
 
     def generate(self, prompts: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,

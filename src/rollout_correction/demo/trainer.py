@@ -12,22 +12,29 @@ One GRPO step, top to bottom (``grpo_step``):
 6. ``compute_policy_loss`` builds the loss for the method's preset (IS weights, RS mask, bypass
    PPO-clip or REINFORCE) and returns the correction's metrics;
 7. backward, gradient-norm clipping, Adam step.
+
+With a mixture-of-experts model (``--model moe``) the engine also records the experts its routers
+picked while sampling (``rollout_correction.moe.record_routing``); the trainer's forwards record
+theirs, the step logs their routing agreement, and methods with ``replay`` (R3) run the trainer's
+forwards under ``replay_routing`` with the engine's record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from rollout_correction import METRIC_PREFIX, compute_rollout_correction
+from rollout_correction import METRIC_PREFIX, compute_rollout_correction, metrics_to_floats
 from rollout_correction.advantages import group_advantages as library_group_advantages
 from rollout_correction.demo.config import METHODS, DemoConfig, Method
-from rollout_correction.demo.model import build_model, response_log_probs
+from rollout_correction.demo.model import MOE_SIZES, build_model, response_log_probs
 from rollout_correction.demo.task import Task
 from rollout_correction.demo.engine import RolloutEngine, sample
+from rollout_correction.moe import record_routing, replay_routing, routing_agreement, routing_mask_from_response
 
 EVAL_SEED = 1_000_003  # every run is evaluated on the same prompts
 
@@ -204,7 +211,9 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
     """One GRPO update (engine already synced); returns the step's statistics."""
     digits = task.sample_digits(cfg.prompts, gen).repeat_interleave(cfg.samples, dim=0)
     prompts = task.prompts(digits)
-    responses, rollout_log_prob = engine.generate(prompts, task.response_len, generator=gen)
+    routing = Routing(cfg, method, model, task.prompt_len)
+    with routing.engine(engine):
+        responses, rollout_log_prob = engine.generate(prompts, task.response_len, generator=gen)
     rewards = task.reward(responses, digits)
     tokens = torch.cat([prompts, responses], dim=1)
     mask = torch.ones_like(rollout_log_prob)
@@ -212,10 +221,11 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
     n = tokens.shape[0]
     mb = n // cfg.minibatches
     if cfg.minibatches > 1:
-        with torch.no_grad():
+        with torch.no_grad(), routing.trainer(slice(None), measure=True):
             old_all = response_log_probs(model, tokens, task.prompt_len)
     else:  # one update per batch: π_old is π_θ before the step, its detached value
-        log_prob_all = response_log_probs(model, tokens, task.prompt_len)
+        with routing.trainer(slice(None), measure=True):
+            log_prob_all = response_log_probs(model, tokens, task.prompt_len)
         old_all = log_prob_all.detach()
     kept = accepted_mask(rc_cfg, old_all, rollout_log_prob, mask)
     advantages = group_advantages(rewards, cfg.samples, kept).unsqueeze(1).expand_as(rollout_log_prob)
@@ -223,7 +233,11 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
     grad_norms = []
     for i in range(0, n, mb):
         sl = slice(i, i + mb)
-        log_prob = response_log_probs(model, tokens[sl], task.prompt_len) if cfg.minibatches > 1 else log_prob_all
+        if cfg.minibatches > 1:
+            with routing.trainer(sl):
+                log_prob = response_log_probs(model, tokens[sl], task.prompt_len)
+        else:
+            log_prob = log_prob_all
         old_log_prob = old_all[sl]
         loss, m = policy_loss(method, rc_cfg, log_prob, old_log_prob, rollout_log_prob[sl], advantages[sl],
                               mask[sl], cfg.clip_eps)
@@ -239,7 +253,83 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
             if name.startswith(METRIC_PREFIX):
                 metrics.setdefault(name, []).append(value)
     stats = {k: sum(v) / len(v) for k, v in metrics.items()}
+    stats.update(routing.agreement(mask))
+    if routing.moe:
+        stats.update(other_corrections(old_all, rollout_log_prob, mask))
     stats["reward"] = rewards.mean().item()
     stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
     stats["loss"] = float(loss.detach())
     return {k: (v if math.isfinite(v) else float("nan")) for k, v in stats.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts: record the engine's routing, replay it in the trainer (R3), measure agreement.
+
+
+class Routing:
+    """The routing side of one GRPO step. For a dense model every context is a no-op.
+
+    ``engine(engine)`` records the experts of the engine's KV-cache sampling (positions
+    0 … P + T − 2, the tokens it fed); ``trainer(rows, measure)`` wraps a trainer forward over
+    those rows: it replays the engine's record for R3 methods, and with ``measure`` records the
+    trainer routers' own choice (under replay: what they would pick given the replayed layers
+    below). ``agreement(mask)`` gives the step's ``rollout_corr/routing_*`` metrics over the
+    positions that produced response tokens, plus ``routing_match`` / ``routing_token_differs``.
+    """
+
+    def __init__(self, cfg: DemoConfig, method: Method, model, prompt_len: int):
+        self.moe = cfg.model in MOE_SIZES
+        self.replay = method.replay
+        self.model, self.prompt_len = model, prompt_len
+        self.engine_record = self.trainer_record = None
+
+    @contextlib.contextmanager
+    def engine(self, engine: RolloutEngine):
+        if not self.moe:
+            yield
+            return
+        with record_routing(engine.model) as rec:
+            yield
+        self.engine_record = rec.record
+
+    @contextlib.contextmanager
+    def trainer(self, rows: slice, measure: bool = False):
+        with contextlib.ExitStack() as stack:
+            own = stack.enter_context(record_routing(self.model)) if self.moe and measure else None
+            if self.moe and self.replay:
+                stack.enter_context(replay_routing(self.model, self.engine_record[rows]))
+            yield
+        if own is not None:
+            self.trainer_record = own.record
+
+    def agreement(self, response_mask: torch.Tensor) -> dict[str, float]:
+        if self.engine_record is None or self.trainer_record is None:
+            return {}
+        where = routing_mask_from_response(response_mask, self.prompt_len, self.engine_record.positions)
+        m = metrics_to_floats(routing_agreement(self.engine_record, self.trainer_record, where))
+        return {**m, "routing_match": m[METRIC_PREFIX + "routing_match"],
+                "routing_token_differs": m[METRIC_PREFIX + "routing_token_differs"]}
+
+
+# What the other corrections would do with this step's gap (π_old from the trainer's forward —
+# replayed for R3 methods — against π_rollout): their IS-weight spread and rejection rates, so that
+# R3's effect on them is read off the runs with and without replay. Diagnostics only.
+OTHER_CORRECTIONS = {  # history key -> (preset, metric)
+    "other_token_is_clipped": ("decoupled_token_is", "rollout_is_ratio_fraction_high"),
+    "other_token_is_std": ("decoupled_token_is", "rollout_is_std"),
+    "other_token_is_ess": ("decoupled_token_is", "rollout_is_eff_sample_size"),
+    "other_seq_is_rs_rejected": ("decoupled_seq_is_rs", "rollout_rs_seq_masked_fraction"),
+    "other_geo_rs_rejected": ("decoupled_geo_rs", "rollout_rs_seq_masked_fraction"),
+}
+
+
+def other_corrections(old_log_prob, rollout_log_prob, mask) -> dict[str, float]:
+    from rollout_correction import RolloutCorrectionConfig
+
+    out, metrics = {}, {}
+    for key, (preset, name) in OTHER_CORRECTIONS.items():
+        if preset not in metrics:
+            cfg = RolloutCorrectionConfig.from_preset(preset)
+            metrics[preset] = compute_rollout_correction(old_log_prob, rollout_log_prob, mask, config=cfg).metrics
+        out[key] = float(metrics[preset][METRIC_PREFIX + name])
+    return out
