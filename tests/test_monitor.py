@@ -38,6 +38,7 @@ STATIC_CASES = [  # rule, metric, healthy value, alarming value
     ("kl_high", "kl", 0.01, -0.11),      # |kl|
     ("chi2_token_high", "chi2_token", 0.1, 1.01),
     ("rejected_high", "rollout_rs_masked_fraction", 0.1, 0.51),
+    ("routing_match_low", "routing_match", 0.98, 0.89),   # MoE routing agreement
 ]
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from rollout_correction.demo.config import DEFAULT_METHODS, METHODS, QUICK, SCENARIOS, DemoConfig
-from rollout_correction.demo.model import MODEL_SIZES
+from rollout_correction.demo.model import MODEL_SIZES, MOE_SIZES
 from rollout_correction.demo.task import TASKS
 from rollout_correction.demo.engine import PRECISIONS, QUANTS
 
@@ -84,6 +84,9 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
             values[name] = getattr(args, name)
     if args.methods is not None:
         values["methods"] = args.methods
+    # ``--methods all`` with a dense model: the routing-replay methods have no routers to replay.
+    if args.methods == tuple(METHODS) and values.get("model", DemoConfig.model) not in MOE_SIZES:
+        values["methods"] = tuple(m for m in METHODS if not METHODS[m].replay)
     if args.seeds is not None:
         values["seeds"] = args.seeds
     return DemoConfig(scenario=args.scenario, out=args.out, **values)

@@ -32,6 +32,9 @@ PLOTS = {  # file stem -> (history key or eval key, title, y label, log scale)
     "grad_norm": ("grad_norm", "gradient norm (before clipping)", "‖g‖", True),
 }
 OVERVIEW = ("trainer_reward", "engine_reward", "mismatch_kl", "grad_norm")
+# Mixture-of-experts runs (``--model moe``): the engine's and the trainer's routing, per step.
+PLOTS["routing_agreement"] = ("routing_match", "MoE routing agreement, engine vs trainer (response tokens)",
+                              "share of (token, layer) top-k sets that match", False)
 
 
 def _mean(xs):
@@ -387,6 +390,7 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
     lines += ["", "Per seed — trainer final / engine final exact match, final mismatch KL:", ""]
     lines += _per_seed_table(cfg, summary, "seed {}", lambda r: (
         f"{r['final_reward']:.2f} / {r['final_engine_reward']:.2f}, KL {_kl(r['final_mismatch_kl'])}"))
+    lines += routing_lines(summary.get("routing", {}))
     lines += ["", "## Checks", ""] + checks_text(summary["checks"])
     lines += ["", "## Health monitor", ""] + health_lines(cfg, summary)
     if cfg.steps < 300:
@@ -456,9 +460,54 @@ def _finite_or_null(x):
 def write_report(cfg: DemoConfig, raw: dict, out_dir: Path, command: str) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(cfg, raw)
+    summary["routing"] = routing_summary(cfg, raw)
     (out_dir / "summary.json").write_text(json.dumps(_finite_or_null(summary), indent=2, allow_nan=False))
     files = plot_all(cfg, raw, out_dir)
     plot_comparison(cfg, summary, out_dir / "methods.png")
     files.insert(0, "methods.png")
     write_markdown(cfg, summary, files, out_dir, command)
     return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts: routing agreement and what routing replay does to the other corrections.
+
+ROUTING_COLUMNS = {  # history key -> (header, format)
+    "routing_match": ("top-k sets matching", "{:.3f}"),
+    "routing_token_differs": ("tokens routed differently", "{:.3f}"),
+    "kl": ("mismatch KL", "{:.4f}"),
+    "other_token_is_clipped": ("token TIS: ρ > 2", "{:.4f}"),
+    "other_token_is_std": ("token IS weight std", "{:.3f}"),
+    "other_token_is_ess": ("token IS ESS", "{:.3f}"),
+    "other_seq_is_rs_rejected": ("seq IS + RS rejected", "{:.3f}"),
+    "other_geo_rs_rejected": ("geometric RS rejected", "{:.3f}"),
+}
+
+
+def routing_summary(cfg: DemoConfig, raw: dict) -> dict:
+    """Per method, the mean over all GRPO steps and seeds of each routing column (empty for dense
+    models)."""
+    out = {}
+    for m in cfg.methods:
+        rows = [r for r in raw["results"] if r["method"] == m and "routing_match" in r["history"]]
+        if rows:
+            out[m] = {k: _mean([_mean(r["history"][k]) for r in rows if k in r["history"]]) for k in ROUTING_COLUMNS}
+    return out
+
+
+def routing_lines(routing: dict) -> list[str]:
+    if not routing:
+        return []
+    header = ["method"] + [h for h, _ in ROUTING_COLUMNS.values()]
+    lines = ["", "## Routing agreement and the other corrections", "",
+             "Means over every GRPO step and seed. Routing agreement compares the experts the engine routed each "
+             "response token's input to during sampling with the trainer's routers' own choice in its π_old "
+             "forward (for R3 methods: given the replayed routing of the layers below). The last five columns "
+             "are what the other corrections would do with the step's gap π_old vs π_rollout (π_old replayed "
+             "for R3 methods): the share of tokens token TIS truncates, the token IS weights' spread and "
+             "effective sample size, and the share of sequences the seq IS + RS and geometric RS presets reject.",
+             "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for m, values in routing.items():
+        cells = [fmt.format(values[k]) if values[k] == values[k] else "—" for k, (_, fmt) in ROUTING_COLUMNS.items()]
+        lines.append("| " + " | ".join([METHODS[m].label] + cells) + " |")
+    return lines

@@ -70,6 +70,7 @@ STATIC_THRESHOLDS: dict[str, float] = {
     "kl_high": 0.1,            # |kl| > 0.1
     "chi2_token_high": 1.0,    # chi2_token > 1.0
     "rejected_high": 0.5,      # rollout_rs_masked_fraction > 0.5 (ours, not seed 001's)
+    "routing_match_low": 0.9,  # routing_match < 0.9 (MoE: share of (token, layer) top-k sets that agree)
 }
 
 _SPREAD = ("High spread in IS weights: switch from sequence to geometric level, tighten the thresholds "
@@ -82,6 +83,10 @@ _REJECTED = ("Rejection sampling removes most tokens from the loss: widen the RS
              "_lower), use a token- instead of a sequence-level criterion, or reduce the gap itself.")
 _GAP = ("Large training-inference gap: enable a rollout correction (token TIS, geometric RS or a bypass "
         "preset) and check the rollout engine's numerics (precision, quantisation, stale weights).")
+
+_ROUTING = ("The rollout engine and the trainer route many tokens to different experts: replay the engine's "
+            "routing in the trainer (R3, rollout_correction.moe.replay_routing), and check the engine's "
+            "numerics around the routers (precision of the gate, quantised experts).")
 
 
 @dataclass
@@ -140,6 +145,7 @@ def static_rules(thresholds: Optional[dict[str, Optional[float]]] = None, window
         ("kl_high", "kl", True, _GAP, True),
         ("chi2_token_high", "chi2_token", True, "Severe distribution shift (token χ²). " + _GAP, False),
         ("rejected_high", "rollout_rs_masked_fraction", True, _REJECTED, False),
+        ("routing_match_low", "routing_match", False, _ROUTING, False),
     ]
     return [ThresholdRule(name, metric, float(t[name]), above, msg, absolute=ab, window=window)
             for name, metric, above, msg, ab in spec if t[name] is not None]
@@ -240,6 +246,7 @@ TREND_SPEC: tuple[tuple[str, str, str, int, float, str], ...] = (
     ("is_std_rising", "rollout_is_std", "pos", 1, 1e-2, _FALLING),
     ("ess_falling", "rollout_is_eff_sample_size", "deficit", 2, 1e-3, _FALLING),
     ("accepted_falling", "rollout_rs_masked_fraction", "pos", 2, 1e-2, _FALLING),
+    ("routing_differs_rising", "routing_token_differs", "pos", 1, 1e-2, _ROUTING),
 )
 
 
