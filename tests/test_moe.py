@@ -450,3 +450,27 @@ def test_slime_rollout_routed_experts_become_a_record():
     assert torch.equal(record.experts[1, :3], s1.long())
     with pytest.raises(RoutingMismatchError, match="samples \\[1\\]"):
         RoutingRecord.from_slime([s0, torch.zeros(3, LAYERS + 1, TOP_K)])
+
+
+def test_diagnose_and_monitor_know_the_routing_metrics():
+    """The diagnosis adds the agreement and a check that warns below 0.9; the health monitor's
+    routing_match_low rule reads the same metric name."""
+    from rollout_correction.diagnose.diagnosis import diagnose_tensors
+    from rollout_correction.monitor import HealthMonitor
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(8, 5, generator=g)
+    a = random_record(8, 5, seed=1)
+    b = a.clone()
+    b[:4, :, 0] = random_record(4, 5, seed=2)[:, :, 0]  # half the rows re-routed in layer 0
+    diag = diagnose_tensors(old, old - 0.01, torch.ones(8, 5), presets=["decoupled_token_is"],
+                            routing=(RoutingRecord.from_experts(a), RoutingRecord.from_experts(b)))
+    want = routing_agreement(a, b)
+    assert diag.profile.metrics[METRIC_PREFIX + "routing_match"] == pytest.approx(
+        want[METRIC_PREFIX + "routing_match"].item())
+    check = next(c for c in diag.health if c.name.startswith("routing agreement"))
+    expected_verdict = "warn" if want[METRIC_PREFIX + "routing_match"].item() < 0.9 else "ok"
+    assert check.verdict == expected_verdict == "warn"
+    mon = HealthMonitor(log_alerts=False, static_window=1, trends=False)
+    mon.update(0, {METRIC_PREFIX + k.split("/")[-1]: v.item() for k, v in want.items()})
+    assert [al.name for al in mon.alerts] == ["routing_match_low"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .health import Check, health_checks
+from .health import Check, health_checks, routing_checks
 from .profile import MismatchProfile, ProfileResult
 from .readers import Chunk, Columns, detect_format, iter_chunks
 from .recommend import Recommendation, recommend
@@ -63,8 +63,14 @@ def _as_numpy(x, dtype) -> np.ndarray:
 
 
 def diagnose_tensors(old_log_prob, rollout_log_prob, response_mask, presets: list[str] | None = None,
-                     chunk_rows: int = 2048) -> Diagnosis:
-    """Diagnoses in-memory (B, T) tensors or arrays (``response_mask`` 0/1 or bool)."""
+                     chunk_rows: int = 2048, routing: tuple | None = None) -> Diagnosis:
+    """Diagnoses in-memory (B, T) tensors or arrays (``response_mask`` 0/1 or bool).
+
+    ``routing``: for a mixture-of-experts model, ``(engine_record, trainer_record[, mask])`` —
+    :class:`rollout_correction.moe.RoutingRecord` s of the same tokens (and the mask of the recorded
+    positions to compare); their :func:`~rollout_correction.moe.routing_agreement` joins the metrics
+    and its check the health checks.
+    """
     old, roll = _as_numpy(old_log_prob, np.float32), _as_numpy(rollout_log_prob, np.float32)
     mask = _as_numpy(response_mask, np.float32) != 0
     if not (old.shape == roll.shape == mask.shape) or old.ndim != 2:
@@ -75,5 +81,18 @@ def diagnose_tensors(old_log_prob, rollout_log_prob, response_mask, presets: lis
         sl = slice(s, s + chunk_rows)
         profile.update(Chunk(np.where(mask[sl], old[sl], 0), np.where(mask[sl], roll[sl], 0), mask[sl]))
     diag = _finish(profile, {"path": "<tensors>", "format": "tensors"})
+    if routing is not None:
+        add_routing(diag, *routing)
     diag.source["elapsed_seconds"] = time.perf_counter() - t0
+    return diag
+
+
+def add_routing(diag: Diagnosis, engine_record, trainer_record, mask=None) -> Diagnosis:
+    """Add the routing agreement of two records to a diagnosis (metrics and health check)."""
+    from rollout_correction import metrics_to_floats
+    from rollout_correction.moe import routing_agreement
+
+    values = metrics_to_floats(routing_agreement(engine_record, trainer_record, mask))
+    diag.profile.metrics.update(values)
+    diag.health.extend(routing_checks(values))
     return diag

@@ -116,3 +116,21 @@ def health_checks(res: ProfileResult) -> list[Check]:
         "all log-probs finite"))
     return checks
 
+
+
+#: Routing agreement below this share of matching (token, layer) top-k sets is flagged (the
+#: monitor's ``routing_match_low`` line).
+ROUTING_MATCH_LOW = 0.9
+
+
+def routing_checks(metrics: dict[str, float]) -> list[Check]:
+    """Checks of a mixture-of-experts model's routing agreement (``rollout_corr/routing_*``
+    metrics of :func:`rollout_correction.moe.routing_agreement`); none when they are absent."""
+    if f"{P}routing_match" not in metrics:
+        return []
+    match, differs = metrics[f"{P}routing_match"], metrics[f"{P}routing_token_differs"]
+    return [_check(
+        "routing agreement (top-k sets matching)", match, match < ROUTING_MATCH_LOW, f"≥ {ROUTING_MATCH_LOW:g}",
+        f"the engine and the trainer route {differs:.1%} of the tokens to different experts in some layer: "
+        "replay the engine's routing in the trainer (R3) before weighting what is left of the gap",
+        f"{differs:.1%} of the tokens routed differently in some layer")]
