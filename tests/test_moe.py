@@ -439,6 +439,16 @@ def test_verl_routed_experts_become_a_record():
     assert torch.equal(record.experts[0, 1:5], experts[0, 1:5].long())
     packed = record.pack(attention)
     assert packed.experts.shape == (1, 10, LAYERS, TOP_K)
+    # verl's own conversion to its remove-padding layout gives the same packed record
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    td = TensorDict({"input_ids": torch.randint(0, VOCAB, (2, 6)), "attention_mask": attention,
+                     "response_mask": attention[:, 3:], "position_ids": (attention.cumsum(-1) - 1).clamp_min(0),
+                     "routed_experts": experts}, batch_size=[2])
+    no_padding = RoutingRecord.from_verl(left_right_2_no_padding(td))
+    assert torch.equal(no_padding.experts, packed.experts)
+    assert torch.equal(no_padding.valid, packed.valid)
 
 
 def test_slime_rollout_routed_experts_become_a_record():

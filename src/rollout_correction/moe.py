@@ -168,7 +168,9 @@ class RoutingRecord:
         """verl's ``routed_experts``: a (B, prompt_len + response_len, L, K) integer tensor (int16)
         aligned with ``input_ids`` (left-padded prompt, right-padded response), zero where the
         engine recorded nothing. ``data`` is that tensor, or a ``DataProto`` / ``TensorDict`` /
-        mapping holding ``routed_experts`` (and ``attention_mask``).
+        mapping holding ``routed_experts`` (and ``attention_mask``). After verl's
+        ``left_right_2_no_padding`` the field is a jagged nested tensor: the record is then the
+        packed (1, N, L, K) layout of the trainer's remove-padding forward.
 
         Valid positions: ``attention_mask`` non-zero and, for K > 1, a top-k set of K distinct
         experts (verl's zero fill repeats expert 0, which no router selects, so unrecorded rows —
@@ -181,6 +183,11 @@ class RoutingRecord:
             experts = batch["routed_experts"]
             if attention_mask is None and "attention_mask" in batch.keys():
                 attention_mask = batch["attention_mask"]
+        if isinstance(experts, torch.Tensor) and experts.is_nested:
+            # verl's no-padding layout (``left_right_2_no_padding``): a jagged (B, j, L, K) tensor whose
+            # values are the tokens of every row in order, i.e. the packed layout.
+            flat = experts.values()
+            return cls.from_experts(flat.unsqueeze(0), _distinct(flat.unsqueeze(0)))
         experts = torch.as_tensor(experts)
         if experts.dim() != 4:
             raise RoutingMismatchError(f"verl's routed_experts is (batch, seq_len, layers, top_k); got shape "
