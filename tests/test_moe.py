@@ -484,3 +484,29 @@ def test_diagnose_and_monitor_know_the_routing_metrics():
     mon = HealthMonitor(log_alerts=False, static_window=1, trends=False)
     mon.update(0, {METRIC_PREFIX + k.split("/")[-1]: v.item() for k, v in want.items()})
     assert [al.name for al in mon.alerts] == ["routing_match_low"]
+
+
+def test_agreement_and_the_hooks_never_wait_for_the_device():
+    """No host read and no data-dependent shape in routing_agreement (with a mask), and none added
+    by the record / replay hooks to a forward (the test_no_sync watch; the eager experts loop of the
+    model itself reads the device, so a hooked forward is compared with a plain one over the same
+    experts)."""
+    from test_no_sync import watched
+
+    a, b = random_record(4, 9, seed=1), random_record(4, 9, seed=2)
+    mask = torch.rand(4, 9, generator=torch.Generator().manual_seed(0)) > 0.5
+    with watched() as watch:
+        routing_agreement(a, b, mask)
+    assert watch.syncs == [] and watch.dynamic == []
+    model = build("qwen3_moe_norm")
+    x = tokens()
+    with torch.no_grad():
+        with record_routing(model) as first:
+            model(x)
+        with watched() as plain:
+            model(x)
+        with replay_routing(model, first.record), record_routing(model) as own:
+            with watched() as hooked:
+                model(x)
+    assert hooked.syncs == plain.syncs and hooked.dynamic == plain.dynamic
+    assert torch.equal(own.record.experts, first.record.experts)

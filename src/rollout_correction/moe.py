@@ -34,6 +34,7 @@ library's exact, data-parallel reductions.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -294,9 +295,15 @@ def _renormalizes(name: str, module: torch.nn.Module, model: torch.nn.Module) ->
         "routers follow that convention")
 
 
+# Router module -> whether it renormalises: the probe's answer depends on the router's code, not on
+# its weights, so each module is probed once (its first context) and never again.
+_RENORMALIZES: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
 def find_routers(model: torch.nn.Module) -> list[Router]:
     """The model's routers in forward order (their order among the modules), each checked against
-    the top-k router convention; raises :class:`UnsupportedModelError` naming the model otherwise."""
+    the top-k router convention (once per module); raises :class:`UnsupportedModelError` naming the
+    model otherwise."""
     found = [(name, m) for name, m in model.named_modules() if _candidate(m)]
     if not found:
         raise UnsupportedModelError(
@@ -305,7 +312,9 @@ def find_routers(model: torch.nn.Module) -> list[Router]:
     routers = []
     for layer, (name, m) in enumerate(found):
         num_experts = int(m.weight.shape[0])
-        routers.append(Router(layer, name, m, int(m.top_k), num_experts, _renormalizes(name, m, model)))
+        if m not in _RENORMALIZES:
+            _RENORMALIZES[m] = _renormalizes(name, m, model)
+        routers.append(Router(layer, name, m, int(m.top_k), num_experts, _RENORMALIZES[m]))
     return routers
 
 
