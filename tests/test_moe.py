@@ -510,3 +510,21 @@ def test_agreement_and_the_hooks_never_wait_for_the_device():
                 model(x)
     assert hooked.syncs == plain.syncs and hooked.dynamic == plain.dynamic
     assert torch.equal(own.record.experts, first.record.experts)
+
+
+def test_gradient_checkpointing_replays_in_the_recompute():
+    """With (non-reentrant) gradient checkpointing the routers run again during backward; with the
+    backward inside the replay block they replay the same experts, so every gradient equals the
+    one without checkpointing."""
+    x = tokens()
+    record = RoutingRecord.from_experts(random_record(*x.shape, seed=3))
+
+    def grads(checkpointing: bool) -> torch.Tensor:
+        model = build("mixtral").train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with replay_routing(model, record):
+            model(x).logits.logsumexp(-1).sum().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    torch.testing.assert_close(grads(True), grads(False), rtol=1e-5, atol=1e-6)
