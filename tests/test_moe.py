@@ -481,6 +481,13 @@ def test_diagnose_and_monitor_know_the_routing_metrics():
     check = next(c for c in diag.health if c.name.startswith("routing agreement"))
     expected_verdict = "warn" if want[METRIC_PREFIX + "routing_match"].item() < 0.9 else "ok"
     assert check.verdict == expected_verdict == "warn"
+    import io
+
+    from rollout_correction.diagnose.report import print_summary
+
+    text = io.StringIO()
+    print_summary(diag, file=text)
+    assert "routing_match" in text.getvalue() and "routing agreement" in text.getvalue()
     mon = HealthMonitor(log_alerts=False, static_window=1, trends=False)
     mon.update(0, {METRIC_PREFIX + k.split("/")[-1]: v.item() for k, v in want.items()})
     assert [al.name for al in mon.alerts] == ["routing_match_low"]

@@ -40,6 +40,11 @@ METRIC_HELP = {
     "chi2_token": "mean over tokens of ρ² − 1",
     "chi2_seq": "mean over rows of (∏ρ)² − 1",
     "nonfinite_seq_fraction": "rows dropped for a NaN/inf log-prob",
+    # mixture of experts (diagnose_tensors(..., routing=...), rollout_correction.moe.routing_agreement)
+    "routing_match": "share of (token, layer) top-k expert sets the engine and the trainer agree on",
+    "routing_overlap": "mean share of the top-k experts the two routings have in common",
+    "routing_token_differs": "share of tokens routed to a different expert set in at least one layer",
+    "routing_tokens": "tokens compared for the routing agreement",
 }
 
 
@@ -338,7 +343,7 @@ def write_report(diag: Diagnosis, out_dir: str) -> dict[str, str]:
 # ------------------------------------------------------------------------------------ terminal
 
 _KEY_METRICS = ("kl", "k3_kl", "chi2_token", "chi2_seq", "ppl_ratio", "log_ppl_abs_diff", "training_ppl",
-                "rollout_ppl")
+                "rollout_ppl", "routing_match", "routing_token_differs")
 
 
 def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> None:
