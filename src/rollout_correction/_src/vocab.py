@@ -85,7 +85,7 @@ FIRST_GENERATION_KEYS = {
 #: First-generation ratio-band rejection modes and the k1 option each one is equivalent to.
 LEGACY_RS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 _NUMBERS = ("rollout_is_threshold_lower", "rollout_rs_threshold_lower", "rollout_token_veto_threshold",
-            "rollout_opsm_delta", "rollout_m2po_threshold")
+            "rollout_opsm_delta", "rollout_m2po_threshold", "rollout_token_veto_threshold_high")
 
 
 def canonical(data: dict[str, Any]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from .._src.constants import SAFETY_BOUND
 from .._src.correction import compute_rollout_correction
 from .._src.logratio import LogRatioBatch
 from .._src.metrics import compute_offpolicy_metrics as _offpolicy_metrics
+from .._src.metrics import engine_metrics
 from .._src.metrics import metrics_to_floats
 from .._src.config import RS_OPTIONS, RSOption
 from .._src.rejection import option_keep, rejection_keep, rs_metrics, rs_option_metrics
@@ -410,7 +411,8 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
     tensors["response_mask"] = out.response_mask
     if out.weights is not None:
         tensors["rollout_is_weights"] = out.weights
-    return batch, out.metrics_as_floats()
+    metrics = out.metrics_as_floats()
+    return batch, {**metrics, **engine_metrics(metrics, "verl")}  # also verl's debug-metric names
 
 
 def apply_bypass_mode(batch: Any, rollout_corr_config: Any = None, policy_loss_config: Any = None) -> None:
