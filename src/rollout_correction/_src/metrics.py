@@ -18,7 +18,8 @@ q_t = π_train(y_t), p_t = π_rollout(y_t)):
 * ``prob_abs_diff_mean`` / ``_max`` / ``_std`` = mean / max / sample std (n − 1 denominator, as verl's
   ``rollout_probs_diff_std``; 0 below two tokens) over tokens of |q_t − p_t|
 * ``prob_pearson``     = Pearson correlation of (q_t, p_t) over the valid tokens,
-  cov / √(var_q · var_p) from global sums of q, p, q², p², qp (0 when a variance is 0)
+  cov / √(var_q · var_p) from global float64 sums of q, p, q², p², qp (0 when a variance is at
+  rounding level, ≤ 1e-10·E[x²])
 * ``log_prob_pearson`` = the same for (log q_t, log p_t)
 * ``js_divergence``    = mean_tok ½[(q/m − 1 − log(q/m)) + (p/m − 1 − log(p/m))], m = (q + p)/2: NeMo-RL's
   ``js_divergence_error`` (the k3 estimates of KL(π_train ‖ M) and KL(π_rollout ‖ M) at the sampled
@@ -85,8 +86,8 @@ _MOMENTS = ("q", "p", "qq", "pp", "qp", "lq", "lp", "lqlq", "lplp", "lqlp", "d",
 
 
 def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
-    """Per-row sums of the moments behind the mismatch metrics (products in float32, sums in
-    float64), and the per-row maxima of |q − p| and |Δ|."""
+    """Per-row sums of the moments behind the mismatch metrics (in float64: a variance from float32
+    squares would not vanish for equal values), and the per-row maxima of |q − p| and |Δ|."""
     lq, lp = batch.log_probs()
     mask = batch.mask
     q, p = lq.exp().mul_(mask), lp.exp().mul_(mask)
@@ -94,8 +95,9 @@ def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     a = batch.log_ratio.abs()  # |Δ|, 0 where unused
     # log cosh(Δ/2) = |Δ|/2 + log1p(exp(−|Δ|)) − log 2: finite for every finite Δ, 0 at Δ = 0
     js = torch.exp(-a).log1p_().add_(a, alpha=0.5).sub_(math.log(2.0)).clamp_min_(0.0)
-    per_token = (q, p, q * q, p * p, q * p, lq, lp, lq * lq, lp * lp, lq * lp, d, d * d, js,
-                 batch.above(a, 1.0), batch.above(a, 2.0))
+    q64, p64, lq64, lp64 = q.double(), p.double(), lq.double(), lp.double()
+    per_token = (q64, p64, q64 * q64, p64 * p64, q64 * p64, lq64, lp64, lq64 * lq64, lp64 * lp64, lq64 * lp64,
+                 d, d.double().square(), js, batch.above(a, 1.0), batch.above(a, 2.0))
     for name, x in zip(_MOMENTS, per_token):
         stats.add_sum("mm." + name, batch.reduce_sum(x.sum(-1, dtype=torch.float64)))
     d_max, _ = batch.token_extremes(d)
@@ -129,13 +131,15 @@ def engine_metrics(metrics: Mapping[str, Value], engine: str) -> dict[str, Value
 
 
 def _pearson(stats, x: str, y: str, n: Value) -> Value:
-    """Pearson correlation from global sums Σx, Σy, Σx², Σy², Σxy over n tokens (0 if a variance is 0)."""
+    """Pearson correlation from global sums Σx, Σy, Σx², Σy², Σxy over n tokens; 0 when a variance
+    is at rounding level (≤ 1e-10·E[x²]: no spread to correlate)."""
     mx, my = safe_div(stats.sum("mm." + x), n), safe_div(stats.sum("mm." + y), n)
-    vx = safe_div(stats.sum(f"mm.{x}{x}"), n) - mx * mx
-    vy = safe_div(stats.sum(f"mm.{y}{y}"), n) - my * my
+    ex2, ey2 = safe_div(stats.sum(f"mm.{x}{x}"), n), safe_div(stats.sum(f"mm.{y}{y}"), n)
+    vx, vy = ex2 - mx * mx, ey2 - my * my
     cov = safe_div(stats.sum(f"mm.{x}{y}"), n) - mx * my
-    den = sqrt0(vx * vy)
-    return where(den > 0, clamp(safe_div(cov, den), -1.0, 1.0), 0.0)
+    spread = (vx > 1e-10 * ex2) & (vy > 1e-10 * ey2) if isinstance(vx, torch.Tensor) else \
+        vx > 1e-10 * ex2 and vy > 1e-10 * ey2
+    return where(spread, clamp(safe_div(cov, sqrt0(vx * vy)), -1.0, 1.0), 0.0)
 
 
 def mismatch_metrics(stats) -> dict[str, Value]:
