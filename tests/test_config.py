@@ -87,6 +87,12 @@ PRESETS = {
     "decoupled_cispo_token_is": ({**TOK, "loss_type": "cispo"}, TOK_TIS, []),
     "decoupled_dppo_tv_token_is": ({**TOK, "loss_type": "dppo_tv"}, TOK_TIS, []),
     "decoupled_dppo_kl_token_is": ({**TOK, "loss_type": "dppo_kl"}, TOK_TIS, []),
+    # Probability-space gates and the two-sided veto.
+    "decoupled_tv_rs_token_tis": ({**TOK, "rollout_rs": "token_tv", "rollout_rs_threshold": 0.1}, TOK_TIS,
+                                  [("token_tv", None, 0.1)]),
+    "decoupled_binary_kl_rs_token_tis": ({**TOK, "rollout_rs": "seq_mean_binary_kl", "rollout_rs_threshold": 0.02},
+                                         TOK_TIS, [("seq_mean_binary_kl", None, 0.02)]),
+    "decoupled_token_is_veto": ({**TOK, **VETO, "rollout_token_veto_threshold_high": 10.0}, TOK_TIS, []),
 }
 
 
@@ -102,7 +108,7 @@ def _resolved_rs(cfg):
 
 def test_preset_table_covers_every_preset():
     assert sorted(C.preset_names()) == sorted(PRESETS)
-    assert len(C.preset_names()) == 37
+    assert len(C.preset_names()) == 40
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
