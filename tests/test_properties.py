@@ -333,7 +333,7 @@ def _direct_mismatch(rows):
         mx, my = sum(x) / n, sum(y) / n
         ex2, ey2 = sum(v * v for v in x) / n, sum(v * v for v in y) / n
         vx, vy = ex2 - mx * mx, ey2 - my * my
-        if not (vx > 1e-10 * ex2 and vy > 1e-10 * ey2):
+        if not (vx > 1e-6 * ex2 and vy > 1e-6 * ey2):
             return 0.0
         return max(-1.0, min(1.0, (sum(a * b for a, b in zip(x, y)) / n - mx * my) / math.sqrt(vx * vy)))
 

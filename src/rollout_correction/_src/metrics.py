@@ -19,7 +19,7 @@ q_t = π_train(y_t), p_t = π_rollout(y_t)):
   ``rollout_probs_diff_std``; 0 below two tokens) over tokens of |q_t − p_t|
 * ``prob_pearson``     = Pearson correlation of (q_t, p_t) over the valid tokens,
   cov / √(var_q · var_p) from global float64 sums of q, p, q², p², qp (0 when a variance is at
-  rounding level, ≤ 1e-10·E[x²])
+  the rounding level of the float32 squares, ≤ 1e-6·E[x²])
 * ``log_prob_pearson`` = the same for (log q_t, log p_t)
 * ``js_divergence``    = mean_tok ½[(q/m − 1 − log(q/m)) + (p/m − 1 − log(p/m))], m = (q + p)/2: NeMo-RL's
   ``js_divergence_error`` (the k3 estimates of KL(π_train ‖ M) and KL(π_rollout ‖ M) at the sampled
@@ -86,8 +86,8 @@ _MOMENTS = ("q", "p", "qq", "pp", "qp", "lq", "lp", "lqlq", "lplp", "lqlp", "d",
 
 
 def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
-    """Per-row sums of the moments behind the mismatch metrics (in float64: a variance from float32
-    squares would not vanish for equal values), and the per-row maxima of |q − p| and |Δ|."""
+    """Per-row sums of the float32 per-token moments behind the mismatch metrics (added up in
+    float64 across rows), and the per-row maxima of |q − p| and |Δ|."""
     lq, lp = batch.log_probs()
     mask = batch.mask
     q, p = lq.exp().mul_(mask), lp.exp().mul_(mask)
@@ -95,17 +95,19 @@ def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     a = batch.log_ratio.abs()  # |Δ|, 0 where unused
     # log cosh(Δ/2) = |Δ|/2 + log1p(exp(−|Δ|)) − log 2: finite for every finite Δ, 0 at Δ = 0
     js = torch.exp(-a).log1p_().add_(a, alpha=0.5).sub_(math.log(2.0)).clamp_min_(0.0)
-    q64, p64, lq64, lp64 = q.double(), p.double(), lq.double(), lp.double()
-    per_token = (q64, p64, q64 * q64, p64 * p64, q64 * p64, lq64, lp64, lq64 * lq64, lp64 * lp64, lq64 * lp64,
-                 d, d.double().square(), js, batch.above(a, 1.0), batch.above(a, 2.0))
-    for name, x in zip(_MOMENTS, per_token):
-        stats.add_sum("mm." + name, batch.reduce_sum(x.sum(-1, dtype=torch.float64)))
-    d_max, _ = batch.token_extremes(d)
-    a_max, _ = batch.token_extremes(a)
+    per_token = (q, p, q * q, p * p, q * p, lq, lp, lq * lq, lp * lp, lq * lp, d, d * d, js,
+                 batch.above(a, 1.0), batch.above(a, 2.0))
+    for name, x in zip(_MOMENTS, per_token):  # (float32 row sums: pairwise, ~1e-7 relative)
+        stats.add_sum("mm." + name, batch.reduce_sum(x.sum(-1).double()))
     a_row = batch.row_total(a) / batch.n_row.clamp_min(1.0)
     stats.add_sum("mm.a_seq", a_row, rows=batch.row_valid)
-    stats.add_max("mm.d_max", d_max, rows=batch.row_valid)
-    stats.add_max("mm.a_max", a_max, rows=batch.row_valid)
+    if d.shape[-1]:  # both ≥ 0 and 0 where unused: the row maximum over its tokens
+        stats.add_max("mm.d_max", batch.reduce_max(d.amax(-1)), rows=batch.row_valid)
+        stats.add_max("mm.a_max", batch.reduce_max(a.amax(-1)), rows=batch.row_valid)
+    else:
+        zero = batch.n_row * 0.0
+        stats.add_max("mm.d_max", zero, rows=batch.row_valid)
+        stats.add_max("mm.a_max", zero, rows=batch.row_valid)
 
 
 #: Other engines' names for the same quantities: engine -> {their name: our unprefixed name}. verl:
@@ -132,13 +134,13 @@ def engine_metrics(metrics: Mapping[str, Value], engine: str) -> dict[str, Value
 
 def _pearson(stats, x: str, y: str, n: Value) -> Value:
     """Pearson correlation from global sums Σx, Σy, Σx², Σy², Σxy over n tokens; 0 when a variance
-    is at rounding level (≤ 1e-10·E[x²]: no spread to correlate)."""
+    is at the rounding level of float32 squares (≤ 1e-6·E[x²]: no spread to correlate)."""
     mx, my = safe_div(stats.sum("mm." + x), n), safe_div(stats.sum("mm." + y), n)
     ex2, ey2 = safe_div(stats.sum(f"mm.{x}{x}"), n), safe_div(stats.sum(f"mm.{y}{y}"), n)
     vx, vy = ex2 - mx * mx, ey2 - my * my
     cov = safe_div(stats.sum(f"mm.{x}{y}"), n) - mx * my
-    spread = (vx > 1e-10 * ex2) & (vy > 1e-10 * ey2) if isinstance(vx, torch.Tensor) else \
-        vx > 1e-10 * ex2 and vy > 1e-10 * ey2
+    spread = (vx > 1e-6 * ex2) & (vy > 1e-6 * ey2) if isinstance(vx, torch.Tensor) else \
+        vx > 1e-6 * ex2 and vy > 1e-6 * ey2
     return where(spread, clamp(safe_div(cov, sqrt0(vx * vy)), -1.0, 1.0), 0.0)
 
 
