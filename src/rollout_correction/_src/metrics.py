@@ -101,13 +101,8 @@ def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
         stats.add_sum("mm." + name, batch.reduce_sum(x.sum(-1).double()))
     a_row = batch.row_total(a) / batch.n_row.clamp_min(1.0)
     stats.add_sum("mm.a_seq", a_row, rows=batch.row_valid)
-    if d.shape[-1]:  # both ≥ 0 and 0 where unused: the row maximum over its tokens
-        stats.add_max("mm.d_max", batch.reduce_max(d.amax(-1)), rows=batch.row_valid)
-        stats.add_max("mm.a_max", batch.reduce_max(a.amax(-1)), rows=batch.row_valid)
-    else:
-        zero = batch.n_row * 0.0
-        stats.add_max("mm.d_max", zero, rows=batch.row_valid)
-        stats.add_max("mm.a_max", zero, rows=batch.row_valid)
+    for name, x in (("mm.d_max", d), ("mm.a_max", a)):  # ≥ 0 and 0 where unused (no column: 0)
+        stats.add_max(name, batch.reduce_max(x.amax(-1) if x.shape[-1] else x.sum(-1)), rows=batch.row_valid)
 
 
 #: Other engines' names for the same quantities: engine -> {their name: our unprefixed name}. verl:
