@@ -18,8 +18,8 @@ q_t = π_train(y_t), p_t = π_rollout(y_t)):
 * ``prob_abs_diff_mean`` / ``_max`` / ``_std`` = mean / max / sample std (n − 1 denominator, as verl's
   ``rollout_probs_diff_std``; 0 below two tokens) over tokens of |q_t − p_t|
 * ``prob_pearson``     = Pearson correlation of (q_t, p_t) over the valid tokens,
-  cov / √(var_q · var_p) from global float64 sums of q, p, q², p², qp (0 when a variance is at
-  the rounding level of the float32 squares, ≤ 1e-6·E[x²])
+  cov / √(var_q · var_p) from global sums of q, p, q², p², qp (float32 per row, float64 across
+  rows; 0 when a variance is at the rounding level of the float32 squares, ≤ 1e-6·E[x²])
 * ``log_prob_pearson`` = the same for (log q_t, log p_t)
 * ``js_divergence``    = mean_tok ½[(q/m − 1 − log(q/m)) + (p/m − 1 − log(p/m))], m = (q + p)/2: NeMo-RL's
   ``js_divergence_error`` (the k3 estimates of KL(π_train ‖ M) and KL(π_rollout ‖ M) at the sampled
@@ -42,7 +42,7 @@ from .logratio import LogRatioBatch, log_ratio_batch
 from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, reduce_owned, stats_owner
 from .stats import HostStats, SufficientStats, Value, clamp, safe_div, sqrt0, where
 
-__all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics", "MISMATCH_METRICS",
+__all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics", "mismatch_metrics",
            "ENGINE_METRIC_NAMES", "engine_metrics",
            "nonfinite_metrics", "Metrics", "metrics_to_floats", "prefixed", "Accumulator", "OffPolicyAccumulator"]
 
@@ -78,10 +78,6 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     _add_mismatch_statistics(stats, batch)
 
 
-#: Names of the mismatch metrics (module docstring), a part of :func:`offpolicy_metrics`.
-MISMATCH_METRICS = ("prob_abs_diff_mean", "prob_abs_diff_max", "prob_abs_diff_std", "prob_pearson",
-                    "log_prob_pearson", "js_divergence", "log_prob_abs_diff_seq_mean", "log_prob_abs_diff_max",
-                    "log_prob_abs_diff_gt1", "log_prob_abs_diff_gt2")
 _MOMENTS = ("q", "p", "qq", "pp", "qp", "lq", "lp", "lqlq", "lplp", "lqlp", "d", "dd", "js", "gt1", "gt2")
 
 
@@ -159,7 +155,8 @@ def mismatch_metrics(stats) -> dict[str, Value]:
 
 
 def offpolicy_metrics(stats) -> dict[str, Value]:
-    """The 13 off-policy metrics and the 9 mismatch metrics (module docstring) from reduced statistics of either kind; 0 when empty."""
+    """The 13 off-policy metrics and the 10 mismatch metrics (module docstring) from reduced
+    statistics of either kind; 0 when empty."""
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
 
     def seq_mean(k: str) -> Value:
