@@ -97,8 +97,8 @@ class RolloutCorrectionConfig(Presets, Loading):
         "modes token, sequence, geometric.")
     rollout_rs_threshold: Optional[Union[float, str, Band, tuple[Union[float, Band], ...]]] = _key(
         None, "number or string, one per option or shared", "k1: ratio bounds \"lo_hi\" (a single x means "
-        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3, tv, binary_kl: one upper bound. First-generation modes: the upper ratio "
-        "bound (defaults to rollout_is_threshold).")
+        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3, tv, binary_kl: one upper bound. First-generation modes: "
+        "the upper ratio bound (defaults to rollout_is_threshold).")
     rollout_rs_threshold_lower: Optional[float] = _key(
         None, "number ≥ 0 or null", "first-generation modes: lower ratio bound.", "1/upper")
     rollout_token_veto_threshold: Optional[float] = _key(

@@ -30,8 +30,8 @@ from .config import RSOption
 from .logratio import LogRatioBatch
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
-__all__ = ["token_divergence", "PROB_CLAMP", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics", "rs_metrics",
-           "veto_metrics"]
+__all__ = ["token_divergence", "PROB_CLAMP", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics",
+           "rs_metrics", "veto_metrics"]
 
 
 #: Probabilities enter the probability-space divergences clamped to [PROB_CLAMP, 1 − PROB_CLAMP].
@@ -138,20 +138,15 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         rejected = batch.n_row - RejectionResult(token_keep, row_keep).kept_per_row(batch)
         stats.add_sum("rs.masked", rejected)
         stats.add_sum("rs.seq_masked", rejected > 0, rows=batch.row_valid)
-    if veto_threshold is not None:
-        catastrophic = batch.row_total(batch.below(batch.log_ratio, math.log(veto_threshold)))
+    for key, bound, side in (("veto", veto_threshold, batch.below), ("veto_high", veto_high, batch.above)):
+        if bound is None:
+            continue
+        catastrophic = batch.row_total(side(batch.log_ratio, math.log(bound)))
         vetoed = catastrophic > 0
         row_keep = ~vetoed if row_keep is None else row_keep & ~vetoed
         if stats is not None:
-            stats.add_sum("veto.tok", catastrophic)
-            stats.add_sum("veto.rows", vetoed, rows=batch.row_valid)
-    if veto_high is not None:
-        catastrophic = batch.row_total(batch.above(batch.log_ratio, math.log(veto_high)))
-        vetoed = catastrophic > 0
-        row_keep = ~vetoed if row_keep is None else row_keep & ~vetoed
-        if stats is not None:
-            stats.add_sum("veto_high.tok", catastrophic)
-            stats.add_sum("veto_high.rows", vetoed, rows=batch.row_valid)
+            stats.add_sum(key + ".tok", catastrophic)
+            stats.add_sum(key + ".rows", vetoed, rows=batch.row_valid)
     return RejectionResult(token_keep, row_keep)
 
 
