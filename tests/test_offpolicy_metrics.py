@@ -154,3 +154,14 @@ def test_all_masked_batch_gives_zero_metrics():
     old, roll, _ = _inputs()
     got = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.zeros(3, 3, dtype=torch.bool)))
     assert got == {k: 0.0 for k in got}
+
+
+def test_mismatch_metrics_stay_finite_on_log_probs_that_are_no_probabilities():
+    """Positive log-probs beyond float32's exp range and huge negative ones: every metric finite, the
+    log-probs bounded to [−1e4, 20] (0 and e^20 as probabilities)."""
+    old = torch.tensor([[100.0, -1.0, -1e20], [50.0, -2.0, -3.0]])
+    roll = torch.tensor([[100.0, -1.5, -1e20], [49.0, -2.0, -3.0]])
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.ones(2, 3)))
+    assert all(math.isfinite(v) for v in got.values()), got
+    assert got[P + "prob_abs_diff_max"] == pytest.approx(math.exp(-1.0) - math.exp(-1.5), rel=1e-6)
+    assert got[P + "log_prob_abs_diff_max"] == pytest.approx(1.0)

@@ -324,7 +324,8 @@ def _direct_mismatch(rows):
     """The mismatch metrics from their definitions (module docstring of _src/metrics.py), in float64."""
     toks = [(o, r) for row in rows for o, r in row]
     n = len(toks)
-    q, p = [math.exp(o) for o, _ in toks], [math.exp(r) for _, r in toks]
+    bounded = [(max(-1e4, min(20.0, o)), max(-1e4, min(20.0, r))) for o, r in toks]  # log-probs in [−1e4, 20]
+    q, p = [math.exp(o) for o, _ in bounded], [math.exp(r) for _, r in bounded]
     lr32 = [[float(np.float32(o) - np.float32(r)) for o, r in row] for row in rows]  # the library's fp32 Δ
     flat32 = [x for row in lr32 for x in row]
     d = [abs(a - b) for a, b in zip(q, p)]
@@ -340,7 +341,7 @@ def _direct_mismatch(rows):
     return {
         "prob_abs_diff_mean": sum(d) / n, "prob_abs_diff_max": max(d),
         "prob_abs_diff_std": statistics.stdev(d) if n > 1 else 0.0,
-        "prob_pearson": corr(q, p), "log_prob_pearson": corr([o for o, _ in toks], [r for _, r in toks]),
+        "prob_pearson": corr(q, p), "log_prob_pearson": corr([o for o, _ in bounded], [r for _, r in bounded]),
         "js_divergence": sum(math.log(math.cosh(x / 2)) for x in flat32) / n,
         "log_prob_abs_diff_seq_mean": sum(sum(map(abs, row)) / len(row) for row in lr32) / len(rows),
         "log_prob_abs_diff_max": max(map(abs, flat32)),

@@ -12,8 +12,9 @@ sequence statistics over sequences with ≥ 1 valid token; exponents clamped to 
 * ``ppl_ratio`` = mean_seq exp(d)                               — training PPL / rollout PPL per sequence
 * ``chi2_token`` = mean_tok(ρ_t²) − 1,  ``chi2_seq`` = mean_seq((∏_t ρ_t)²) − 1
 
-Mismatch metrics (the numbers other engines log; no clamp, Δ_t = log ρ_t unclamped,
-q_t = π_train(y_t), p_t = π_rollout(y_t)):
+Mismatch metrics (the numbers other engines log; Δ_t = log ρ_t unclamped, q_t = π_train(y_t),
+p_t = π_rollout(y_t), the log-probs bounded to [−1e4, 20] first: a value above 20 is no probability,
+one below −1e4 a probability of 0):
 
 * ``prob_abs_diff_mean`` / ``_max`` / ``_std`` = mean / max / sample std (n − 1 denominator, as verl's
   ``rollout_probs_diff_std``; 0 below two tokens) over tokens of |q_t − p_t|
@@ -78,13 +79,16 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     _add_mismatch_statistics(stats, batch)
 
 
+_LOGP_FLOOR = 1e4
 _MOMENTS = ("q", "p", "qq", "pp", "qp", "lq", "lp", "lqlq", "lplp", "lqlp", "d", "dd", "js", "gt1", "gt2")
 
 
 def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
     """Per-row sums of the float32 per-token moments behind the mismatch metrics (added up in
     float64 across rows), and the per-row maxima of |q − p| and |Δ|."""
-    lq, lp = batch.log_probs()
+    # a log-prob above 20 is no probability (it is bounded like every exponent); below −1e4 its
+    # probability is 0 anyway: the bounds keep the float32 squares finite
+    lq, lp = (x.clamp_(-_LOGP_FLOOR, SAFETY_BOUND) for x in batch.log_probs())
     mask = batch.mask
     q, p = lq.exp().mul_(mask), lp.exp().mul_(mask)
     d = (q - p).abs_()
