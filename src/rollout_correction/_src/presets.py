@@ -189,7 +189,8 @@ class Presets:
     @preset
     def decoupled_tv_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.1
                                   ) -> RolloutCorrectionConfig:
-        """Token TIS + rejection of tokens with |π_train − π_rollout| > δ (prime-rl's probability mask)."""
+        """Token TIS + rejection of tokens whose probability difference TV = abs(π_train − π_rollout)
+        exceeds δ (prime-rl's probability mask)."""
         return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="token_tv",
                    rollout_rs_threshold=rs_threshold)
 
