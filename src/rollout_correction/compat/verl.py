@@ -67,10 +67,13 @@ __all__ = [
     "apply_bypass_mode",
 ]
 
-#: Every divergence-based rejection option (comma-chain them in ``rollout_rs``).
-SUPPORTED_ROLLOUT_RS_OPTIONS: set[str] = set(RS_OPTIONS)
+#: verl's divergence-based rejection options, k1/k2/k3 (comma-chain them in ``rollout_rs``; the
+#: probability-space options of this library are accepted too).
+SUPPORTED_ROLLOUT_RS_OPTIONS: set[str] = {name for name, (_, est) in RS_OPTIONS.items()
+                                          if est in ("k1", "k2", "k3")}
 #: The options judged token by token (the others judge whole sequences).
-TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {name for name, (agg, _) in RS_OPTIONS.items() if agg == "token"}
+TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {name for name in SUPPORTED_ROLLOUT_RS_OPTIONS
+                                            if RS_OPTIONS[name][0] == "token"}
 
 _AUTO = object()  # process_group default: WORLD when verl would all-reduce, else local
 
