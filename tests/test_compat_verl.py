@@ -327,3 +327,19 @@ def test_a_missing_tensor_raises_keyerror_like_verls_function():
     for step in _surfaces():
         with pytest.raises(KeyError, match="rollout_log_probs"):
             step(data(), VerlConfig.decoupled_token_is())
+
+
+def test_add_to_batch_emits_verls_debug_metrics_under_verls_names():
+    """verl's own ``calculate_debug_metrics`` (``training/rollout_probs_diff_*`` and the Pearson
+    correlation of the probabilities) on the same batch: the adapter reports the same numbers."""
+    from verl.protocol import DataProto
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    old, rollout, mask = make_batch(7, 12, 0.3, 11)
+    _, metrics = compat.compute_rollout_correction_and_add_to_batch(_data_proto(old, rollout, mask),
+                                                                     "decoupled_token_is")
+    data = DataProto.from_dict(tensors={"old_log_probs": old.double(), "rollout_log_probs": rollout.double(),
+                                        "response_mask": mask, "responses": torch.zeros_like(mask, dtype=torch.long)})
+    theirs = calculate_debug_metrics(data)
+    theirs.pop("training/rollout_probs_diff_valid")
+    assert_metrics_match(theirs, metrics, rtol=1e-5, atol=1e-7)

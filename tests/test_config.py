@@ -5,8 +5,10 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
-from rollout_correction import ConfigError, RolloutCorrectionConfig
+from rollout_correction import ConfigError, RolloutCorrectionConfig, as_config, compute_rollout_correction
+from rollout_correction._src.vocab import Band
 
 C = RolloutCorrectionConfig
 
@@ -16,7 +18,7 @@ DEFAULTS = {
     "rollout_is_batch_normalize": False, "rollout_rs": None, "rollout_rs_threshold": None,
     "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None, "bypass_mode": False,
     "loss_type": "ppo_clip", "on_nonfinite": "reject", "check_alignment": False,
-    "rollout_opsm_delta": None, "rollout_m2po_threshold": None,
+    "rollout_opsm_delta": None, "rollout_m2po_threshold": None, "rollout_token_veto_threshold_high": None,
 }
 
 GEO = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}
@@ -85,6 +87,12 @@ PRESETS = {
     "decoupled_cispo_token_is": ({**TOK, "loss_type": "cispo"}, TOK_TIS, []),
     "decoupled_dppo_tv_token_is": ({**TOK, "loss_type": "dppo_tv"}, TOK_TIS, []),
     "decoupled_dppo_kl_token_is": ({**TOK, "loss_type": "dppo_kl"}, TOK_TIS, []),
+    # Probability-space gates and the two-sided veto.
+    "decoupled_tv_rs_token_tis": ({**TOK, "rollout_rs": "token_tv", "rollout_rs_threshold": 0.1}, TOK_TIS,
+                                  [("token_tv", None, 0.1)]),
+    "decoupled_binary_kl_rs_token_tis": ({**TOK, "rollout_rs": "seq_mean_binary_kl", "rollout_rs_threshold": 0.02},
+                                         TOK_TIS, [("seq_mean_binary_kl", None, 0.02)]),
+    "decoupled_token_is_veto": ({**TOK, **VETO, "rollout_token_veto_threshold_high": 10.0}, TOK_TIS, []),
 }
 
 
@@ -100,7 +108,7 @@ def _resolved_rs(cfg):
 
 def test_preset_table_covers_every_preset():
     assert sorted(C.preset_names()) == sorted(PRESETS)
-    assert len(C.preset_names()) == 37
+    assert len(C.preset_names()) == 40
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -303,3 +311,29 @@ def test_mapping_style_access():
         cfg["nope"]
     assert cfg.rs_enabled and not C.disabled().rs_enabled
     assert C(rollout_token_veto_threshold=1e-4).rs_enabled  # the veto alone counts as rejection
+
+
+def test_skyrl_off_policy_correction_block_is_read_with_its_defaults():
+    """SkyRL's trainer.algorithm.off_policy_correction block (OffPolicyCorrectionConfig's keys and
+    defaults) read by from_dict / as_config, and the masks it gives on a hand-made batch."""
+    skyrl = {"tis_ratio_type": "token", "token_tis_ratio_clip_high": 2.0, "sequence_tis_ratio_clip_high": 5.0,
+             "sequence_mask_metric": "geometric", "geo_mask_high": 1.01, "geo_mask_low": 0.99,
+             "product_mask_high": 2.0, "product_mask_low": 0.5, "outlier_token_is_threshold_low": 1e-4,
+             "outlier_token_is_threshold_high": 100.0, "token_mask_is_threshold_low": None,
+             "token_mask_is_threshold_high": None}
+    cfg = as_config(skyrl)
+    assert (cfg.rollout_is, cfg.rollout_is_threshold, cfg.is_spec.mode) == ("token", 2.0, "truncate")
+    assert cfg.rollout_rs == "seq_mean_k1" and cfg.rollout_rs_threshold == Band(0.99, 1.01)
+    assert (cfg.rollout_token_veto_threshold, cfg.rollout_token_veto_threshold_high) == (1e-4, 100.0)
+    # Only the keys that differ from SkyRL's defaults: product mask, per-token mask, the high veto.
+    cfg = C.from_dict({"sequence_mask_metric": "product", "token_mask_is_threshold_low": 0.5,
+                       "token_mask_is_threshold_high": 2, "outlier_token_is_threshold_high": 4.0})
+    assert cfg.rollout_is is None and cfg.rollout_rs == "token_k1,seq_sum_k1"
+    assert cfg.rollout_rs_threshold == (Band(0.5, 2.0), Band(0.5, 2.0))
+    # Row 0: one token at ρ = 5 > 4 (vetoed); row 1: ρ = 3 > 2 masks that token, and ∏ρ = 3·0.8 > 2
+    # drops the row; row 2: ρ = 1.5 and 1 kept (∏ρ = 1.5).
+    lr = torch.log(torch.tensor([[5.0, 1.0], [3.0, 0.8], [1.5, 1.0]]))
+    out = compute_rollout_correction(lr, torch.zeros(3, 2), torch.ones(3, 2), config=cfg)
+    assert out.response_mask.tolist() == [[0, 0], [0, 0], [1, 1]]
+    with pytest.raises(ConfigError, match="sequence_mask_metric='harmonic'"):
+        C.from_dict({"sequence_mask_metric": "harmonic"})

@@ -372,7 +372,8 @@ def run_grid(cp: int, dp: int, names: list[str], losses: list[str], tmp_path, th
             assert sum(v for (name, group), v in counts.items() if group == "sequence_group") == 1, (key, calls)
             for name, group, numel in calls:
                 if group == "sequence_group":
-                    assert numel % ROWS == 0 and numel // ROWS <= 64, (key, numel)  # (B, k), k per-row scalars
+                    # (cp·B, k) gathered, k per-row scalars (33 with the mismatch metrics' moments)
+                    assert numel % ROWS == 0 and numel // ROWS <= 128, (key, numel)
                 else:
                     assert (name, group) == ("all_reduce", "process_group"), (key, calls)
             n_reduce = counts[("all_reduce", "process_group")]

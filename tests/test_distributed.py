@@ -46,6 +46,9 @@ CONFIGS = {
                      rollout_rs_threshold="0.3,1.0,0.05,0.3,1.0,0.3"),
     "veto_legacy": dict(rollout_is="sequence", rollout_is_threshold=4.0, rollout_rs="geometric",
                         rollout_rs_threshold=1.3, rollout_token_veto_threshold=0.45),
+    "prob_gates": dict(rollout_is="token", rollout_is_threshold=2.0,
+                       rollout_rs="token_tv,seq_mean_binary_kl,seq_max_tv", rollout_rs_threshold="0.15,0.02,0.3",
+                       rollout_token_veto_threshold_high=2.5),
 }
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

@@ -300,6 +300,31 @@ def _variant(toy: Toy, name: str):
                                       rollout_rs_threshold_lower=lo,
                                       rollout_token_veto_threshold=veto, **base)
         coef = per_row(mu_y * A, toy)
+    elif name.startswith("RS-prob"):  # probability space: q = π_θ(y_t) (bypass: π_train = π_θ), p = μ(y_t)
+        q, p = toy.tok(toy.theta).exp(), toy.tok(toy.mu).exp()
+        tv = torch.where(valid, (p - q).abs(), 0.0)
+        bkl = torch.where(valid, p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log(), 0.0)
+        if name == "RS-prob-token_tv+token-TIS":
+            u, C = between(tv, 0.15, valid), between(rho_t, 0.6, valid)
+            keep_tok = tv <= u
+            cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=C, rollout_rs="token_tv",
+                                          rollout_rs_threshold=u, **base)
+            coef = per_row(mu_y * A, toy) * rho_t.clamp(max=C)
+        elif name == "RS-prob-seq_mean_binary_kl":
+            mean = bkl.sum(-1) / valid.sum(-1)
+            u = between(mean, 0.6)
+            keep_tok = per_row((mean <= u).double(), toy) > 0
+            cfg = RolloutCorrectionConfig(rollout_rs="seq_mean_binary_kl", rollout_rs_threshold=u, **base)
+            coef = per_row(mu_y * A, toy)
+        else:  # "RS-prob-seq_max_tv+veto_high": the largest TV of a row, and the high-side veto
+            top = tv.amax(-1)
+            u, veto = between(top, 0.7), between(rho_t, 0.9, valid)
+            vetoed = (valid & (rho_t > veto)).any(-1)
+            assert vetoed.any() and ((top <= u) & vetoed).any()
+            keep_tok = per_row(((top <= u) & ~vetoed).double(), toy) > 0
+            cfg = RolloutCorrectionConfig(rollout_rs="seq_max_tv", rollout_rs_threshold=u,
+                                          rollout_token_veto_threshold_high=veto, **base)
+            coef = per_row(mu_y * A, toy)
     else:
         raise AssertionError(name)
     keep_tok = keep_tok & valid
@@ -311,7 +336,8 @@ def _variant(toy: Toy, name: str):
 VARIANTS = ["sequence-TIS", "token-TIS", "token-IS-untruncated", "geometric-TIS", "sequence-IcePop",
             "token-IcePop", "sequence-clip", "sequence-TIS-batchnorm", "token-TIS-batchnorm",
             "RS-seq_sum_k1+sequence-IS", "RS-token_k1+token-TIS", "RS-seq_mean_k3",
-            "RS-geometric-legacy+veto"]
+            "RS-geometric-legacy+veto", "RS-prob-token_tv+token-TIS", "RS-prob-seq_mean_binary_kl",
+            "RS-prob-seq_max_tv+veto_high"]
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -130,9 +130,14 @@ def test_option_errors_name_the_problem():
     # OpenRLHF 0.11.2's options: the combinations without an equivalent are refused by name.
     with pytest.raises(ValueError, match="is_correction_level is off"):
         config_from_openrlhf_gate("off")
-    for gating in ("binary_kl", "tv"):
-        with pytest.raises(ValueError, match=f"is_correction_gating {gating} has no equivalent"):
-            config_from_openrlhf_gate("seq", "mask", gating, [0.01])
+    for gating in ("binary_kl", "tv"):  # a divergence gates (mask); it is no weight to clip, nor a band
+        assert config_from_openrlhf_gate("seq", "mask", gating, [0.01]).rollout_rs == f"seq_mean_{gating}"
+        assert config_from_openrlhf_gate("token", "mask", gating, [0.0, 0.01]).rollout_rs == f"token_{gating}"
+        with pytest.raises(ValueError, match=f"is_correction_gating {gating} with --algo.advantage."
+                                             "is_correction_mode clip: a divergence is a rejection filter"):
+            config_from_openrlhf_gate("token", "clip", gating, [0.01])
+        with pytest.raises(ValueError, match="takes an upper bound only"):
+            config_from_openrlhf_gate("seq", "mask", gating, [0.001, 0.01])
     with pytest.raises(ValueError, match="is_correction_mode clip is not a correction"):
         config_from_openrlhf_gate("seq", "clip")
     with pytest.raises(ValueError, match=r"is_correction_mode 'clamp' is not one of \['mask', 'clip'\]"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -33,6 +34,7 @@ import pytest
 import torch
 
 import openrlhf_reference as ref
+from rollout_correction import compute_rollout_correction
 from rollout_correction.integrations.openrlhf import train_ppo_ray as launcher
 from rollout_correction.integrations.openrlhf.actor import RolloutCorrectionActorMixin, policy_model_actor
 from rollout_correction.integrations.openrlhf import (
@@ -581,23 +583,72 @@ def test_every_gate_combination_of_the_cli_is_mapped_or_refused(gate_root, level
         assert ours.config == config_from_openrlhf(kind, band)
         assert ours.filter_level == level
         return
-    # off: no log-probs; binary_kl / tv: no equivalent here; seq + clip: not a correction.
-    name = "is_correction_gating" if level != "off" and gating != "ratio" else "is_correction_level"
+    if level != "off" and mode == "mask" and gating != "ratio" and band[0] == 0.0:
+        ours = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls)
+        option = f"{'token' if level == 'token' else 'seq_mean'}_{gating}"
+        assert ours.config.rollout_rs == option and ours.config.rollout_rs_threshold == band[1]
+        assert ours.config.is_spec.level == "token" and ours.config.is_spec.upper == pytest.approx(math.exp(20))
+        return
+    # off: no log-probs; clip with a divergence, or seq + clip: not a correction; a divergence
+    # with LOW > 0 (OpenRLHF's PolicyLoss refuses it as well).
+    name = ("is_correction_level" if level == "off" or gating == "ratio" else
+            "is_correction_threshold" if mode == "mask" else "is_correction_gating")
     with pytest.raises(ValueError, match=f"--algo.advantage.{name}"):
         RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls)
 
 
-def test_divergence_gates_are_refused_although_openrlhf_runs_them(gate_root):
-    """binary_kl / tv with a single HIGH (FlashREINFORCE's trust region) is a valid OpenRLHF
-    correction; this library has no equivalent criterion, so from_args refuses it by name."""
-    args = ref.parse_cli(_gate_argv("seq", "mask", "binary_kl", ("0.01",)), gate_root)
+def _divergence_batch(seed: int):
+    """Sampled-token probabilities spread over (0, 1), a trainer gap of ~0.6 in log space, rows of
+    1 to 12 valid tokens."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = 24, 12
+    rollout = torch.rand(B, T, generator=g).clamp_min(1e-3).log()
+    old = (rollout + 0.6 * torch.randn(B, T, generator=g)).clamp(max=-1e-4)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T) < lengths[:, None]).float()
+    return old, rollout, mask
+
+
+def _unit_statistic(old, rollout, mask, gating, level):
+    """The gated statistic per unit, computed here in float64: p = π_rollout, q = π_old, clamped."""
+    p = rollout.double().exp().clamp(1e-6, 1 - 1e-6)
+    q = old.double().exp().clamp(1e-6, 1 - 1e-6)
+    d = (p - q).abs() if gating == "tv" else p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
+    if level == "token":
+        return d[mask > 0]
+    return (d * mask).sum(-1) / mask.sum(-1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("gating", ["binary_kl", "tv"])
+@pytest.mark.parametrize("level", ["token", "seq"])
+def test_divergence_gates_drop_the_same_units_as_openrlhf(gate_root, level, gating, seed):
+    """OpenRLHF 0.11.2's own PolicyLoss (mask mode) and the mapped config, on a batch whose units fall
+    on both sides of HIGH: the same tokens / sequences are dropped. OpenRLHF's drops are read off its
+    gradient (a dropped unit's loss coefficient is 0; a kept one's is its ratio ρ_t > 0)."""
+    old, rollout, mask = _divergence_batch(seed)
+    stat = _unit_statistic(old, rollout, mask, gating, level).sort().values
+    k = len(stat) // 2
+    high = float((stat[k - 1] + stat[k]) / 2)  # half the units above, half below, none at the bound
+    args = ref.parse_cli(_gate_argv(level, "mask", gating, (repr(high),)), gate_root)
     policy_loss_cls = ref.policy_loss_class(gate_root)
     adv = args.algo.advantage
-    policy_loss_cls(is_correction_level=adv.is_correction_level, is_correction_mode=adv.is_correction_mode,
-                    is_correction_gating=adv.is_correction_gating,
-                    is_correction_threshold=adv.is_correction_threshold)  # OpenRLHF accepts it
-    with pytest.raises(ValueError, match="is_correction_gating binary_kl has no equivalent"):
-        RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls)
+    theirs = policy_loss_cls(is_correction_level=adv.is_correction_level, is_correction_mode=adv.is_correction_mode,
+                             is_correction_gating=adv.is_correction_gating,
+                             is_correction_threshold=adv.is_correction_threshold)
+    log_probs = old.clone().requires_grad_(True)  # π_θ = π_old: PPO ratio 1, inside the clip range
+    out = theirs(log_probs, old, torch.ones_like(old), action_mask=mask, rollout_log_probs=rollout)
+    out[0].backward()
+    their_keep = (log_probs.grad != 0) & (mask > 0)
+    config = RolloutCorrectionPolicyLoss.from_args(args, policy_loss_cls=policy_loss_cls).config
+    our_keep = compute_rollout_correction(old, rollout, mask, config=config).response_mask > 0
+    assert torch.equal(our_keep, their_keep)
+    assert their_keep.any() and (~their_keep & (mask > 0)).any()  # both sides of the bound
+    if level == "seq":  # whole rows: a sequence is kept or dropped entirely
+        assert torch.equal(our_keep.any(-1), our_keep.sum(-1) == mask.sum(-1))
+        assert float(out[4]) == pytest.approx(float((~our_keep.any(-1)).float().mean()))
+    else:
+        assert float(out[4]) == pytest.approx(float((~our_keep & (mask > 0)).sum() / mask.sum()))
 
 
 def test_upper_bound_only_threshold_trains_as_openrlhf(gate_root, monkeypatch):

@@ -272,6 +272,10 @@ def _check_against_slime(args, pg_loss, train, rollout, masks, out_loss, out_mas
         want = sum_of_sample_mean(torch.cat([v.float() for v in per_sample]), lengths, masks)
         got = sum_of_sample_mean(metrics[name], lengths, masks)
         assert float(got) == pytest.approx(float(want), rel=1e-5, abs=1e-6), name
+    # slime's policy loss logs sum_of_sample_mean(|old − rollout|) under this name; ours is the same.
+    want = sum_of_sample_mean(torch.cat([(t - r).abs() for t, r in zip(train, rollout)]), lengths, masks)
+    got = sum_of_sample_mean(metrics["train_rollout_logprob_abs_diff"], lengths, masks)
+    assert float(got) == pytest.approx(float(want), rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("opts", CASES)

@@ -287,3 +287,23 @@ def test_plot_metrics_png_and_svg(tmp_path):
     # seed 001's dict-of-lists history works too
     plot_metrics({P + "kl": [0.01, 0.02], P + "chi2_token": [0.1, 0.2]}, tmp_path / "d.png")
     assert (tmp_path / "d.png").stat().st_size > 10_000
+
+
+def test_engine_named_mismatch_metrics_are_read_and_rules_watch_them():
+    """A log that holds only an engine's own names (verl's debug metrics, NeMo-RL's, slime's) is read
+    under ours; ours win when both are present; the probability-space trend rules watch them."""
+    from rollout_correction import engine_metrics
+    from rollout_correction.monitor.monitor import canonical_metrics
+
+    logged = {"training/rollout_probs_diff_mean": 0.02, "train/js_divergence_error": 1e-3,
+              "train/train_rollout_logprob_abs_diff": 0.05, "train/gen_kl_error": 2e-3, "step": 3,
+              "train/rollout_corr/k3_kl": 4e-3}
+    got = canonical_metrics(logged)
+    assert got == {"prob_abs_diff_mean": 0.02, "js_divergence": 1e-3, "log_prob_abs_diff_seq_mean": 0.05,
+                   "k3_kl": 4e-3}
+    assert {m for _, m, *_ in TREND_SPEC} >= {"prob_abs_diff_mean", "js_divergence"}
+    ours = {"rollout_corr/js_divergence": 0.5, "rollout_corr/k3_kl": 0.25, "rollout_corr/kl": 0.1}
+    assert engine_metrics(ours, "nemo_rl") == {"gen_kl_error": 0.25, "js_divergence_error": 0.5}
+    assert engine_metrics(ours, "verl") == {}
+    with pytest.raises(ValueError, match="known engines"):
+        engine_metrics(ours, "skyrl")

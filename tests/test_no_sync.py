@@ -79,6 +79,8 @@ CONFIGS = {
     "k3 RS + TIS": {"rollout_is": "token", "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01},
     "3 chained RS": {"rollout_rs": "token_k1,seq_mean_k3,seq_max_k2", "rollout_rs_threshold": "0.5_2.0,0.01,2.0"},
     "veto": {"rollout_is": "token", "rollout_token_veto_threshold": 1e-3},
+    "probability gates": {"rollout_rs": "token_tv,seq_max_binary_kl", "rollout_rs_threshold": "0.1,0.05",
+                          "rollout_token_veto_threshold_high": 10.0},
 }
 
 

@@ -1,6 +1,8 @@
-"""Off-policy diagnostics (the 13 metrics + nonfinite_seq_fraction) against hand-computed values."""
+"""Off-policy diagnostics (the 13 metrics, the 10 mismatch metrics + nonfinite_seq_fraction) against
+hand-computed values."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -11,7 +13,10 @@ from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metri
 
 P = "rollout_corr/"
 NAMES = ["training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
-         "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq"]
+         "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
+         "prob_abs_diff_mean", "prob_abs_diff_max", "prob_abs_diff_std", "prob_pearson", "log_prob_pearson",
+         "js_divergence", "log_prob_abs_diff_seq_mean", "log_prob_abs_diff_max", "log_prob_abs_diff_gt1",
+         "log_prob_abs_diff_gt2"]
 
 # Two real rows and one all-padding row holding values that would wreck every statistic.
 OLD = [[-1.0, -2.0, 7.0], [-0.5, -0.5, -0.5], [5.0, 5.0, 5.0]]
@@ -45,7 +50,42 @@ def _expected():
         "chi2_token": sum(math.exp(2 * x) for x in lr) / 5 - 1,
         "chi2_seq": (math.exp(2 * 0.0) + math.exp(2 * 0.25)) / 2 - 1,  # row sums of log ρ: 0 and 0.25
         "nonfinite_seq_fraction": 0.0,
+        **_expected_mismatch(),
     }
+
+
+def _expected_mismatch():
+    """The mismatch metrics from the valid tokens, with the standard library's statistics."""
+    lq, lp = [-1.0, -2.0, -0.5, -0.5, -0.5], [-1.5, -1.5, -1.0, -0.25, -0.5]
+    q, p = [math.exp(x) for x in lq], [math.exp(x) for x in lp]
+    d = [abs(a - b) for a, b in zip(q, p)]
+
+    def js(a, b):  # NeMo-RL's estimate: ½ k3(π_train ‖ M) + ½ k3(π_rollout ‖ M) at the sampled token
+        m = (a + b) / 2
+        return 0.5 * (a / m - 1 - math.log(a / m)) + 0.5 * (b / m - 1 - math.log(b / m))
+
+    return {
+        "prob_abs_diff_mean": sum(d) / 5, "prob_abs_diff_max": max(d), "prob_abs_diff_std": statistics.stdev(d),
+        "prob_pearson": statistics.correlation(q, p), "log_prob_pearson": statistics.correlation(lq, lp),
+        "js_divergence": sum(js(a, b) for a, b in zip(q, p)) / 5,
+        "log_prob_abs_diff_seq_mean": ((0.5 + 0.5) / 2 + (0.5 + 0.25 + 0.0) / 3) / 2,
+        "log_prob_abs_diff_max": 0.5, "log_prob_abs_diff_gt1": 0.0, "log_prob_abs_diff_gt2": 0.0,
+    }
+
+
+def test_mismatch_metrics_count_large_log_prob_gaps_and_are_exact_without_mismatch():
+    old = torch.tensor([[-0.1, -3.0, -0.2, -1.0], [-0.7, -0.05, -4.0, -2.0]])
+    roll = old - torch.tensor([[1.5, -2.5, 0.0, 0.0], [0.5, 0.0, 3.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask))
+    assert got[P + "log_prob_abs_diff_max"] == pytest.approx(3.0)  # the 9.0 is padding
+    assert got[P + "log_prob_abs_diff_gt1"] == pytest.approx(3 / 6)  # 1.5, −2.5, 3.0
+    assert got[P + "log_prob_abs_diff_gt2"] == pytest.approx(2 / 6)  # −2.5, 3.0
+    same = metrics_to_floats(compute_offpolicy_metrics(old, old, mask))
+    for k in ("prob_abs_diff_mean", "prob_abs_diff_max", "prob_abs_diff_std", "js_divergence",
+              "log_prob_abs_diff_seq_mean", "log_prob_abs_diff_max", "log_prob_abs_diff_gt1"):
+        assert same[P + k] == 0.0, k
+    assert same[P + "prob_pearson"] == same[P + "log_prob_pearson"] == 1.0
 
 
 def _check(got, expected):
@@ -114,3 +154,14 @@ def test_all_masked_batch_gives_zero_metrics():
     old, roll, _ = _inputs()
     got = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.zeros(3, 3, dtype=torch.bool)))
     assert got == {k: 0.0 for k in got}
+
+
+def test_mismatch_metrics_stay_finite_on_log_probs_that_are_no_probabilities():
+    """Positive log-probs beyond float32's exp range and huge negative ones: every metric finite, the
+    log-probs bounded to [−1e4, 20] (0 and e^20 as probabilities)."""
+    old = torch.tensor([[100.0, -1.0, -1e20], [50.0, -2.0, -3.0]])
+    roll = torch.tensor([[100.0, -1.5, -1e20], [49.0, -2.0, -3.0]])
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.ones(2, 3)))
+    assert all(math.isfinite(v) for v in got.values()), got
+    assert got[P + "prob_abs_diff_max"] == pytest.approx(math.exp(-1.0) - math.exp(-1.5), rel=1e-6)
+    assert got[P + "log_prob_abs_diff_max"] == pytest.approx(1.0)

@@ -3,7 +3,9 @@ options, reciprocal-bound symmetry, the REINFORCE gradient, chunk-independence o
 weights / masks / metrics / policy losses against a float-by-float evaluation of their definitions."""
 
 import math
+import statistics
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,8 +19,9 @@ from rollout_correction._src.metrics import OffPolicyAccumulator, compute_offpol
 FAST = settings(max_examples=150, deadline=None)
 LEVELS = ["token", "sequence", "geometric"]
 K1_OPTIONS = ["token_k1", "seq_sum_k1", "seq_mean_k1"]
+PROB_OPTIONS = ["token_tv", "seq_mean_tv", "seq_max_tv", "token_binary_kl", "seq_mean_binary_kl", "seq_max_binary_kl"]
 ALL_OPTIONS = K1_OPTIONS + ["token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3",
-                            "seq_max_k2", "seq_max_k3"]
+                            "seq_max_k2", "seq_max_k3"] + PROB_OPTIONS
 
 log_ratio_values = st.one_of(
     st.floats(-3.0, 3.0, allow_nan=False, width=32),
@@ -170,6 +173,8 @@ def any_config(draw):
         extra["rollout_rs_threshold"] = ",".join(_threshold(draw, o) for o in opts)
     if draw(st.booleans()):
         extra["rollout_token_veto_threshold"] = draw(st.sampled_from([1e-3, 0.1, 0.5]))
+    if draw(st.booleans()):
+        extra["rollout_token_veto_threshold_high"] = draw(st.sampled_from([2.0, 10.0, 1e3]))
     return cfg.replace(**extra)
 
 
@@ -234,8 +239,15 @@ def test_compiled_pass_equals_eager():
         assert fast.metrics_as_floats() == pytest.approx(eager.metrics_as_floats(), rel=1e-5, abs=1e-6)
 
 
-def _direct_weights_and_keep(lr_rows, cfg):
-    """Weights and keep masks from the definitions, one Python float at a time (no tensors)."""
+def _prob(log_p):
+    """π = exp(log π) as the library holds it (float32), clamped to [1e-6, 1 − 1e-6] in float32."""
+    x = torch.tensor(log_p, dtype=torch.float32).exp().clamp(1e-6, 1 - 1e-6)
+    return float(x)
+
+
+def _direct_weights_and_keep(lr_rows, cfg, lp_rows=None):
+    """Weights and keep masks from the definitions, one Python float at a time (no tensors but the
+    float32 exp of :func:`_prob`); ``lp_rows``: (log π_train, log π_rollout) of the valid tokens."""
     spec = cfg.is_spec
 
     def bound(w):
@@ -245,7 +257,10 @@ def _direct_weights_and_keep(lr_rows, cfg):
             return min(max(w, spec.lower), spec.upper)
         return w if spec.lower <= w <= spec.upper else 0.0
 
-    def k(est, x):
+    def k(est, x, lqp):
+        if est in ("tv", "binary_kl"):
+            q, p = _prob(lqp[0]), _prob(lqp[1])
+            return abs(p - q) if est == "tv" else p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
         x = max(-20.0, min(20.0, x))
         return {"k1": -x, "k2": 0.5 * x * x, "k3": math.expm1(x) - x}[est]
 
@@ -253,7 +268,8 @@ def _direct_weights_and_keep(lr_rows, cfg):
         return (opt.stat_lower is None or s >= opt.stat_lower) and s <= opt.stat_upper
 
     weights, keep, near = [], [], []
-    for xs in lr_rows:  # xs: log ρ of the row's valid tokens, in order
+    for i, xs in enumerate(lr_rows):  # xs: log ρ of the row's valid tokens, in order
+        lps = lp_rows[i] if lp_rows is not None else [None] * len(xs)
         n = len(xs)
         if spec is None:
             w = None
@@ -265,7 +281,7 @@ def _direct_weights_and_keep(lr_rows, cfg):
         tok = [True] * n
         row = True
         for opt in cfg.rs_options:
-            ks = [k(opt.estimator, x) for x in xs]
+            ks = [k(opt.estimator, x, lqp) for x, lqp in zip(xs, lps)]
             if opt.agg == "token":
                 tok = [t and accepts(opt, s) for t, s in zip(tok, ks)]
                 stats = ks
@@ -277,6 +293,8 @@ def _direct_weights_and_keep(lr_rows, cfg):
             near += [abs(s - b) < 1e-4 * (1 + abs(b)) for s in stats for b in bounds]
         if cfg.rollout_token_veto_threshold is not None:
             row = row and not any(x < math.log(cfg.rollout_token_veto_threshold) for x in xs)
+        if cfg.rollout_token_veto_threshold_high is not None:
+            row = row and not any(x > math.log(cfg.rollout_token_veto_threshold_high) for x in xs)
         weights.append(w)
         keep.append([t and row for t in tok])
     return weights, keep, any(near)
@@ -290,7 +308,9 @@ def test_weights_and_mask_match_a_direct_evaluation_of_the_definitions(batch, cf
     out = compute_rollout_correction(old, rollout, mask, config=cfg)
     lr = (old - rollout).tolist()  # the fp32 log-ratio the library also starts from
     rows = [[x for x, m in zip(r, mr) if m] for r, mr in zip(lr, mask.tolist())]
-    weights, keep, near_boundary = _direct_weights_and_keep(rows, cfg)
+    lps = [[(a, b) for a, b, m in zip(ro, rr, mr) if m] for ro, rr, mr in zip(old.tolist(), rollout.tolist(),
+                                                                               mask.tolist())]
+    weights, keep, near_boundary = _direct_weights_and_keep(rows, cfg, lps)
     for i, mr in enumerate(mask.tolist()):
         cols = [t for t, m in enumerate(mr) if m]
         if weights[i] is not None:
@@ -298,6 +318,36 @@ def test_weights_and_mask_match_a_direct_evaluation_of_the_definitions(batch, cf
             assert got == pytest.approx(weights[i], rel=5e-5, abs=1e-12), i
         if not near_boundary:  # a float32-vs-float64 tie at a bound may go either way
             assert [bool(out.response_mask[i, t]) for t in cols] == keep[i], i
+
+
+def _direct_mismatch(rows):
+    """The mismatch metrics from their definitions (module docstring of _src/metrics.py), in float64."""
+    toks = [(o, r) for row in rows for o, r in row]
+    n = len(toks)
+    bounded = [(max(-1e4, min(20.0, o)), max(-1e4, min(20.0, r))) for o, r in toks]  # log-probs in [−1e4, 20]
+    q, p = [math.exp(o) for o, _ in bounded], [math.exp(r) for _, r in bounded]
+    lr32 = [[float(np.float32(o) - np.float32(r)) for o, r in row] for row in rows]  # the library's fp32 Δ
+    flat32 = [x for row in lr32 for x in row]
+    d = [abs(a - b) for a, b in zip(q, p)]
+
+    def corr(x, y):
+        mx, my = sum(x) / n, sum(y) / n
+        ex2, ey2 = sum(v * v for v in x) / n, sum(v * v for v in y) / n
+        vx, vy = ex2 - mx * mx, ey2 - my * my
+        if not (vx > 1e-6 * ex2 and vy > 1e-6 * ey2):
+            return 0.0
+        return max(-1.0, min(1.0, (sum(a * b for a, b in zip(x, y)) / n - mx * my) / math.sqrt(vx * vy)))
+
+    return {
+        "prob_abs_diff_mean": sum(d) / n, "prob_abs_diff_max": max(d),
+        "prob_abs_diff_std": statistics.stdev(d) if n > 1 else 0.0,
+        "prob_pearson": corr(q, p), "log_prob_pearson": corr([o for o, _ in bounded], [r for _, r in bounded]),
+        "js_divergence": sum(math.log(math.cosh(x / 2)) for x in flat32) / n,
+        "log_prob_abs_diff_seq_mean": sum(sum(map(abs, row)) / len(row) for row in lr32) / len(rows),
+        "log_prob_abs_diff_max": max(map(abs, flat32)),
+        "log_prob_abs_diff_gt1": sum(abs(x) > 1 for x in flat32) / n,
+        "log_prob_abs_diff_gt2": sum(abs(x) > 2 for x in flat32) / n,
+    }
 
 
 @FAST
@@ -332,6 +382,7 @@ def test_offpolicy_metrics_match_a_direct_evaluation(batch):
         "chi2_token": sum(math.exp(2 * c20(x)) for x in toks) / n - 1,
         "chi2_seq": sum(math.exp(2 * c20(sum(o - r for o, r in row))) for row in rows) / m - 1,
         "nonfinite_seq_fraction": 0.0,
+        **_direct_mismatch(rows),
     }
     assert got.keys() == expected.keys()
     for k, v in expected.items():
@@ -386,8 +437,8 @@ def test_is_metrics_match_their_definitions(batch, cfg_bounds):
             assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
 
 
-@FAST
-@given(moderate_batches, st.sampled_from(ALL_OPTIONS), st.data())
+@FAST  # (the metrics of the probability-space options, computed by the same code: tests/test_rejection.py)
+@given(moderate_batches, st.sampled_from([o for o in ALL_OPTIONS if o not in PROB_OPTIONS]), st.data())
 def test_rs_metrics_match_their_definitions(batch, option, data):
     old, rollout, mask, _ = _moderate(batch)
     thr = _threshold(data.draw, option)

@@ -291,3 +291,91 @@ def test_std_of_identical_token_statistics_is_zero(make_batch):
     out, _ = _run(make_batch, rows=[[math.e], [math.e]], empty_rows=0, rollout_rs="token_k3",
                   rollout_rs_threshold=2.0)
     assert out.metrics_as_floats()[P + "rollout_rs_token_k3_std"] == pytest.approx(0.0, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------- probability space
+# (π_train(y_t), π_rollout(y_t)) per token; TV = |p − q| and the binary KL
+# p log(p/q) + (1 − p) log((1 − p)/(1 − q)) (p = π_rollout, q = π_train) worked out by hand:
+#   row 0: TV 0.1, 0.6, 0.05   binary KL 0.0201, 1.0326, 0.0074   (mean 0.3534)
+#   row 1: TV 0.0, 0.05        binary KL 0.0, 0.0207              (mean 0.0103)
+#   row 2: TV 0.29             binary KL 0.7777
+PROBS = [[(0.5, 0.4), (0.9, 0.3), (0.2, 0.25)], [(0.6, 0.6), (0.05, 0.1)], [(0.99, 0.7)]]
+
+
+def _binary_kl(q, p):
+    return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+def _prob_batch():
+    old, roll, mask = torch.zeros(4, T), torch.zeros(4, T), torch.zeros(4, T, dtype=torch.bool)
+    for i, row in enumerate(PROBS):
+        for t, (q, p) in enumerate(row):
+            old[i, t], roll[i, t], mask[i, t] = math.log(q), math.log(p), True
+    old[3], roll[3] = 5.0, float("nan")  # an all-padding row with values that must never count
+    return old, roll, mask
+
+
+PROB_TOKEN_CASES = [("token_tv", 0.2, [[1, 0, 1], [1, 1], [0]]), ("token_binary_kl", 0.05, [[1, 0, 1], [1, 1], [0]])]
+PROB_ROW_CASES = [("seq_mean_tv", 0.2, [0, 1, 0]), ("seq_max_tv", 0.3, [0, 1, 1]),
+                  ("seq_mean_binary_kl", 0.5, [1, 1, 0]), ("seq_max_binary_kl", 0.5, [0, 1, 0])]
+
+
+def _prob_reference(name, thr):
+    agg, est = {"token_tv": ("token", "tv"), "token_binary_kl": ("token", "binary_kl"),
+                "seq_mean_tv": ("seq_mean", "tv"), "seq_max_tv": ("seq_max", "tv"),
+                "seq_mean_binary_kl": ("seq_mean", "binary_kl"), "seq_max_binary_kl": ("seq_max", "binary_kl")}[name]
+    stat = [[abs(p - q) if est == "tv" else _binary_kl(q, p) for q, p in row] for row in PROBS]
+    if agg == "token":
+        return [[int(s <= thr) for s in row] for row in stat]
+    return [int((sum(row) / len(row) if agg == "seq_mean" else max(row)) <= thr) for row in stat]
+
+
+@pytest.mark.parametrize("name,thr,keep", PROB_TOKEN_CASES + PROB_ROW_CASES)
+def test_probability_space_options(name, thr, keep):
+    assert _prob_reference(name, thr) == keep
+    out = compute_rollout_correction(*_prob_batch(), config=RolloutCorrectionConfig(rollout_rs=name,
+                                                                                    rollout_rs_threshold=thr))
+    rows = PROBS
+    expected = (_mask_from_token_keep(keep) if name.startswith("token")
+                else _mask_from_token_keep([[k] * len(r) for k, r in zip(keep, rows)]))
+    assert torch.equal(out.response_mask, expected)
+    got = out.metrics_as_floats()
+    n_tok = sum(len(r) for r in rows)
+    rejected = sum(len(r) for r in rows) - int(expected.sum())
+    assert got[P + f"rollout_rs_{name}_masked_fraction"] == pytest.approx(rejected / n_tok)
+    tv_or_kl = [[abs(p - q) if name.endswith("tv") else _binary_kl(q, p) for q, p in r] for r in rows]
+    if name.startswith("token"):  # the option's mean is the token mean of the statistic
+        assert got[P + f"rollout_rs_{name}_mean"] == pytest.approx(sum(map(sum, tv_or_kl)) / n_tok, rel=1e-5)
+        assert got[P + f"rollout_rs_{name}_max"] == pytest.approx(max(map(max, tv_or_kl)), rel=1e-5)
+
+
+def test_probability_space_options_need_the_log_probs():
+    from rollout_correction._src.logratio import LogRatioBatch
+    from rollout_correction._src.rejection import token_divergence
+
+    batch = LogRatioBatch.from_log_ratio(torch.zeros(2, 3), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="need the log-probs"):
+        token_divergence(batch, "tv")
+    with pytest.raises(ConfigError, match="takes a single upper bound"):
+        RolloutCorrectionConfig(rollout_rs="token_tv", rollout_rs_threshold="0.1_0.2")
+    with pytest.raises(ConfigError, match="unknown option 'seq_sum_tv'"):
+        RolloutCorrectionConfig(rollout_rs="seq_sum_tv", rollout_rs_threshold=0.1)
+
+
+def test_high_side_veto_rejects_the_sequence_of_a_catastrophic_high_ratio(make_batch):
+    rows = [[1.5, 150.0, 1.0], [1.0, 0.4], [1.2, 1.1, 0.9, 2.5]]
+    out, _ = _run(make_batch, rows=rows, rollout_token_veto_threshold_high=100.0)
+    assert torch.equal(out.response_mask, _mask_from_row_keep([0, 1, 1], rows))
+    got = out.metrics_as_floats()
+    assert got[P + "rollout_is_veto_high_fraction"] == pytest.approx(1 / 3)
+    assert got[P + "rollout_is_catastrophic_high_token_fraction"] == pytest.approx(1 / 9)
+    assert P + "rollout_is_veto_fraction" not in got
+    # Both sides: row 1's 0.4 < 0.5 is vetoed too; the unclamped ratio counts (e^25 > e^22 > e^20).
+    rows = [[1.5, math.exp(25.0), 1.0], [1.0, 0.4], [1.2, 1.1, 0.9, 2.5]]
+    out, _ = _run(make_batch, rows=rows, rollout_token_veto_threshold=0.5,
+                  rollout_token_veto_threshold_high=math.exp(22.0))
+    assert torch.equal(out.response_mask, _mask_from_row_keep([0, 0, 1], rows))
+    with pytest.raises(ConfigError, match="must exceed rollout_token_veto_threshold"):
+        RolloutCorrectionConfig(rollout_token_veto_threshold=2.0, rollout_token_veto_threshold_high=1.5)
+    with pytest.raises(ConfigError, match="rollout_token_veto_threshold_high"):
+        RolloutCorrectionConfig(rollout_token_veto_threshold_high=0.0)

@@ -64,6 +64,9 @@ METRICS: dict[str, str] = {
     "rollout_is_batch_norm_factor": "the batch mean the weights were divided by (1 if ≤ 1e-8)",
     "rollout_is_veto_fraction": "share of sequences rejected by the veto",
     "rollout_is_catastrophic_token_fraction": "share of valid tokens with unclamped ρ_t below the veto threshold",
+    "rollout_is_veto_high_fraction": "share of sequences rejected by the high-side veto",
+    "rollout_is_catastrophic_high_token_fraction": "share of valid tokens with unclamped ρ_t above the high-side "
+                                                   "veto threshold",
     "rollout_is_masked_fraction": "first-generation name of rollout_rs_masked_fraction",
     "rollout_is_seq_masked_fraction": "first-generation name of rollout_rs_seq_masked_fraction",
     "rollout_rs_<option>_mean": "token mean of the option's statistic (sequence statistics broadcast over tokens)",
@@ -91,6 +94,15 @@ METRICS: dict[str, str] = {
     "chi2_token": "E_tok[ρ²] − 1: χ² divergence at token level (IS variance)",
     "chi2_seq": "E_seq[(∏ρ_t)²] − 1: χ² divergence at sequence level",
     "nonfinite_seq_fraction": "share of sequences dropped for a NaN/±inf log-prob at a valid position",
+    "prob_abs_diff_mean / _max / _std": "mean, max and std (n − 1) over tokens of |p_train − p_rollout|, "
+        "p = π(y_t) of the sampled token (verl's training/rollout_probs_diff_*)",
+    "prob_pearson / log_prob_pearson": "Pearson correlation over tokens of p_train and p_rollout, and of their "
+        "logs (0 without spread)",
+    "js_divergence": "mean over tokens of log cosh(Δ_t/2), Δ_t = log π_train − log π_rollout: NeMo-RL's "
+        "js_divergence_error",
+    "log_prob_abs_diff_seq_mean": "mean over sequences of mean |Δ_t| (slime's train_rollout_logprob_abs_diff)",
+    "log_prob_abs_diff_max": "largest |Δ_t| over tokens",
+    "log_prob_abs_diff_gt1 / _gt2": "share of tokens with |Δ_t| > 1 / > 2",
     "alignment_mae / alignment_late_mae / alignment_early_mae": "with check_alignment: mean |old − rollout| "
         "over adjacent valid pairs as given, with rollout read one position later, and one earlier",
     "alignment_pairs": "with check_alignment: number of adjacent valid token pairs compared",

@@ -6,7 +6,8 @@ from ._src.config_io import config_value, settings_dict
 from ._src.constants import METRIC_PREFIX, SAFETY_BOUND
 from ._src.correction import CorrectionAccumulator, CorrectionOutput, compute_rollout_correction
 from ._src.losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
-from ._src.metrics import OffPolicyAccumulator, compute_offpolicy_metrics, metrics_to_floats
+from ._src.metrics import (ENGINE_METRIC_NAMES, OffPolicyAccumulator, compute_offpolicy_metrics, engine_metrics,
+                           metrics_to_floats)
 from ._src.packed import compute_rollout_correction_packed
 from ._src.validation import ShapeMismatchError
 
@@ -30,6 +31,8 @@ __all__ = [
     "agg_loss",
     "ppo_clip_loss",
     "metrics_to_floats",
+    "engine_metrics",
+    "ENGINE_METRIC_NAMES",
     "LOSS_AGG_MODES",
     "SAFETY_BOUND",
     "METRIC_PREFIX",

@@ -23,7 +23,9 @@ def preset_rows() -> list[tuple[str, str, str, str, str]]:
         if c.rollout_rs_threshold_lower is not None:
             rs += f" (lower {c.rollout_rs_threshold_lower})"
         if c.rollout_token_veto_threshold is not None:
-            rs += f" + veto {c.rollout_token_veto_threshold:g}"
+            rs = ("" if rs == "—" else rs + " + ") + f"veto {c.rollout_token_veto_threshold:g}"
+        if c.rollout_token_veto_threshold_high is not None:
+            rs = ("" if rs == "—" else rs + " + ") + f"veto above {c.rollout_token_veto_threshold_high:g}"
         if c.bypass_mode:
             loss = c.loss_type
         else:  # decoupled: the policy loss, multiplied by the IS weights when there are any

@@ -24,17 +24,18 @@ IsMode = Literal["truncate", "clip", "mask"]
 LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr"]
 NonFinitePolicy = Literal["reject", "raise"]
 RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max"]
-DivergenceEstimator = Literal["k1", "k2", "k3"]
+DivergenceEstimator = Literal["k1", "k2", "k3", "tv", "binary_kl"]
 
 _IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
 #: Losses defined on the ratio π_θ/π_rollout only (no π_old): they need ``bypass_mode=True``.
 _BYPASS_ONLY_LOSSES = ("topr",)
 
 #: Divergence-based rejection options: name -> (aggregation, estimator), ``token_k1`` … ``seq_max_k3``
-#: (no ``seq_max_k1``: the largest −log ρ of a sequence is not a ratio band).
+#: (no ``seq_max_k1``: the largest −log ρ of a sequence is not a ratio band), and the
+#: probability-space ``token_tv`` … ``seq_max_binary_kl`` (per token, sequence mean, sequence max).
 RS_OPTIONS: dict[str, tuple[RsAggregation, DivergenceEstimator]] = {
     f"{agg}_{est}": (agg, est) for agg in get_args(RsAggregation) for est in get_args(DivergenceEstimator)
-    if (agg, est) != ("seq_max", "k1")}
+    if (agg, est) != ("seq_max", "k1") and not (est in ("tv", "binary_kl") and agg == "seq_sum")}
 
 
 @dataclass(frozen=True)
@@ -91,16 +92,20 @@ class RolloutCorrectionConfig(Presets, Loading):
         "sequences for sequence / geometric level).")
     rollout_rs: Optional[str] = _key(
         None, "null or comma-chained options", "rejection criteria, all must accept: token_k1/k2/k3, "
-        "seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3; or one of the first-generation modes token, "
-        "sequence, geometric.")
+        "seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3; in probability space token_tv, seq_mean_tv, "
+        "seq_max_tv, token_binary_kl, seq_mean_binary_kl, seq_max_binary_kl; or one of the first-generation "
+        "modes token, sequence, geometric.")
     rollout_rs_threshold: Optional[Union[float, str, Band, tuple[Union[float, Band], ...]]] = _key(
         None, "number or string, one per option or shared", "k1: ratio bounds \"lo_hi\" (a single x means "
-        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3: one upper bound. First-generation modes: the upper ratio "
-        "bound (defaults to rollout_is_threshold).")
+        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3, tv, binary_kl: one upper bound. First-generation modes: "
+        "the upper ratio bound (defaults to rollout_is_threshold).")
     rollout_rs_threshold_lower: Optional[float] = _key(
         None, "number ≥ 0 or null", "first-generation modes: lower ratio bound.", "1/upper")
     rollout_token_veto_threshold: Optional[float] = _key(
         None, "positive number or null", "reject a sequence if any valid token has unclamped ρ_t < C.")
+    rollout_token_veto_threshold_high: Optional[float] = _key(
+        None, "positive number or null", "reject a sequence if any valid token has unclamped ρ_t > C (the "
+        "high side of the veto; SkyRL's outlier_token_is_threshold_high).")
     bypass_mode: bool = _key(
         False, "true, false", "π_old := π_rollout (two policies); the loss clips against the rollout policy.")
     loss_type: LossType = _key(
@@ -147,6 +152,12 @@ class RolloutCorrectionConfig(Presets, Loading):
         veto = self.rollout_token_veto_threshold
         if veto is not None and not as_float("rollout_token_veto_threshold", veto) > 0:
             raise invalid("rollout_token_veto_threshold", veto, "must be a positive ratio, e.g. 1e-4")
+        high = self.rollout_token_veto_threshold_high
+        if high is not None and not 0 < as_float("rollout_token_veto_threshold_high", high) < math.inf:
+            raise invalid("rollout_token_veto_threshold_high", high, "must be a positive finite ratio, e.g. 100")
+        if high is not None and veto is not None and not float(veto) < float(high):
+            raise invalid("rollout_token_veto_threshold_high", high,
+                          f"must exceed rollout_token_veto_threshold={veto}")
         for name, value in (("rollout_is_threshold", is_threshold), ("rollout_rs_threshold", rs_threshold),
                             ("is_spec", is_spec), ("rs_options", rs_options)):
             object.__setattr__(self, name, value)
@@ -262,7 +273,8 @@ class RolloutCorrectionConfig(Presets, Loading):
 
     @property
     def rs_enabled(self) -> bool:
-        return bool(self.rs_options) or self.rollout_token_veto_threshold is not None
+        return bool(self.rs_options) or self.rollout_token_veto_threshold is not None or \
+            self.rollout_token_veto_threshold_high is not None
 
 
 def _unchecked(key: str, value: Any) -> Any:

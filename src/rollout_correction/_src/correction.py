@@ -57,7 +57,8 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig,
     if config.is_spec is not None:
         isw = importance_weights(batch, config.is_spec)
         add_is_statistics(stats, batch, config.is_spec, isw)
-    rej = rejection_keep(batch, config.rs_options, config.rollout_token_veto_threshold, stats)
+    rej = rejection_keep(batch, config.rs_options, config.rollout_token_veto_threshold, stats,
+                         config.rollout_token_veto_threshold_high)
     add_offpolicy_statistics(stats, batch)
     if config.check_alignment:
         sums = alignment_statistics(batch.old_log_prob, batch.rollout_log_prob, batch.response_mask)
@@ -219,8 +220,9 @@ def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Valu
     if config.is_spec is not None:
         m.update(is_metrics(stats, config.is_spec))
     m.update(rs_metrics(stats, config.rs_options))
-    if config.rollout_token_veto_threshold is not None:
-        m.update(veto_metrics(stats))
+    low, high = config.rollout_token_veto_threshold is not None, config.rollout_token_veto_threshold_high is not None
+    if low or high:
+        m.update(veto_metrics(stats, low, high))
     m.update(offpolicy_metrics(stats))
     m.update(nonfinite_metrics(stats))
     if config.check_alignment:

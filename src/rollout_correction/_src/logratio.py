@@ -140,6 +140,17 @@ class LogRatioBatch:
                              "log_ratio_batch(old_log_prob, rollout_log_prob, response_mask)")
         return self.row_means64
 
+    def log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) float32 log π_train and log π_rollout at the tokens used, 0 elsewhere (whatever the
+        inputs hold there); a ValueError for a batch built from a log-ratio alone."""
+        if self.old_log_prob is None or self.rollout_log_prob is None:
+            raise ValueError("probability-space statistics (TV, binary KL, |p_train − p_rollout|) need the "
+                             "log-probs, not only their ratio: build the batch with "
+                             "log_ratio_batch(old_log_prob, rollout_log_prob, response_mask)")
+        valid = self.valid
+        return (torch.where(valid, self.old_log_prob.to(torch.float32), 0.0),
+                torch.where(valid, self.rollout_log_prob.to(torch.float32), 0.0))
+
     # -- reductions over a row: a per-row (B,) partial sum / max / min in, the row's value out
     # (the partial itself for whole rows, the group's value when the rows are split)
     def reduce_sum(self, partial: torch.Tensor) -> torch.Tensor:

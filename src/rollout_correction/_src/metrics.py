@@ -11,10 +11,28 @@ sequence statistics over sequences with ≥ 1 valid token; exponents clamped to 
   ``log_ppl_abs_diff`` = mean_seq |d|; ``log_ppl_diff_max`` / ``_min`` over sequences
 * ``ppl_ratio`` = mean_seq exp(d)                               — training PPL / rollout PPL per sequence
 * ``chi2_token`` = mean_tok(ρ_t²) − 1,  ``chi2_seq`` = mean_seq((∏_t ρ_t)²) − 1
+
+Mismatch metrics (the numbers other engines log; Δ_t = log ρ_t unclamped, q_t = π_train(y_t),
+p_t = π_rollout(y_t), the log-probs bounded to [−1e4, 20] first: a value above 20 is no probability,
+one below −1e4 a probability of 0):
+
+* ``prob_abs_diff_mean`` / ``_max`` / ``_std`` = mean / max / sample std (n − 1 denominator, as verl's
+  ``rollout_probs_diff_std``; 0 below two tokens) over tokens of |q_t − p_t|
+* ``prob_pearson``     = Pearson correlation of (q_t, p_t) over the valid tokens,
+  cov / √(var_q · var_p) from global sums of q, p, q², p², qp (float32 per row, float64 across
+  rows; 0 when a variance is at the rounding level of the float32 squares, ≤ 1e-6·E[x²])
+* ``log_prob_pearson`` = the same for (log q_t, log p_t)
+* ``js_divergence``    = mean_tok ½[(q/m − 1 − log(q/m)) + (p/m − 1 − log(p/m))], m = (q + p)/2: NeMo-RL's
+  ``js_divergence_error`` (the k3 estimates of KL(π_train ‖ M) and KL(π_rollout ‖ M) at the sampled
+  token, M the mixture), which equals log cosh(Δ_t / 2) and is computed that way
+* ``log_prob_abs_diff_seq_mean`` = mean_seq(mean_t |Δ_t|) (slime's ``train_rollout_logprob_abs_diff``)
+* ``log_prob_abs_diff_max`` = max_tok |Δ_t|;  ``log_prob_abs_diff_gt1`` / ``_gt2`` = share of tokens with
+  |Δ_t| > 1 / > 2
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, MutableMapping
 from typing import Callable, Optional, Union
 
@@ -23,9 +41,10 @@ import torch
 from .constants import METRIC_PREFIX, SAFETY_BOUND
 from .logratio import LogRatioBatch, log_ratio_batch
 from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, reduce_owned, stats_owner
-from .stats import HostStats, SufficientStats, Value, safe_div, where
+from .stats import HostStats, SufficientStats, Value, clamp, safe_div, sqrt0, where
 
-__all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics",
+__all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics", "mismatch_metrics",
+           "ENGINE_METRIC_NAMES", "engine_metrics",
            "nonfinite_metrics", "Metrics", "metrics_to_floats", "prefixed", "Accumulator", "OffPolicyAccumulator"]
 
 _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
@@ -57,10 +76,91 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     stats.add_max("op.neg_d_max", means[0], rows=rows)  # −d: min d = −max(−d), no negation
     stats.add_sum("op.ppl_ratio", e[2], rows=rows)
     stats.add_sum("op.rho2_seq", e[3], rows=rows)
+    _add_mismatch_statistics(stats, batch)
+
+
+_LOGP_FLOOR = 1e4
+_MOMENTS = ("q", "p", "qq", "pp", "qp", "lq", "lp", "lqlq", "lplp", "lqlp", "d", "dd", "js", "gt1", "gt2")
+
+
+def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
+    """Per-row sums of the float32 per-token moments behind the mismatch metrics (added up in
+    float64 across rows), and the per-row maxima of |q − p| and |Δ|."""
+    # a log-prob above 20 is no probability (it is bounded like every exponent); below −1e4 its
+    # probability is 0 anyway: the bounds keep the float32 squares finite
+    lq, lp = (x.clamp_(-_LOGP_FLOOR, SAFETY_BOUND) for x in batch.log_probs())
+    mask = batch.mask
+    q, p = lq.exp().mul_(mask), lp.exp().mul_(mask)
+    d = (q - p).abs_()
+    a = batch.log_ratio.abs()  # |Δ|, 0 where unused
+    # log cosh(Δ/2) = |Δ|/2 + log1p(exp(−|Δ|)) − log 2: finite for every finite Δ, 0 at Δ = 0
+    js = torch.exp(-a).log1p_().add_(a, alpha=0.5).sub_(math.log(2.0)).clamp_min_(0.0)
+    per_token = (q, p, q * q, p * p, q * p, lq, lp, lq * lq, lp * lp, lq * lp, d, d * d, js,
+                 batch.above(a, 1.0), batch.above(a, 2.0))
+    for name, x in zip(_MOMENTS, per_token):  # (float32 row sums: pairwise, ~1e-7 relative)
+        stats.add_sum("mm." + name, batch.reduce_sum(x.sum(-1).double()))
+    a_row = batch.row_total(a) / batch.n_row.clamp_min(1.0)
+    stats.add_sum("mm.a_seq", a_row, rows=batch.row_valid)
+    for name, x in (("mm.d_max", d), ("mm.a_max", a)):  # ≥ 0 and 0 where unused (no column: 0)
+        stats.add_max(name, batch.reduce_max(x.amax(-1) if x.shape[-1] else x.sum(-1)), rows=batch.row_valid)
+
+
+#: Other engines' names for the same quantities: engine -> {their name: our unprefixed name}. verl:
+#: ``verl.utils.debug.metrics.calculate_debug_metrics``; slime: its policy loss; NeMo-RL: its
+#: clipped policy-gradient loss (``gen_kl_error`` with its default ``reference_policy_kl_type`` k3).
+ENGINE_METRIC_NAMES: dict[str, dict[str, str]] = {
+    "verl": {"training/rollout_probs_diff_max": "prob_abs_diff_max",
+             "training/rollout_probs_diff_mean": "prob_abs_diff_mean",
+             "training/rollout_probs_diff_std": "prob_abs_diff_std",
+             "training/rollout_actor_probs_pearson_corr": "prob_pearson"},
+    "slime": {"train_rollout_logprob_abs_diff": "log_prob_abs_diff_seq_mean"},
+    "nemo_rl": {"gen_kl_error": "k3_kl", "js_divergence_error": "js_divergence"},
+}
+
+
+def engine_metrics(metrics: Mapping[str, Value], engine: str) -> dict[str, Value]:
+    """The mismatch metrics of ``metrics`` (``rollout_corr/<name>``, as every entry point returns
+    them) under ``engine``'s own names (:data:`ENGINE_METRIC_NAMES`), for dashboards built on them."""
+    if engine not in ENGINE_METRIC_NAMES:
+        raise ValueError(f"engine={engine!r}: known engines are {sorted(ENGINE_METRIC_NAMES)}")
+    return {theirs: metrics[METRIC_PREFIX + ours] for theirs, ours in ENGINE_METRIC_NAMES[engine].items()
+            if METRIC_PREFIX + ours in metrics}
+
+
+def _pearson(stats, x: str, y: str, n: Value) -> Value:
+    """Pearson correlation from global sums Σx, Σy, Σx², Σy², Σxy over n tokens; 0 when a variance
+    is at the rounding level of float32 squares (≤ 1e-6·E[x²]: no spread to correlate)."""
+    mx, my = safe_div(stats.sum("mm." + x), n), safe_div(stats.sum("mm." + y), n)
+    ex2, ey2 = safe_div(stats.sum(f"mm.{x}{x}"), n), safe_div(stats.sum(f"mm.{y}{y}"), n)
+    vx, vy = ex2 - mx * mx, ey2 - my * my
+    cov = safe_div(stats.sum(f"mm.{x}{y}"), n) - mx * my
+    spread = (vx > 1e-6 * ex2) & (vy > 1e-6 * ey2) if isinstance(vx, torch.Tensor) else \
+        vx > 1e-6 * ex2 and vy > 1e-6 * ey2
+    return where(spread, clamp(safe_div(cov, sqrt0(vx * vy)), -1.0, 1.0), 0.0)
+
+
+def mismatch_metrics(stats) -> dict[str, Value]:
+    """The mismatch metrics (module docstring) from reduced statistics; 0 when empty."""
+    n_tok, has = stats.sum("n_tok"), stats.sum("n_rows") > 0
+    sum_d = stats.sum("mm.d")
+    mean_d = safe_div(sum_d, n_tok)
+    return {
+        "prob_abs_diff_mean": mean_d,
+        "prob_abs_diff_max": where(has, stats.max("mm.d_max"), 0.0),
+        "prob_abs_diff_std": where(n_tok > 1, sqrt0(safe_div(stats.sum("mm.dd") - sum_d * mean_d, n_tok - 1.0)), 0.0),
+        "prob_pearson": _pearson(stats, "q", "p", n_tok),
+        "log_prob_pearson": _pearson(stats, "lq", "lp", n_tok),
+        "js_divergence": safe_div(stats.sum("mm.js"), n_tok),
+        "log_prob_abs_diff_seq_mean": safe_div(stats.sum("mm.a_seq"), stats.sum("n_rows")),
+        "log_prob_abs_diff_max": where(has, stats.max("mm.a_max"), 0.0),
+        "log_prob_abs_diff_gt1": safe_div(stats.sum("mm.gt1"), n_tok),
+        "log_prob_abs_diff_gt2": safe_div(stats.sum("mm.gt2"), n_tok),
+    }
 
 
 def offpolicy_metrics(stats) -> dict[str, Value]:
-    """The 13 off-policy metrics (module docstring) from reduced statistics of either kind; 0 when empty."""
+    """The 13 off-policy metrics and the 10 mismatch metrics (module docstring) from reduced
+    statistics of either kind; 0 when empty."""
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
 
     def seq_mean(k: str) -> Value:
@@ -81,6 +181,7 @@ def offpolicy_metrics(stats) -> dict[str, Value]:
         "ppl_ratio": seq_mean("op.ppl_ratio"),
         "chi2_token": where(n_tok > 0, safe_div(stats.sum("op.sum_rho2"), n_tok) - 1.0, 0.0),
         "chi2_seq": where(has_rows, seq_mean("op.rho2_seq") - 1.0, 0.0),
+        **mismatch_metrics(stats),
     }
 
 

@@ -187,6 +187,28 @@ class Presets:
         return cls(rollout_is="token", rollout_is_threshold=is_threshold, loss_type="dppo_kl")
 
     @preset
+    def decoupled_tv_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.1
+                                  ) -> RolloutCorrectionConfig:
+        """Token TIS + rejection of tokens whose probability difference TV = abs(π_train − π_rollout)
+        exceeds δ (prime-rl's probability mask)."""
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="token_tv",
+                   rollout_rs_threshold=rs_threshold)
+
+    @preset
+    def decoupled_binary_kl_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.02
+                                         ) -> RolloutCorrectionConfig:
+        """Token TIS + rejection of sequences whose mean binary KL exceeds δ (OpenRLHF's seq gate)."""
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_binary_kl",
+                   rollout_rs_threshold=rs_threshold)
+
+    @preset
+    def decoupled_token_is_veto(cls, is_threshold: float = 2.0, low: float = 1e-4, high: float = 10.0
+                                ) -> RolloutCorrectionConfig:
+        """Token TIS + the two-sided veto: drop a sequence with any ρ_t < low or > high (SkyRL's outlier mask)."""
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_token_veto_threshold=low,
+                   rollout_token_veto_threshold_high=high)
+
+    @preset
     def disabled(cls) -> RolloutCorrectionConfig:
         """Metrics only: no weights, no rejection."""
         return cls()

@@ -3,12 +3,19 @@
 Per-token estimators of KL(π_rollout ‖ π_train) from log ρ_t (clamped to ±20):
 k1 = −log ρ_t,  k2 = ½ (log ρ_t)²,  k3 = ρ_t − 1 − log ρ_t (≥ 0).
 
+Per-token divergences in probability space, between the sampled token's probabilities
+q = π_train(y_t) and p = π_rollout(y_t), both clamped to [1e-6, 1 − 1e-6] (OpenRLHF 0.11.2's clamp,
+which keeps the logarithms finite); no function of ρ = q/p alone can express them:
+tv = |p − q|,  binary_kl = p log(p/q) + (1 − p) log((1 − p)/(1 − q))  — the KL between the Bernoulli
+distributions "the sampled token / any other token" under π_rollout and π_train (≥ 0).
+
 Aggregations over a sequence's valid tokens: ``token`` (each token on its own), ``seq_sum``,
 ``seq_mean``, ``seq_max``. A token/sequence is kept iff its statistic lies in the option's bounds;
 chained options must all accept (logical AND). k1 bounds are ratio bounds lo ≤ ρ_agg ≤ hi, where
 ρ_agg = exp(−k1_agg) — e.g. ``seq_mean_k1`` with "0.999_1.001" keeps sequences whose geometric-mean
 ratio lies within ±0.1% of 1. Veto (``rollout_token_veto_threshold`` C): reject a sequence if any
-valid token has unclamped ρ_t < C. Rejection changes the response mask only.
+valid token has unclamped ρ_t < C; its high side (``rollout_token_veto_threshold_high`` C'):
+reject a sequence if any valid token has unclamped ρ_t > C'. Rejection changes the response mask only.
 """
 
 from __future__ import annotations
@@ -23,15 +30,28 @@ from .config import RSOption
 from .logratio import LogRatioBatch
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
-__all__ = ["token_divergence", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics", "rs_metrics",
-           "veto_metrics"]
+__all__ = ["token_divergence", "PROB_CLAMP", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics",
+           "rs_metrics", "veto_metrics"]
+
+
+#: Probabilities enter the probability-space divergences clamped to [PROB_CLAMP, 1 − PROB_CLAMP].
+PROB_CLAMP = 1e-6
 
 
 def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
-    """Per-token k1 / k2 / k3 (see module docstring); 0 at invalid positions. Shape (B, T)."""
+    """Per-token k1 / k2 / k3 / tv / binary_kl (see module docstring); 0 at invalid positions. Shape (B, T)."""
     x = batch.log_ratio_clamped
     if estimator == "k1":
         return -x
+    if estimator in ("tv", "binary_kl"):
+        train, rollout = batch.log_probs()
+        q = train.exp().clamp_(PROB_CLAMP, 1 - PROB_CLAMP)
+        p = rollout.exp().clamp_(PROB_CLAMP, 1 - PROB_CLAMP)
+        if estimator == "tv":
+            d = (p - q).abs_()
+        else:  # written as OpenRLHF 0.11.2 writes it, so that the float32 values agree bit for bit
+            d = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+        return torch.where(batch.valid, d, 0.0)
     return 0.5 * x * x if estimator == "k2" else batch.k3  # the estimator of a validated RSOption
 
 
@@ -67,7 +87,7 @@ def _row_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> torch.
         return batch.row_total(per_token)
     if agg == "seq_mean":
         return batch.row_total(per_token) / batch.n_row.clamp_min(1.0)
-    # seq_max (k2/k3 ≥ 0, 0 at padding): max over valid tokens; 0 for empty rows
+    # seq_max (k2/k3/tv/binary_kl ≥ 0, 0 at padding): max over valid tokens; 0 for empty rows
     return batch.reduce_max(per_token.amax(-1) if per_token.shape[-1] else per_token.sum(-1))
 
 
@@ -94,8 +114,9 @@ def option_keep(batch: LogRatioBatch, opt: RSOption, statistic: torch.Tensor,
 
 
 def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_threshold: Optional[float],
-                   stats: Optional[SufficientStats] = None) -> RejectionResult:
-    """Keep masks for the chained ``options`` and the veto; records statistics when given ``stats``."""
+                   stats: Optional[SufficientStats] = None, veto_high: Optional[float] = None) -> RejectionResult:
+    """Keep masks for the chained ``options`` and the veto (low side ``veto_threshold``, high side
+    ``veto_high``); records statistics when given ``stats``."""
     row_keep: Optional[torch.Tensor] = None  # None: no sequence-level criterion so far
     token_keep: Optional[torch.Tensor] = None
     cache: dict[str, torch.Tensor] = {}
@@ -117,13 +138,15 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         rejected = batch.n_row - RejectionResult(token_keep, row_keep).kept_per_row(batch)
         stats.add_sum("rs.masked", rejected)
         stats.add_sum("rs.seq_masked", rejected > 0, rows=batch.row_valid)
-    if veto_threshold is not None:
-        catastrophic = batch.row_total(batch.below(batch.log_ratio, math.log(veto_threshold)))
+    for key, bound, side in (("veto", veto_threshold, batch.below), ("veto_high", veto_high, batch.above)):
+        if bound is None:
+            continue
+        catastrophic = batch.row_total(side(batch.log_ratio, math.log(bound)))
         vetoed = catastrophic > 0
         row_keep = ~vetoed if row_keep is None else row_keep & ~vetoed
         if stats is not None:
-            stats.add_sum("veto.tok", catastrophic)
-            stats.add_sum("veto.rows", vetoed, rows=batch.row_valid)
+            stats.add_sum(key + ".tok", catastrophic)
+            stats.add_sum(key + ".rows", vetoed, rows=batch.row_valid)
     return RejectionResult(token_keep, row_keep)
 
 
@@ -242,10 +265,15 @@ def rs_metrics(stats, options: tuple[RSOption, ...]) -> dict[str, Value]:
     return m
 
 
-def veto_metrics(stats) -> dict[str, Value]:
+def veto_metrics(stats, low: bool = True, high: bool = False) -> dict[str, Value]:
     """``rollout_is_veto_fraction`` (share of sequences vetoed) and
-    ``rollout_is_catastrophic_token_fraction`` (share of valid tokens with ρ_t < C)."""
-    return {
-        "rollout_is_veto_fraction": safe_div(stats.sum("veto.rows"), stats.sum("n_rows")),
-        "rollout_is_catastrophic_token_fraction": safe_div(stats.sum("veto.tok"), stats.sum("n_tok")),
-    }
+    ``rollout_is_catastrophic_token_fraction`` (share of valid tokens with ρ_t < C) for the low side;
+    ``rollout_is_veto_high_fraction`` and ``rollout_is_catastrophic_high_token_fraction`` (ρ_t > C')
+    for the high side."""
+    m: dict[str, Value] = {}
+    for side, key, infix in ((low, "veto", ""), (high, "veto_high", "_high")):
+        if side:
+            m[f"rollout_is_veto{infix}_fraction"] = safe_div(stats.sum(key + ".rows"), stats.sum("n_rows"))
+            m[f"rollout_is_catastrophic{infix}_token_fraction"] = safe_div(stats.sum(key + ".tok"),
+                                                                           stats.sum("n_tok"))
+    return m

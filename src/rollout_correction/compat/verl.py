@@ -42,6 +42,7 @@ from .._src.constants import SAFETY_BOUND
 from .._src.correction import compute_rollout_correction
 from .._src.logratio import LogRatioBatch
 from .._src.metrics import compute_offpolicy_metrics as _offpolicy_metrics
+from .._src.metrics import engine_metrics
 from .._src.metrics import metrics_to_floats
 from .._src.config import RS_OPTIONS, RSOption
 from .._src.rejection import option_keep, rejection_keep, rs_metrics, rs_option_metrics
@@ -66,10 +67,13 @@ __all__ = [
     "apply_bypass_mode",
 ]
 
-#: Every divergence-based rejection option (comma-chain them in ``rollout_rs``).
-SUPPORTED_ROLLOUT_RS_OPTIONS: set[str] = set(RS_OPTIONS)
+#: verl's divergence-based rejection options, k1/k2/k3 (comma-chain them in ``rollout_rs``; the
+#: probability-space options of this library are accepted too).
+SUPPORTED_ROLLOUT_RS_OPTIONS: set[str] = {name for name, (_, est) in RS_OPTIONS.items()
+                                          if est in ("k1", "k2", "k3")}
 #: The options judged token by token (the others judge whole sequences).
-TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {name for name, (agg, _) in RS_OPTIONS.items() if agg == "token"}
+TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {name for name in SUPPORTED_ROLLOUT_RS_OPTIONS
+                                            if RS_OPTIONS[name][0] == "token"}
 
 _AUTO = object()  # process_group default: WORLD when verl would all-reduce, else local
 
@@ -410,7 +414,8 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
     tensors["response_mask"] = out.response_mask
     if out.weights is not None:
         tensors["rollout_is_weights"] = out.weights
-    return batch, out.metrics_as_floats()
+    metrics = out.metrics_as_floats()
+    return batch, {**metrics, **engine_metrics(metrics, "verl")}  # also verl's debug-metric names
 
 
 def apply_bypass_mode(batch: Any, rollout_corr_config: Any = None, policy_loss_config: Any = None) -> None:

@@ -63,6 +63,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "truncated-ratio REINFORCE masked where |π_θ − π_old| of the token leaves ε, token TIS weights"),
     Method("dppo_kl", "DPPO-KL × token TIS", "decoupled_dppo_kl_token_is", True,
            "truncated-ratio REINFORCE masked where the token's binary KL leaves ε, token TIS weights"),
+    # Probability-space gates and the two-sided veto.
+    Method("tv_rs", "TV RS + token TIS", "decoupled_tv_rs_token_tis", True,
+           "token TIS; tokens with |π_old − π_rollout| > 0.1 rejected"),
+    Method("binary_kl_rs", "binary-KL RS + token TIS", "decoupled_binary_kl_rs_token_tis", True,
+           "token TIS; sequences whose mean binary KL of the sampled token exceeds 0.02 rejected"),
+    Method("veto2", "two-sided veto + token TIS", "decoupled_token_is_veto", True,
+           "token TIS; sequences with any ρₜ < 1e-4 or > 10 rejected"),
 )}
 
 # Mixture-of-experts routing replay (R3): the engine records the experts it routed each token to

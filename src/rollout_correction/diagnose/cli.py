@@ -2,6 +2,7 @@
 
     rollout-correction diagnose FILE --out DIR      # Parquet / JSONL / .pt / .npz
     rollout-correction diagnose --example [--out DIR]
+    rollout-correction diagnose --certify FILE [--out DIR]   # zero-diff check: exit 0 pass, 1 fail
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help=f"report directory (default: ./{DEFAULT_OUT})")
     parser.add_argument("--example", action="store_true",
                         help="generate an example dump with a reduced-precision rollout engine and diagnose it")
+    parser.add_argument("--certify", action="store_true",
+                        help="zero-diff certificate: pass (exit 0) only if rollout and trainer log-probs agree bit "
+                             "for bit on every valid token; otherwise report where they differ (exit 1)")
     parser.add_argument("--format", choices=FORMATS, default=None, help="input format (default: from the extension)")
     d = Columns()
     cols = parser.add_argument_group("columns")
@@ -75,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         rollout_log_probs=args.rollout_col, old_log_probs=args.old_col, response_mask=_none(args.mask_col),
         lengths=_none(args.lengths_col), rewards=_none(args.rewards_col), policy_version=_none(args.version_col),
         token_ids=_none(args.token_ids_col), all_valid=args.all_valid)
+    if args.certify:
+        return _certify(path, columns, args, out)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
     try:
         diag = diagnose_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, presets=presets)
@@ -85,3 +91,18 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print_summary(diag, out)
     return 0
+
+
+def _certify(path: str, columns: Columns, args: argparse.Namespace, out: str) -> int:
+    """The zero-diff certificate of ``path``: 0 when it passes, 1 when a token differs, 2 on an error."""
+    from .certify import certify_file, print_certificate, write_certificate
+
+    try:
+        cert = certify_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"rollout-correction diagnose --certify: {exc}", file=sys.stderr)
+        return 2
+    paths = write_certificate(cert, out)
+    if not args.quiet:
+        print_certificate(cert, paths)
+    return 0 if cert.passed else 1

@@ -55,6 +55,9 @@ class Columns:
     token_ids: str | None = "responses"
     #: padded (2-D) log-probs without a mask or lengths column are refused unless this is set
     all_valid: bool = False
+    #: read the log-probs in float64, which holds every value of any float format exactly (the
+    #: zero-diff certificate compares bits), instead of float32
+    exact: bool = False
 
     def optional_fields(self) -> tuple[str, ...]:
         return ("response_mask", "lengths", "rewards", "policy_version", "token_ids")
@@ -64,7 +67,7 @@ class Columns:
 class Chunk:
     """A block of whole rows, padded to ``T`` = the longest row of the block.
 
-    old_log_probs, rollout_log_probs: (B, T) float32; 0 at invalid positions.
+    old_log_probs, rollout_log_probs: (B, T) float32 (float64 with ``Columns.exact``); 0 at invalid positions.
     response_mask: (B, T) bool, True at response tokens.
     rewards: (B,) float64 or None.  policy_version: (B,) int64 or None.
     token_ids: (B, T) int64 or None (0 at invalid positions).
@@ -176,8 +179,9 @@ def assemble_chunk(pieces: dict[str, Any], columns: Columns, source: str, first_
                         "per position")
     n_rows = len_old.shape[0]
     width = int(len_old.max()) if n_rows else 0
-    old_arr, in_row = _pad(old, width, np.float32, c_old)
-    roll_arr, _ = _pad(roll, width, np.float32, c_roll)
+    dtype = np.float64 if columns.exact else np.float32
+    old_arr, in_row = _pad(old, width, dtype, c_old)
+    roll_arr, _ = _pad(roll, width, dtype, c_roll)
     valid = in_row
 
     mask_name = columns.response_mask

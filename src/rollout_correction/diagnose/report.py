@@ -45,6 +45,17 @@ METRIC_HELP = {
     "routing_overlap": "mean share of the top-k experts the two routings have in common",
     "routing_token_differs": "share of tokens routed to a different expert set in at least one layer",
     "routing_tokens": "tokens compared for the routing agreement",
+    # mismatch metrics (p = π of the sampled token, Δ = log π_train − log π_rollout)
+    "prob_abs_diff_mean": "mean over tokens of |p_train − p_rollout| (verl's rollout_probs_diff_mean)",
+    "prob_abs_diff_max": "largest |p_train − p_rollout|",
+    "prob_abs_diff_std": "std over tokens of |p_train − p_rollout| (n − 1)",
+    "prob_pearson": "Pearson correlation of p_train and p_rollout over tokens",
+    "log_prob_pearson": "Pearson correlation of log p_train and log p_rollout over tokens",
+    "js_divergence": "mean over tokens of log cosh(Δ/2) (NeMo-RL's js_divergence_error)",
+    "log_prob_abs_diff_seq_mean": "mean over rows of mean |Δ| (slime's train_rollout_logprob_abs_diff)",
+    "log_prob_abs_diff_max": "largest |Δ|",
+    "log_prob_abs_diff_gt1": "share of tokens with |Δ| > 1",
+    "log_prob_abs_diff_gt2": "share of tokens with |Δ| > 2",
 }
 
 
@@ -343,7 +354,8 @@ def write_report(diag: Diagnosis, out_dir: str) -> dict[str, str]:
 # ------------------------------------------------------------------------------------ terminal
 
 _KEY_METRICS = ("kl", "k3_kl", "chi2_token", "chi2_seq", "ppl_ratio", "log_ppl_abs_diff", "training_ppl",
-                "rollout_ppl", "routing_match", "routing_token_differs")
+                "rollout_ppl", "routing_match", "routing_token_differs",
+                "prob_abs_diff_mean", "prob_abs_diff_max", "prob_pearson", "js_divergence", "log_prob_abs_diff_gt2")
 
 
 def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> None:

@@ -45,7 +45,8 @@ Metric names are those of slime's current ``examples/train_infer_mismatch_helper
 
 * always: ``mis_training_log_ppl``, ``mis_training_ppl``, ``mis_rollout_log_ppl``,
   ``mis_rollout_ppl``, ``mis_kl``, ``mis_k3_kl``, ``mis_log_ppl_diff``, ``mis_log_ppl_abs_diff``,
-  ``mis_ppl_ratio``, ``mis_chi2_token``, ``mis_chi2_seq``;
+  ``mis_ppl_ratio``, ``mis_chi2_token``, ``mis_chi2_seq``, and the name slime's policy loss logs,
+  ``train_rollout_logprob_abs_diff`` (|log π_train − log π_rollout| per token);
 * with ``use_tis``: ``mis_tis_weight_before_bound``, by mode ``mis_tis_truncate_fraction`` /
   ``mis_tis_clip_fraction_{low,high}`` / ``mis_tis_mask_fraction_{low,high}``,
   ``mis_tis_weight_after_bound``, ``mis_is_ratio_mean_after_tis_rs``, ``mis_is_ratio_mean_final``,
@@ -279,6 +280,9 @@ def _tis_pass(opts: SlimeOptions, cfg: RolloutCorrectionConfig, train: torch.Ten
         "mis_ppl_ratio": expand(torch.exp(clamp(log_ppl_diff))),
         "mis_chi2_token": expand(chi2_token),
         "mis_chi2_seq": expand(torch.exp(2.0 * clamp(lr_sum)) - 1.0),
+        # slime's own name: |log π_train − log π_rollout| per token (slime reduces it per sample, then
+        # over samples, as its policy loss does)
+        "train_rollout_logprob_abs_diff": lr.abs(),
     }
     result, values = correction_pass(train, rollout, in_mask, cfg, None, rows, None)
     for name, value in result.metrics.items():

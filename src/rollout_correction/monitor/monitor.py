@@ -21,7 +21,7 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-from rollout_correction import METRIC_PREFIX
+from rollout_correction import ENGINE_METRIC_NAMES, METRIC_PREFIX
 
 from .rules import Alert, NonFiniteRule, static_rules, trend_rules
 
@@ -51,7 +51,8 @@ def _to_float(v: Any) -> Optional[float]:
 def canonical_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """``{name: float}`` for every ``rollout_corr/<name>`` key in ``metrics`` (numbers or
     one-element tensors), whatever a tracker put before the prefix (``train/rollout_corr/kl`` →
-    ``kl``). Health metrics and non-numeric values are left out."""
+    ``kl``), and the mismatch metrics other engines log under their own names. Health metrics and
+    non-numeric values are left out."""
     out: dict[str, float] = {}
     for key, value in metrics.items():
         key = str(key)
@@ -61,6 +62,26 @@ def canonical_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         x = _to_float(value)
         if x is not None:
             out[key[i + len(METRIC_PREFIX):]] = x
+    out.update((k, v) for k, v in _engine_named(metrics).items() if k not in out)
+    return out
+
+
+#: Other engines' names of the mismatch metrics (verl's ``training/rollout_probs_diff_*``, slime's
+#: ``train_rollout_logprob_abs_diff``, NeMo-RL's ``js_divergence_error``…) → ours.
+_ENGINE_NAMES = {theirs: ours for names in ENGINE_METRIC_NAMES.values() for theirs, ours in names.items()}
+
+
+def _engine_named(metrics: dict[str, Any]) -> dict[str, float]:
+    """The mismatch metrics an engine logged under its own names (after any tracker prefix, e.g.
+    ``train/js_divergence_error``), under ours; a run logged by verl, slime or NeMo-RL alone is read."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        key = str(key)
+        if METRIC_PREFIX in key:
+            continue
+        for theirs, ours in _ENGINE_NAMES.items():
+            if (key == theirs or key.endswith("/" + theirs)) and (x := _to_float(value)) is not None:
+                out[ours] = x
     return out
 
 

@@ -24,6 +24,10 @@ PANELS = (
     ("PPL ratio (training / rollout)", [("ppl_ratio", "PPL ratio")], [(1.0, "r", "ideal")], False),
     ("Chi-squared divergence", [("chi2_token", "token"), ("chi2_seq", "sequence")],
      [(1.0, "r", "warning")], True),
+    ("Token probabilities, trainer vs rollout", [("prob_abs_diff_mean", "mean |Δp|"),
+                                                 ("js_divergence", "JS divergence"),
+                                                 ("log_prob_abs_diff_gt1", "share |Δ log p| > 1")],
+     [(0.0, "g", None)], True),
 )
 _PANEL_OF_METRIC = {m: i for i, (_, series, _, _) in enumerate(PANELS) for m, _ in series}
 

@@ -247,6 +247,9 @@ TREND_SPEC: tuple[tuple[str, str, str, int, float, str], ...] = (
     ("ess_falling", "rollout_is_eff_sample_size", "deficit", 2, 1e-3, _FALLING),
     ("accepted_falling", "rollout_rs_masked_fraction", "pos", 2, 1e-2, _FALLING),
     ("routing_differs_rising", "routing_token_differs", "pos", 1, 1e-2, _ROUTING),
+    # probability space (verl's rollout_probs_diff_mean, NeMo-RL's js_divergence_error)
+    ("prob_diff_rising", "prob_abs_diff_mean", "pos", 1, 1e-3, _RISING),
+    ("js_divergence_rising", "js_divergence", "pos", 2, 1e-5, _RISING),
 )
 
 

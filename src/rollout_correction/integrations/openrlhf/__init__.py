@@ -36,12 +36,21 @@ OpenRLHF ≤ 0.11.1                  OpenRLHF 0.11.2     ours
                                                        mean ρ̄ = exp(mean log ρ_t) lies outside
                                                        [lo, hi] (``seq_mean_k1``) and token IS
                                                        w_t = clamp(ρ_t, lo, hi) on the kept ones
+—                                  token, mask,        rejection of tokens whose binary KL / TV
+                                   binary_kl | tv      between the sampled token's probabilities
+                                                       exceeds HIGH (``token_binary_kl`` /
+                                                       ``token_tv``) and token IS w_t = ρ_t on the
+                                                       kept ones (no bound beyond the ±20 log clamp)
+—                                  seq, mask,          the same on the sequence mean of the
+                                   binary_kl | tv      divergence (``seq_mean_binary_kl`` /
+                                                       ``seq_mean_tv``)
 =================================  ==================  ==========================================
 
-0.11.2's other combinations are refused by name: ``seq`` + ``clip`` (OpenRLHF refuses it too), and
-the ``binary_kl`` / ``tv`` gatings (a divergence between the sampled token's probabilities under
-the two policies, e.g. FlashREINFORCE's trust region): this library's rejection criteria are
-functions of log ρ (k1/k2/k3), none equals those divergences. LOW = 0 means no lower bound.
+0.11.2's other combinations are refused by name: ``seq`` + ``clip`` and ``clip`` with the
+``binary_kl`` / ``tv`` gatings (OpenRLHF refuses them too). LOW = 0 means no lower bound. The
+divergence gates compute the statistic as OpenRLHF does (both probabilities clamped to
+[1e-6, 1 − 1e-6], the same float32 expression), so the same tokens and sequences are dropped; a
+binary KL that rounds below 0 (p ≈ q) is kept here and dropped by OpenRLHF's band [0, HIGH].
 
 Two deliberate differences, both fixes:
 
@@ -104,6 +113,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -239,13 +249,7 @@ def config_from_openrlhf_gate(
             "nothing to correct"
         )
     if gating != "ratio":
-        raise ValueError(
-            f"{_flag('gating')} {gating} has no equivalent in rollout-correction: it gates on a "
-            "divergence between the sampled token's probabilities under the rollout and training "
-            "policies, and this library's rejection criteria are functions of the log-ratio only "
-            "(token_k1/k2/k3, seq_*_k1/k2/k3). Use gating ratio, pass a config of this library to "
-            "from_args (e.g. a seq_mean_k3 rejection), or keep OpenRLHF's own PolicyLoss"
-        )
+        return _divergence_gate(level, mode, gating, is_correction_threshold)
     kind = OPENRLHF_CORRECTION_GATES.get((level, mode, gating))
     if kind is None:
         raise ValueError(
@@ -256,6 +260,22 @@ def config_from_openrlhf_gate(
     if len(threshold) == 1:  # HIGH alone: an upper bound only, as OpenRLHF's parser reads it
         threshold = [0.0, threshold[0]]
     return config_from_openrlhf(kind, threshold)
+
+
+def _divergence_gate(level: str, mode: str, gating: str, threshold: Sequence[float]) -> RolloutCorrectionConfig:
+    """0.11.2's ``binary_kl`` / ``tv`` gating: a rejection on the divergence (per token, or its
+    sequence mean) at HIGH, and the survivors' token ratio as weight (see the module table)."""
+    if mode != "mask":
+        raise ValueError(f"{_flag('gating')} {gating} with {_flag('mode')} {mode}: a divergence is a "
+                         "rejection filter, not a weight (OpenRLHF refuses it as well); use mode mask")
+    values = [float(v) for v in threshold]
+    lo, hi = (0.0, values[0]) if len(values) == 1 else _band(values)
+    if lo != 0.0 or not hi > 0.0:
+        raise ValueError(f"{_flag('threshold')} {list(threshold)!r}: gating {gating} takes an upper bound only "
+                         "(a single HIGH > 0, or LOW 0)")
+    return RolloutCorrectionConfig.from_dict(
+        {"rollout_is": "token", "rollout_is_mode": "truncate", "rollout_is_threshold": math.exp(SAFETY_BOUND),
+         "rollout_rs": f"{'token' if level == 'token' else 'seq_mean'}_{gating}", "rollout_rs_threshold": hi})
 
 
 def _gate_level(args: Any) -> str:
