@@ -336,8 +336,12 @@ def test_add_to_batch_emits_verls_debug_metrics_under_verls_names():
     from verl.utils.debug.metrics import calculate_debug_metrics
 
     old, rollout, mask = make_batch(7, 12, 0.3, 11)
-    _, metrics = compat.compute_rollout_correction_and_add_to_batch(_data_proto(old, rollout, mask),
-                                                                     "decoupled_token_is")
+    rollout = rollout.clamp(max=0.0)  # probabilities (a log-prob above 0 is taken as 1 here; verl exponentiates it)
+    from rollout_correction import RolloutCorrectionConfig
+
+    # opt-in: verl's trainer logs these itself; with the option the adapter reports them too
+    config = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, mismatch_metrics=True)
+    _, metrics = compat.compute_rollout_correction_and_add_to_batch(_data_proto(old, rollout, mask), config)
     data = DataProto.from_dict(tensors={"old_log_probs": old.double(), "rollout_log_probs": rollout.double(),
                                         "response_mask": mask, "responses": torch.zeros_like(mask, dtype=torch.long)})
     theirs = calculate_debug_metrics(data)

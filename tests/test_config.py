@@ -17,7 +17,7 @@ DEFAULTS = {
     "rollout_is_mode": None,
     "rollout_is_batch_normalize": False, "rollout_rs": None, "rollout_rs_threshold": None,
     "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None, "bypass_mode": False,
-    "loss_type": "ppo_clip", "on_nonfinite": "reject", "check_alignment": False,
+    "loss_type": "ppo_clip", "on_nonfinite": "reject", "check_alignment": False, "mismatch_metrics": False,
     "rollout_opsm_delta": None, "rollout_m2po_threshold": None, "rollout_token_veto_threshold_high": None,
 }
 

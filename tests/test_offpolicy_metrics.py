@@ -77,11 +77,11 @@ def test_mismatch_metrics_count_large_log_prob_gaps_and_are_exact_without_mismat
     old = torch.tensor([[-0.1, -3.0, -0.2, -1.0], [-0.7, -0.05, -4.0, -2.0]])
     roll = old - torch.tensor([[1.5, -2.5, 0.0, 0.0], [0.5, 0.0, 3.0, 9.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
-    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask))
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask, mismatch_metrics=True))
     assert got[P + "log_prob_abs_diff_max"] == pytest.approx(3.0)  # the 9.0 is padding
     assert got[P + "log_prob_abs_diff_gt1"] == pytest.approx(3 / 6)  # 1.5, −2.5, 3.0
     assert got[P + "log_prob_abs_diff_gt2"] == pytest.approx(2 / 6)  # −2.5, 3.0
-    same = metrics_to_floats(compute_offpolicy_metrics(old, old, mask))
+    same = metrics_to_floats(compute_offpolicy_metrics(old, old, mask, mismatch_metrics=True))
     for k in ("prob_abs_diff_mean", "prob_abs_diff_max", "prob_abs_diff_std", "js_divergence",
               "log_prob_abs_diff_seq_mean", "log_prob_abs_diff_max", "log_prob_abs_diff_gt1"):
         assert same[P + k] == 0.0, k
@@ -94,20 +94,31 @@ def _check(got, expected):
 
 
 def test_all_offpolicy_metrics_by_hand():
-    m = compute_offpolicy_metrics(*_inputs())
+    m = compute_offpolicy_metrics(*_inputs(), mismatch_metrics=True)
     assert sorted(m) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction"])
     assert all(v.dim() == 0 for v in m.values())
     _check(metrics_to_floats(m), _expected())
 
 
 def test_correction_reports_the_same_offpolicy_metrics():
-    out = compute_rollout_correction(*_inputs(), config=RolloutCorrectionConfig.decoupled_token_is())
+    out = compute_rollout_correction(*_inputs(), config=RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=2.0, mismatch_metrics=True))
     _check(out.metrics_as_floats(), _expected())
 
 
+def test_mismatch_metrics_are_opt_in():
+    """Without ``mismatch_metrics`` neither entry point computes them; the 13 others are unchanged."""
+    mismatch = set(NAMES[NAMES.index("prob_abs_diff_mean"):])
+    plain = metrics_to_floats(compute_offpolicy_metrics(*_inputs()))
+    assert sorted(plain) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction"] if k not in mismatch)
+    _check(plain, {k: v for k, v in _expected().items() if k not in mismatch})
+    out = compute_rollout_correction(*_inputs(), config=RolloutCorrectionConfig.decoupled_token_is())
+    assert not {P + k for k in mismatch} & set(out.metrics)
+
+
 def test_empty_rows_are_excluded_from_sequence_statistics():
-    with_empty = metrics_to_floats(compute_offpolicy_metrics(*_inputs(3)))
-    without = metrics_to_floats(compute_offpolicy_metrics(*_inputs(2)))
+    with_empty = metrics_to_floats(compute_offpolicy_metrics(*_inputs(3), mismatch_metrics=True))
+    without = metrics_to_floats(compute_offpolicy_metrics(*_inputs(2), mismatch_metrics=True))
     assert with_empty == pytest.approx(without, rel=1e-12)
     # Counting the empty row as a sequence with mean 0 would give training_log_ppl 2/3, not 1.
     assert with_empty[P + "training_log_ppl"] == pytest.approx(1.0)
@@ -115,8 +126,8 @@ def test_empty_rows_are_excluded_from_sequence_statistics():
 
 def test_float_mask_and_bool_mask_agree():
     old, roll, mask = _inputs()
-    a = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask))
-    b = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask.float()))
+    a = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask, mismatch_metrics=True))
+    b = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask.float(), mismatch_metrics=True))
     assert a == b
 
 
@@ -125,7 +136,7 @@ def test_extreme_inputs_give_finite_clamped_metrics(old_v, roll_v):
     old = torch.tensor([[old_v, -1.0], [-1.0, -1.0]])
     roll = torch.tensor([[roll_v, -1.0], [-1.0, -1.0]])
     mask = torch.ones(2, 2, dtype=torch.bool)
-    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask))
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask, mismatch_metrics=True))
     assert all(math.isfinite(v) for v in got.values()), got
     x = old_v - roll_v  # the one non-zero log-ratio, in row 0
     xc = max(-20.0, min(20.0, x))
@@ -144,7 +155,7 @@ def test_nonfinite_row_is_dropped_and_counted():
     old = torch.cat([old, torch.tensor([[float("nan"), -1.0, -1.0]])])
     roll = torch.cat([roll, torch.tensor([[-1.0, -1.0, -1.0]])])
     mask = torch.cat([mask, torch.tensor([[True, True, False]])])
-    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask))
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask, mismatch_metrics=True))
     exp = _expected()
     exp["nonfinite_seq_fraction"] = 1 / 3  # 3 rows with valid tokens in the input, 1 dropped
     _check(got, exp)
@@ -152,16 +163,16 @@ def test_nonfinite_row_is_dropped_and_counted():
 
 def test_all_masked_batch_gives_zero_metrics():
     old, roll, _ = _inputs()
-    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.zeros(3, 3, dtype=torch.bool)))
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.zeros(3, 3, dtype=torch.bool), mismatch_metrics=True))
     assert got == {k: 0.0 for k in got}
 
 
 def test_mismatch_metrics_stay_finite_on_log_probs_that_are_no_probabilities():
     """Positive log-probs beyond float32's exp range and huge negative ones: every metric finite, the
-    log-probs bounded to [−1e4, 20] (0 and e^20 as probabilities)."""
+    log-probs bounded to [−1e4, 0] (0 and 1 as probabilities)."""
     old = torch.tensor([[100.0, -1.0, -1e20], [50.0, -2.0, -3.0]])
     roll = torch.tensor([[100.0, -1.5, -1e20], [49.0, -2.0, -3.0]])
-    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.ones(2, 3)))
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.ones(2, 3), mismatch_metrics=True))
     assert all(math.isfinite(v) for v in got.values()), got
     assert got[P + "prob_abs_diff_max"] == pytest.approx(math.exp(-1.0) - math.exp(-1.5), rel=1e-6)
     assert got[P + "log_prob_abs_diff_max"] == pytest.approx(1.0)

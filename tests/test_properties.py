@@ -324,7 +324,7 @@ def _direct_mismatch(rows):
     """The mismatch metrics from their definitions (module docstring of _src/metrics.py), in float64."""
     toks = [(o, r) for row in rows for o, r in row]
     n = len(toks)
-    bounded = [(max(-1e4, min(20.0, o)), max(-1e4, min(20.0, r))) for o, r in toks]  # log-probs in [−1e4, 20]
+    bounded = [(max(-1e4, min(0.0, o)), max(-1e4, min(0.0, r))) for o, r in toks]  # log-probs in [−1e4, 0]
     q, p = [math.exp(o) for o, _ in bounded], [math.exp(r) for _, r in bounded]
     lr32 = [[float(np.float32(o) - np.float32(r)) for o, r in row] for row in rows]  # the library's fp32 Δ
     flat32 = [x for row in lr32 for x in row]
@@ -354,7 +354,7 @@ def _direct_mismatch(rows):
 @given(batches())
 def test_offpolicy_metrics_match_a_direct_evaluation(batch):
     old, rollout, mask = batch
-    got = {k.split("/", 1)[1]: float(v) for k, v in compute_offpolicy_metrics(old, rollout, mask).items()}
+    got = {k.split("/", 1)[1]: float(v) for k, v in compute_offpolicy_metrics(old, rollout, mask, mismatch_metrics=True).items()}
     rows = [[(o, r) for o, r, m in zip(orow, rrow, mrow) if m]
             for orow, rrow, mrow in zip(old.tolist(), rollout.tolist(), mask.tolist())]
     rows = [r for r in rows if r]  # sequences with no valid token do not count

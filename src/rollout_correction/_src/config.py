@@ -126,6 +126,11 @@ class RolloutCorrectionConfig(Presets, Loading):
     check_alignment: bool = _key(
         False, "true, false", "also test whether the rollout log-probs look shifted by one token against the "
         "trainer's (alignment_* metrics, a MisalignmentWarning when they do; one extra sync).")
+    mismatch_metrics: bool = _key(
+        False, "true, false", "also compute the mismatch metrics other engines log: |p_train − p_rollout| "
+        "mean/max/std, the Pearson correlation of probabilities and of log-probs, a JS estimate, slime's "
+        "mean |Δ log p|, max |Δ log p| and the share of tokens with |Δ log p| > 1, > 2 (about 15 more "
+        "per-token passes; no sync).")
 
     # Resolved settings, derived in __post_init__.
     is_spec: Optional[ISSpec] = field(init=False, repr=False, compare=False, default=None)
@@ -133,7 +138,7 @@ class RolloutCorrectionConfig(Presets, Loading):
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
-        for key in ("rollout_is_batch_normalize", "bypass_mode", "check_alignment"):
+        for key in ("rollout_is_batch_normalize", "bypass_mode", "check_alignment", "mismatch_metrics"):
             if not isinstance(getattr(self, key), bool):
                 raise invalid(key, getattr(self, key), "expected true or false")
         for key, allowed in (("loss_type", get_args(LossType)), ("on_nonfinite", get_args(NonFinitePolicy))):

@@ -59,7 +59,7 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig,
         add_is_statistics(stats, batch, config.is_spec, isw)
     rej = rejection_keep(batch, config.rs_options, config.rollout_token_veto_threshold, stats,
                          config.rollout_token_veto_threshold_high)
-    add_offpolicy_statistics(stats, batch)
+    add_offpolicy_statistics(stats, batch, mismatch=config.mismatch_metrics)
     if config.check_alignment:
         sums = alignment_statistics(batch.old_log_prob, batch.rollout_log_prob, batch.response_mask)
         for name, value in zip(_ALIGN_KEYS, sums.unbind()):

@@ -12,9 +12,9 @@ sequence statistics over sequences with ≥ 1 valid token; exponents clamped to 
 * ``ppl_ratio`` = mean_seq exp(d)                               — training PPL / rollout PPL per sequence
 * ``chi2_token`` = mean_tok(ρ_t²) − 1,  ``chi2_seq`` = mean_seq((∏_t ρ_t)²) − 1
 
-Mismatch metrics (the numbers other engines log; Δ_t = log ρ_t unclamped, q_t = π_train(y_t),
-p_t = π_rollout(y_t), the log-probs bounded to [−1e4, 20] first: a value above 20 is no probability,
-one below −1e4 a probability of 0):
+Mismatch metrics (with ``mismatch_metrics=True``: the numbers other engines log; Δ_t = log ρ_t unclamped, q_t = π_train(y_t),
+p_t = π_rollout(y_t), the log-probs bounded to [−1e4, 0] first: a value above 0 is no probability
+(taken as 1), one below −1e4 a probability of 0):
 
 * ``prob_abs_diff_mean`` / ``_max`` / ``_std`` = mean / max / sample std (n − 1 denominator, as verl's
   ``rollout_probs_diff_std``; 0 below two tokens) over tokens of |q_t − p_t|
@@ -50,7 +50,7 @@ __all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_m
 _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
 
 
-def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
+def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, mismatch: bool = False) -> None:
     """Record the sufficient statistics of the off-policy metrics."""
     rows = batch.row_valid
     stats.add_sum("op.sum_lr", batch.row_sum)
@@ -76,7 +76,8 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     stats.add_max("op.neg_d_max", means[0], rows=rows)  # −d: min d = −max(−d), no negation
     stats.add_sum("op.ppl_ratio", e[2], rows=rows)
     stats.add_sum("op.rho2_seq", e[3], rows=rows)
-    _add_mismatch_statistics(stats, batch)
+    if mismatch:
+        _add_mismatch_statistics(stats, batch)
 
 
 _LOGP_FLOOR = 1e4
@@ -86,9 +87,9 @@ _MOMENTS = ("q", "p", "qq", "pp", "qp", "lq", "lp", "lqlq", "lplp", "lqlp", "d",
 def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
     """Per-row sums of the float32 per-token moments behind the mismatch metrics (added up in
     float64 across rows), and the per-row maxima of |q − p| and |Δ|."""
-    # a log-prob above 20 is no probability (it is bounded like every exponent); below −1e4 its
-    # probability is 0 anyway: the bounds keep the float32 squares finite
-    lq, lp = (x.clamp_(-_LOGP_FLOOR, SAFETY_BOUND) for x in batch.log_probs())
+    # a log-prob above 0 is no probability (taken as 1: the moments of q, p ∈ [0, 1] stay well
+    # conditioned in float32); below −1e4 its probability is 0 anyway
+    lq, lp = (x.clamp_(-_LOGP_FLOOR, 0.0) for x in batch.log_probs())
     mask = batch.mask
     q, p = lq.exp().mul_(mask), lp.exp().mul_(mask)
     d = (q - p).abs_()
@@ -159,8 +160,8 @@ def mismatch_metrics(stats) -> dict[str, Value]:
 
 
 def offpolicy_metrics(stats) -> dict[str, Value]:
-    """The 13 off-policy metrics and the 10 mismatch metrics (module docstring) from reduced
-    statistics of either kind; 0 when empty."""
+    """The 13 off-policy metrics, and the 10 mismatch metrics when their statistics were recorded
+    (module docstring), from reduced statistics of either kind; 0 when empty."""
     n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
 
     def seq_mean(k: str) -> Value:
@@ -181,7 +182,7 @@ def offpolicy_metrics(stats) -> dict[str, Value]:
         "ppl_ratio": seq_mean("op.ppl_ratio"),
         "chi2_token": where(n_tok > 0, safe_div(stats.sum("op.sum_rho2"), n_tok) - 1.0, 0.0),
         "chi2_seq": where(has_rows, seq_mean("op.rho2_seq") - 1.0, 0.0),
-        **mismatch_metrics(stats),
+        **(mismatch_metrics(stats) if "mm.q" in stats.sums else {}),
     }
 
 
@@ -330,7 +331,8 @@ def metrics_to_floats(metrics: Mapping[str, Union[torch.Tensor, float]]) -> dict
 
 def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                               response_mask: torch.Tensor, *, process_group: Optional[object] = None,
-                              on_nonfinite: str = "reject", sequence_group: Optional[object] = None) -> dict[str, torch.Tensor]:
+                              on_nonfinite: str = "reject", sequence_group: Optional[object] = None,
+                              mismatch_metrics: bool = False) -> dict[str, torch.Tensor]:
     """Off-policy diagnostics of π_train vs π_rollout, keys ``rollout_corr/<name>``.
 
     Args:
@@ -340,6 +342,8 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         process_group: reduce the statistics over this group (metrics of the whole batch).
         sequence_group: every sequence is split across this group (context parallelism), as in
             :func:`rollout_correction.compute_rollout_correction`.
+        mismatch_metrics: also the 10 mismatch metrics (|p_train − p_rollout|, Pearson, JS, |Δ log p|
+            tails; module docstring), about 15 more per-token passes.
     Returns:
         dict of 0-d float64 tensors (formulas in the module docstring).
     """
@@ -349,12 +353,12 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         rows = RowExchange(sequence_group)
         for _ in rows.passes():
             batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=on_nonfinite, rows=rows)
-            acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite)
+            acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite, mismatch_metrics=mismatch_metrics)
             acc.update_batch(batch)
         if on_nonfinite == "raise":
             raise_nonfinite(batch.bad_rows)
         return prefixed(acc.finalize(reduce_owned(acc.stats, process_group, owner)))
-    acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite)
+    acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite, mismatch_metrics=mismatch_metrics)
     acc.update(old_log_prob, rollout_log_prob, response_mask)
     return acc.compute(process_group)
 
@@ -398,10 +402,14 @@ class Accumulator:
 
 
 class OffPolicyAccumulator(Accumulator):
-    """Streaming :func:`compute_offpolicy_metrics`."""
+    """Streaming :func:`compute_offpolicy_metrics` (with the mismatch metrics if ``mismatch_metrics``)."""
+
+    def __init__(self, on_nonfinite: str = "reject", mismatch_metrics: bool = False) -> None:
+        super().__init__(on_nonfinite)
+        self.mismatch_metrics = mismatch_metrics
 
     def record(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
-        add_offpolicy_statistics(stats, batch)
+        add_offpolicy_statistics(stats, batch, mismatch=self.mismatch_metrics)
 
     def finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
         return {**offpolicy_metrics(stats), **nonfinite_metrics(stats)}

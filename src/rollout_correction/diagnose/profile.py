@@ -195,7 +195,7 @@ class MismatchProfile:
 
     def __init__(self, presets: list[str] | None = None, track_tokens: bool = True,
                  max_block_elements: int = 4_000_000):
-        self._offpolicy = OffPolicyAccumulator()
+        self._offpolicy = OffPolicyAccumulator(mismatch_metrics=True)
         names = list(RolloutCorrectionConfig.preset_names()) if presets is None else list(presets)
         # Presets that differ only in the loss (bypass vs decoupled, PPO vs REINFORCE) have the same
         # weights and masks: compute each distinct correction once.
