@@ -205,6 +205,17 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
     digits = task.sample_digits(cfg.prompts, gen).repeat_interleave(cfg.samples, dim=0)
     prompts = task.prompts(digits)
     responses, rollout_log_prob = engine.generate(prompts, task.response_len, generator=gen)
+    return update_policy(cfg, method, rc_cfg, task, model, opt, digits, responses, rollout_log_prob)
+
+
+def update_policy(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, opt, digits: torch.Tensor,
+                  responses: torch.Tensor, rollout_log_prob: torch.Tensor, loss_fn=None) -> dict[str, float]:
+    """Steps 3–7 of a GRPO step on a sampled batch: rewards, log π_θ, advantages, loss, Adam.
+
+    ``loss_fn(log_prob, old_log_prob, rollout_log_prob, advantages, mask, rows)`` replaces
+    :func:`policy_loss` when given (``rows``: the mini-batch's slice of the batch).
+    """
+    prompts = task.prompts(digits)
     rewards = task.reward(responses, digits)
     tokens = torch.cat([prompts, responses], dim=1)
     mask = torch.ones_like(rollout_log_prob)
@@ -225,8 +236,11 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
         sl = slice(i, i + mb)
         log_prob = response_log_probs(model, tokens[sl], task.prompt_len) if cfg.minibatches > 1 else log_prob_all
         old_log_prob = old_all[sl]
-        loss, m = policy_loss(method, rc_cfg, log_prob, old_log_prob, rollout_log_prob[sl], advantages[sl],
-                              mask[sl], cfg.clip_eps)
+        if loss_fn is None:
+            loss, m = policy_loss(method, rc_cfg, log_prob, old_log_prob, rollout_log_prob[sl], advantages[sl],
+                                  mask[sl], cfg.clip_eps)
+        else:
+            loss, m = loss_fn(log_prob, old_log_prob, rollout_log_prob[sl], advantages[sl], mask[sl], sl)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
