@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 psutil = pytest.importorskip("psutil")
 
-from rollout_correction.demo.async_report import checks, lag_counts, time_to_target  # noqa: E402
+from rollout_correction.demo.async_report import checks, kl_by_lag, lag_counts, time_to_target  # noqa: E402
 from rollout_correction.demo.async_rollout import (AsyncRollout, BatchSource, RolloutWorkerError,  # noqa: E402
                                                    WeightPublisher)
 from rollout_correction.demo.async_runner import AsyncConfig, train_mode  # noqa: E402
@@ -163,6 +163,9 @@ def test_time_to_target_lag_counts_and_checks_by_hand():
     assert time_to_target(evals, 0.8) == (5.0, 50)
     assert time_to_target(evals, 0.9) == (None, None)
     assert lag_counts({"lag": [0, 1, 2, 2, 4]}, 4) == [1, 1, 2, 0, 1]
+    hist = {"rollout_corr/staleness/lag_0/kl": [0.0, 0.1], "rollout_corr/staleness/lag_0/token_count": [0, 5],
+            "rollout_corr/staleness/lag_1plus/kl": [0.2, 0.4], "rollout_corr/staleness/lag_1plus/token_count": [1, 1]}
+    assert kl_by_lag(hist) == pytest.approx({"lag_0": 0.1, "lag_1plus": 0.3})  # empty steps left out
 
     def mode(final, asynchronous, speedup):
         return {"final_reward": {"mean": final}, "asynchronous": asynchronous, "speedup": speedup,
@@ -212,4 +215,6 @@ def test_async_quick_end_to_end(tmp_path):
         assert secs == sorted(secs) and secs[-1] <= r["seconds"]
         assert r["history"]["rollout_corr/staleness/lag_mean"] == pytest.approx(r["history"]["lag"])
     assert summary["checks"]["available"] and "naive_cost" in summary["checks"]
+    buckets = {f"lag_{k}" for k in range(eta)} | {f"lag_{eta}plus"}
+    assert set(summary["modes"]["async_naive"]["kl_by_lag"]) <= buckets
     assert multiprocessing.active_children() == []

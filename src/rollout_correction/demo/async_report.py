@@ -44,6 +44,18 @@ def lag_counts(history: dict, max_staleness: int) -> list[int]:
     return counts
 
 
+def kl_by_lag(history: dict) -> dict[str, float]:
+    """Mean over the steps that have tokens of that staleness of the per-bucket mismatch KL
+    (``rollout_corr/staleness/lag_<ℓ>/kl``), per bucket."""
+    prefix, out = "rollout_corr/staleness/", {}
+    for key in history:
+        if key.startswith(prefix) and key.endswith("/kl"):
+            bucket = key[len(prefix):-len("/kl")]
+            counts = history[f"{prefix}{bucket}/token_count"]
+            out[bucket] = _mean([kl for kl, n in zip(history[key], counts) if n > 0])
+    return out
+
+
 def summarize(cfg: DemoConfig, acfg: AsyncConfig, raw: dict) -> dict:
     results = raw["results"]
     sync_final = _mean([r["evals"]["trainer"][-1] for r in results if r["mode"] == SYNC])
@@ -64,6 +76,8 @@ def summarize(cfg: DemoConfig, acfg: AsyncConfig, raw: dict) -> dict:
             "initial_mismatch_kl": _tenth(kl, last=False), "final_mismatch_kl": _tenth(kl, last=True),
             "mean_mismatch_kl": _mean(kl),
             "first_alert": first, "alerts": len(r["alerts"]),
+            "alert_rules": sorted({a["rule"] for a in r["alerts"]}),
+            "kl_by_lag": kl_by_lag(r["history"]),
         })
     modes = {}
     for m in acfg.modes:
@@ -87,6 +101,10 @@ def summarize(cfg: DemoConfig, acfg: AsyncConfig, raw: dict) -> dict:
             "final_mismatch_kl": _mean([r["final_mismatch_kl"] for r in rs]),
             "mean_mismatch_kl": _mean([r["mean_mismatch_kl"] for r in rs]),
             "first_alerts": [r["first_alert"] for r in rs],
+            "alert_rules": {rule: sum(rule in r["alert_rules"] for r in rs)
+                            for rule in sorted({x for r in rs for x in r["alert_rules"]})},
+            "kl_by_lag": {b: _mean([r["kl_by_lag"].get(b, float("nan")) for r in rs])
+                          for b in sorted({b for r in rs for b in r["kl_by_lag"]})},
         }
     if SYNC in modes:
         syncs = [m for m in modes.values() if not m["asynchronous"] and m["time_to_target"]]

@@ -97,7 +97,8 @@ class AsyncConfig:
                 "sync_threads": self.sync_threads}
 
 
-def mode_loss(mode: AsyncMode, rc_cfg, clip_eps: float, versions: torch.Tensor, current_version: int):
+def mode_loss(mode: AsyncMode, rc_cfg, clip_eps: float, versions: torch.Tensor, current_version: int,
+              num_buckets: int = 4):
     """The ``loss_fn`` of :func:`update_policy` for ``mode``: the method's loss (or the
     three-policy loss), plus on every step the staleness metrics of π_old against π_behav by lag
     bucket and the mismatch KL(π_behav‖π_old) — the same numbers for every mode."""
@@ -118,7 +119,8 @@ def mode_loss(mode: AsyncMode, rc_cfg, clip_eps: float, versions: torch.Tensor, 
             loss, m = policy_loss(method, rc_cfg, log_prob, old_log_prob, rollout_log_prob, advantages, mask,
                                   clip_eps)
         gap = {**compute_offpolicy_metrics(old_log_prob, rollout_log_prob, mask),
-               **staleness_metrics(old_log_prob, rollout_log_prob, mask, v, current_version)}
+               **staleness_metrics(old_log_prob, rollout_log_prob, mask, v, current_version,
+                                   num_buckets=num_buckets)}
         return loss, {**m, **metrics_to_floats(gap)}
 
     return loss_fn
@@ -198,7 +200,8 @@ def train_mode(cfg: DemoConfig, acfg: AsyncConfig, mode_name: str, seed: int, sf
             digits, responses, rollout_log_prob = batch.tensors()
             versions = torch.full((digits.shape[0],), batch.version, dtype=torch.int64)
             stats = update_policy(cfg, method, rc_cfg, task, model, opt, digits, responses, rollout_log_prob,
-                                  loss_fn=mode_loss(mode, rc_cfg, cfg.clip_eps, versions, step))
+                                  loss_fn=mode_loss(mode, rc_cfg, cfg.clip_eps, versions, step,
+                                                    num_buckets=acfg.max_staleness + 1))
             if mode.asynchronous:
                 publisher.publish(model, step + 1)
             for alert in monitor.update(step, stats):
@@ -221,7 +224,7 @@ def train_mode(cfg: DemoConfig, acfg: AsyncConfig, mode_name: str, seed: int, sf
     return result
 
 
-def run_comparison(cfg: DemoConfig, acfg: AsyncConfig, show_progress: bool = True) -> dict:
+def run_comparison(cfg: DemoConfig, acfg: AsyncConfig, show_progress: bool = True, console=None) -> dict:
     """SFT per seed, then every mode for every seed, one run at a time (seed-major, so a change in
     the machine's load falls on every mode of a seed alike); returns the raw results."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -241,6 +244,10 @@ def run_comparison(cfg: DemoConfig, acfg: AsyncConfig, show_progress: bool = Tru
                 r = train_mode(cfg, acfg, name, seed, sft_out[seed][0],
                                progress=lambda n, bar=bar: bars.advance(bar, n))
                 results.append(r.to_dict())
+                if console is not None:
+                    console.print(f"{ASYNC_MODES[name].label} · seed {seed}: {r.seconds:.1f} s on the clock "
+                                  f"(+{r.startup_seconds:.1f} s start-up), final exact match "
+                                  f"{r.evals['trainer'][-1]:.3f}")
     setup_torch(1)
     return {
         "results": results,

@@ -158,7 +158,7 @@ def run_async(args: argparse.Namespace, cfg: DemoConfig, console, command: str) 
     console.print(f"[bold]rollout-correction demo --async[/bold] — {len(acfg.modes)} modes × {len(cfg.seeds)} "
                   f"seeds, {cfg.steps} GRPO steps each, η = {acfg.max_staleness}, queue {acfg.queue_size}")
     t0 = time.perf_counter()
-    raw = run_comparison(cfg, acfg, show_progress=not args.no_progress)
+    raw = run_comparison(cfg, acfg, show_progress=not args.no_progress, console=console)
     summary = write_report(cfg, acfg, raw, Path(cfg.out), command)
     print_table(summary, console)
     console.print(f"report: {Path(cfg.out) / 'async-report.md'}  ({time.perf_counter() - t0:.0f} s)")
