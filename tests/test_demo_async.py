@@ -218,3 +218,46 @@ def test_async_quick_end_to_end(tmp_path):
     buckets = {f"lag_{k}" for k in range(eta)} | {f"lag_{eta}plus"}
     assert set(summary["modes"]["async_naive"]["kl_by_lag"]) <= buckets
     assert multiprocessing.active_children() == []
+
+
+def test_the_engine_exits_when_the_trainer_process_is_killed(tmp_path):
+    """SIGKILL gives the trainer no chance to stop its engine: the engine must notice and exit."""
+    import subprocess
+    import sys
+    import textwrap
+
+    import rollout_correction
+
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent("""
+        import time, torch
+        from rollout_correction.demo.async_rollout import AsyncRollout, BatchSource, WeightPublisher
+        from rollout_correction.demo.config import DemoConfig
+        from rollout_correction.demo.model import build_model
+        if __name__ == "__main__":
+            cfg = DemoConfig(digits=4, prompts=4, samples=2, steps=8, sft_steps=0)
+            ctx = torch.multiprocessing.get_context("spawn")
+            model = build_model(cfg.model, max_len=11)
+            pub = WeightPublisher(model, ctx)
+            pub.publish(model, 0)
+            with AsyncRollout(BatchSource(cfg, 0), pub, ctx, steps=8, max_staleness=0, queue_size=1) as r:
+                print(r.process.pid, flush=True)
+                time.sleep(600)
+    """))
+    src = os.path.dirname(os.path.dirname(rollout_correction.__file__))
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        pid = int(trainer.stdout.readline())
+        assert psutil.pid_exists(pid)
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    _wait(gone, timeout=30)

@@ -10,7 +10,7 @@ The pieces of ``rollout-correction demo --async``:
   generator seeded by (seed, k), so the batch depends on the seed, k and the weights only.
 * :func:`rollout_worker` — the engine process: for k = 0, 1, …, wait until the latest version
   is at least k − η, load it if it is newer than the one held, sample batch k, put it on the queue
-  (blocking while the queue is full).
+  (blocking while the queue is full). It stops when told to or when the trainer's process is gone.
 * :class:`AsyncRollout` — the trainer's side: start the worker, take batches in order, turn a
   dead worker into an error, and shut everything down.
 
@@ -27,6 +27,7 @@ engine runs ahead in memory; lags above ``queue_size + 1`` need η and a slow en
 
 from __future__ import annotations
 
+import multiprocessing
 import queue as queue_lib
 import time
 import traceback
@@ -84,11 +85,11 @@ class WeightPublisher:
             self._version.value = version
             self.cond.notify_all()
 
-    def wait_for(self, version: int, stop) -> int | None:
-        """Block until the published version is ≥ ``version``; returns it (None once ``stop`` is set)."""
+    def wait_for(self, version: int, halted) -> int | None:
+        """Block until the published version is ≥ ``version``; returns it (None once ``halted()``)."""
         with self.cond:
             while self._version.value < version:
-                if stop.is_set():
+                if halted():
                     return None
                 self.cond.wait(_POLL_S)
             return int(self._version.value)
@@ -147,6 +148,11 @@ class BatchSource:
 def rollout_worker(source: BatchSource, publisher: WeightPublisher, batches, errors, stop, ready, produced,
                    steps: int, max_staleness: int, threads: int = 1) -> None:
     """The engine process: batches 0 … steps − 1, each with the latest weights allowed (module docstring)."""
+    parent = multiprocessing.parent_process()
+
+    def halted() -> bool:  # asked to stop, or the trainer is gone (killed without a chance to say so)
+        return stop.is_set() or (parent is not None and not parent.is_alive())
+
     try:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(True)
@@ -155,14 +161,14 @@ def rollout_worker(source: BatchSource, publisher: WeightPublisher, batches, err
         held = -1
         ready.set()
         for k in range(steps):
-            if publisher.wait_for(k - max_staleness, stop) is None:
+            if publisher.wait_for(k - max_staleness, halted) is None:
                 return
             if publisher.version != held:
                 held = publisher.load_into(mirror)
                 engine.sync(mirror)     # applies the engine's precision / quantisation
             batch = source.make(engine, k, held)
             while True:
-                if stop.is_set():
+                if halted():
                     return
                 try:
                     batches.put(batch, timeout=_POLL_S)
