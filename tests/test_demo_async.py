@@ -177,6 +177,11 @@ def test_time_to_target_lag_counts_and_checks_by_hand():
     assert c["async_1.5x_faster"] is False          # bypass reaches it only 1.4× faster
     assert c["best_corrected"] == "async_opsm" and c["corrected_within_0.05"] is True
     assert c["naive_cost"] == pytest.approx(0.37)
+    # without the two-thread run, its one-thread variant is the reference
+    c = checks({"sync_on_policy_1t": mode(0.90, False, 1.0), "async_naive": mode(0.50, True, 1.7)})
+    assert c["reference"] == "sync_on_policy_1t" and c["naive_cost"] == pytest.approx(0.40)
+    assert c["async_1.5x_faster"] is True
+    assert checks({"async_naive": mode(0.5, True, 1.7)})["available"] is False
 
 
 def test_bad_settings_are_named():
