@@ -112,8 +112,8 @@ def mode_loss(mode: AsyncMode, rc_cfg, clip_eps: float, versions: torch.Tensor, 
         if mode.three_policy:
             loss, m = compute_staleness_policy_loss(
                 log_prob, rollout_log_prob, advantages, mask, v, current_version, config=rc_cfg,
-                proximal_method="loglinear", clip_ratio_low=clip_eps, clip_ratio_high=clip_eps,
-                loss_agg_mode="token-mean")
+                proximal_method="loglinear", num_buckets=num_buckets, clip_ratio_low=clip_eps,
+                clip_ratio_high=clip_eps, loss_agg_mode="token-mean")
             m = metrics_to_floats(m)
         else:
             loss, m = policy_loss(method, rc_cfg, log_prob, old_log_prob, rollout_log_prob, advantages, mask,
