@@ -11,4 +11,11 @@ The pieces, each short and readable on its own:
 * ``runner.py``  — every method × seed over worker processes, with progress bars;
 * ``report.py``  — summary.json, plots and report.md;
 * ``cli.py``     — the flags.
+
+``--async`` (asynchronous RL, measured in wall-clock time against synchronous RL):
+
+* ``async_rollout.py`` — the engine in its own process, shared-memory weights with a version,
+                         the bounded queue and the staleness bound η;
+* ``async_runner.py``  — synchronous and asynchronous runs on the same batches;
+* ``async_report.py``  — async-summary.json, the accuracy-against-wall-clock plot, async-report.md.
 """

@@ -55,6 +55,16 @@ def _method_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def _async_mode_list(text: str) -> tuple[str, ...]:
+    from rollout_correction.demo.async_runner import ASYNC_MODES
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [n for n in names if n not in ASYNC_MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown async mode(s) {unknown}; choose from {', '.join(ASYNC_MODES)}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="stale",
                         help="named defaults: stale (fp32 engine 4 optimizer steps behind; default), "
@@ -72,6 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list-methods", action="store_true", help="print the methods and exit")
     for name, (typ, text) in _FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=text)
+    # Asynchronous RL (demo/async_runner.py): synchronous on-policy against async modes, side by side.
+    parser.add_argument("--async", dest="async_mode", action="store_true",
+                        help="compare synchronous on-policy RL with asynchronous RL (engine and trainer in "
+                             "two processes) in wall-clock time; see docs/demo.md")
+    parser.add_argument("--async-modes", type=_async_mode_list, default=None,
+                        help="with --async: comma-separated modes (default: all; see docs/demo.md)")
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="with --async: η, batch k is sampled with a policy version ≥ k − η (default 4)")
+    parser.add_argument("--queue-size", type=int, default=None,
+                        help="with --async: batches the engine may hold ready (default 3)")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -110,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     command = "rollout-correction demo " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
         if len(sys.argv) > 1 and sys.argv[1] == "demo" else "rollout-correction demo (called from Python)"
+    if args.async_mode:
+        return run_async(args, cfg, console, command)
     n_runs = len(cfg.methods) * len(cfg.seeds)
     console.print(f"[bold]rollout-correction demo[/bold] — scenario {cfg.scenario}: {n_runs} runs "
                   f"({len(cfg.methods)} methods × {len(cfg.seeds)} seeds), {cfg.steps} GRPO steps each, "
@@ -119,4 +141,28 @@ def run(args: argparse.Namespace) -> int:
     summary = write_report(cfg, raw, Path(cfg.out), command)
     print_table(summary, console)
     console.print(f"report: {Path(cfg.out) / 'report.md'}  ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def run_async(args: argparse.Namespace, cfg: DemoConfig, console, command: str) -> int:
+    """``--async``: every async mode × seed, one run at a time on the whole machine; then the report."""
+    from rollout_correction.demo.async_report import print_table, write_report
+    from rollout_correction.demo.async_runner import QUICK_ASYNC_MODES, AsyncConfig, run_comparison
+
+    values = {"modes": QUICK_ASYNC_MODES} if args.quick else {}
+    for name in ("async_modes", "max_staleness", "queue_size"):
+        if getattr(args, name) is not None:
+            values["modes" if name == "async_modes" else name] = getattr(args, name)
+    try:
+        acfg = AsyncConfig(**values)
+    except ValueError as exc:
+        console.print(f"[red]rollout-correction demo --async: {exc}[/red]")
+        return 2
+    console.print(f"[bold]rollout-correction demo --async[/bold] — {len(acfg.modes)} modes × {len(cfg.seeds)} "
+                  f"seeds, {cfg.steps} GRPO steps each, η = {acfg.max_staleness}, queue {acfg.queue_size}")
+    t0 = time.perf_counter()
+    raw = run_comparison(cfg, acfg, show_progress=not args.no_progress, console=console)
+    summary = write_report(cfg, acfg, raw, Path(cfg.out), command)
+    print_table(summary, console)
+    console.print(f"report: {Path(cfg.out) / 'async-report.md'}  ({time.perf_counter() - t0:.0f} s)")
     return 0

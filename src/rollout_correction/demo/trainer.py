@@ -214,6 +214,22 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
     routing = Routing(cfg, method, model, task.prompt_len)
     with routing.engine(engine):
         responses, rollout_log_prob = engine.generate(prompts, task.response_len, generator=gen)
+    return update_policy(cfg, method, rc_cfg, task, model, opt, digits, responses, rollout_log_prob,
+                         routing=routing)
+
+
+def update_policy(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, opt, digits: torch.Tensor,
+                  responses: torch.Tensor, rollout_log_prob: torch.Tensor, loss_fn=None,
+                  routing: "Routing | None" = None) -> dict[str, float]:
+    """Steps 3–7 of a GRPO step on a sampled batch: rewards, log π_θ, advantages, loss, Adam.
+
+    ``loss_fn(log_prob, old_log_prob, rollout_log_prob, advantages, mask, rows)`` replaces
+    :func:`policy_loss` when given (``rows``: the mini-batch's slice of the batch). ``routing``
+    carries the engine's expert record of this batch (MoE models; none for dense ones).
+    """
+    if routing is None:
+        routing = Routing(cfg, method, model, task.prompt_len)
+    prompts = task.prompts(digits)
     rewards = task.reward(responses, digits)
     tokens = torch.cat([prompts, responses], dim=1)
     mask = torch.ones_like(rollout_log_prob)
@@ -239,8 +255,11 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
         else:
             log_prob = log_prob_all
         old_log_prob = old_all[sl]
-        loss, m = policy_loss(method, rc_cfg, log_prob, old_log_prob, rollout_log_prob[sl], advantages[sl],
-                              mask[sl], cfg.clip_eps)
+        if loss_fn is None:
+            loss, m = policy_loss(method, rc_cfg, log_prob, old_log_prob, rollout_log_prob[sl], advantages[sl],
+                                  mask[sl], cfg.clip_eps)
+        else:
+            loss, m = loss_fn(log_prob, old_log_prob, rollout_log_prob[sl], advantages[sl], mask[sl], sl)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
