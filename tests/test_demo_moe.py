@@ -80,3 +80,18 @@ def test_short_moe_scenario_run_reports_routing(tmp_path):
     assert (out / "routing_agreement.png").stat().st_size > 0
     report = (out / "report.md").read_text()
     assert "Routing agreement" in report
+
+
+def test_quick_moe_scenario_includes_routing_replay():
+    """``--scenario moe --quick`` (the first look) compares R3 with naive and token TIS; a dense
+    scenario's ``--quick`` keeps its three methods."""
+    import argparse
+
+    from rollout_correction.demo.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    moe = config_from_args(parser.parse_args(["--scenario", "moe", "--quick"]))
+    assert moe.model == "moe" and moe.methods == ("naive", "token_tis", "r3")
+    dense = config_from_args(parser.parse_args(["--quick"]))
+    assert dense.methods == ("on_policy", "naive", "token_tis")

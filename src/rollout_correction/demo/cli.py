@@ -99,6 +99,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     values = dict(SCENARIOS[args.scenario])
     if args.quick:
         values.update(QUICK)
+        if values.get("model") in MOE_SIZES:  # a first look at routing replay too
+            values["methods"] = ("naive", "token_tis", "r3")
     for name in _FLAGS:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
