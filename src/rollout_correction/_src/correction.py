@@ -79,10 +79,11 @@ def _alignment_metrics(stats) -> dict[str, Value]:
 
 
 def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                config: RolloutCorrectionConfig, row_offset: int = 0):
+                config: RolloutCorrectionConfig, row_offset: int = 0, segment_ids: Optional[torch.Tensor] = None,
+                max_segments: Optional[int] = None):
     """Everything that touches (B, T) data: weights before normalisation, keep mask, local statistics."""
     batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite,
-                            row_offset=row_offset)
+                            row_offset=row_offset, segment_ids=segment_ids, max_segments=max_segments)
     stats = SufficientStats()
     batch.add_counts(stats)
     isw, rej = local_correction(batch, config, stats)
@@ -90,10 +91,11 @@ def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, resp
 
 
 def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                config: RolloutCorrectionConfig):
+                segment_ids: Optional[torch.Tensor], max_segments: Optional[int], config: RolloutCorrectionConfig):
     """:func:`_block_pass` on the whole batch with the statistics settled: pure tensor code in and
     out, so torch.compile can fuse it."""
-    weights, keep, stats = _block_pass(old_log_prob, rollout_log_prob, response_mask, config)
+    weights, keep, stats = _block_pass(old_log_prob, rollout_log_prob, response_mask, config,
+                                       segment_ids=segment_ids, max_segments=max_segments)
     return weights, keep, stats.sums, stats.maxes
 
 
@@ -120,15 +122,20 @@ class RowValues:
 
 def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                     config: RolloutCorrectionConfig, process_group: Optional[object], rows: RowExchange,
-                    owner: Optional[bool]) -> tuple[CorrectionOutput, RowValues]:
+                    owner: Optional[bool], segment_ids: Optional[torch.Tensor] = None,
+                    max_segments: Optional[int] = None) -> tuple[CorrectionOutput, RowValues]:
     """One pass of the correction over sequences split across ``rows.group``: placeholders in the
     collect pass, final in the replay pass (statistics reduced over ``process_group``, counted on
     the ranks ``owner`` selects, see :func:`~rollout_correction._src.sequence_group.stats_owner`)."""
+    if segment_ids is not None and max_segments is None:
+        raise ValueError("segment_ids with sequence_group needs max_segments: each rank holds a different "
+                         "number of columns, and the per-segment partials must have one shape on every rank")
     if config.check_alignment:
         raise ValueError("check_alignment compares adjacent tokens and cannot run on sequences split across "
                          "sequence_group; run the alignment check on whole sequences (rollout-correction "
                          "diagnose, or a call without sequence_group) and set check_alignment=False here")
-    batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite, rows=rows)
+    batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite, rows=rows,
+                            segment_ids=segment_ids, max_segments=max_segments)
     stats = SufficientStats()
     batch.add_counts(stats)
     isw, rej = local_correction(batch, config, stats)
@@ -178,21 +185,25 @@ def block_tokens(device: torch.device) -> int:
 
 
 def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                        config: RolloutCorrectionConfig):
+                        config: RolloutCorrectionConfig, segment_ids: Optional[torch.Tensor] = None,
+                        max_segments: Optional[int] = None):
     """:func:`_local_pass` over blocks of whole rows, writing into the outputs."""
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     B, T = old_log_prob.shape
     rows = max(1, block_tokens(old_log_prob.device) // max(T, 1))
     if B <= rows:
-        return _block_pass(old_log_prob, rollout_log_prob, response_mask, config)
+        return _block_pass(old_log_prob, rollout_log_prob, response_mask, config, segment_ids=segment_ids,
+                           max_segments=max_segments)
     device = old_log_prob.device
     weights = torch.empty((B, T), device=device) if config.is_spec is not None else None
     keep = torch.empty((B, T), dtype=response_mask.dtype, device=device)
     stats = SufficientStats()
     for start in range(0, B, rows):
         block = slice(start, start + rows)
+        seg = segment_ids[block] if segment_ids is not None else None
         w, keep[block], local = _block_pass(old_log_prob[block], rollout_log_prob[block], response_mask[block],
-                                            config, row_offset=start)
+                                            config, row_offset=start, segment_ids=seg,
+                                            max_segments=T if seg is not None and max_segments is None else max_segments)
         if weights is not None:
             weights[block] = w
         stats.merge(local)  # one packed vector per block, added into the running one
@@ -239,6 +250,8 @@ def compute_rollout_correction(
     process_group: Optional[object] = None,
     compile: bool = False,
     sequence_group: Optional[object] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    max_segments: Optional[int] = None,
 ) -> CorrectionOutput:
     """IS weights, rejection-adjusted response mask and diagnostics for one batch.
 
@@ -267,6 +280,14 @@ def compute_rollout_correction(
             data-parallel group without or with context parallelism, or None when the sequence
             group holds the whole batch (see :func:`~rollout_correction._src.sequence_group.stats_owner`;
             a partial overlap raises ValueError). ``check_alignment`` raises with a sequence group.
+        segment_ids: optional (B, T) integer tensor, the segment (turn) of each token of a
+            multi-turn row: the valid tokens of a row with equal id form one segment, for
+            ``rollout_is="segment"`` and the ``segment_*`` rejection options (a row without
+            segment_ids is one segment). Ids at valid positions lie in [0, ``max_segments``); masked
+            positions are ignored. With ``sequence_group`` the ids are global within the row (the
+            same id on every rank for one turn) and ``max_segments`` is required.
+        max_segments: the static number S of segment ids (default T): per-segment values are (B, S)
+            tensors, so no shape depends on the data.
     Returns:
         :class:`CorrectionOutput`.
     """
@@ -279,14 +300,16 @@ def compute_rollout_correction(
         with torch.no_grad():
             for _ in rows.passes():
                 out, _values = correction_pass(old_log_prob, rollout_log_prob, response_mask, config,
-                                               process_group, rows, owner)
+                                               process_group, rows, owner, segment_ids, max_segments)
         return out
     with torch.no_grad():
         if compile:
-            weights, keep, sums, maxes = _compiled_local_pass(config)(old_log_prob, rollout_log_prob, response_mask)
+            weights, keep, sums, maxes = _compiled_local_pass(config)(old_log_prob, rollout_log_prob, response_mask,
+                                                                      segment_ids, max_segments)
             stats = SufficientStats.from_values(sums, maxes)
         else:
-            weights, keep, stats = _blocked_local_pass(old_log_prob, rollout_log_prob, response_mask, config)
+            weights, keep, stats = _blocked_local_pass(old_log_prob, rollout_log_prob, response_mask, config,
+                                                       segment_ids, max_segments)
         stats.all_reduce(process_group)
         metrics = Metrics.derived(stats, functools.partial(correction_metrics, config=config))
         if weights is not None and config.is_spec.batch_normalize:

@@ -198,6 +198,8 @@ def compute_policy_loss(
     loss_scale_factor: Optional[float] = None,
     process_group: Optional[object] = None,
     sequence_group: Optional[object] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    max_segments: Optional[int] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss with rollout correction, in the mode ``config`` selects.
 
@@ -227,6 +229,9 @@ def compute_policy_loss(
             One all-gather of (B, k) per-row scalars serves the non-finite check, the correction,
             the denominators and the ``actor/*`` metrics; the loss is this rank's share (see
             :func:`agg_loss`).
+        segment_ids, max_segments: the segment (turn) of each token and the static number of ids,
+            for ``rollout_is="segment"`` and the ``segment_*`` rejection options, as for
+            :func:`~rollout_correction.compute_rollout_correction`.
     Returns:
         (loss, metrics): scalar loss; 0-d tensors ``actor/pg_clipfrac``, ``actor/ppo_kl``,
         ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` and, when the
@@ -262,7 +267,7 @@ def compute_policy_loss(
             result = _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config,
                                         rollout_is_weights, clip_ratio_low, clip_ratio_high, clip_ratio_c,
                                         loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
-                                        loss_scale_factor, process_group, rows, owner)
+                                        loss_scale_factor, process_group, rows, owner, segment_ids, max_segments)
         return result
 
     # Drop (or refuse) rows with a non-finite value at a valid position; sanitise the rest. The
@@ -297,7 +302,8 @@ def compute_policy_loss(
     mask = valid
     if rollout is not None and (bypass or rollout_is_weights is None):
         train_side = lp.detach() if bypass else prox_s
-        corr = compute_rollout_correction(train_side, rollout, valid, config=config, process_group=process_group)
+        corr = compute_rollout_correction(train_side, rollout, valid, config=config, process_group=process_group,
+                                          segment_ids=segment_ids, max_segments=max_segments)
         mask = corr.response_mask
         weights = corr.weights
         metrics.update(corr.metrics)
@@ -326,7 +332,8 @@ def compute_policy_loss(
 
 def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config, rollout_is_weights,
                        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens,
-                       global_num_seqs, dp_size, loss_scale_factor, process_group, rows: RowExchange, owner):
+                       global_num_seqs, dp_size, loss_scale_factor, process_group, rows: RowExchange, owner,
+                       segment_ids=None, max_segments=None):
     """One pass of :func:`compute_policy_loss` over sequences split across ``rows.group``: the
     collect pass makes the reductions only (returns None), the replay pass builds loss and metrics."""
     bypass = config.bypass_mode
@@ -351,7 +358,8 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
     if rollout is not None and (bypass or rollout_is_weights is None):
         train_side = lp.detach() if bypass else prox_s
         with torch.no_grad():
-            corr, values = correction_pass(train_side, rollout, valid, config, process_group, rows, owner)
+            corr, values = correction_pass(train_side, rollout, valid, config, process_group, rows, owner,
+                                           segment_ids, max_segments)
         mask, weights, corr_metrics = corr.response_mask.bool(), corr.weights, corr.metrics
         token_keep, row_keep, kept = values.token_keep, values.row_keep, values.kept
     else:

@@ -10,7 +10,9 @@ tv = |p − q|,  binary_kl = p log(p/q) + (1 − p) log((1 − p)/(1 − q))  �
 distributions "the sampled token / any other token" under π_rollout and π_train (≥ 0).
 
 Aggregations over a sequence's valid tokens: ``token`` (each token on its own), ``seq_sum``,
-``seq_mean``, ``seq_max``. A token/sequence is kept iff its statistic lies in the option's bounds;
+``seq_mean``, ``seq_max``; and the same over each segment s (a turn of a multi-turn row: the tokens
+with equal segment id), ``segment_sum`` Σ_{t∈s}, ``segment_mean`` (1/|s|) Σ_{t∈s}, ``segment_max``
+max_{t∈s} — a rejected segment drops its own tokens only. A token/sequence is kept iff its statistic lies in the option's bounds;
 chained options must all accept (logical AND). k1 bounds are ratio bounds lo ≤ ρ_agg ≤ hi, where
 ρ_agg = exp(−k1_agg) — e.g. ``seq_mean_k1`` with "0.999_1.001" keeps sequences whose geometric-mean
 ratio lies within ±0.1% of 1. Veto (``rollout_token_veto_threshold`` C): reject a sequence if any
@@ -82,6 +84,15 @@ class RejectionResult:
         return keep.mul_(self.token_keep) if self.token_keep is not None else keep
 
 
+def _segment_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S) statistic of each segment and (B, S) its valid-token count."""
+    n = batch.segment_total(batch.mask)
+    if agg == "segment_max":  # k2/k3/tv/binary_kl ≥ 0, 0 at padding
+        return batch.segment_max(per_token), n
+    total = batch.segment_total(per_token)
+    return (total if agg == "segment_sum" else total / n.clamp_min(1.0)), n
+
+
 def _row_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> torch.Tensor:
     if agg == "seq_sum":
         return batch.row_total(per_token)
@@ -130,6 +141,15 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
     for opt in options:
         if opt.agg == "token":
             keep = option_keep(batch, opt, divergence(opt.estimator), stats)
+            token_keep = keep if token_keep is None else token_keep.mul_(keep)
+        elif opt.agg.startswith("segment_"):
+            seg, n = _segment_stat(batch, divergence(opt.estimator), opt.agg)
+            seg_keep = _within(seg, opt)
+            if stats is not None:
+                units = (n > 0).reshape(-1)
+                stats.add_sum(f"rs.{opt.name}.units", units)
+                _add_row_option_stats(stats, batch, opt, seg.reshape(-1), seg_keep.reshape(-1), units, n.reshape(-1))
+            keep = batch.expand_segments(seg_keep)  # 0/1 on the tokens used (the mask applies anyway)
             token_keep = keep if token_keep is None else token_keep.mul_(keep)
         else:
             keep = option_keep(batch, opt, _row_stat(batch, divergence(opt.estimator), opt.agg), stats)
@@ -181,10 +201,14 @@ def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: R
 
 
 def _add_row_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
-                          s: torch.Tensor, keep: torch.Tensor) -> None:
+                          s: torch.Tensor, keep: torch.Tensor, rows: Optional[torch.Tensor] = None,
+                          n: Optional[torch.Tensor] = None) -> None:
+    """Per-unit statistics of a sequence option (units: the rows), or of a segment option (units:
+    the (row, segment) pairs, ``rows`` (B·S,) bool valid and ``n`` (B·S,) token counts)."""
     p = f"rs.{opt.name}."
     c = _std_clamp(opt, s).double()
-    rows, n = batch.row_valid, batch.n_row
+    if rows is None:
+        rows, n = batch.row_valid, batch.n_row
     rejected = ~keep
     stats.add_sum(p + "sum", s, rows=rows, weight=n)
     stats.add_sum(p + "c_sum", c, rows=rows, weight=n)
@@ -193,13 +217,14 @@ def _add_row_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSO
     stats.add_sum(p + "high", s > opt.stat_upper, rows=rows)
     if opt.stat_lower is not None:
         stats.add_sum(p + "low", s < opt.stat_lower, rows=rows)
-    _add_seq_values(stats, batch, opt, s)
+    _add_seq_values(stats, batch, opt, s, rows)
     stats.add_sum(p + "seq_masked", rejected, rows=rows)
 
 
-def _add_seq_values(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, seq: torch.Tensor) -> None:
+def _add_seq_values(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, seq: torch.Tensor,
+                    rows: Optional[torch.Tensor] = None) -> None:
     p = f"rs.{opt.name}.seq"
-    rows = batch.row_valid
+    rows = batch.row_valid if rows is None else rows
     seq64 = seq.double()
     stats.add_sum(p + "_sum", seq, rows=rows)
     stats.add_sum(p + "_sum2", seq64 * seq64, rows=rows)
@@ -219,10 +244,13 @@ def rs_option_metrics(stats, opt: RSOption) -> dict[str, Value]:
     or sequences, as the option decides; std = token-weighted std of s clamped to the bounds; seq_* =
     statistics of the per-sequence value (the sequence mean of s for token options), seq_max_deviation
     = max |value|; masked_fraction = share of valid tokens this option rejects; seq_masked_fraction =
-    share of sequences with at least one token it rejects.
+    share of sequences with at least one token it rejects. For a segment option every per-sequence
+    quantity is per segment (turn) with ≥ 1 valid token instead: seq_* and max/min describe the
+    segment statistic, seq_masked_fraction is the share of segments it rejects.
     """
-    n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
     p, out = f"rs.{opt.name}.", f"rollout_rs_{opt.name}_"
+    n_tok = stats.sum("n_tok")
+    n_rows = stats.sum(p + "units") if opt.agg.startswith("segment_") else stats.sum("n_rows")
     m: dict[str, Value] = {}
     seq = seq_summary(stats, p + "seq", n_rows, center=0.0)
     m[out + "mean"] = safe_div(stats.sum(p + "sum"), n_tok)
