@@ -105,11 +105,12 @@ class RowValues:
 
     kept: (B,) valid tokens every rejection criterion accepts; token_keep: (B, T_local) float 0/1,
     this rank's valid tokens the token-level criteria accept (the final mask is ``token_keep ·
-    row_keep``); row_keep: (B,) bool, rows the sequence-level criteria and the veto accept;
+    row_keep`` times the segment-level decisions); row_keep: (B,) bool, rows the sequence-level criteria and the veto accept;
     dropped: (B,) bool, rows dropped for a non-finite value; weights: (B, T_local) IS weights before
     batch normalisation (None without IS); row_weight: (B,) bounded per-row weight at sequence /
     geometric level (None at token level). A partial passed to the exchange must depend on this
-    rank's tokens only: apply ``row_keep`` / ``row_weight`` to the reduced value.
+    rank's tokens only: apply ``row_keep`` / ``row_weight`` to the reduced value, and sum over the
+    accepted tokens with :meth:`kept_total` (which applies the segment decisions after the reduction).
     """
 
     kept: torch.Tensor
@@ -118,6 +119,13 @@ class RowValues:
     dropped: torch.Tensor
     weights: Optional[torch.Tensor] = None
     row_weight: Optional[torch.Tensor] = None
+    batch: Optional[LogRatioBatch] = None
+    rejection: Optional[RejectionResult] = None
+
+    def kept_total(self, x: torch.Tensor) -> torch.Tensor:
+        """(B,) group Σ of a (B, T_local) tensor that is 0 outside ``token_keep``, over the tokens
+        the segment-level criteria accept too (``row_keep`` not applied)."""
+        return self.rejection.kept_total(self.batch, x)
 
 
 def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -143,7 +151,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     keep = rej.keep_mask(batch)
     token_keep = batch.mask if rej.token_keep is None else batch.mask * rej.token_keep
     values = RowValues(rej.kept_per_row(batch), token_keep, rej.rows(batch), batch.bad_rows, weights,
-                       isw.row_weight if isw is not None else None)
+                       isw.row_weight if isw is not None else None, batch, rej)
     if not rows.final:
         return CorrectionOutput(weights, keep), values
     if config.on_nonfinite == "raise":

@@ -362,15 +362,19 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
                                            segment_ids, max_segments)
         mask, weights, corr_metrics = corr.response_mask.bool(), corr.weights, corr.metrics
         token_keep, row_keep, kept = values.token_keep, values.row_keep, values.kept
+        total = values.kept_total  # per segment when segment decisions apply
     else:
         mask, token_keep = valid, valid.float()
         row_keep = torch.ones_like(bad_rows)
         kept = rows.sum(valid.sum(-1).to(torch.float64))
+
+        def total(x: torch.Tensor) -> torch.Tensor:
+            return rows.sum(x.sum(-1))
     if rollout_is_weights is not None and not bypass:
         weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
 
     def kept_sum(x: torch.Tensor) -> torch.Tensor:  # (B,) float64: Σ over each sequence's kept tokens
-        return rows.sum(torch.where(token_keep > 0, x.detach().double(), 0.0).sum(-1)) * row_keep
+        return total(torch.where(token_keep > 0, x.detach().double(), 0.0)) * row_keep
 
     def mean(x: torch.Tensor) -> torch.Tensor:
         return kept_sum(x).sum() / kept.sum().clamp_min(1)
@@ -393,8 +397,8 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
         # this rank's tokens' advantage signs and apply the sequence's value after the reduction.
         if config.loss_type == "gspo":
             s_row = seq_values["seq_log_ratio"].float().clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
-            n_pos = rows.sum(((token_keep > 0) & (adv > 0)).sum(-1).double()) * row_keep
-            n_neg = rows.sum(((token_keep > 0) & (adv < 0)).sum(-1).double()) * row_keep
+            n_pos = total(((token_keep > 0) & (adv > 0)).double()) * row_keep
+            n_neg = total(((token_keep > 0) & (adv < 0)).double()) * row_keep
             hi = torch.tensor(1.0 + clip_ratio_high, dtype=s_row.dtype)
             lo = torch.tensor(1.0 - clip_ratio_low, dtype=s_row.dtype)
             n_clipped = n_pos * (s_row > hi) + n_neg * (s_row < lo)

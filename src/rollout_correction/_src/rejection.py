@@ -59,11 +59,14 @@ def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
 
 @dataclass
 class RejectionResult:
-    """``token_keep`` (B, T) float 0/1 and ``row_keep`` (B,) bool, the AND of all criteria (veto
-    included); each None when no criterion of its level ran (:meth:`rows` gives a tensor anyway)."""
+    """``token_keep`` (B, T) float 0/1, ``row_keep`` (B,) bool and ``segment_keep`` (B, S) bool, the
+    AND of the criteria of each level (veto included); each None when no criterion of its level ran
+    (:meth:`rows` gives a tensor anyway). Segment decisions stay per segment: with split rows a
+    segment's decision is a reduced value, which no per-rank partial may depend on."""
 
     token_keep: Optional[torch.Tensor]
     row_keep: Optional[torch.Tensor]
+    segment_keep: Optional[torch.Tensor] = None
 
     def rows(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B,) bool ``row_keep`` (all True when no sequence-level criterion ran)."""
@@ -71,17 +74,30 @@ class RejectionResult:
             return self.row_keep
         return torch.ones(batch.n_row.shape, dtype=torch.bool, device=batch.n_row.device)
 
+    def kept_total(self, batch: LogRatioBatch, x: torch.Tensor) -> torch.Tensor:
+        """(B,) Σ of a (B, T) tensor over the tokens the token- and segment-level criteria accept
+        (``x`` must be 0 where the token-level criteria or the mask reject): per segment, then
+        times the segment's decision, so that the partials depend on this rank's tokens only."""
+        if self.segment_keep is None:
+            return batch.row_total(x)
+        return (batch.segment_total(x) * self.segment_keep.to(x.dtype)).sum(-1)
+
     def kept_per_row(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B,) float32 count of valid tokens accepted by every criterion."""
-        kept = batch.n_row if self.token_keep is None else batch.row_total(self.token_keep * batch.mask)
+        if self.token_keep is None and self.segment_keep is None:
+            kept = batch.n_row
+        else:
+            kept = self.kept_total(batch, batch.mask if self.token_keep is None else self.token_keep * batch.mask)
         return kept * self.row_keep if self.row_keep is not None else kept
 
     def keep_mask(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B, T) float32 0/1: valid and accepted by every criterion."""
         if self.row_keep is None:
-            return batch.mask if self.token_keep is None else batch.mask * self.token_keep
-        keep = batch.mask * self.row_keep.to(torch.float32).unsqueeze(-1)
-        return keep.mul_(self.token_keep) if self.token_keep is not None else keep
+            keep = batch.mask if self.token_keep is None else batch.mask * self.token_keep
+        else:
+            keep = batch.mask * self.row_keep.to(torch.float32).unsqueeze(-1)
+            keep = keep.mul_(self.token_keep) if self.token_keep is not None else keep
+        return keep if self.segment_keep is None else keep * batch.expand_segments(self.segment_keep)
 
 
 def _segment_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +146,7 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
     ``veto_high``); records statistics when given ``stats``."""
     row_keep: Optional[torch.Tensor] = None  # None: no sequence-level criterion so far
     token_keep: Optional[torch.Tensor] = None
+    segment_keep: Optional[torch.Tensor] = None
     cache: dict[str, torch.Tensor] = {}
 
     def divergence(estimator: str) -> torch.Tensor:
@@ -149,13 +166,12 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
                 units = (n > 0).reshape(-1)
                 stats.add_sum(f"rs.{opt.name}.units", units)
                 _add_row_option_stats(stats, batch, opt, seg.reshape(-1), seg_keep.reshape(-1), units, n.reshape(-1))
-            keep = batch.expand_segments(seg_keep)  # 0/1 on the tokens used (the mask applies anyway)
-            token_keep = keep if token_keep is None else token_keep.mul_(keep)
+            segment_keep = seg_keep if segment_keep is None else segment_keep & seg_keep
         else:
             keep = option_keep(batch, opt, _row_stat(batch, divergence(opt.estimator), opt.agg), stats)
             row_keep = keep if row_keep is None else row_keep & keep
     if stats is not None and options:  # valid tokens rejected by the chained options, per row
-        rejected = batch.n_row - RejectionResult(token_keep, row_keep).kept_per_row(batch)
+        rejected = batch.n_row - RejectionResult(token_keep, row_keep, segment_keep).kept_per_row(batch)
         stats.add_sum("rs.masked", rejected)
         stats.add_sum("rs.seq_masked", rejected > 0, rows=batch.row_valid)
     for key, bound, side in (("veto", veto_threshold, batch.below), ("veto_high", veto_high, batch.above)):
@@ -167,7 +183,7 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         if stats is not None:
             stats.add_sum(key + ".tok", catastrophic)
             stats.add_sum(key + ".rows", vetoed, rows=batch.row_valid)
-    return RejectionResult(token_keep, row_keep)
+    return RejectionResult(token_keep, row_keep, segment_keep)
 
 
 def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
