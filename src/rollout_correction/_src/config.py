@@ -276,6 +276,22 @@ class RolloutCorrectionConfig(Presets, Loading):
         return self.is_spec is not None
 
     @property
+    def uses_segments(self) -> bool:
+        """``rollout_is="segment"`` or a ``segment_*`` rejection option: the call needs segment ids."""
+        return self.rollout_is == "segment" or any(o.agg.startswith("segment_") for o in self.rs_options)
+
+    def refuse_segments(self, route: str) -> None:
+        """Raise a ValueError naming the segment setting when ``route`` cannot pass segment ids."""
+        if not self.uses_segments:
+            return
+        names = ([f"rollout_is={self.rollout_is!r}"] if self.rollout_is == "segment" else []) + \
+            [f"rollout_rs option {o.name!r}" for o in self.rs_options if o.agg.startswith("segment_")]
+        raise ValueError(f"{', '.join(names)}: the segment level needs the segment (turn) ids of every token, "
+                         f"and {route} has none to pass; call compute_rollout_correction / compute_policy_loss "
+                         "with segment_ids=..., or use verl's correction step with batch.batch['segment_ids'] "
+                         "(docs/methods.md, 'Segments')")
+
+    @property
     def rs_enabled(self) -> bool:
         return bool(self.rs_options) or self.rollout_token_veto_threshold is not None or \
             self.rollout_token_veto_threshold_high is not None

@@ -389,6 +389,10 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
     ``rollout_token_veto_threshold`` and the ``*_lower`` bounds); a key this library does not know
     raises :class:`~rollout_correction.ConfigError` (a ``ValueError``) naming it, with the closest
     known key. A missing tensor raises ``KeyError`` naming it, as verl's ``DataProto`` does.
+    Multi-turn rows: an optional (B, T) integer ``segment_ids`` tensor in ``batch.batch`` (the turn of
+    each response token; verl's DataProto has no such key, the user's rollout code adds it) is
+    passed on as the segments of ``rollout_is="segment"`` and the ``segment_*`` options; a block that
+    uses them on a batch without it is refused.
 
     Returns:
         (batch, metrics) with ``rollout_corr/``-prefixed float metrics.
@@ -408,9 +412,13 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
         if key not in tensors.keys():
             raise KeyError(f"batch.batch has no {key!r}; the decoupled correction needs old_log_probs, "
                            "rollout_log_probs (verl: rollout.calculate_log_probs=true) and response_mask")
+    segment_ids = tensors["segment_ids"] if "segment_ids" in tensors.keys() else None
+    if segment_ids is None:
+        cfg.refuse_segments("this batch (no batch.batch['segment_ids'])")
     group = _resolve_group(_AUTO, cfg.is_spec is not None and cfg.is_spec.batch_normalize)
     out = compute_rollout_correction(tensors["old_log_probs"], tensors["rollout_log_probs"],
-                                     tensors["response_mask"], config=cfg, process_group=group)
+                                     tensors["response_mask"], config=cfg, process_group=group,
+                                     segment_ids=segment_ids)
     tensors["response_mask"] = out.response_mask
     if out.weights is not None:
         tensors["rollout_is_weights"] = out.weights
