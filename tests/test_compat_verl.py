@@ -272,6 +272,20 @@ def test_add_to_batch_reads_segment_ids_from_the_batch():
         compat.compute_rollout_correction_and_add_to_batch(_data_proto(old, rollout, mask), cfg)
 
 
+def test_verls_signatures_refuse_the_segment_level():
+    """verl's functions have no place for segment ids: a segment setting is refused, not run per row."""
+    old, rollout, mask = make_batch(3, 6, 0.3, 1)
+    with pytest.raises(ValueError, match=r"rollout_is='segment'.*signature"):
+        compat.compute_rollout_correction_and_rejection_mask(old, rollout, mask, rollout_is="segment")
+    with pytest.raises(ValueError, match=r"rollout_is='segment'.*signature"):
+        compat.compute_rollout_correction_weights(old - rollout, mask, rollout_is="segment")
+    with pytest.raises(ValueError, match=r"'segment_mean_k3'.*signature"):
+        compat.compute_rollout_rejection_mask(old - rollout, mask, rollout_rs="segment_mean_k3", rollout_rs_threshold=0.1)
+    with pytest.raises(ValueError, match=r"'segment_max_k2' is a segment option"):
+        compat.compute_rs_metrics("segment_max_k2", old - rollout, mask, mask, level="sequence", per_sequence_values=None,
+                                  rollout_rs_threshold=0.1, rollout_rs_threshold_lower=0.0, apply_lower_threshold=False)
+
+
 def test_apply_bypass_mode_like_verl():
     from omegaconf import OmegaConf
 
