@@ -26,7 +26,7 @@ from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
 from .sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite, reduce_owned,
                              stats_owner)
 from .stats import SufficientStats, Value, maximum
-from .validation import check_pair
+from .validation import check_pair, check_segment_ids
 from .weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
 __all__ = ["CorrectionOutput", "compute_rollout_correction", "CorrectionAccumulator", "BatchHook", "local_correction",
@@ -312,6 +312,7 @@ def compute_rollout_correction(
         return out
     with torch.no_grad():
         if compile:
+            check_segment_ids(segment_ids, response_mask, max_segments)  # eagerly: the compiled pass skips reads
             weights, keep, sums, maxes = _compiled_local_pass(config)(old_log_prob, rollout_log_prob, response_mask,
                                                                       segment_ids, max_segments)
             stats = SufficientStats.from_values(sums, maxes)
