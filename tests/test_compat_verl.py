@@ -265,7 +265,8 @@ def test_add_to_batch_reads_segment_ids_from_the_batch():
     direct = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**cfg), segment_ids=ids)
     assert torch.equal(ours.batch["response_mask"], direct.response_mask)
     torch.testing.assert_close(ours.batch["rollout_is_weights"], direct.weights)
-    assert metrics["rollout_corr/rollout_is_seq_mean"] == pytest.approx(direct.metrics_as_floats()["rollout_corr/rollout_is_seq_mean"])
+    key = "rollout_corr/rollout_is_seq_mean"
+    assert metrics[key] == pytest.approx(direct.metrics_as_floats()[key])
     whole_rows = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**cfg))
     assert not torch.equal(direct.response_mask, whole_rows.response_mask)  # the turns matter here
     with pytest.raises(ValueError, match=r"rollout_is='segment'.*segment_ids"):
@@ -280,10 +281,12 @@ def test_verls_signatures_refuse_the_segment_level():
     with pytest.raises(ValueError, match=r"rollout_is='segment'.*signature"):
         compat.compute_rollout_correction_weights(old - rollout, mask, rollout_is="segment")
     with pytest.raises(ValueError, match=r"'segment_mean_k3'.*signature"):
-        compat.compute_rollout_rejection_mask(old - rollout, mask, rollout_rs="segment_mean_k3", rollout_rs_threshold=0.1)
+        compat.compute_rollout_rejection_mask(old - rollout, mask, rollout_rs="segment_mean_k3",
+                                              rollout_rs_threshold=0.1)
     with pytest.raises(ValueError, match=r"'segment_max_k2' is a segment option"):
-        compat.compute_rs_metrics("segment_max_k2", old - rollout, mask, mask, level="sequence", per_sequence_values=None,
-                                  rollout_rs_threshold=0.1, rollout_rs_threshold_lower=0.0, apply_lower_threshold=False)
+        compat.compute_rs_metrics("segment_max_k2", old - rollout, mask, mask, level="sequence",
+                                  per_sequence_values=None, rollout_rs_threshold=0.1,
+                                  rollout_rs_threshold_lower=0.0, apply_lower_threshold=False)
 
 
 def test_apply_bypass_mode_like_verl():

@@ -270,7 +270,8 @@ def test_segments_correction_and_loss(ids_dtype, fake_world):
     names = assert_meta_metrics(out.metrics).keys()
     old, rollout, mask = cpu_batch()
     cpu_ids = torch.arange(T).div(3, rounding_mode="floor").expand(B, T)
-    assert names == dict(rc.compute_rollout_correction(old, rollout, mask, config=cfg, segment_ids=cpu_ids).metrics).keys()
+    cpu = rc.compute_rollout_correction(old, rollout, mask, config=cfg, segment_ids=cpu_ids)
+    assert names == dict(cpu.metrics).keys()
     split = rc.compute_rollout_correction(meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)),
                                           meta(torch.float32, (B, T_LOCAL)), config=cfg,
                                           segment_ids=meta(ids_dtype, (B, T_LOCAL)), max_segments=4,
@@ -281,7 +282,7 @@ def test_segments_correction_and_loss(ids_dtype, fake_world):
     for shape, group in (((B, T), None), ((B, T_LOCAL), fake_world)):
         log_prob = meta(shape=shape, requires_grad=True)
         loss, metrics = rc.compute_policy_loss(
-            log_prob, None, meta(shape=shape), meta(torch.bool, shape), config=bypass, rollout_log_prob=meta(shape=shape),
-            loss_agg_mode="seq-mean-token-mean", segment_ids=meta(ids_dtype, shape), max_segments=4,
-            sequence_group=group)
+            log_prob, None, meta(shape=shape), meta(torch.bool, shape), config=bypass,
+            rollout_log_prob=meta(shape=shape), loss_agg_mode="seq-mean-token-mean",
+            segment_ids=meta(ids_dtype, shape), max_segments=4, sequence_group=group)
         _check_loss(loss, metrics, log_prob)

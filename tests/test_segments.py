@@ -185,7 +185,8 @@ def test_segment_options_combine_with_row_and_token_options():
     mask = torch.ones(B, T)
     ids = torch.arange(T).div(3, rounding_mode="floor").expand(B, T)
     both = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0,
-                                   rollout_rs="token_k3,segment_mean_k3,seq_max_k3", rollout_rs_threshold=(0.05, 0.01, 0.1))
+                                   rollout_rs="token_k3,segment_mean_k3,seq_max_k3",
+                                   rollout_rs_threshold=(0.05, 0.01, 0.1))
     out = compute_rollout_correction(old, rollout, mask, config=both, segment_ids=ids)
     single = [compute_rollout_correction(old, rollout, mask, segment_ids=ids, config=RolloutCorrectionConfig(
         rollout_rs=name, rollout_rs_threshold=thr)).response_mask
@@ -250,7 +251,8 @@ def test_policy_loss_uses_segment_weights():
     adv = torch.randn(B, T, generator=gen)
     mask = torch.ones(B, T)
     ids = torch.tensor([0, 0, 0, 1, 1, 2, 2]).expand(B, T)
-    cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.6, bypass_mode=True, loss_type="reinforce")
+    cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.6, bypass_mode=True,
+                                  loss_type="reinforce")
     lp = old.clone().requires_grad_(True)
     loss, metrics = compute_policy_loss(lp, None, adv, mask, config=cfg, rollout_log_prob=rollout,
                                         loss_agg_mode="token-sum", segment_ids=ids)
@@ -405,7 +407,8 @@ def test_segments_are_data_and_context_parallel_exact(tmp_path):
             unsplit = _losses_whole(rows[d])[key]
             assert sum(r["loss_split"][key][0] for r in ranks) == pytest.approx(unsplit[0], rel=1e-5, abs=1e-7), key
             for c, r in enumerate(ranks):
-                torch.testing.assert_close(r["loss_split"][key][1], unsplit[1][:, _columns(cp, c)], rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(r["loss_split"][key][1], unsplit[1][:, _columns(cp, c)],
+                                           rtol=1e-5, atol=1e-7)
                 got = r["loss_split"][key][2]
                 assert set(got) == set(unsplit[2]), key
                 for k, v in got.items():

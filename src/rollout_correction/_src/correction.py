@@ -105,7 +105,8 @@ class RowValues:
 
     kept: (B,) valid tokens every rejection criterion accepts; token_keep: (B, T_local) float 0/1,
     this rank's valid tokens the token-level criteria accept (the final mask is ``token_keep ·
-    row_keep`` times the segment-level decisions); row_keep: (B,) bool, rows the sequence-level criteria and the veto accept;
+    row_keep`` times the segment-level decisions); row_keep: (B,) bool, rows the sequence-level
+    criteria and the veto accept;
     dropped: (B,) bool, rows dropped for a non-finite value; weights: (B, T_local) IS weights before
     batch normalisation (None without IS); row_weight: (B,) bounded per-row weight at sequence /
     geometric level (None at token level). A partial passed to the exchange must depend on this
@@ -209,9 +210,9 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     for start in range(0, B, rows):
         block = slice(start, start + rows)
         seg = segment_ids[block] if segment_ids is not None else None
+        seg_count = T if seg is not None and max_segments is None else max_segments  # the whole batch's S
         w, keep[block], local = _block_pass(old_log_prob[block], rollout_log_prob[block], response_mask[block],
-                                            config, row_offset=start, segment_ids=seg,
-                                            max_segments=T if seg is not None and max_segments is None else max_segments)
+                                            config, row_offset=start, segment_ids=seg, max_segments=seg_count)
         if weights is not None:
             weights[block] = w
         stats.merge(local)  # one packed vector per block, added into the running one

@@ -12,11 +12,12 @@ distributions "the sampled token / any other token" under π_rollout and π_trai
 Aggregations over a sequence's valid tokens: ``token`` (each token on its own), ``seq_sum``,
 ``seq_mean``, ``seq_max``; and the same over each segment s (a turn of a multi-turn row: the tokens
 with equal segment id), ``segment_sum`` Σ_{t∈s}, ``segment_mean`` (1/|s|) Σ_{t∈s}, ``segment_max``
-max_{t∈s} — a rejected segment drops its own tokens only. A token/sequence is kept iff its statistic lies in the option's bounds;
-chained options must all accept (logical AND). k1 bounds are ratio bounds lo ≤ ρ_agg ≤ hi, where
-ρ_agg = exp(−k1_agg) — e.g. ``seq_mean_k1`` with "0.999_1.001" keeps sequences whose geometric-mean
-ratio lies within ±0.1% of 1. Veto (``rollout_token_veto_threshold`` C): reject a sequence if any
-valid token has unclamped ρ_t < C; its high side (``rollout_token_veto_threshold_high`` C'):
+max_{t∈s} — a rejected segment drops its own tokens only. A token / sequence / segment is kept iff
+its statistic lies in the option's bounds; chained options must all accept (logical AND). k1 bounds
+are ratio bounds lo ≤ ρ_agg ≤ hi, where ρ_agg = exp(−k1_agg) — e.g. ``seq_mean_k1`` with
+"0.999_1.001" keeps sequences whose geometric-mean ratio lies within ±0.1% of 1. Veto
+(``rollout_token_veto_threshold`` C): reject a sequence if any valid token has unclamped ρ_t < C; its
+high side (``rollout_token_veto_threshold_high`` C'):
 reject a sequence if any valid token has unclamped ρ_t > C'. Rejection changes the response mask only.
 """
 

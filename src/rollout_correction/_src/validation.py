@@ -82,7 +82,8 @@ def check_segment_ids(segment_ids: Optional[torch.Tensor], response_mask: torch.
                          f"{_describe('response_mask', response_mask)}")
     S = response_mask.shape[-1] if max_segments is None else max_segments
     if isinstance(S, bool) or not isinstance(S, int) or S < 1:
-        raise ValueError(f"max_segments={max_segments!r} must be an integer ≥ 1 (segment ids lie in [0, max_segments))")
+        raise ValueError(f"max_segments={max_segments!r} must be an integer ≥ 1 "
+                         "(segment ids lie in [0, max_segments))")
     valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     ids = torch.where(valid, segment_ids.to(torch.int64), 0)
     if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():

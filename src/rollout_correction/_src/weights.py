@@ -116,6 +116,7 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         n = batch.n_row.clamp_min(1.0)
         seq_w = sum_w / n
         seq_raw = batch.sums.ratio / n  # raw is the batch's ratio: its row sums are the pass's
+        rows = batch.row_valid
     else:
         rlog, rraw = isw.row_log, isw.row_raw
         if spec.level == "segment":  # one unit per segment: the "seq" statistics are per segment
@@ -131,7 +132,6 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         stats.add_max("is.max_log", rlog, rows=rows)
         stats.add_min("is.min_log", rlog, rows=rows)
         seq_w, seq_raw = rw, rraw
-        units = rows
         # Pre-truncation (length-aware) statistics of the row weights, one value per sequence.
         raw = rraw.double()
         stats.add_sum("is.raw_sum", raw, rows=rows)
@@ -140,9 +140,6 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         stats.add_sum("is.collapsed", rlog < COLLAPSED_LOG_WEIGHT, rows=rows)
         if spec.mode == "mask":
             stats.add_sum("is.oob", (rraw < spec.lower) | (rraw > U), rows=rows, weight=n)
-    if spec.level == "token":
-        units = batch.row_valid
-    rows = units
     seq_w64 = seq_w.double()
     stats.add_sum("is.seq_sum", seq_w, rows=rows)
     stats.add_sum("is.seq_sum2", seq_w64 * seq_w64, rows=rows)

@@ -332,8 +332,9 @@ def compute_rs_metrics(
         raise ValueError(f"Invalid rollout_rs option: {option_name}. Must be one of {sorted(RS_OPTIONS)}.")
     agg, estimator = RS_OPTIONS[option_name]
     if agg.startswith("segment_"):
-        raise ValueError(f"{option_name!r} is a segment option: its statistic is per turn and needs segment ids, "
-                         "which verl's signature has no place for; use compute_rollout_correction(..., segment_ids=...)")
+        raise ValueError(f"{option_name!r} is a segment option: its statistic is per turn and needs segment "
+                         "ids, which verl's signature has no place for; use "
+                         "compute_rollout_correction(..., segment_ids=...)")
     if level not in ("token", "sequence"):
         raise ValueError(f"level={level!r} is invalid: expected 'token' or 'sequence'")
     if (level == "token") != (agg == "token"):
