@@ -249,6 +249,46 @@ def test_add_to_batch_matches_verl(preset, config_kind):
     assert_metrics_match(v_metrics, metrics)
 
 
+def test_add_to_batch_reads_segment_ids_from_the_batch():
+    """A multi-turn user adds ``segment_ids`` to verl's DataProto; a segment block without it is refused."""
+    from verl.protocol import DataProto
+
+    from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+
+    old, rollout, mask = make_batch(5, 12, 0.3, 4)
+    ids = torch.arange(12).div(4, rounding_mode="floor").expand(5, 12).contiguous()
+    cfg = {"rollout_is": "segment", "rollout_is_threshold": 1.5, "rollout_rs": "segment_mean_k3",
+           "rollout_rs_threshold": 0.02}
+    batch = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                         "segment_ids": ids})
+    ours, metrics = compat.compute_rollout_correction_and_add_to_batch(batch, cfg)
+    direct = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**cfg), segment_ids=ids)
+    assert torch.equal(ours.batch["response_mask"], direct.response_mask)
+    torch.testing.assert_close(ours.batch["rollout_is_weights"], direct.weights)
+    key = "rollout_corr/rollout_is_seq_mean"
+    assert metrics[key] == pytest.approx(direct.metrics_as_floats()[key])
+    whole_rows = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**cfg))
+    assert not torch.equal(direct.response_mask, whole_rows.response_mask)  # the turns matter here
+    with pytest.raises(ValueError, match=r"rollout_is='segment'.*segment_ids"):
+        compat.compute_rollout_correction_and_add_to_batch(_data_proto(old, rollout, mask), cfg)
+
+
+def test_verls_signatures_refuse_the_segment_level():
+    """verl's functions have no place for segment ids: a segment setting is refused, not run per row."""
+    old, rollout, mask = make_batch(3, 6, 0.3, 1)
+    with pytest.raises(ValueError, match=r"rollout_is='segment'.*signature"):
+        compat.compute_rollout_correction_and_rejection_mask(old, rollout, mask, rollout_is="segment")
+    with pytest.raises(ValueError, match=r"rollout_is='segment'.*signature"):
+        compat.compute_rollout_correction_weights(old - rollout, mask, rollout_is="segment")
+    with pytest.raises(ValueError, match=r"'segment_mean_k3'.*signature"):
+        compat.compute_rollout_rejection_mask(old - rollout, mask, rollout_rs="segment_mean_k3",
+                                              rollout_rs_threshold=0.1)
+    with pytest.raises(ValueError, match=r"'segment_max_k2' is a segment option"):
+        compat.compute_rs_metrics("segment_max_k2", old - rollout, mask, mask, level="sequence",
+                                  per_sequence_values=None, rollout_rs_threshold=0.1,
+                                  rollout_rs_threshold_lower=0.0, apply_lower_threshold=False)
+
+
 def test_apply_bypass_mode_like_verl():
     from omegaconf import OmegaConf
 

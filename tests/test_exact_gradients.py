@@ -350,6 +350,92 @@ def test_bypass_reinforce_variant_matches_its_formula(toy, name):
 
 
 # ---------------------------------------------------------------------------------------------
+# 2b. Segment level: per turn of a multi-turn row (turns of two tokens: segment id = position // 2)
+
+
+def turns(toy: Toy) -> torch.Tensor:
+    return torch.arange(toy.space.horizon).div(2, rounding_mode="floor").expand(toy.space.batch_size, -1)
+
+
+def per_segment(toy: Toy, x: torch.Tensor, reduce: str = "sum") -> torch.Tensor:
+    """Per token, the sum / mean / max over its segment of a (B, T) value (0 at padding)."""
+    ids, valid = turns(toy), toy.mask
+    out = torch.zeros_like(x)
+    for s in range(int(ids.max()) + 1):
+        inside = valid & (ids == s)
+        if reduce == "max":
+            v = torch.where(inside, x, -INF).amax(-1, keepdim=True)
+        else:
+            v = torch.where(inside, x, 0.0).sum(-1, keepdim=True)
+            if reduce == "mean":
+                v = v / inside.sum(-1, keepdim=True).clamp_min(1)
+        out = torch.where(inside, v, out)
+    return out
+
+
+def test_segment_is_with_one_segment_per_row_is_the_on_policy_gradient(toy):
+    cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=INF, bypass_mode=True,
+                                  loss_type="reinforce")
+    exact = exact_policy_gradient(toy.theta, toy.space, toy.adv)
+    assert_grad(library_gradient(toy, cfg), exact)  # no segment ids: a row is one segment
+    one = torch.full_like(turns(toy), 3)
+    assert_grad(library_gradient(toy, cfg, segment_ids=one, max_segments=4), exact)
+    # One segment per token: the token-level estimator, not the on-policy gradient.
+    per_token = library_gradient(toy, cfg, segment_ids=torch.arange(toy.space.horizon).expand_as(one))
+    expected = from_coefficients(toy, per_row(toy.seq_prob(toy.mu) * toy.adv, toy) * _is_quantities(toy)[0])
+    assert_grad(per_token, expected)
+    assert rel_err(per_token, exact) > 1e-2
+
+
+SEGMENT_VARIANTS = ["segment-TIS", "segment-IcePop", "RS-segment_sum_k1+segment-IS", "RS-segment_max_k3+token-TIS"]
+
+
+@pytest.mark.parametrize("name", SEGMENT_VARIANTS)
+def test_bypass_reinforce_segment_variant_matches_its_formula(toy, name):
+    """Per turn s: w_s = ∏_{t∈s} ρ_t bounded; the segment options drop a turn's tokens only (the
+    loss divides by the K rows that keep ≥ 1 token: kept rows scaled by B / K)."""
+    mu_y, A, valid, B = toy.seq_prob(toy.mu), toy.adv, toy.mask, toy.space.batch_size
+    rho_t = _is_quantities(toy)[0]
+    log_rho = torch.where(valid, rho_t.log(), 0.0)
+    w_seg = per_segment(toy, log_rho).exp()  # ∏_{t∈s} ρ_t on each token of s
+    base = dict(bypass_mode=True, loss_type="reinforce")
+    keep_tok = valid
+    if name == "segment-TIS":
+        C = between(w_seg, 0.5, valid)
+        assert (w_seg[valid] > C).any() and (w_seg[valid] < C).any()
+        cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=C, **base)
+        coef = per_row(mu_y * A, toy) * w_seg.clamp(max=C)
+    elif name == "segment-IcePop":
+        lo, hi = between(w_seg, 0.2, valid), between(w_seg, 0.8, valid)
+        inside = (w_seg >= lo) & (w_seg <= hi)
+        cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=f"{lo!r}_{hi!r}", **base)
+        coef = per_row(mu_y * A, toy) * torch.where(inside, w_seg, 0.0)
+    elif name == "RS-segment_sum_k1+segment-IS":
+        lo, hi = between(w_seg, 0.2, valid), between(w_seg, 0.8, valid)
+        keep_tok = (w_seg >= lo) & (w_seg <= hi)
+        cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=INF, rollout_rs="segment_sum_k1",
+                                      rollout_rs_threshold=f"{lo!r}_{hi!r}", **base)
+        coef = per_row(mu_y * A, toy) * w_seg
+    else:  # "RS-segment_max_k3+token-TIS"
+        k3 = torch.where(valid, rho_t - 1 - rho_t.log(), 0.0)
+        top = per_segment(toy, k3, "max")
+        u, C = between(top, 0.6, valid), between(rho_t, 0.6, valid)
+        keep_tok = top <= u
+        cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=C, rollout_rs="segment_max_k3",
+                                      rollout_rs_threshold=u, **base)
+        coef = per_row(mu_y * A, toy) * rho_t.clamp(max=C)
+    keep_tok = keep_tok & valid
+    K = keep_tok.any(-1).sum()
+    if name.startswith("RS-"):
+        assert (valid & ~keep_tok).any() and keep_tok.any(), "the rejection must be active and must keep something"
+        # some rows lose a turn but keep another: the decision is per segment, not per row
+        assert (keep_tok.any(-1) & (valid & ~keep_tok).any(-1)).any()
+    expected = from_coefficients(toy, torch.where(keep_tok, coef * B / K, 0.0))
+    assert_grad(library_gradient(toy, cfg, segment_ids=turns(toy)), expected)
+    assert rel_err(expected, exact_policy_gradient(toy.theta, toy.space, toy.adv)) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
 # 3. PPO clip (dual clip) in decoupled and bypass mode = gradient of the clipped surrogate
 
 EPS_LO, EPS_HI, CLIP_C = 0.2, 0.28, 1.6

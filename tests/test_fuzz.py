@@ -215,7 +215,7 @@ def check_policy_loss(data):
 
 
 RANDOM_CONFIG_VALUES = {
-    "rollout_is": [None, "token", "sequence", "geometric", "tokens", 3, ""],
+    "rollout_is": [None, "token", "sequence", "geometric", "segment", "segments", "tokens", 3, ""],
     "rollout_is_threshold": [None, 2.0, 1.0, 0.5, 0.0, -1.0, 1e30, math.inf, math.nan, "0.5_5.0", "5.0_0.5",
                              "2.0", "abc", "0_2", True],
     "rollout_is_threshold_lower": [None, 0.5, 0.0, -1.0, 3.0, math.nan, "0.2"],
@@ -223,7 +223,8 @@ RANDOM_CONFIG_VALUES = {
     "rollout_is_batch_normalize": [False, True, "yes", 1],
     "rollout_rs": [None, "token_k1", "seq_sum_k1", "seq_mean_k3", "seq_max_k2", "token_k1,seq_max_k3",
                    "token", "sequence", "geometric", "token,sequence", "seq_max_k1", ",", 7,
-                   "token_tv", "seq_max_binary_kl", "seq_mean_tv,token_k1", "token_binary_kl,seq_sum_k3", "seq_sum_tv"],
+                   "token_tv", "seq_max_binary_kl", "seq_mean_tv,token_k1", "token_binary_kl,seq_sum_k3", "seq_sum_tv",
+                   "segment_sum_k1", "segment_mean_k3,token_k1", "segment_max_tv", "segment_max_k1", "segment_sum_tv"],
     "rollout_rs_threshold": [None, 2.0, 0.01, "0.5_2.0", "0.999_1.001", "2.0_0.5", 0.0, -1.0, math.inf,
                              math.nan, "0.5_2.0,0.01", "x"],
     "rollout_rs_threshold_lower": [None, 0.5, 0.0, 2.0, math.nan],
@@ -329,6 +330,70 @@ def check_supports(data):
     assert bool((kept_mass <= 1e-5).all()) and not bool(torch.isnan(kept_mass).any())
 
 
+SEGMENT_CONFIGS = [
+    dict(rollout_is="segment", rollout_is_threshold=2.0),
+    dict(rollout_is="segment", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True),
+    dict(rollout_is="segment", rollout_is_threshold=3.0, rollout_is_mode="clip", rollout_is_threshold_lower=0.3),
+    dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="segment_sum_k1,segment_max_k3",
+         rollout_rs_threshold=("0.5_2.0", 0.1)),
+    dict(rollout_is="segment", rollout_is_threshold=2.0, rollout_rs="segment_mean_tv,seq_max_k2,token_k3",
+         rollout_rs_threshold=(0.2, 0.5, 1.0), bypass_mode=True, loss_type="reinforce"),
+    dict(rollout_rs="segment_mean_binary_kl,segment_mean_k1", rollout_rs_threshold=(0.05, "0.9_1.1")),
+]
+
+
+def check_segments(data):
+    """Segment IS and segment options on random batches and segment ids (anything at masked
+    positions): the core guarantees, or a clear error for an id outside [0, S) at a valid position."""
+    old, roll, mask = data.draw(batches())
+    B, T = mask.shape
+    S = data.draw(st.sampled_from([None, 1, 2, 5]))
+    top = T if S is None else S
+    ids = torch.from_numpy(data.draw(hnp.arrays(np.int64, (B, T), elements=st.integers(0, top - 1))))
+    garbage = torch.from_numpy(data.draw(hnp.arrays(np.int64, (B, T), elements=st.integers(-2**62, 2**62))))
+    ids = torch.where(mask != 0, ids, garbage).to(data.draw(st.sampled_from([torch.int64, torch.int32, torch.int16])))
+    if ids.dtype != torch.int64:
+        ids = torch.where(mask != 0, ids, 0)  # (the garbage does not fit a narrower type)
+    cfg = RolloutCorrectionConfig.from_dict(data.draw(st.sampled_from(SEGMENT_CONFIGS)))
+    cfg = cfg.replace(on_nonfinite=data.draw(st.sampled_from(["reject", "raise"])))
+    kw = dict(segment_ids=ids, max_segments=S)
+    if B * T and (mask != 0).any() and data.draw(st.booleans()):  # one bad id at a valid position
+        b, t = (mask != 0).nonzero()[data.draw(st.integers(0, int((mask != 0).sum()) - 1))].tolist()
+        bad_ids = ids.clone()
+        bad_ids[b, t] = data.draw(st.sampled_from([-1, top, top + 7]))
+        with pytest.raises(ValueError, match="segment id"):
+            compute_rollout_correction(old, roll, mask, config=cfg, segment_ids=bad_ids, max_segments=S)
+    bad = _bad_rows(old, roll, mask)
+    if cfg.on_nonfinite == "raise" and bool(bad.any()):
+        with pytest.raises(ValueError, match="non-finite"):
+            compute_rollout_correction(old, roll, mask, config=cfg, **kw)
+        return
+    out = compute_rollout_correction(old, roll, mask, config=cfg, **kw)
+    m = out.response_mask
+    assert m.shape == mask.shape and m.dtype == mask.dtype
+    assert not bool(((m != 0) & (mask == 0)).any()), "rejection added tokens"
+    assert not bool((m[bad] != 0).any()), "a row with non-finite input was kept"
+    if out.weights is not None:
+        _finite("weights", out.weights)
+        assert bool((out.weights >= 0).all()) and bool((out.weights[mask == 0] == 0).all())
+        assert bool((out.weights[bad] == 0).all())
+    _check_metrics(out.metrics)
+    if not cfg.bypass_mode:
+        return
+    log_prob = roll.clone().float().nan_to_num(0.0).requires_grad_(True)
+    adv = torch.ones(B, T)
+    bad_loss = _bad_rows(log_prob.detach(), roll, mask)
+    if cfg.on_nonfinite == "raise" and bool(bad_loss.any()):
+        return
+    loss, metrics = compute_policy_loss(log_prob, None, adv, mask, config=cfg, rollout_log_prob=roll, **kw)
+    _finite("loss", loss)
+    _check_metrics(metrics)
+    loss.backward()
+    _finite("gradient", log_prob.grad)
+    assert bool((log_prob.grad[mask == 0] == 0).all()), "gradient at a masked position"
+    assert bool((log_prob.grad[bad_loss] == 0).all()), "gradient on a row dropped for non-finite input"
+
+
 PROPERTIES = {
     "correction": check_correction,
     "offpolicy_metrics": check_offpolicy_metrics,
@@ -338,6 +403,7 @@ PROPERTIES = {
     "alignment_statistics": check_alignment_statistics,
     "staleness_loss": check_staleness_loss,
     "supports": check_supports,
+    "segments": check_segments,
 }
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import openrlhf_reference as ref
-from rollout_correction import compute_rollout_correction
+from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from rollout_correction.integrations.openrlhf import (
     OPENRLHF_CORRECTION_GATES,
     RolloutCorrectionPolicyLoss,
@@ -179,6 +179,13 @@ def test_from_args_on_openrlhf_cli_builds_the_real_policy_loss_and_matches():
     # A preset of this library in place of OpenRLHF's type.
     assert RolloutCorrectionPolicyLoss.from_args(args, "decoupled_geo_rs_token_tis", policy_loss_cls=PolicyLoss
                                                  ).config.rs_options[0].name == "seq_mean_k1"
+
+
+def test_the_segment_level_is_refused():
+    """OpenRLHF's loss call carries no segment ids."""
+    with pytest.raises(ValueError, match=r"rollout_rs option 'segment_sum_k1'.*OpenRLHF"):
+        RolloutCorrectionPolicyLoss(PolicyLoss(), RolloutCorrectionConfig(rollout_rs="segment_sum_k1",
+                                                                          rollout_rs_threshold=2.0))
 
 
 def test_wrapping_a_correcting_loss_is_refused():

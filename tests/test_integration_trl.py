@@ -515,6 +515,9 @@ def test_construction_refuses_what_it_cannot_do(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="off_policy_mask_threshold"):
         RolloutCorrectionGRPOTrainer(str(tmp_path / "no-such-model"), distinct_letters, _grpo_args(tmp_path),
                                      rollout_correction={"rollout_is": "token", "rollout_opsm_delta": 0.05})
+    with pytest.raises(ValueError, match=r"rollout_is='segment'.*TRL"):  # TRL passes no segment ids
+        RolloutCorrectionGRPOTrainer(str(tmp_path / "no-such-model"), distinct_letters, _grpo_args(tmp_path),
+                                     rollout_correction={"rollout_is": "segment"})
     # Outside the tested TRL range the trainer refuses, naming both versions.
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     with pytest.raises(RuntimeError, match=r"trl>=1\.16,<1\.17.*installed trl is 1\.17\.0"):

@@ -84,6 +84,15 @@ def test_decoupled_loss_equals_verls_vanilla_with_weights(agg, info):
     torch.testing.assert_close(ours[0], CORE.agg_loss(per_token, mask, loss_agg_mode=agg, **info), rtol=1e-5, atol=1e-7)
 
 
+def test_bypass_loss_refuses_the_segment_level():
+    """verl's loss call carries no segment ids: a bypass block at segment level is refused by name."""
+    log_prob, _, rollout, adv, mask = _tensors()
+    cfg = _actor_config({}, rollout_correction={"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "segment",
+                                                "rollout_is_threshold": 2.0})
+    with pytest.raises(ValueError, match=r"rollout_is='segment'.*verl's policy-loss call"):
+        _loss_and_grad(CORE.get_policy_loss_fn(rc_verl.LOSS_NAME), log_prob, adv, mask, "token-mean", cfg, old=rollout)
+
+
 @pytest.mark.parametrize("rc", [
     {"bypass_mode": True, "loss_type": "ppo_clip", "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.02},
     {"bypass_mode": True, "loss_type": "ppo_clip", "rollout_rs": "token_k1", "rollout_rs_threshold": "0.8_1.25"},

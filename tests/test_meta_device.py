@@ -19,6 +19,8 @@ Covered, through the public API only (``rollout_correction`` names, presets by n
   the replay pass — over a world of two ranks of PyTorch's ``fake`` process-group backend, whose
   collectives accept meta tensors and move no data (values are meaningless, shapes and devices
   are real), with and without a data-parallel ``process_group``.
+* segment ids (``segment_ids=`` on the device): segment IS and the ``segment_*`` options in the
+  correction and the loss, on whole and on split rows.
 
 Metrics are read as tensors only (``dict(metrics)`` derives them lazily); reading them as floats
 is the one sync by design and cannot run on meta. ``compile=True`` is not covered (inductor
@@ -247,3 +249,40 @@ def test_context_parallel_offpolicy_metrics(fake_world):
     metrics = rc.compute_offpolicy_metrics(meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)),
                                            meta(torch.bool, (B, T_LOCAL)), sequence_group=fake_world)
     assert_meta_metrics(metrics)
+
+
+# ------------------------------------------------------------------------------------- segments
+
+SEGMENT_SETTINGS = {"rollout_is": "segment", "rollout_is_threshold": "0.5_2.0", "rollout_is_batch_normalize": True,
+                    "rollout_rs": "token_k1,segment_sum_k1,segment_mean_k3,segment_max_tv",
+                    "rollout_rs_threshold": "0.5_2.0,0.5_2.0,0.01,0.2"}
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_segments_correction_and_loss(ids_dtype, fake_world):
+    """Segment ids on the device: the (B, S) scatter and gather read nothing back (the value check
+    of the ids runs on CPU tensors only); whole rows, with a process group, and split rows."""
+    cfg = RolloutCorrectionConfig.from_dict(SEGMENT_SETTINGS)
+    ids = meta(ids_dtype)
+    out = rc.compute_rollout_correction(meta(), meta(), meta(torch.bool), config=cfg, segment_ids=ids,
+                                        max_segments=4, process_group=fake_world)
+    assert_meta(out.weights, (B, T), torch.float32)
+    names = assert_meta_metrics(out.metrics).keys()
+    old, rollout, mask = cpu_batch()
+    cpu_ids = torch.arange(T).div(3, rounding_mode="floor").expand(B, T)
+    cpu = rc.compute_rollout_correction(old, rollout, mask, config=cfg, segment_ids=cpu_ids)
+    assert names == dict(cpu.metrics).keys()
+    split = rc.compute_rollout_correction(meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)),
+                                          meta(torch.float32, (B, T_LOCAL)), config=cfg,
+                                          segment_ids=meta(ids_dtype, (B, T_LOCAL)), max_segments=4,
+                                          process_group=fake_world, sequence_group=fake_world)
+    assert_meta(split.response_mask, (B, T_LOCAL), torch.float32)
+    assert_meta_metrics(split.metrics)
+    bypass = RolloutCorrectionConfig.from_dict(SEGMENT_SETTINGS | {"bypass_mode": True, "loss_type": "reinforce"})
+    for shape, group in (((B, T), None), ((B, T_LOCAL), fake_world)):
+        log_prob = meta(shape=shape, requires_grad=True)
+        loss, metrics = rc.compute_policy_loss(
+            log_prob, None, meta(shape=shape), meta(torch.bool, shape), config=bypass,
+            rollout_log_prob=meta(shape=shape), loss_agg_mode="seq-mean-token-mean",
+            segment_ids=meta(ids_dtype, shape), max_segments=4, sequence_group=group)
+        _check_loss(loss, metrics, log_prob)

@@ -505,3 +505,29 @@ def test_policy_loss_matches_its_definition(batch, cfg, mode_name, agg, seed):
                 row.append(-w * a * lp)
         rows.append(row)
     assert loss.item() == pytest.approx(_aggregate(rows, agg, T), rel=1e-4, abs=1e-5)
+
+
+SEGMENT_PAIRS = [("segment", "sequence")] + [(f"segment_{o[4:]}", o) for o in ALL_OPTIONS if o.startswith("seq_")]
+
+
+@FAST
+@given(batches(max_b=4, max_t=7), st.integers(1, 4), st.data())
+def test_segment_level_is_the_sequence_level_of_each_segment(batch, S, data):
+    """Segment IS and every segment option equal the sequence level on the batch whose rows are the
+    (row, segment) pairs: weights, masks and the IS / option metrics."""
+    from test_segments import assert_matches_exploded, segment_vs_exploded
+
+    old, rollout, mask = batch
+    B, T = mask.shape
+    ids = torch.tensor(data.draw(st.lists(st.integers(0, S - 1), min_size=B * T, max_size=B * T))).view(B, T)
+    ids = torch.where(mask, ids, -3)  # masked positions: ignored, whatever they hold
+    seg, seq = data.draw(st.sampled_from(SEGMENT_PAIRS))
+    if seg == "segment":
+        cfg, _ = data.draw(is_configs())
+        d = {k: v for k, v in cfg.to_dict().items() if k.startswith("rollout_is")}
+        seg_cfg, seq_cfg = dict(d, rollout_is="segment"), dict(d, rollout_is="sequence")
+    else:
+        thr = _threshold(data.draw, seq)
+        seg_cfg, seq_cfg = dict(rollout_rs=seg, rollout_rs_threshold=thr), dict(rollout_rs=seq, rollout_rs_threshold=thr)
+    a, b, w, keep = segment_vs_exploded(old, rollout, mask, ids, S, seg_cfg, seq_cfg)
+    assert_matches_exploded(a, b, w, keep, mask.float())

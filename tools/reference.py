@@ -152,7 +152,9 @@ def render_markdown() -> str:
         "## Metrics",
         "",
         "Every metric is logged as `rollout_corr/<name>`. Statistics over an empty set "
-        "(no valid token, no valid sequence) are reported as 0.",
+        "(no valid token, no valid sequence) are reported as 0. At segment level (`rollout_is=\"segment\"`, "
+        "and for a `segment_*` rejection option) every per-sequence statistic below is taken over the "
+        "segments (turns) with ≥ 1 valid token instead of the sequences.",
         "",
         _table(["metric", "meaning"], [(f"`{k}`", v) for k, v in METRICS.items()]),
         "",

@@ -19,11 +19,11 @@ from .vocab import (LEGACY_RS, Band, ConfigError, MissingSettingError, as_float,
 __all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISSpec", "RSOption", "RS_OPTIONS",
            "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator"]
 
-IsLevel = Literal["token", "sequence", "geometric"]
+IsLevel = Literal["token", "sequence", "geometric", "segment"]
 IsMode = Literal["truncate", "clip", "mask"]
 LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr"]
 NonFinitePolicy = Literal["reject", "raise"]
-RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max"]
+RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max", "segment_sum", "segment_mean", "segment_max"]
 DivergenceEstimator = Literal["k1", "k2", "k3", "tv", "binary_kl"]
 
 _IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
@@ -31,11 +31,12 @@ _IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
 _BYPASS_ONLY_LOSSES = ("topr",)
 
 #: Divergence-based rejection options: name -> (aggregation, estimator), ``token_k1`` … ``seq_max_k3``
-#: (no ``seq_max_k1``: the largest −log ρ of a sequence is not a ratio band), and the
-#: probability-space ``token_tv`` … ``seq_max_binary_kl`` (per token, sequence mean, sequence max).
+#: (no ``seq_max_k1``: the largest −log ρ of a sequence is not a ratio band), the
+#: probability-space ``token_tv`` … ``seq_max_binary_kl`` (per token, sequence mean, sequence max),
+#: and the same aggregations per segment (turn), ``segment_sum_k1`` … ``segment_max_binary_kl``.
 RS_OPTIONS: dict[str, tuple[RsAggregation, DivergenceEstimator]] = {
     f"{agg}_{est}": (agg, est) for agg in get_args(RsAggregation) for est in get_args(DivergenceEstimator)
-    if (agg, est) != ("seq_max", "k1") and not (est in ("tv", "binary_kl") and agg == "seq_sum")}
+    if not (agg.endswith("_max") and est == "k1") and not (est in ("tv", "binary_kl") and agg.endswith("_sum"))}
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,9 @@ class RolloutCorrectionConfig(Presets, Loading):
     ``(lo, hi)`` and is held as a ``Band``; a rejection threshold given per option, as a tuple."""
 
     rollout_is: Optional[IsLevel] = _key(
-        None, "null, token, sequence, geometric", "IS weight level: ρ_t per token; ∏ρ_t per sequence; "
-        "exp(mean log ρ_t) per sequence. null computes no weights (metrics only).")
+        None, "null, token, sequence, geometric, segment", "IS weight level: ρ_t per token; ∏ρ_t per sequence; "
+        "exp(mean log ρ_t) per sequence; ∏ρ_t per segment (turn) of a row, from the segment_ids argument (a "
+        "row without segment ids is one segment). null computes no weights (metrics only).")
     rollout_is_threshold: Optional[Union[float, str, Band]] = _key(
         2.0, "number C, or string \"lo_hi\"", "C truncates weights above C (TIS); \"lo_hi\" is IcePop: weights "
         "outside [lo, hi] become 0, the response mask is unchanged.")
@@ -89,11 +91,13 @@ class RolloutCorrectionConfig(Presets, Loading):
         "w·1[L≤w≤U]. Inferred from the threshold when null.", "inferred")
     rollout_is_batch_normalize: bool = _key(
         False, "true, false", "divide weights by their batch mean after bounding (tokens for token level, "
-        "sequences for sequence / geometric level).")
+        "sequences for sequence / geometric level, segments for segment level).")
     rollout_rs: Optional[str] = _key(
         None, "null or comma-chained options", "rejection criteria, all must accept: token_k1/k2/k3, "
         "seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3; in probability space token_tv, seq_mean_tv, "
-        "seq_max_tv, token_binary_kl, seq_mean_binary_kl, seq_max_binary_kl; or one of the first-generation "
+        "seq_max_tv, token_binary_kl, seq_mean_binary_kl, seq_max_binary_kl; per segment (turn, from the "
+        "segment_ids argument) segment_sum_k1/k2/k3, segment_mean_k1/k2/k3, segment_max_k2/k3, segment_mean_tv, "
+        "segment_max_tv, segment_mean_binary_kl, segment_max_binary_kl; or one of the first-generation "
         "modes token, sequence, geometric.")
     rollout_rs_threshold: Optional[Union[float, str, Band, tuple[Union[float, Band], ...]]] = _key(
         None, "number or string, one per option or shared", "k1: ratio bounds \"lo_hi\" (a single x means "
@@ -275,6 +279,22 @@ class RolloutCorrectionConfig(Presets, Loading):
     @property
     def is_enabled(self) -> bool:
         return self.is_spec is not None
+
+    @property
+    def uses_segments(self) -> bool:
+        """``rollout_is="segment"`` or a ``segment_*`` rejection option: the call needs segment ids."""
+        return self.rollout_is == "segment" or any(o.agg.startswith("segment_") for o in self.rs_options)
+
+    def refuse_segments(self, route: str) -> None:
+        """Raise a ValueError naming the segment setting when ``route`` cannot pass segment ids."""
+        if not self.uses_segments:
+            return
+        names = ([f"rollout_is={self.rollout_is!r}"] if self.rollout_is == "segment" else []) + \
+            [f"rollout_rs option {o.name!r}" for o in self.rs_options if o.agg.startswith("segment_")]
+        raise ValueError(f"{', '.join(names)}: the segment level needs the segment (turn) ids of every token, "
+                         f"and {route} has none to pass; call compute_rollout_correction / compute_policy_loss "
+                         "with segment_ids=..., or use verl's correction step with batch.batch['segment_ids'] "
+                         "(docs/methods.md, 'Segments')")
 
     @property
     def rs_enabled(self) -> bool:

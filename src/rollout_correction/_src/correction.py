@@ -26,7 +26,7 @@ from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
 from .sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite, reduce_owned,
                              stats_owner)
 from .stats import SufficientStats, Value, maximum
-from .validation import check_pair
+from .validation import check_pair, check_segment_ids
 from .weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
 __all__ = ["CorrectionOutput", "compute_rollout_correction", "CorrectionAccumulator", "BatchHook", "local_correction",
@@ -79,10 +79,11 @@ def _alignment_metrics(stats) -> dict[str, Value]:
 
 
 def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                config: RolloutCorrectionConfig, row_offset: int = 0):
+                config: RolloutCorrectionConfig, row_offset: int = 0, segment_ids: Optional[torch.Tensor] = None,
+                max_segments: Optional[int] = None):
     """Everything that touches (B, T) data: weights before normalisation, keep mask, local statistics."""
     batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite,
-                            row_offset=row_offset)
+                            row_offset=row_offset, segment_ids=segment_ids, max_segments=max_segments)
     stats = SufficientStats()
     batch.add_counts(stats)
     isw, rej = local_correction(batch, config, stats)
@@ -90,10 +91,11 @@ def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, resp
 
 
 def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                config: RolloutCorrectionConfig):
+                segment_ids: Optional[torch.Tensor], max_segments: Optional[int], config: RolloutCorrectionConfig):
     """:func:`_block_pass` on the whole batch with the statistics settled: pure tensor code in and
     out, so torch.compile can fuse it."""
-    weights, keep, stats = _block_pass(old_log_prob, rollout_log_prob, response_mask, config)
+    weights, keep, stats = _block_pass(old_log_prob, rollout_log_prob, response_mask, config,
+                                       segment_ids=segment_ids, max_segments=max_segments)
     return weights, keep, stats.sums, stats.maxes
 
 
@@ -103,11 +105,13 @@ class RowValues:
 
     kept: (B,) valid tokens every rejection criterion accepts; token_keep: (B, T_local) float 0/1,
     this rank's valid tokens the token-level criteria accept (the final mask is ``token_keep ·
-    row_keep``); row_keep: (B,) bool, rows the sequence-level criteria and the veto accept;
+    row_keep`` times the segment-level decisions); row_keep: (B,) bool, rows the sequence-level
+    criteria and the veto accept;
     dropped: (B,) bool, rows dropped for a non-finite value; weights: (B, T_local) IS weights before
     batch normalisation (None without IS); row_weight: (B,) bounded per-row weight at sequence /
     geometric level (None at token level). A partial passed to the exchange must depend on this
-    rank's tokens only: apply ``row_keep`` / ``row_weight`` to the reduced value.
+    rank's tokens only: apply ``row_keep`` / ``row_weight`` to the reduced value, and sum over the
+    accepted tokens with :meth:`kept_total` (which applies the segment decisions after the reduction).
     """
 
     kept: torch.Tensor
@@ -116,19 +120,31 @@ class RowValues:
     dropped: torch.Tensor
     weights: Optional[torch.Tensor] = None
     row_weight: Optional[torch.Tensor] = None
+    batch: Optional[LogRatioBatch] = None
+    rejection: Optional[RejectionResult] = None
+
+    def kept_total(self, x: torch.Tensor) -> torch.Tensor:
+        """(B,) group Σ of a (B, T_local) tensor that is 0 outside ``token_keep``, over the tokens
+        the segment-level criteria accept too (``row_keep`` not applied)."""
+        return self.rejection.kept_total(self.batch, x)
 
 
 def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                     config: RolloutCorrectionConfig, process_group: Optional[object], rows: RowExchange,
-                    owner: Optional[bool]) -> tuple[CorrectionOutput, RowValues]:
+                    owner: Optional[bool], segment_ids: Optional[torch.Tensor] = None,
+                    max_segments: Optional[int] = None) -> tuple[CorrectionOutput, RowValues]:
     """One pass of the correction over sequences split across ``rows.group``: placeholders in the
     collect pass, final in the replay pass (statistics reduced over ``process_group``, counted on
     the ranks ``owner`` selects, see :func:`~rollout_correction._src.sequence_group.stats_owner`)."""
+    if segment_ids is not None and max_segments is None:
+        raise ValueError("segment_ids with sequence_group needs max_segments: each rank holds a different "
+                         "number of columns, and the per-segment partials must have one shape on every rank")
     if config.check_alignment:
         raise ValueError("check_alignment compares adjacent tokens and cannot run on sequences split across "
                          "sequence_group; run the alignment check on whole sequences (rollout-correction "
                          "diagnose, or a call without sequence_group) and set check_alignment=False here")
-    batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite, rows=rows)
+    batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite, rows=rows,
+                            segment_ids=segment_ids, max_segments=max_segments)
     stats = SufficientStats()
     batch.add_counts(stats)
     isw, rej = local_correction(batch, config, stats)
@@ -136,7 +152,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     keep = rej.keep_mask(batch)
     token_keep = batch.mask if rej.token_keep is None else batch.mask * rej.token_keep
     values = RowValues(rej.kept_per_row(batch), token_keep, rej.rows(batch), batch.bad_rows, weights,
-                       isw.row_weight if isw is not None else None)
+                       isw.row_weight if isw is not None else None, batch, rej)
     if not rows.final:
         return CorrectionOutput(weights, keep), values
     if config.on_nonfinite == "raise":
@@ -178,21 +194,25 @@ def block_tokens(device: torch.device) -> int:
 
 
 def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                        config: RolloutCorrectionConfig):
+                        config: RolloutCorrectionConfig, segment_ids: Optional[torch.Tensor] = None,
+                        max_segments: Optional[int] = None):
     """:func:`_local_pass` over blocks of whole rows, writing into the outputs."""
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     B, T = old_log_prob.shape
     rows = max(1, block_tokens(old_log_prob.device) // max(T, 1))
     if B <= rows:
-        return _block_pass(old_log_prob, rollout_log_prob, response_mask, config)
+        return _block_pass(old_log_prob, rollout_log_prob, response_mask, config, segment_ids=segment_ids,
+                           max_segments=max_segments)
     device = old_log_prob.device
     weights = torch.empty((B, T), device=device) if config.is_spec is not None else None
     keep = torch.empty((B, T), dtype=response_mask.dtype, device=device)
     stats = SufficientStats()
     for start in range(0, B, rows):
         block = slice(start, start + rows)
+        seg = segment_ids[block] if segment_ids is not None else None
+        seg_count = T if seg is not None and max_segments is None else max_segments  # the whole batch's S
         w, keep[block], local = _block_pass(old_log_prob[block], rollout_log_prob[block], response_mask[block],
-                                            config, row_offset=start)
+                                            config, row_offset=start, segment_ids=seg, max_segments=seg_count)
         if weights is not None:
             weights[block] = w
         stats.merge(local)  # one packed vector per block, added into the running one
@@ -239,6 +259,8 @@ def compute_rollout_correction(
     process_group: Optional[object] = None,
     compile: bool = False,
     sequence_group: Optional[object] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    max_segments: Optional[int] = None,
 ) -> CorrectionOutput:
     """IS weights, rejection-adjusted response mask and diagnostics for one batch.
 
@@ -267,6 +289,14 @@ def compute_rollout_correction(
             data-parallel group without or with context parallelism, or None when the sequence
             group holds the whole batch (see :func:`~rollout_correction._src.sequence_group.stats_owner`;
             a partial overlap raises ValueError). ``check_alignment`` raises with a sequence group.
+        segment_ids: optional (B, T) integer tensor, the segment (turn) of each token of a
+            multi-turn row: the valid tokens of a row with equal id form one segment, for
+            ``rollout_is="segment"`` and the ``segment_*`` rejection options (a row without
+            segment_ids is one segment). Ids at valid positions lie in [0, ``max_segments``); masked
+            positions are ignored. With ``sequence_group`` the ids are global within the row (the
+            same id on every rank for one turn) and ``max_segments`` is required.
+        max_segments: the static number S of segment ids (default T): per-segment values are (B, S)
+            tensors, so no shape depends on the data.
     Returns:
         :class:`CorrectionOutput`.
     """
@@ -279,14 +309,17 @@ def compute_rollout_correction(
         with torch.no_grad():
             for _ in rows.passes():
                 out, _values = correction_pass(old_log_prob, rollout_log_prob, response_mask, config,
-                                               process_group, rows, owner)
+                                               process_group, rows, owner, segment_ids, max_segments)
         return out
     with torch.no_grad():
         if compile:
-            weights, keep, sums, maxes = _compiled_local_pass(config)(old_log_prob, rollout_log_prob, response_mask)
+            check_segment_ids(segment_ids, response_mask, max_segments)  # eagerly: the compiled pass skips reads
+            weights, keep, sums, maxes = _compiled_local_pass(config)(old_log_prob, rollout_log_prob, response_mask,
+                                                                      segment_ids, max_segments)
             stats = SufficientStats.from_values(sums, maxes)
         else:
-            weights, keep, stats = _blocked_local_pass(old_log_prob, rollout_log_prob, response_mask, config)
+            weights, keep, stats = _blocked_local_pass(old_log_prob, rollout_log_prob, response_mask, config,
+                                                       segment_ids, max_segments)
         stats.all_reduce(process_group)
         metrics = Metrics.derived(stats, functools.partial(correction_metrics, config=config))
         if weights is not None and config.is_spec.batch_normalize:

@@ -17,6 +17,7 @@ helpers), which is what makes context-parallel results exact.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
@@ -24,7 +25,7 @@ import torch
 
 from .constants import SAFETY_BOUND
 from .stats import SufficientStats
-from .validation import check_pair, check_same
+from .validation import check_pair, check_same, check_segment_ids
 
 if TYPE_CHECKING:
     from .sequence_group import RowExchange
@@ -76,6 +77,8 @@ class LogRatioBatch:
             rows, bounded at ±1e30 per token); None for a batch built from a log-ratio alone.
         old_log_prob, rollout_log_prob: the inputs (None for :meth:`from_log_ratio`).
         rows: the row exchange when the rows are split across a group, else None.
+        segment_ids, num_segments: (B, T) int64 segment (turn) of each token, 0 at unused positions,
+            ids in [0, num_segments); None: every row is one segment (``num_segments`` 1).
     """
 
     response_mask: torch.Tensor
@@ -94,6 +97,8 @@ class LogRatioBatch:
     old_log_prob: Optional[torch.Tensor] = None
     rollout_log_prob: Optional[torch.Tensor] = None
     rows: Optional["RowExchange"] = None
+    segment_ids: Optional[torch.Tensor] = None
+    num_segments: int = 1
 
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str = "reject",
@@ -203,6 +208,33 @@ class LogRatioBatch:
         """Broadcast a per-row (B,) value over the row's tokens used, 0 elsewhere; (B, T)."""
         return x.to(torch.float32).unsqueeze(-1) * self.mask
 
+    # -- segments (turns of a multi-turn row): per-(row, segment) values, (B, S) ---------
+    def _segment_index(self) -> torch.Tensor:
+        if self.segment_ids is not None:
+            return self.segment_ids
+        return torch.zeros(self.mask.shape, dtype=torch.int64, device=self.mask.device)
+
+    def segment_total(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S) Σ over each segment's tokens of a (B, T) tensor that is 0 at unused positions:
+        one scatter-add into (B, S) per rank, the group's sum when the rows are split (segment ids
+        are global within a row, so the partial sums of a segment over the shards add up)."""
+        B = x.shape[0]
+        part = torch.zeros((B, self.num_segments), dtype=x.dtype, device=x.device)
+        part.scatter_add_(1, self._segment_index(), x)
+        return self.reduce_sum(part.T).T  # (S, B): S per-row partials stacked
+
+    def segment_max(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S) maximum over each segment's tokens of a (B, T) tensor that is ≥ 0 and 0 at
+        unused positions (0 for a segment without a token)."""
+        B = x.shape[0]
+        part = torch.zeros((B, self.num_segments), dtype=x.dtype, device=x.device)
+        part.scatter_reduce_(1, self._segment_index(), x, reduce="amax", include_self=True)
+        return self.reduce_max(part.T).T
+
+    def expand_segments(self, x: torch.Tensor) -> torch.Tensor:
+        """Broadcast a per-segment (B, S) value over each segment's tokens used, 0 elsewhere; (B, T)."""
+        return x.to(torch.float32).gather(1, self._segment_index()) * self.mask
+
     def add_counts(self, stats: SufficientStats) -> None:
         """The counts every statistic family divides by (recorded once per call)."""
         stats.add_sum("n_tok", self.sums.n)
@@ -212,7 +244,8 @@ class LogRatioBatch:
 
 def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, *,
                     on_nonfinite: str = "reject", rows: Optional["RowExchange"] = None,
-                    row_offset: int = 0) -> LogRatioBatch:
+                    row_offset: int = 0, segment_ids: Optional[torch.Tensor] = None,
+                    max_segments: Optional[int] = None) -> LogRatioBatch:
     """log ρ_t = log π_train(y_t) − log π_rollout(y_t) on the valid tokens, and the per-row sums.
 
     Args:
@@ -225,13 +258,21 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         rows: a :class:`~rollout_correction._src.sequence_group.RowExchange` when every row is split
             across a group (context parallelism); None when the rows are whole.
         row_offset: index of this batch's first row in the caller's batch (for messages).
+        segment_ids: optional (B, T) integer segment (turn) of each token: the tokens of a row with
+            equal id form one segment; ids at valid positions in [0, S), S = ``max_segments`` (default
+            T); ignored at masked positions. None: every row is one segment.
     """
     check_pair(old_log_prob, rollout_log_prob, response_mask)
+    segments = check_segment_ids(segment_ids, response_mask, max_segments, row_offset)
     if _FLOAT32_SUB.get((old_log_prob.dtype, rollout_log_prob.dtype)):  # (torch.result_type breaks a graph)
         lr = torch.sub(old_log_prob, rollout_log_prob)  # upcasts inside the subtraction
     else:  # e.g. both bf16: a subtraction in bf16 would round
         lr = old_log_prob.to(torch.float32, copy=True).sub_(rollout_log_prob)
-    return _build(lr, response_mask, on_nonfinite, row_offset, old_log_prob, rollout_log_prob, rows)
+    batch = _build(lr, response_mask, on_nonfinite, row_offset, old_log_prob, rollout_log_prob, rows)
+    if segments is None:
+        return batch
+    ids, S = segments
+    return dataclasses.replace(batch, segment_ids=ids, num_segments=S)
 
 
 def _sanitised(x: torch.Tensor, nan: float = NONFINITE_SENTINEL) -> torch.Tensor:

@@ -198,6 +198,8 @@ def compute_policy_loss(
     loss_scale_factor: Optional[float] = None,
     process_group: Optional[object] = None,
     sequence_group: Optional[object] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    max_segments: Optional[int] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss with rollout correction, in the mode ``config`` selects.
 
@@ -227,6 +229,9 @@ def compute_policy_loss(
             One all-gather of (B, k) per-row scalars serves the non-finite check, the correction,
             the denominators and the ``actor/*`` metrics; the loss is this rank's share (see
             :func:`agg_loss`).
+        segment_ids, max_segments: the segment (turn) of each token and the static number of ids,
+            for ``rollout_is="segment"`` and the ``segment_*`` rejection options, as for
+            :func:`~rollout_correction.compute_rollout_correction`.
     Returns:
         (loss, metrics): scalar loss; 0-d tensors ``actor/pg_clipfrac``, ``actor/ppo_kl``,
         ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` and, when the
@@ -262,7 +267,7 @@ def compute_policy_loss(
             result = _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config,
                                         rollout_is_weights, clip_ratio_low, clip_ratio_high, clip_ratio_c,
                                         loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
-                                        loss_scale_factor, process_group, rows, owner)
+                                        loss_scale_factor, process_group, rows, owner, segment_ids, max_segments)
         return result
 
     # Drop (or refuse) rows with a non-finite value at a valid position; sanitise the rest. The
@@ -297,7 +302,8 @@ def compute_policy_loss(
     mask = valid
     if rollout is not None and (bypass or rollout_is_weights is None):
         train_side = lp.detach() if bypass else prox_s
-        corr = compute_rollout_correction(train_side, rollout, valid, config=config, process_group=process_group)
+        corr = compute_rollout_correction(train_side, rollout, valid, config=config, process_group=process_group,
+                                          segment_ids=segment_ids, max_segments=max_segments)
         mask = corr.response_mask
         weights = corr.weights
         metrics.update(corr.metrics)
@@ -326,7 +332,8 @@ def compute_policy_loss(
 
 def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config, rollout_is_weights,
                        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens,
-                       global_num_seqs, dp_size, loss_scale_factor, process_group, rows: RowExchange, owner):
+                       global_num_seqs, dp_size, loss_scale_factor, process_group, rows: RowExchange, owner,
+                       segment_ids=None, max_segments=None):
     """One pass of :func:`compute_policy_loss` over sequences split across ``rows.group``: the
     collect pass makes the reductions only (returns None), the replay pass builds loss and metrics."""
     bypass = config.bypass_mode
@@ -351,18 +358,23 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
     if rollout is not None and (bypass or rollout_is_weights is None):
         train_side = lp.detach() if bypass else prox_s
         with torch.no_grad():
-            corr, values = correction_pass(train_side, rollout, valid, config, process_group, rows, owner)
+            corr, values = correction_pass(train_side, rollout, valid, config, process_group, rows, owner,
+                                           segment_ids, max_segments)
         mask, weights, corr_metrics = corr.response_mask.bool(), corr.weights, corr.metrics
         token_keep, row_keep, kept = values.token_keep, values.row_keep, values.kept
+        total = values.kept_total  # per segment when segment decisions apply
     else:
         mask, token_keep = valid, valid.float()
         row_keep = torch.ones_like(bad_rows)
         kept = rows.sum(valid.sum(-1).to(torch.float64))
+
+        def total(x: torch.Tensor) -> torch.Tensor:
+            return rows.sum(x.sum(-1))
     if rollout_is_weights is not None and not bypass:
         weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
 
     def kept_sum(x: torch.Tensor) -> torch.Tensor:  # (B,) float64: Σ over each sequence's kept tokens
-        return rows.sum(torch.where(token_keep > 0, x.detach().double(), 0.0).sum(-1)) * row_keep
+        return total(torch.where(token_keep > 0, x.detach().double(), 0.0)) * row_keep
 
     def mean(x: torch.Tensor) -> torch.Tensor:
         return kept_sum(x).sum() / kept.sum().clamp_min(1)
@@ -385,8 +397,8 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
         # this rank's tokens' advantage signs and apply the sequence's value after the reduction.
         if config.loss_type == "gspo":
             s_row = seq_values["seq_log_ratio"].float().clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
-            n_pos = rows.sum(((token_keep > 0) & (adv > 0)).sum(-1).double()) * row_keep
-            n_neg = rows.sum(((token_keep > 0) & (adv < 0)).sum(-1).double()) * row_keep
+            n_pos = total(((token_keep > 0) & (adv > 0)).double()) * row_keep
+            n_neg = total(((token_keep > 0) & (adv < 0)).double()) * row_keep
             hi = torch.tensor(1.0 + clip_ratio_high, dtype=s_row.dtype)
             lo = torch.tensor(1.0 - clip_ratio_low, dtype=s_row.dtype)
             n_clipped = n_pos * (s_row > hi) + n_neg * (s_row < lo)

@@ -53,6 +53,8 @@ def compute_rollout_correction_packed(
     response_mask: Optional[torch.Tensor] = None,
     process_group: Optional[object] = None,
     sequence_group: Optional[object] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    max_segments: Optional[int] = None,
 ) -> CorrectionOutput:
     """:func:`compute_rollout_correction` for flat (N,) token tensors.
 
@@ -62,6 +64,9 @@ def compute_rollout_correction_packed(
     With ``sequence_group`` (context parallelism) each rank passes its own tokens of the same B
     sequences, in the same order: ``lengths`` are then this rank's token counts per sequence
     (0 for an empty slice); see :func:`compute_rollout_correction` for the rest.
+
+    ``segment_ids`` (N,) integers: the segment (turn) of each token, as ``segment_ids`` of
+    :func:`compute_rollout_correction` (``max_segments`` defaults to the longest sequence's length).
     """
     if (lengths is None) == (cu_seqlens is None):
         raise ValueError("give exactly one of lengths= or cu_seqlens=")
@@ -78,11 +83,18 @@ def compute_rollout_correction_packed(
     elif response_mask.shape != old_log_prob.shape:
         raise ValueError(f"response_mask shape {tuple(response_mask.shape)} does not match the packed "
                          f"log-probs {tuple(old_log_prob.shape)}")
+    if segment_ids is not None and (not isinstance(segment_ids, torch.Tensor)
+                                    or segment_ids.shape != old_log_prob.shape):
+        got = tuple(segment_ids.shape) if isinstance(segment_ids, torch.Tensor) else type(segment_ids).__name__
+        raise ValueError(f"segment_ids must be a tensor shaped like the packed log-probs "
+                         f"{tuple(old_log_prob.shape)}, got {got}")
     rows, cols, T = pack_index(lengths.to(old_log_prob.device))
     B = lengths.numel()
     out = compute_rollout_correction(
         to_padded(old_log_prob, rows, cols, B, T), to_padded(rollout_log_prob, rows, cols, B, T),
         to_padded(response_mask, rows, cols, B, T, fill=False if response_mask.dtype == torch.bool else 0),
-        config=config, process_group=process_group, sequence_group=sequence_group)
+        config=config, process_group=process_group, sequence_group=sequence_group,
+        segment_ids=None if segment_ids is None else to_padded(segment_ids, rows, cols, B, T),
+        max_segments=max_segments)
     weights = out.weights[rows, cols] if out.weights is not None else None
     return CorrectionOutput(weights, out.response_mask[rows, cols], out.metrics)

@@ -10,11 +10,14 @@ tv = |p − q|,  binary_kl = p log(p/q) + (1 − p) log((1 − p)/(1 − q))  �
 distributions "the sampled token / any other token" under π_rollout and π_train (≥ 0).
 
 Aggregations over a sequence's valid tokens: ``token`` (each token on its own), ``seq_sum``,
-``seq_mean``, ``seq_max``. A token/sequence is kept iff its statistic lies in the option's bounds;
-chained options must all accept (logical AND). k1 bounds are ratio bounds lo ≤ ρ_agg ≤ hi, where
-ρ_agg = exp(−k1_agg) — e.g. ``seq_mean_k1`` with "0.999_1.001" keeps sequences whose geometric-mean
-ratio lies within ±0.1% of 1. Veto (``rollout_token_veto_threshold`` C): reject a sequence if any
-valid token has unclamped ρ_t < C; its high side (``rollout_token_veto_threshold_high`` C'):
+``seq_mean``, ``seq_max``; and the same over each segment s (a turn of a multi-turn row: the tokens
+with equal segment id), ``segment_sum`` Σ_{t∈s}, ``segment_mean`` (1/|s|) Σ_{t∈s}, ``segment_max``
+max_{t∈s} — a rejected segment drops its own tokens only. A token / sequence / segment is kept iff
+its statistic lies in the option's bounds; chained options must all accept (logical AND). k1 bounds
+are ratio bounds lo ≤ ρ_agg ≤ hi, where ρ_agg = exp(−k1_agg) — e.g. ``seq_mean_k1`` with
+"0.999_1.001" keeps sequences whose geometric-mean ratio lies within ±0.1% of 1. Veto
+(``rollout_token_veto_threshold`` C): reject a sequence if any valid token has unclamped ρ_t < C; its
+high side (``rollout_token_veto_threshold_high`` C'):
 reject a sequence if any valid token has unclamped ρ_t > C'. Rejection changes the response mask only.
 """
 
@@ -57,11 +60,14 @@ def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
 
 @dataclass
 class RejectionResult:
-    """``token_keep`` (B, T) float 0/1 and ``row_keep`` (B,) bool, the AND of all criteria (veto
-    included); each None when no criterion of its level ran (:meth:`rows` gives a tensor anyway)."""
+    """``token_keep`` (B, T) float 0/1, ``row_keep`` (B,) bool and ``segment_keep`` (B, S) bool, the
+    AND of the criteria of each level (veto included); each None when no criterion of its level ran
+    (:meth:`rows` gives a tensor anyway). Segment decisions stay per segment: with split rows a
+    segment's decision is a reduced value, which no per-rank partial may depend on."""
 
     token_keep: Optional[torch.Tensor]
     row_keep: Optional[torch.Tensor]
+    segment_keep: Optional[torch.Tensor] = None
 
     def rows(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B,) bool ``row_keep`` (all True when no sequence-level criterion ran)."""
@@ -69,17 +75,39 @@ class RejectionResult:
             return self.row_keep
         return torch.ones(batch.n_row.shape, dtype=torch.bool, device=batch.n_row.device)
 
+    def kept_total(self, batch: LogRatioBatch, x: torch.Tensor) -> torch.Tensor:
+        """(B,) Σ of a (B, T) tensor over the tokens the token- and segment-level criteria accept
+        (``x`` must be 0 where the token-level criteria or the mask reject): per segment, then
+        times the segment's decision, so that the partials depend on this rank's tokens only."""
+        if self.segment_keep is None:
+            return batch.row_total(x)
+        return (batch.segment_total(x) * self.segment_keep.to(x.dtype)).sum(-1)
+
     def kept_per_row(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B,) float32 count of valid tokens accepted by every criterion."""
-        kept = batch.n_row if self.token_keep is None else batch.row_total(self.token_keep * batch.mask)
+        if self.token_keep is None and self.segment_keep is None:
+            kept = batch.n_row
+        else:
+            kept = self.kept_total(batch, batch.mask if self.token_keep is None else self.token_keep * batch.mask)
         return kept * self.row_keep if self.row_keep is not None else kept
 
     def keep_mask(self, batch: LogRatioBatch) -> torch.Tensor:
         """(B, T) float32 0/1: valid and accepted by every criterion."""
         if self.row_keep is None:
-            return batch.mask if self.token_keep is None else batch.mask * self.token_keep
-        keep = batch.mask * self.row_keep.to(torch.float32).unsqueeze(-1)
-        return keep.mul_(self.token_keep) if self.token_keep is not None else keep
+            keep = batch.mask if self.token_keep is None else batch.mask * self.token_keep
+        else:
+            keep = batch.mask * self.row_keep.to(torch.float32).unsqueeze(-1)
+            keep = keep.mul_(self.token_keep) if self.token_keep is not None else keep
+        return keep if self.segment_keep is None else keep * batch.expand_segments(self.segment_keep)
+
+
+def _segment_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S) statistic of each segment and (B, S) its valid-token count."""
+    n = batch.segment_total(batch.mask)
+    if agg == "segment_max":  # k2/k3/tv/binary_kl ≥ 0, 0 at padding
+        return batch.segment_max(per_token), n
+    total = batch.segment_total(per_token)
+    return (total if agg == "segment_sum" else total / n.clamp_min(1.0)), n
 
 
 def _row_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> torch.Tensor:
@@ -119,6 +147,7 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
     ``veto_high``); records statistics when given ``stats``."""
     row_keep: Optional[torch.Tensor] = None  # None: no sequence-level criterion so far
     token_keep: Optional[torch.Tensor] = None
+    segment_keep: Optional[torch.Tensor] = None
     cache: dict[str, torch.Tensor] = {}
 
     def divergence(estimator: str) -> torch.Tensor:
@@ -131,11 +160,19 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         if opt.agg == "token":
             keep = option_keep(batch, opt, divergence(opt.estimator), stats)
             token_keep = keep if token_keep is None else token_keep.mul_(keep)
+        elif opt.agg.startswith("segment_"):
+            seg, n = _segment_stat(batch, divergence(opt.estimator), opt.agg)
+            seg_keep = _within(seg, opt)
+            if stats is not None:
+                units = (n > 0).reshape(-1)
+                stats.add_sum(f"rs.{opt.name}.units", units)
+                _add_row_option_stats(stats, batch, opt, seg.reshape(-1), seg_keep.reshape(-1), units, n.reshape(-1))
+            segment_keep = seg_keep if segment_keep is None else segment_keep & seg_keep
         else:
             keep = option_keep(batch, opt, _row_stat(batch, divergence(opt.estimator), opt.agg), stats)
             row_keep = keep if row_keep is None else row_keep & keep
     if stats is not None and options:  # valid tokens rejected by the chained options, per row
-        rejected = batch.n_row - RejectionResult(token_keep, row_keep).kept_per_row(batch)
+        rejected = batch.n_row - RejectionResult(token_keep, row_keep, segment_keep).kept_per_row(batch)
         stats.add_sum("rs.masked", rejected)
         stats.add_sum("rs.seq_masked", rejected > 0, rows=batch.row_valid)
     for key, bound, side in (("veto", veto_threshold, batch.below), ("veto_high", veto_high, batch.above)):
@@ -147,7 +184,7 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
         if stats is not None:
             stats.add_sum(key + ".tok", catastrophic)
             stats.add_sum(key + ".rows", vetoed, rows=batch.row_valid)
-    return RejectionResult(token_keep, row_keep)
+    return RejectionResult(token_keep, row_keep, segment_keep)
 
 
 def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:
@@ -181,10 +218,14 @@ def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: R
 
 
 def _add_row_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
-                          s: torch.Tensor, keep: torch.Tensor) -> None:
+                          s: torch.Tensor, keep: torch.Tensor, rows: Optional[torch.Tensor] = None,
+                          n: Optional[torch.Tensor] = None) -> None:
+    """Per-unit statistics of a sequence option (units: the rows), or of a segment option (units:
+    the (row, segment) pairs, ``rows`` (B·S,) bool valid and ``n`` (B·S,) token counts)."""
     p = f"rs.{opt.name}."
     c = _std_clamp(opt, s).double()
-    rows, n = batch.row_valid, batch.n_row
+    if rows is None:
+        rows, n = batch.row_valid, batch.n_row
     rejected = ~keep
     stats.add_sum(p + "sum", s, rows=rows, weight=n)
     stats.add_sum(p + "c_sum", c, rows=rows, weight=n)
@@ -193,13 +234,14 @@ def _add_row_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSO
     stats.add_sum(p + "high", s > opt.stat_upper, rows=rows)
     if opt.stat_lower is not None:
         stats.add_sum(p + "low", s < opt.stat_lower, rows=rows)
-    _add_seq_values(stats, batch, opt, s)
+    _add_seq_values(stats, batch, opt, s, rows)
     stats.add_sum(p + "seq_masked", rejected, rows=rows)
 
 
-def _add_seq_values(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, seq: torch.Tensor) -> None:
+def _add_seq_values(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, seq: torch.Tensor,
+                    rows: Optional[torch.Tensor] = None) -> None:
     p = f"rs.{opt.name}.seq"
-    rows = batch.row_valid
+    rows = batch.row_valid if rows is None else rows
     seq64 = seq.double()
     stats.add_sum(p + "_sum", seq, rows=rows)
     stats.add_sum(p + "_sum2", seq64 * seq64, rows=rows)
@@ -219,10 +261,13 @@ def rs_option_metrics(stats, opt: RSOption) -> dict[str, Value]:
     or sequences, as the option decides; std = token-weighted std of s clamped to the bounds; seq_* =
     statistics of the per-sequence value (the sequence mean of s for token options), seq_max_deviation
     = max |value|; masked_fraction = share of valid tokens this option rejects; seq_masked_fraction =
-    share of sequences with at least one token it rejects.
+    share of sequences with at least one token it rejects. For a segment option every per-sequence
+    quantity is per segment (turn) with ≥ 1 valid token instead: seq_* and max/min describe the
+    segment statistic, seq_masked_fraction is the share of segments it rejects.
     """
-    n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
     p, out = f"rs.{opt.name}.", f"rollout_rs_{opt.name}_"
+    n_tok = stats.sum("n_tok")
+    n_rows = stats.sum(p + "units") if opt.agg.startswith("segment_") else stats.sum("n_rows")
     m: dict[str, Value] = {}
     seq = seq_summary(stats, p + "seq", n_rows, center=0.0)
     m[out + "mean"] = safe_div(stats.sum(p + "sum"), n_tok)

@@ -5,6 +5,8 @@ Levels (ρ_t = π_train(y_t) / π_rollout(y_t), all exponentials taken after cla
 * token:      w_t = ρ_t
 * sequence:   w   = ∏_t ρ_t          = exp(Σ_t log ρ_t)       (broadcast over the sequence)
 * geometric:  w   = (∏_t ρ_t)^(1/T)  = exp(mean_t log ρ_t)    (broadcast over the sequence)
+* segment:    w_s = ∏_{t∈s} ρ_t      = exp(Σ_{t∈s} log ρ_t)   (per segment s — a turn of a multi-turn
+  row, the tokens with equal segment id — broadcast over the segment's tokens)
 
 Bounding modes (U = upper, L = lower):
 
@@ -13,7 +15,8 @@ Bounding modes (U = upper, L = lower):
 * mask (IcePop):                                  w ← w · 1[L ≤ w ≤ U]   (response mask unchanged)
 
 Optional batch normalisation, after bounding: w ← w / mean(w), the mean taken over valid tokens
-(token level) or over sequences with ≥ 1 valid token (sequence / geometric level), applied only
+(token level), over sequences with ≥ 1 valid token (sequence / geometric level) or over segments
+with ≥ 1 valid token (segment level), applied only
 when the mean exceeds 1e-8. Weights are 0 at invalid positions and never carry gradient.
 """
 
@@ -38,13 +41,19 @@ __all__ = ["ISWeights", "importance_weights", "bound_weights", "add_is_statistic
 class ISWeights:
     """Weights before batch normalisation: ``weights`` (B, T) bounded, 0 at invalid positions; token
     level: ``raw`` (B, T) safety-bounded, before bounding; sequence / geometric level, per row (B,):
-    ``row_log`` the unclamped log weight, ``row_raw`` / ``row_weight`` the safety-bounded / bounded."""
+    ``row_log`` the unclamped log weight, ``row_raw`` / ``row_weight`` the safety-bounded / bounded;
+    segment level: the same per (row, segment), flattened to (B·S,), in ``row_log`` / ``row_raw`` /
+    ``unit_weight`` (``row_weight`` None: no weight is constant over a row), with ``unit_valid`` (B·S,)
+    bool, the segment has a valid token, and ``unit_n`` (B·S,) its token count."""
 
     weights: torch.Tensor
     raw: Optional[torch.Tensor] = None
     row_log: Optional[torch.Tensor] = None
     row_raw: Optional[torch.Tensor] = None
     row_weight: Optional[torch.Tensor] = None
+    unit_weight: Optional[torch.Tensor] = None
+    unit_valid: Optional[torch.Tensor] = None
+    unit_n: Optional[torch.Tensor] = None
 
 
 def bound_weights(w: torch.Tensor, spec: ISSpec, mask: torch.Tensor) -> torch.Tensor:
@@ -61,6 +70,15 @@ def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
     if spec.level == "token":
         raw = batch.ratio
         return ISWeights(weights=bound_weights(raw, spec, batch.mask), raw=raw)
+    if spec.level == "segment":
+        seg_log = batch.segment_total(batch.log_ratio)  # (B, S) Σ_{t∈s} log ρ_t
+        seg_n = batch.segment_total(batch.mask)
+        seg_ok = (seg_n > 0).to(seg_log.dtype)
+        seg_raw = seg_log.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() * seg_ok
+        seg_w = bound_weights(seg_raw, spec, seg_ok)
+        return ISWeights(weights=batch.expand_segments(seg_w), row_log=seg_log.reshape(-1),
+                         row_raw=seg_raw.reshape(-1), unit_weight=seg_w.reshape(-1),
+                         unit_valid=seg_ok.reshape(-1) > 0, unit_n=seg_n.reshape(-1))
     row_log = batch.row_sum if spec.level == "sequence" else batch.row_mean()
     row_ok = batch.row_valid.to(row_log.dtype)
     row_raw = row_log.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() * row_ok
@@ -98,10 +116,15 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         n = batch.n_row.clamp_min(1.0)
         seq_w = sum_w / n
         seq_raw = batch.sums.ratio / n  # raw is the batch's ratio: its row sums are the pass's
+        rows = batch.row_valid
     else:
-        rw, rlog, rraw = isw.row_weight, isw.row_log, isw.row_raw
+        rlog, rraw = isw.row_log, isw.row_raw
+        if spec.level == "segment":  # one unit per segment: the "seq" statistics are per segment
+            rw, rows, n = isw.unit_weight, isw.unit_valid, isw.unit_n
+            stats.add_sum("is.units", rows)
+        else:
+            rw, rows, n = isw.row_weight, batch.row_valid, batch.n_row
         rw64 = rw.double()
-        rows, n = batch.row_valid, batch.n_row
         stats.add_sum("is.sum_w", rw64, rows=rows, weight=n)
         stats.add_sum("is.sum_w2", rw64 * rw64, rows=rows, weight=n)
         stats.add_sum("is.high", rlog > _log(U), rows=rows)
@@ -117,7 +140,6 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         stats.add_sum("is.collapsed", rlog < COLLAPSED_LOG_WEIGHT, rows=rows)
         if spec.mode == "mask":
             stats.add_sum("is.oob", (rraw < spec.lower) | (rraw > U), rows=rows, weight=n)
-    rows = batch.row_valid
     seq_w64 = seq_w.double()
     stats.add_sum("is.seq_sum", seq_w, rows=rows)
     stats.add_sum("is.seq_sum2", seq_w64 * seq_w64, rows=rows)
@@ -128,12 +150,17 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
 
 
 def batch_norm_factor(stats, spec: ISSpec) -> Value:
-    """Mean bounded weight (over tokens, or over valid sequences); 1 when it is ≤ 1e-8."""
+    """Mean bounded weight (over tokens, valid sequences or valid segments); 1 when it is ≤ 1e-8."""
     if spec.level == "token":
         mean = safe_div(stats.sum("is.sum_w"), stats.sum("n_tok"))
     else:
-        mean = safe_div(stats.sum("is.seq_sum"), stats.sum("n_rows"))
+        mean = safe_div(stats.sum("is.seq_sum"), _units(stats, spec))
     return where(mean > 1e-8, mean, 1.0)
+
+
+def _units(stats, spec: ISSpec) -> Value:
+    """The count the per-unit statistics divide by: valid segments at segment level, else valid rows."""
+    return stats.sum("is.units") if spec.level == "segment" else stats.sum("n_rows")
 
 
 def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
@@ -147,9 +174,11 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     token; seq_fraction_* use the raw per-row mean. Sequence / geometric levels also report the row
     weights before truncation, where a long response drives log ∏ρ_t far from 0 even at a small
     per-token gap: seq_raw_mean, seq_raw_ess = (Σw)² / (n·Σw²) (Kish), seq_log_mean (mean log weight,
-    unclamped) and seq_collapsed_fraction (share of rows with raw weight < 0.1).
+    unclamped) and seq_collapsed_fraction (share of rows with raw weight < 0.1). At segment level
+    every seq_* metric, max / min and fraction_high / low are taken over segments (turns) with ≥ 1
+    valid token instead of sequences.
     """
-    n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
+    n_tok, n_rows = stats.sum("n_tok"), _units(stats, spec)
     mean = safe_div(stats.sum("is.sum_w"), n_tok)
     ew2 = safe_div(stats.sum("is.sum_w2"), n_tok)
     std = where(n_tok > 1, sqrt0(ew2 - mean * mean), 0.0)

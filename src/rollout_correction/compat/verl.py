@@ -69,8 +69,8 @@ __all__ = [
 
 #: verl's divergence-based rejection options, k1/k2/k3 (comma-chain them in ``rollout_rs``; the
 #: probability-space options of this library are accepted too).
-SUPPORTED_ROLLOUT_RS_OPTIONS: set[str] = {name for name, (_, est) in RS_OPTIONS.items()
-                                          if est in ("k1", "k2", "k3")}
+SUPPORTED_ROLLOUT_RS_OPTIONS: set[str] = {name for name, (agg, est) in RS_OPTIONS.items()
+                                          if est in ("k1", "k2", "k3") and not agg.startswith("segment_")}
 #: The options judged token by token (the others judge whole sequences).
 TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {name for name in SUPPORTED_ROLLOUT_RS_OPTIONS
                                             if RS_OPTIONS[name][0] == "token"}
@@ -179,6 +179,7 @@ def compute_rollout_correction_and_rejection_mask(
         rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold,
     )
+    cfg.refuse_segments("verl's compute_rollout_correction_and_rejection_mask signature")
     group = _resolve_group(process_group, cfg.is_spec is not None and cfg.is_spec.batch_normalize)
     out = compute_rollout_correction(old_log_prob, rollout_log_prob, response_mask, config=cfg, process_group=group)
     holder = None if out.weights is None else _weights_holder(out.weights)
@@ -206,7 +207,9 @@ def compute_rollout_correction_weights(
     Returns:
         ((B, T) float32 weights, 0 at padding, detached; dict of float metrics).
     """
-    spec = _is_config(rollout_is, rollout_is_threshold, bool(rollout_is_batch_normalize)).is_spec
+    cfg = _is_config(rollout_is, rollout_is_threshold, bool(rollout_is_batch_normalize))
+    cfg.refuse_segments("verl's compute_rollout_correction_weights signature")
+    spec = cfg.is_spec
     if spec is None:
         raise ValueError(f"rollout_is={rollout_is!r} is invalid: expected 'token', 'sequence' or 'geometric'")
     with torch.no_grad():
@@ -244,7 +247,9 @@ def compute_rollout_rejection_mask(
         raise ValueError("rollout_rs_threshold must be provided for rejection sampling.")
     if log_ratio.shape[0] == 0:
         return response_mask, {}
-    options = RolloutCorrectionConfig(rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold).rs_options
+    cfg = RolloutCorrectionConfig(rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold)
+    cfg.refuse_segments("verl's compute_rollout_rejection_mask signature")
+    options = cfg.rs_options
     with torch.no_grad():
         batch = LogRatioBatch.from_log_ratio(log_ratio, response_mask)
         stats = SufficientStats()
@@ -326,6 +331,10 @@ def compute_rs_metrics(
     if option_name not in RS_OPTIONS:
         raise ValueError(f"Invalid rollout_rs option: {option_name}. Must be one of {sorted(RS_OPTIONS)}.")
     agg, estimator = RS_OPTIONS[option_name]
+    if agg.startswith("segment_"):
+        raise ValueError(f"{option_name!r} is a segment option: its statistic is per turn and needs segment "
+                         "ids, which verl's signature has no place for; use "
+                         "compute_rollout_correction(..., segment_ids=...)")
     if level not in ("token", "sequence"):
         raise ValueError(f"level={level!r} is invalid: expected 'token' or 'sequence'")
     if (level == "token") != (agg == "token"):
@@ -389,6 +398,10 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
     ``rollout_token_veto_threshold`` and the ``*_lower`` bounds); a key this library does not know
     raises :class:`~rollout_correction.ConfigError` (a ``ValueError``) naming it, with the closest
     known key. A missing tensor raises ``KeyError`` naming it, as verl's ``DataProto`` does.
+    Multi-turn rows: an optional (B, T) integer ``segment_ids`` tensor in ``batch.batch`` (the turn of
+    each response token; verl's DataProto has no such key, the user's rollout code adds it) is
+    passed on as the segments of ``rollout_is="segment"`` and the ``segment_*`` options; a block that
+    uses them on a batch without it is refused.
 
     Returns:
         (batch, metrics) with ``rollout_corr/``-prefixed float metrics.
@@ -408,9 +421,13 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
         if key not in tensors.keys():
             raise KeyError(f"batch.batch has no {key!r}; the decoupled correction needs old_log_probs, "
                            "rollout_log_probs (verl: rollout.calculate_log_probs=true) and response_mask")
+    segment_ids = tensors["segment_ids"] if "segment_ids" in tensors.keys() else None
+    if segment_ids is None:
+        cfg.refuse_segments("this batch (no batch.batch['segment_ids'])")
     group = _resolve_group(_AUTO, cfg.is_spec is not None and cfg.is_spec.batch_normalize)
     out = compute_rollout_correction(tensors["old_log_probs"], tensors["rollout_log_probs"],
-                                     tensors["response_mask"], config=cfg, process_group=group)
+                                     tensors["response_mask"], config=cfg, process_group=group,
+                                     segment_ids=segment_ids)
     tensors["response_mask"] = out.response_mask
     if out.weights is not None:
         tensors["rollout_is_weights"] = out.weights

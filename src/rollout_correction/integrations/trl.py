@@ -260,6 +260,7 @@ def _check_supported(rollout_correction: Any, grpo_args: Any,
                      rollout_autocast_dtype: Optional[torch.dtype]) -> RolloutCorrectionConfig:
     """The config for ``grpo_args`` (a ``GRPOConfig``), or a ValueError naming what to change."""
     cfg = resolve_config(rollout_correction, grpo_args)
+    cfg.refuse_segments("TRL's GRPOTrainer")
     loss_type = grpo_args.loss_type
     if loss_type not in TRL_LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is not one of TRL 1.16's {list(TRL_LOSS_TYPES)}")

@@ -395,6 +395,7 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
     def __init__(self, policy_loss: torch.nn.Module, config: RolloutCorrectionConfig,
                  micro_batch_size: int = 1, filter_level: str = "token"):
         super().__init__()
+        config.refuse_segments("OpenRLHF's PolicyLoss call")
         if getattr(policy_loss, "enable_vllm_is_correction", False) or \
                 getattr(policy_loss, "is_correction_level", "off") != "off":
             raise ValueError(

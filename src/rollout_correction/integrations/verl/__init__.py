@@ -155,6 +155,9 @@ def policy_loss(
     info = dict(_get(config, "global_batch_info", None) or {})
     rc = _actor_block(config)
     bypass = rc is not None and rc.bypass_mode
+    if bypass:
+        rc.refuse_segments("verl's policy-loss call (bypass mode; the decoupled correction step reads "
+                           "batch.batch['segment_ids'])")
     if not bypass:
         # Decoupled: the driver's correction step already computed the IS weights and the rejection
         # mask; the loss runs the block's loss_type and OPSM on them (IS and RS off here).
