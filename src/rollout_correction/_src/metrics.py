@@ -19,8 +19,8 @@ p_t = π_rollout(y_t), the log-probs bounded to [−1e4, 0] first: a value above
 * ``prob_abs_diff_mean`` / ``_max`` / ``_std`` = mean / max / sample std (n − 1 denominator, as verl's
   ``rollout_probs_diff_std``; 0 below two tokens) over tokens of |q_t − p_t|
 * ``prob_pearson``     = Pearson correlation of (q_t, p_t) over the valid tokens,
-  cov / √(var_q · var_p) from global sums of q, p, q², p², qp (float32 per row, float64 across
-  rows; 0 when a variance is at the rounding level of the float32 squares, ≤ 1e-6·E[x²])
+  cov / √(var_q · var_p) from global float64 sums of q, p, q², p², qp (0 when a variance is
+  ≤ 1e-6·E[x²]: no spread to correlate)
 * ``log_prob_pearson`` = the same for (log q_t, log p_t)
 * ``js_divergence``    = mean_tok ½[(q/m − 1 − log(q/m)) + (p/m − 1 − log(p/m))], m = (q + p)/2: NeMo-RL's
   ``js_divergence_error`` (the k3 estimates of KL(π_train ‖ M) and KL(π_rollout ‖ M) at the sampled
@@ -85,10 +85,9 @@ _MOMENTS = ("q", "p", "qq", "pp", "qp", "lq", "lp", "lqlq", "lplp", "lqlp", "d",
 
 
 def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
-    """Per-row sums of the float32 per-token moments behind the mismatch metrics (added up in
-    float64 across rows), and the per-row maxima of |q − p| and |Δ|."""
-    # a log-prob above 0 is no probability (taken as 1: the moments of q, p ∈ [0, 1] stay well
-    # conditioned in float32); below −1e4 its probability is 0 anyway
+    """Per-row float64 sums of the per-token moments behind the mismatch metrics, and the per-row
+    maxima of |q − p| and |Δ|."""
+    # a log-prob above 0 is no probability (taken as 1); below −1e4 its probability is 0 anyway
     lq, lp = (x.clamp_(-_LOGP_FLOOR, 0.0) for x in batch.log_probs())
     mask = batch.mask
     q, p = lq.exp().mul_(mask), lp.exp().mul_(mask)
@@ -96,9 +95,12 @@ def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     a = batch.log_ratio.abs()  # |Δ|, 0 where unused
     # log cosh(Δ/2) = |Δ|/2 + log1p(exp(−|Δ|)) − log 2: finite for every finite Δ, 0 at Δ = 0
     js = torch.exp(-a).log1p_().add_(a, alpha=0.5).sub_(math.log(2.0)).clamp_min_(0.0)
-    per_token = (q, p, q * q, p * p, q * p, lq, lp, lq * lq, lp * lp, lq * lp, d, d * d, js,
+    # Products in float64: a variance E[x²] − E[x]² from float32 squares carries ~1e-7·E[x²] of
+    # absolute error (a std of 1e-4 for |q − p| ≡ 0.63; Pearson 0.99998 for log-probs 30 apart).
+    q, p, lq, lp, d64 = (x.double() for x in (q, p, lq, lp, d))
+    per_token = (q, p, q * q, p * p, q * p, lq, lp, lq * lq, lp * lp, lq * lp, d64, d64 * d64, js,
                  batch.above(a, 1.0), batch.above(a, 2.0))
-    for name, x in zip(_MOMENTS, per_token):  # (float32 row sums: pairwise, ~1e-7 relative)
+    for name, x in zip(_MOMENTS, per_token):
         stats.add_sum("mm." + name, batch.reduce_sum(x.sum(-1).double()))
     a_row = batch.row_total(a) / batch.n_row.clamp_min(1.0)
     stats.add_sum("mm.a_seq", a_row, rows=batch.row_valid)
@@ -130,7 +132,7 @@ def engine_metrics(metrics: Mapping[str, Value], engine: str) -> dict[str, Value
 
 def _pearson(stats, x: str, y: str, n: Value) -> Value:
     """Pearson correlation from global sums Σx, Σy, Σx², Σy², Σxy over n tokens; 0 when a variance
-    is at the rounding level of float32 squares (≤ 1e-6·E[x²]: no spread to correlate)."""
+    is ≤ 1e-6·E[x²] (no spread to correlate)."""
     mx, my = safe_div(stats.sum("mm." + x), n), safe_div(stats.sum("mm." + y), n)
     ex2, ey2 = safe_div(stats.sum(f"mm.{x}{x}"), n), safe_div(stats.sum(f"mm.{y}{y}"), n)
     vx, vy = ex2 - mx * mx, ey2 - my * my
