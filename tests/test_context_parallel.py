@@ -23,7 +23,6 @@ collective over that group; only ``all_reduce`` over ``process_group`` besides.
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 from collections import Counter
@@ -37,7 +36,7 @@ from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metri
                                 compute_rollout_correction)
 from rollout_correction._src.losses import LOSS_AGG_MODES, agg_loss
 from rollout_correction._src.packed import compute_rollout_correction_packed
-from test_distributed import CONFIGS, _free_port
+from test_distributed import CONFIGS, _free_port, init_dp_cp
 
 ROWS = 7  # per data-parallel rank
 LENGTH = 19
@@ -142,16 +141,8 @@ def count_collectives(calls: list):
 
 
 def _worker(rank, world_size, cp, names, losses, thorough, port, result_dir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
+    dp_rank, cp_rank, cp_group, dp_group = init_dp_cp(rank, world_size, cp, port)
     try:
-        dp_size = world_size // cp
-        dp_rank, cp_rank = divmod(rank, cp)
-        cp_groups = [dist.new_group([d * cp + c for c in range(cp)]) for d in range(dp_size)]
-        dp_groups = [dist.new_group([d * cp + c for d in range(dp_size)]) for c in range(cp)]
-        cp_group, dp_group = cp_groups[dp_rank], dp_groups[cp_rank]
         rows = make_rows(dp_rank)
         results = {}
         calls: list = []

@@ -8,7 +8,6 @@ bad segment ids, the blocked eager pass, compute_policy_loss, and data- and cont
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 
@@ -19,7 +18,7 @@ import torch.multiprocessing as mp
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
 from rollout_correction._src import correction as correction_module
-from test_distributed import _free_port
+from test_distributed import _free_port, init_dp_cp
 
 LR = torch.tensor([[0.1, 0.2, -0.3, 0.5, 0.0],
                    [0.4, 0.4, 9.9, -1.0, 7.0]], dtype=torch.float64)
@@ -332,16 +331,8 @@ def _losses(old, rollout, mask, ids, cols=None, **kw):
 
 
 def _worker(rank, world_size, cp, port, result_dir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
+    dp_rank, cp_rank, cp_group, dp_group = init_dp_cp(rank, world_size, cp, port)
     try:
-        dp_size = world_size // cp
-        dp_rank, cp_rank = divmod(rank, cp)
-        cp_groups = [dist.new_group([d * cp + c for c in range(cp)]) for d in range(dp_size)]
-        dp_groups = [dist.new_group([d * cp + c for d in range(dp_size)]) for c in range(cp)]
-        cp_group, dp_group = cp_groups[dp_rank], dp_groups[cp_rank]
         cols = _columns(cp, cp_rank)
         whole_rows = make_rows(dp_rank)
         old, rollout, mask, ids = (x[:, cols] for x in whole_rows)
