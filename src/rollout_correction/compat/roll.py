@@ -42,7 +42,8 @@ reduction over ranks and micro-batches gives the global value. Differences a cal
 * exponentials take the log-ratio clamped to ±20 per token (and a sequence's log weight to ±20)
   as everywhere in this library; ROLL exponentiates unclamped, so a weight above e²⁰ differs
   unless ``upper_bound`` is below it;
-* the weight never carries gradient: ``detach=False`` with inputs that require grad raises;
+* the weight is float32 whatever the input dtype (computed in float32), and never carries
+  gradient: ``detach=False`` with inputs that require grad raises;
 * a ratio band with low > high or low < 0, or a diff band with low > high, raises a ValueError
   (ROLL silently rejects every token).
 """
