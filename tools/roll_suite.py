@@ -25,6 +25,8 @@ copied here:
    padding, the token shares (``is_weight_clipfrac@sum``, ``*_mask_mean@sum``) are left out, since
    ROLL counts padding positions in them (see compat/roll.py). A filter decision may differ only
    where ROLL's statistic lies within 1e-5 (relative) of the band's bound (float32 rounding).
+   ROLL's ``compute_segment_masked_mean`` is compared with the drop-in's on the same number of
+   random masks and values (float32 and float64).
 
 Prints one line per run and exits non-zero on any failure. The integrator's generic peer-suite
 table can call :func:`suite` and :func:`side_by_side` with the same arguments.
@@ -181,6 +183,14 @@ SIDE_BY_SIDE = textwrap.dedent('''
             a, b = m_r.get(k), m_o.get(k)
             if a is None or b is None or not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6):
                 report["metric_mismatches"].append([i, k, a, b])
+    from roll.pipeline.agentic.utils import compute_segment_masked_mean as their_mean
+    report["segment_mean_cases"] = report["segment_mean_mismatches"] = 0
+    for i in range(n_batches):
+        mask, old, _ = batch(padded=True)
+        x = old.double() if i % 2 else old
+        a, b = their_mean(x, mask), ours.compute_segment_masked_mean(x, mask)
+        report["segment_mean_cases"] += 1
+        report["segment_mean_mismatches"] += not (a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-6, atol=1e-7))
     print(json.dumps(report))
 ''')
 
@@ -264,7 +274,8 @@ def main() -> int:
             print(r["output"], file=sys.stderr)
     r = side_by_side(checkout, args.batches, args.seed)
     print(json.dumps(r))
-    ok &= r["returncode"] == 0 and not r["tensor_mismatches"] and not r["metric_mismatches"]
+    ok &= r["returncode"] == 0 and not r["tensor_mismatches"] and not r["metric_mismatches"] and \
+        not r["segment_mean_mismatches"]
     return 0 if ok else 1
 
 
