@@ -68,7 +68,7 @@ class RSOption:
 
     name: str
     agg: RsAggregation
-    estimator: DivergenceEstimator
+    estimator: Union[DivergenceEstimator, Literal["dp"]]
     stat_lower: Optional[float]
     stat_upper: float
     legacy: Optional[str] = None
