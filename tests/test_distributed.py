@@ -49,6 +49,9 @@ CONFIGS = {
     "prob_gates": dict(rollout_is="token", rollout_is_threshold=2.0,
                        rollout_rs="token_tv,seq_mean_binary_kl,seq_max_tv", rollout_rs_threshold="0.15,0.02,0.3",
                        rollout_token_veto_threshold_high=2.5),
+    "roll_dp_bands": dict(rollout_is="geometric", rollout_is_threshold=1.3,
+                          rollout_rs="token_dp,seq_mean_dp,seq_sum_dp,seq_mean_k1",
+                          rollout_rs_threshold="-0.25_0.2,-0.05_0.04,-0.3_0.5,0.8_1.25"),
 }
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

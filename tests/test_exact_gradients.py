@@ -387,7 +387,14 @@ def test_segment_is_with_one_segment_per_row_is_the_on_policy_gradient(toy):
     assert rel_err(per_token, exact) > 1e-2
 
 
-SEGMENT_VARIANTS = ["segment-TIS", "segment-IcePop", "RS-segment_sum_k1+segment-IS", "RS-segment_max_k3+token-TIS"]
+SEGMENT_VARIANTS = ["segment-TIS", "segment-IcePop", "RS-segment_sum_k1+segment-IS", "RS-segment_max_k3+token-TIS",
+                    "segment_geometric-TIS", "RS-segment_mean_dp+segment_geometric-IS",
+                    "RS-token_dp+seq_sum_dp+segment_sum_dp+token-TIS"]
+
+
+def signed_between(values: torch.Tensor, q: float, valid=None) -> float:
+    """:func:`between` for signed values in [−1, 1] (shifted by 2, so that its gaps are ≥ 2e-3)."""
+    return between(values + 2.0, q, valid) - 2.0
 
 
 @pytest.mark.parametrize("name", SEGMENT_VARIANTS)
@@ -416,6 +423,32 @@ def test_bypass_reinforce_segment_variant_matches_its_formula(toy, name):
         cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=INF, rollout_rs="segment_sum_k1",
                                       rollout_rs_threshold=f"{lo!r}_{hi!r}", **base)
         coef = per_row(mu_y * A, toy) * w_seg
+    elif name == "segment_geometric-TIS":  # w_s = exp(mean_{t∈s} log ρ_t), truncated
+        w_geo = per_segment(toy, log_rho, "mean").exp()
+        C = between(w_geo, 0.5, valid)
+        assert (w_geo[valid] > C).any() and (w_geo[valid] < C).any()
+        cfg = RolloutCorrectionConfig(rollout_is="segment_geometric", rollout_is_threshold=C, **base)
+        coef = per_row(mu_y * A, toy) * w_geo.clamp(max=C)
+    elif name.startswith("RS-") and "_dp" in name:  # Δp_t = π_θ(y_t) − μ(y_t), signed bands
+        dp = torch.where(valid, toy.tok(toy.theta).exp() - toy.tok(toy.mu).exp(), 0.0)
+        if name == "RS-segment_mean_dp+segment_geometric-IS":
+            seg = per_segment(toy, dp, "mean")
+            lo, hi = signed_between(seg, 0.2, valid), signed_between(seg, 0.8, valid)
+            keep_tok = (seg >= lo) & (seg <= hi)
+            cfg = RolloutCorrectionConfig(rollout_is="segment_geometric", rollout_is_threshold=INF,
+                                          rollout_rs="segment_mean_dp", rollout_rs_threshold=f"{lo!r}_{hi!r}", **base)
+            coef = per_row(mu_y * A, toy) * per_segment(toy, log_rho, "mean").exp()
+        else:  # token band ∧ sequence-sum band ∧ segment-sum band, token TIS
+            row, seg = per_row(dp.sum(-1), toy), per_segment(toy, dp)
+            bands = [(signed_between(x, 0.1, valid), signed_between(x, 0.95, valid)) for x in (dp, row, seg)]
+            keep_tok = valid
+            for x, (lo, hi) in zip((dp, row, seg), bands):
+                keep_tok = keep_tok & (x >= lo) & (x <= hi)
+            C = between(rho_t, 0.6, valid)
+            cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=C,
+                                          rollout_rs="token_dp,seq_sum_dp,segment_sum_dp",
+                                          rollout_rs_threshold=",".join(f"{lo!r}_{hi!r}" for lo, hi in bands), **base)
+            coef = per_row(mu_y * A, toy) * rho_t.clamp(max=C)
     else:  # "RS-segment_max_k3+token-TIS"
         k3 = torch.where(valid, rho_t - 1 - rho_t.log(), 0.0)
         top = per_segment(toy, k3, "max")

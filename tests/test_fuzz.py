@@ -234,6 +234,10 @@ RANDOM_CONFIG_VALUES = {
     "loss_type": ["ppo_clip", "reinforce", "pg"],
     "on_nonfinite": ["reject", "raise", "ignore"],
 }
+# ROLL's criteria: the mean-per-segment level and the signed Δp bands (whose bounds may be negative).
+RANDOM_CONFIG_VALUES["rollout_is"] += ["segment_geometric"]
+RANDOM_CONFIG_VALUES["rollout_rs"] += ["token_dp", "seq_mean_dp,segment_sum_dp", "segment_mean_dp,token_k1", "seq_max_dp"]
+RANDOM_CONFIG_VALUES["rollout_rs_threshold"] += ["-0.2_0.2", "0.2_-0.2", "-0.1_0.3,0.5_2.0", -0.2, "-inf_0"]
 
 
 def check_random_config(data):
@@ -339,6 +343,12 @@ SEGMENT_CONFIGS = [
     dict(rollout_is="segment", rollout_is_threshold=2.0, rollout_rs="segment_mean_tv,seq_max_k2,token_k3",
          rollout_rs_threshold=(0.2, 0.5, 1.0), bypass_mode=True, loss_type="reinforce"),
     dict(rollout_rs="segment_mean_binary_kl,segment_mean_k1", rollout_rs_threshold=(0.05, "0.9_1.1")),
+]
+SEGMENT_CONFIGS += [
+    dict(rollout_is="segment_geometric", rollout_is_threshold=1.5, rollout_rs="segment_mean_dp,token_dp,seq_sum_dp",
+         rollout_rs_threshold="-0.2_0.2,-0.5_0.5,-1_1", bypass_mode=True, loss_type="reinforce"),
+    dict(rollout_is="segment_geometric", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True,
+         rollout_rs="segment_sum_dp,seq_mean_dp", rollout_rs_threshold="-0.3_0.1,-0.05_0.05"),
 ]
 
 

@@ -81,6 +81,8 @@ CONFIGS = {
     "veto": {"rollout_is": "token", "rollout_token_veto_threshold": 1e-3},
     "probability gates": {"rollout_rs": "token_tv,seq_max_binary_kl", "rollout_rs_threshold": "0.1,0.05",
                           "rollout_token_veto_threshold_high": 10.0},
+    "Δp bands + segment_geometric": {"rollout_is": "segment_geometric", "rollout_rs": "token_dp,seq_mean_dp,segment_sum_dp",
+                                     "rollout_rs_threshold": "-0.3_0.3,-0.05_0.05,-0.5_0.5"},
 }
 
 

@@ -22,6 +22,8 @@ K1_OPTIONS = ["token_k1", "seq_sum_k1", "seq_mean_k1"]
 PROB_OPTIONS = ["token_tv", "seq_mean_tv", "seq_max_tv", "token_binary_kl", "seq_mean_binary_kl", "seq_max_binary_kl"]
 ALL_OPTIONS = K1_OPTIONS + ["token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3",
                             "seq_max_k2", "seq_max_k3"] + PROB_OPTIONS
+DP_OPTIONS = ["token_dp", "seq_sum_dp", "seq_mean_dp"]  # signed Δp = p_train − p_rollout bands
+PROB_OPTIONS, ALL_OPTIONS = PROB_OPTIONS + DP_OPTIONS, ALL_OPTIONS + DP_OPTIONS
 
 log_ratio_values = st.one_of(
     st.floats(-3.0, 3.0, allow_nan=False, width=32),
@@ -57,6 +59,8 @@ def is_configs(draw):
 
 
 def _threshold(draw, option):
+    if option.endswith("_dp"):
+        return f"{-draw(st.floats(0.0, 0.6)):.3f}_{draw(st.floats(0.0, 0.6)):.3f}"
     if option.endswith("k1"):
         return f"{draw(st.floats(0.1, 0.99)):.3f}_{draw(st.floats(1.01, 8.0)):.3f}"
     return f"{draw(st.floats(0.001, 2.0)):.4f}"
@@ -258,6 +262,8 @@ def _direct_weights_and_keep(lr_rows, cfg, lp_rows=None):
         return w if spec.lower <= w <= spec.upper else 0.0
 
     def k(est, x, lqp):
+        if est == "dp":  # exp in float32, as the library holds the probabilities
+            return float(torch.tensor(lqp[0]).exp()) - float(torch.tensor(lqp[1]).exp())
         if est in ("tv", "binary_kl"):
             q, p = _prob(lqp[0]), _prob(lqp[1])
             return abs(p - q) if est == "tv" else p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
@@ -507,7 +513,7 @@ def test_policy_loss_matches_its_definition(batch, cfg, mode_name, agg, seed):
     assert loss.item() == pytest.approx(_aggregate(rows, agg, T), rel=1e-4, abs=1e-5)
 
 
-SEGMENT_PAIRS = [("segment", "sequence")] + [(f"segment_{o[4:]}", o) for o in ALL_OPTIONS if o.startswith("seq_")]
+SEGMENT_PAIRS = [("segment", "sequence"), ("segment_geometric", "geometric")] + [(f"segment_{o[4:]}", o) for o in ALL_OPTIONS if o.startswith("seq_")]
 
 
 @FAST
@@ -522,10 +528,10 @@ def test_segment_level_is_the_sequence_level_of_each_segment(batch, S, data):
     ids = torch.tensor(data.draw(st.lists(st.integers(0, S - 1), min_size=B * T, max_size=B * T))).view(B, T)
     ids = torch.where(mask, ids, -3)  # masked positions: ignored, whatever they hold
     seg, seq = data.draw(st.sampled_from(SEGMENT_PAIRS))
-    if seg == "segment":
+    if seg in ("segment", "segment_geometric"):
         cfg, _ = data.draw(is_configs())
         d = {k: v for k, v in cfg.to_dict().items() if k.startswith("rollout_is")}
-        seg_cfg, seq_cfg = dict(d, rollout_is="segment"), dict(d, rollout_is="sequence")
+        seg_cfg, seq_cfg = dict(d, rollout_is=seg), dict(d, rollout_is=seq)
     else:
         thr = _threshold(data.draw, seq)
         seg_cfg, seq_cfg = dict(rollout_rs=seg, rollout_rs_threshold=thr), dict(rollout_rs=seq, rollout_rs_threshold=thr)

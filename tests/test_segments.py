@@ -168,6 +168,10 @@ def test_segment_level_equals_the_sequence_level_on_segments_as_rows(seed):
          dict(rollout_rs="seq_sum_k1,seq_max_k2,seq_mean_tv", rollout_rs_threshold=("0.6_1.4", 0.05, 0.1))),
         (dict(rollout_rs="segment_mean_k3,segment_max_binary_kl", rollout_rs_threshold=(0.03, 0.02)),
          dict(rollout_rs="seq_mean_k3,seq_max_binary_kl", rollout_rs_threshold=(0.03, 0.02))),
+        (dict(rollout_is="segment_geometric", rollout_is_threshold=1.2, rollout_is_batch_normalize=True),
+         dict(rollout_is="geometric", rollout_is_threshold=1.2, rollout_is_batch_normalize=True)),
+        (dict(rollout_rs="segment_mean_dp,segment_sum_dp", rollout_rs_threshold="-0.04_0.05,-0.15_0.1"),
+         dict(rollout_rs="seq_mean_dp,seq_sum_dp", rollout_rs_threshold="-0.04_0.05,-0.15_0.1")),
     ]
     for seg_cfg, seq_cfg in cases:
         a, b, w, keep = segment_vs_exploded(old, rollout, mask, ids, S, seg_cfg, seq_cfg)
@@ -272,6 +276,9 @@ CONFIGS = {
     "icepop": dict(rollout_is="segment", rollout_is_threshold="0.7_1.5"),
     "rs": dict(rollout_is="token", rollout_is_threshold=2.0,
                rollout_rs="segment_sum_k1,segment_mean_k3,segment_max_tv", rollout_rs_threshold=("0.6_1.5", 0.03, 0.2)),
+    "roll": dict(rollout_is="segment_geometric", rollout_is_threshold=1.3, rollout_is_batch_normalize=True,
+                 rollout_rs="segment_mean_dp,token_dp,seq_mean_dp,segment_sum_dp,seq_sum_dp,segment_mean_k1",
+                 rollout_rs_threshold="-0.1_0.08,-0.3_0.3,-0.06_0.06,-0.4_0.3,-0.6_0.5,0.7_1.4"),
 }
 
 

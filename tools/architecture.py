@@ -147,7 +147,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: (layer, what it holds, modules or packages of ``rollout_correction``), bottom first.
 LAYERS: list[tuple[str, str, list[str]]] = [
     ("foundations", "constants, input checks, statistics, config words",
-     ["constants", "validation", "stats", "_src", "vocab"]),
+     ["constants", "validation", "stats", "_src", "vocab", "segments"]),
     ("config parts", "presets; loading", ["presets", "config_io"]),
     ("config, groups", "config; context-parallel row exchange", ["config", "sequence_group"]),
     ("per-token pieces", "log-ratio, loss terms, supports, advantages",

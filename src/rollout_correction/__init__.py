@@ -9,6 +9,7 @@ from ._src.losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip
 from ._src.metrics import (ENGINE_METRIC_NAMES, OffPolicyAccumulator, compute_offpolicy_metrics, engine_metrics,
                            metrics_to_floats)
 from ._src.packed import compute_rollout_correction_packed
+from ._src.segments import max_runs, segment_ids_from_mask
 from ._src.validation import ShapeMismatchError
 
 __version__ = "0.1.0"
@@ -24,6 +25,8 @@ __all__ = [
     "compute_rollout_correction",
     "compute_rollout_correction_packed",
     "CorrectionOutput",
+    "segment_ids_from_mask",
+    "max_runs",
     "compute_offpolicy_metrics",
     "OffPolicyAccumulator",
     "CorrectionAccumulator",

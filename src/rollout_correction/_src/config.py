@@ -19,12 +19,14 @@ from .vocab import (LEGACY_RS, Band, ConfigError, MissingSettingError, as_float,
 __all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISSpec", "RSOption", "RS_OPTIONS",
            "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator"]
 
-IsLevel = Literal["token", "sequence", "geometric", "segment"]
+IsLevel = Literal["token", "sequence", "geometric", "segment", "segment_geometric"]
 IsMode = Literal["truncate", "clip", "mask"]
 LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr"]
 NonFinitePolicy = Literal["reject", "raise"]
 RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max", "segment_sum", "segment_mean", "segment_max"]
 DivergenceEstimator = Literal["k1", "k2", "k3", "tv", "binary_kl"]
+#: IS levels whose unit is a segment (turn) of a row: the product, or the geometric mean, of its ratios.
+SEGMENT_IS_LEVELS = ("segment", "segment_geometric")
 
 _IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
 #: Losses defined on the ratio π_θ/π_rollout only (no π_old): they need ``bypass_mode=True``.
@@ -37,6 +39,12 @@ _BYPASS_ONLY_LOSSES = ("topr",)
 RS_OPTIONS: dict[str, tuple[RsAggregation, DivergenceEstimator]] = {
     f"{agg}_{est}": (agg, est) for agg in get_args(RsAggregation) for est in get_args(DivergenceEstimator)
     if not (agg.endswith("_max") and est == "k1") and not (est in ("tv", "binary_kl") and agg.endswith("_sum"))}
+
+#: Signed probability-difference bands (ROLL's ``diff_low`` / ``diff_high``): Δp_t = π_train(y_t) −
+#: π_rollout(y_t) per token, and its sum / mean over a sequence or a segment, kept iff lo ≤ · ≤ hi.
+#: Options ``token_dp``, ``seq_sum_dp``, ``seq_mean_dp``, ``segment_sum_dp``, ``segment_mean_dp``.
+SIGNED_ESTIMATORS = ("dp",)
+RS_OPTIONS.update({f"{agg}_dp": (agg, "dp") for agg in ("token", "seq_sum", "seq_mean", "segment_sum", "segment_mean")})
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ class RSOption:
 
     name: str
     agg: RsAggregation
-    estimator: DivergenceEstimator
+    estimator: Union[DivergenceEstimator, Literal["dp"]]
     stat_lower: Optional[float]
     stat_upper: float
     legacy: Optional[str] = None
@@ -78,9 +86,10 @@ class RolloutCorrectionConfig(Presets, Loading):
     ``(lo, hi)`` and is held as a ``Band``; a rejection threshold given per option, as a tuple."""
 
     rollout_is: Optional[IsLevel] = _key(
-        None, "null, token, sequence, geometric, segment", "IS weight level: ρ_t per token; ∏ρ_t per sequence; "
-        "exp(mean log ρ_t) per sequence; ∏ρ_t per segment (turn) of a row, from the segment_ids argument (a "
-        "row without segment ids is one segment). null computes no weights (metrics only).")
+        None, "null, token, sequence, geometric, segment, segment_geometric", "IS weight level: ρ_t per token; "
+        "∏ρ_t per sequence; exp(mean log ρ_t) per sequence; ∏ρ_t per segment (turn) of a row, from the "
+        "segment_ids argument (a row without segment ids is one segment); segment_geometric: exp(mean log ρ_t) "
+        "per segment (ROLL's segment weight). null computes no weights (metrics only).")
     rollout_is_threshold: Optional[Union[float, str, Band]] = _key(
         2.0, "number C, or string \"lo_hi\"", "C truncates weights above C (TIS); \"lo_hi\" is IcePop: weights "
         "outside [lo, hi] become 0, the response mask is unchanged.")
@@ -97,12 +106,14 @@ class RolloutCorrectionConfig(Presets, Loading):
         "seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3; in probability space token_tv, seq_mean_tv, "
         "seq_max_tv, token_binary_kl, seq_mean_binary_kl, seq_max_binary_kl; per segment (turn, from the "
         "segment_ids argument) segment_sum_k1/k2/k3, segment_mean_k1/k2/k3, segment_max_k2/k3, segment_mean_tv, "
-        "segment_max_tv, segment_mean_binary_kl, segment_max_binary_kl; or one of the first-generation "
+        "segment_max_tv, segment_mean_binary_kl, segment_max_binary_kl; signed Δp = p_train − p_rollout bands "
+        "token_dp, seq_sum_dp, seq_mean_dp, segment_sum_dp, segment_mean_dp; or one of the first-generation "
         "modes token, sequence, geometric.")
     rollout_rs_threshold: Optional[Union[float, str, Band, tuple[Union[float, Band], ...]]] = _key(
         None, "number or string, one per option or shared", "k1: ratio bounds \"lo_hi\" (a single x means "
         "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3, tv, binary_kl: one upper bound. First-generation modes: "
-        "the upper ratio bound (defaults to rollout_is_threshold).")
+        "the upper ratio bound (defaults to rollout_is_threshold). *_dp: the band \"lo_hi\" on Δp (bounds in "
+        "[−1, 1], e.g. \"-0.2_0.2\"; a single x means [−x, x]).")
     rollout_rs_threshold_lower: Optional[float] = _key(
         None, "number ≥ 0 or null", "first-generation modes: lower ratio bound.", "1/upper")
     rollout_token_veto_threshold: Optional[float] = _key(
@@ -238,6 +249,11 @@ class RolloutCorrectionConfig(Presets, Loading):
         values, options = [], []
         for name, raw in zip(names, parts * len(names) if len(parts) == 1 else parts):
             (agg, est), key = RS_OPTIONS[name], f"rollout_rs_threshold[{name}]"
+            if est in SIGNED_ESTIMATORS:  # a signed band lo ≤ Δp ≤ hi
+                value = _signed_band(key, raw)
+                options.append(RSOption(name, agg, est, value.lo, value.hi))
+                values.append(value)
+                continue
             value = read_threshold(key, raw)
             if est == "k1":  # ratio bounds lo ≤ ρ ≤ hi  ⇔  −log hi ≤ k1 ≤ −log lo; a single x: [1/x, x]
                 lo, hi = value if isinstance(value, Band) else (1 / value if value > 0 else 0.0, value)
@@ -282,14 +298,14 @@ class RolloutCorrectionConfig(Presets, Loading):
 
     @property
     def uses_segments(self) -> bool:
-        """``rollout_is="segment"`` or a ``segment_*`` rejection option: the call needs segment ids."""
-        return self.rollout_is == "segment" or any(o.agg.startswith("segment_") for o in self.rs_options)
+        """A segment IS level or a ``segment_*`` rejection option: the call needs segment ids."""
+        return self.rollout_is in SEGMENT_IS_LEVELS or any(o.agg.startswith("segment_") for o in self.rs_options)
 
     def refuse_segments(self, route: str) -> None:
         """Raise a ValueError naming the segment setting when ``route`` cannot pass segment ids."""
         if not self.uses_segments:
             return
-        names = ([f"rollout_is={self.rollout_is!r}"] if self.rollout_is == "segment" else []) + \
+        names = ([f"rollout_is={self.rollout_is!r}"] if self.rollout_is in SEGMENT_IS_LEVELS else []) + \
             [f"rollout_rs option {o.name!r}" for o in self.rs_options if o.agg.startswith("segment_")]
         raise ValueError(f"{', '.join(names)}: the segment level needs the segment (turn) ids of every token, "
                          f"and {route} has none to pass; call compute_rollout_correction / compute_policy_loss "
@@ -300,6 +316,28 @@ class RolloutCorrectionConfig(Presets, Loading):
     def rs_enabled(self) -> bool:
         return bool(self.rs_options) or self.rollout_token_veto_threshold is not None or \
             self.rollout_token_veto_threshold_high is not None
+
+
+def _signed_band(key: str, raw: Any) -> Band:
+    """A band lo ≤ x ≤ hi on a signed statistic, from ``"lo_hi"`` (``"-0.2_0.2"``), ``(lo, hi)`` or a
+    single x ≥ 0 meaning [−x, x]; bounds finite and ordered."""
+    if isinstance(raw, str) and "_" in raw:
+        parts: Any = raw.strip().split("_", 1)
+    else:
+        parts = raw if isinstance(raw, (tuple, list)) else None
+    if parts is None:
+        x = as_float(key, raw)
+        if not 0 <= x < math.inf:
+            raise invalid(key, raw, "a single bound x means [−x, x] and must be finite and ≥ 0")
+        return Band(-x, x)
+    if len(parts) != 2:
+        raise invalid(key, raw, "a band is written 'lower_upper' (e.g. '-0.2_0.2') or (lower, upper)")
+    lo, hi = (as_float(key, v) for v in parts)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise invalid(key, raw, "the bounds must be finite")
+    if lo > hi:
+        raise invalid(key, raw, f"lower bound {lo} exceeds upper bound {hi}")
+    return Band(lo, hi)
 
 
 def _unchecked(key: str, value: Any) -> Any:

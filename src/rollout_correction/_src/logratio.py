@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 import torch
 
 from .constants import SAFETY_BOUND
+from .segments import segment_sums
 from .stats import SufficientStats
 from .validation import check_pair, check_same, check_segment_ids
 
@@ -218,9 +219,7 @@ class LogRatioBatch:
         """(B, S) Σ over each segment's tokens of a (B, T) tensor that is 0 at unused positions:
         one scatter-add into (B, S) per rank, the group's sum when the rows are split (segment ids
         are global within a row, so the partial sums of a segment over the shards add up)."""
-        B = x.shape[0]
-        part = torch.zeros((B, self.num_segments), dtype=x.dtype, device=x.device)
-        part.scatter_add_(1, self._segment_index(), x)
+        part = segment_sums(x, self._segment_index(), self.num_segments)
         return self.reduce_sum(part.T).T  # (S, B): S per-row partials stacked
 
     def segment_max(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,10 @@ which keeps the logarithms finite); no function of ρ = q/p alone can express th
 tv = |p − q|,  binary_kl = p log(p/q) + (1 − p) log((1 − p)/(1 − q))  — the KL between the Bernoulli
 distributions "the sampled token / any other token" under π_rollout and π_train (≥ 0).
 
+Signed probability difference (ROLL's ``diff`` filters, roll/utils/train_infer_corrections.py):
+dp = Δp_t = π_train(y_t) − π_rollout(y_t) = exp(log π_train) − exp(log π_rollout), unclamped, in [−1, 1];
+a ``*_dp`` option keeps a token / sequence / segment iff lo ≤ statistic ≤ hi (its sum or mean).
+
 Aggregations over a sequence's valid tokens: ``token`` (each token on its own), ``seq_sum``,
 ``seq_mean``, ``seq_max``; and the same over each segment s (a turn of a multi-turn row: the tokens
 with equal segment id), ``segment_sum`` Σ_{t∈s}, ``segment_mean`` (1/|s|) Σ_{t∈s}, ``segment_max``
@@ -42,10 +46,13 @@ PROB_CLAMP = 1e-6
 
 
 def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
-    """Per-token k1 / k2 / k3 / tv / binary_kl (see module docstring); 0 at invalid positions. Shape (B, T)."""
+    """Per-token k1 / k2 / k3 / tv / binary_kl / dp (see module docstring); 0 at invalid positions. Shape (B, T)."""
     x = batch.log_ratio_clamped
     if estimator == "k1":
         return -x
+    if estimator == "dp":
+        train, rollout = batch.log_probs()  # 0 at invalid positions: exp(0) − exp(0) = 0 there
+        return train.exp().sub_(rollout.exp())
     if estimator in ("tv", "binary_kl"):
         train, rollout = batch.log_probs()
         q = train.exp().clamp_(PROB_CLAMP, 1 - PROB_CLAMP)

@@ -7,6 +7,9 @@ Levels (ρ_t = π_train(y_t) / π_rollout(y_t), all exponentials taken after cla
 * geometric:  w   = (∏_t ρ_t)^(1/T)  = exp(mean_t log ρ_t)    (broadcast over the sequence)
 * segment:    w_s = ∏_{t∈s} ρ_t      = exp(Σ_{t∈s} log ρ_t)   (per segment s — a turn of a multi-turn
   row, the tokens with equal segment id — broadcast over the segment's tokens)
+* segment_geometric:
+              w_s = (∏_{t∈s} ρ_t)^(1/|s|) = exp(mean_{t∈s} log ρ_t)  (per segment, broadcast; ROLL's
+  segment weight, roll/utils/train_infer_corrections.py)
 
 Bounding modes (U = upper, L = lower):
 
@@ -16,7 +19,7 @@ Bounding modes (U = upper, L = lower):
 
 Optional batch normalisation, after bounding: w ← w / mean(w), the mean taken over valid tokens
 (token level), over sequences with ≥ 1 valid token (sequence / geometric level) or over segments
-with ≥ 1 valid token (segment level), applied only
+with ≥ 1 valid token (segment levels), applied only
 when the mean exceeds 1e-8. Weights are 0 at invalid positions and never carry gradient.
 """
 
@@ -28,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .config import ISSpec
+from .config import SEGMENT_IS_LEVELS, ISSpec
 from .constants import SAFETY_BOUND
 from .logratio import LogRatioBatch
 from .stats import SufficientStats, Value, clamp, exp, safe_div, seq_summary, sqrt0, where
@@ -70,9 +73,11 @@ def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
     if spec.level == "token":
         raw = batch.ratio
         return ISWeights(weights=bound_weights(raw, spec, batch.mask), raw=raw)
-    if spec.level == "segment":
+    if spec.level in SEGMENT_IS_LEVELS:
         seg_log = batch.segment_total(batch.log_ratio)  # (B, S) Σ_{t∈s} log ρ_t
         seg_n = batch.segment_total(batch.mask)
+        if spec.level == "segment_geometric":  # mean_{t∈s} log ρ_t
+            seg_log = seg_log / seg_n.clamp_min(1.0)
         seg_ok = (seg_n > 0).to(seg_log.dtype)
         seg_raw = seg_log.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() * seg_ok
         seg_w = bound_weights(seg_raw, spec, seg_ok)
@@ -119,7 +124,7 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         rows = batch.row_valid
     else:
         rlog, rraw = isw.row_log, isw.row_raw
-        if spec.level == "segment":  # one unit per segment: the "seq" statistics are per segment
+        if spec.level in SEGMENT_IS_LEVELS:  # one unit per segment: the "seq" statistics are per segment
             rw, rows, n = isw.unit_weight, isw.unit_valid, isw.unit_n
             stats.add_sum("is.units", rows)
         else:
@@ -160,7 +165,7 @@ def batch_norm_factor(stats, spec: ISSpec) -> Value:
 
 def _units(stats, spec: ISSpec) -> Value:
     """The count the per-unit statistics divide by: valid segments at segment level, else valid rows."""
-    return stats.sum("is.units") if spec.level == "segment" else stats.sum("n_rows")
+    return stats.sum("is.units") if spec.level in SEGMENT_IS_LEVELS else stats.sum("n_rows")
 
 
 def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
@@ -174,7 +179,7 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     token; seq_fraction_* use the raw per-row mean. Sequence / geometric levels also report the row
     weights before truncation, where a long response drives log ∏ρ_t far from 0 even at a small
     per-token gap: seq_raw_mean, seq_raw_ess = (Σw)² / (n·Σw²) (Kish), seq_log_mean (mean log weight,
-    unclamped) and seq_collapsed_fraction (share of rows with raw weight < 0.1). At segment level
+    unclamped) and seq_collapsed_fraction (share of rows with raw weight < 0.1). At the segment levels
     every seq_* metric, max / min and fraction_high / low are taken over segments (turns) with ≥ 1
     valid token instead of sequences.
     """
