@@ -215,6 +215,15 @@ def build_blocks(diag: Diagnosis, figures: list[str]) -> list[tuple]:
         blocks.append(("table", ["version", "rows", "tokens", "kl per token", "k3 per token"],
                        [[v, int(e["rows"]), int(e["tokens"]), -e["log_ratio"] / max(e["tokens"], 1),
                          e["k3"] / max(e["tokens"], 1)] for v, e in sorted(res.version.items())]))
+    files = diag.source.get("files")
+    if files:
+        blocks.append(("h2", "By file"))
+        blocks.append(("p", "The files were diagnosed as one dump (every statistic above is over their concatenation); "
+                            "per file: rows, rows left out for a non-finite log-prob, valid tokens, and the mean per "
+                            "token of kl (log π_rollout − log π_train) and k3."))
+        blocks.append(("table", ["file", "step", "rows", "non-finite rows", "tokens", "kl per token", "k3 per token"],
+                       [[f["file"], "" if f["step"] is None else f["step"], f["rows"], f["rows_nonfinite"], f["tokens"],
+                         f["kl"], f["k3_kl"]] for f in files]))
     top = _top_tokens(diag)
     if top:
         blocks.append(("h2", "Tokens contributing most to the KL"))
