@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from rollout_correction.cli import main as cli_main
-from rollout_correction.diagnose import diagnose_file, iter_chunks
+from rollout_correction.diagnose import Columns, diagnose_file, iter_chunks
 from rollout_correction.diagnose.certify import certify_file
 from rollout_correction.diagnose.report import build_blocks, render_markdown, summary_dict
 
@@ -290,9 +290,13 @@ def test_prime_rl_rows_without_a_mask_are_refused_not_miscounted(tmp_path, capsy
     code = cli_main(["diagnose", bare, "--out", str(tmp_path / "r2"), "--quiet"])
     assert code == 2
     assert "'loss_mask'" in capsys.readouterr().err
-    # named, the mask gives the response tokens
-    got = diagnose_file(path, presets=[])
-    assert got.profile.counters.tokens == 37
+    # recognised by its keys, or named with --engine, the mask gives the response tokens
+    assert diagnose_file(path, presets=[]).profile.counters.tokens == 37
+    named = Columns(rollout_log_probs="inference_logprobs", old_log_probs="trainer_logprobs")
+    assert diagnose_file(path, named, presets=[], engine="prime-rl").profile.counters.tokens == 37
+    # the plain reader with the mask named counts the same tokens (at row positions)
+    assert diagnose_file(path, Columns(**{**named.__dict__, "response_mask": "loss_mask"}),
+                         presets=[]).profile.counters.tokens == 37
 
 
 def test_prompt_and_completion_columns_show_the_prompt(tmp_path, capsys):
