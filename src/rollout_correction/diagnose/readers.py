@@ -20,7 +20,12 @@ Two layouts are understood, per column:
   value is a response token unless a mask or lengths column says otherwise.
 
 A position is valid iff  mask ≠ 0 (when a mask column exists) ∧ position < lengths (when a
-lengths column exists) ∧ position < the row's own length.
+lengths column exists) ∧ position < the row's own length. Ragged rows read without a mask whose
+other columns show that they hold the prompt too are refused (:func:`check_response_only`).
+
+:func:`iter_chunks` reads a file, a folder of files or a glob pattern (:func:`expand_inputs`) as one
+dump; a file an RL engine wrote (slime, NeMo-RL, prime-rl, SkyRL) is read by that engine's reader
+(:mod:`.engines`), recognised by its keys or named.
 """
 
 from __future__ import annotations

@@ -147,7 +147,10 @@ def build_blocks(diag: Diagnosis, figures: list[str]) -> list[tuple]:
     mean_len = c.tokens / c.rows_used if c.rows_used else 0.0
     blocks: list[tuple] = [("h1", "Rollout mismatch diagnosis")]
     src = diag.source
-    blocks.append(("p", f"Input: `{src.get('path')}` ({src.get('format')}) · {c.rows:,} rows · {c.tokens:,} "
+    engine = src.get("engine", "plain")
+    kind = src.get("format") if engine in (None, "plain") else f"{engine} dump, {src.get('format')}"
+    files = f" · {len(src['files'])} files" if src.get("files") else ""
+    blocks.append(("p", f"Input: `{src.get('path')}` ({kind}){files} · {c.rows:,} rows · {c.tokens:,} "
                         f"response tokens · mean length {mean_len:.1f} · longest {c.max_length:,} · "
                         f"diagnosed in {src.get('elapsed_seconds', float('nan')):.1f} s"))
     blocks.append(("h2", "Recommendation"))
