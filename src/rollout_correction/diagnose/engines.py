@@ -104,17 +104,12 @@ def to_response_positions(chunk: Chunk, start: np.ndarray, source: str, first_ro
 
 def _first_valid(mask: _Ragged) -> np.ndarray:
     """Per row of a ragged 0/1 mask: the index of its first non-zero value (0 for a row with none)."""
-    lengths = mask.lengths
-    n = int(mask.offsets[-1])
-    if n == 0:
-        return np.zeros(len(lengths), dtype=np.int64)
-    pos = np.arange(n) - np.repeat(mask.offsets[:-1], lengths)
-    big = np.iinfo(np.int64).max
-    key = np.where(np.asarray(mask.values[:n]) != 0, pos, big)
-    first = np.full(len(lengths), big, dtype=np.int64)
-    rows = np.repeat(np.arange(len(lengths)), lengths)
-    np.minimum.at(first, rows, key)
-    return np.where(first == big, 0, first)
+    starts, ends = mask.offsets[:-1], mask.offsets[1:]
+    nonzero = np.flatnonzero(np.asarray(mask.values[: int(mask.offsets[-1])]) != 0)
+    k = np.searchsorted(nonzero, starts)  # the first non-zero at or after each row's start
+    found = np.minimum(k, max(nonzero.size - 1, 0))
+    hit = (k < nonzero.size) & (nonzero[found] < ends) if nonzero.size else np.zeros(len(starts), dtype=bool)
+    return np.where(hit, nonzero[found] - starts if nonzero.size else 0, 0).astype(np.int64)
 
 
 def _same_offsets(a: _Ragged, b: _Ragged, what: str, source: str, first_row: int) -> None:
