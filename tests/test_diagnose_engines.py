@@ -299,6 +299,26 @@ def test_prime_rl_rows_without_a_mask_are_refused_not_miscounted(tmp_path, capsy
                          presets=[]).profile.counters.tokens == 37
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "pt"])
+def test_the_prompt_check_covers_every_ragged_reader(tmp_path, fmt):
+    """The prime-rl columns copied into Parquet list columns or a .pt of per-row lists: the same refusal."""
+    recs = prime_rl_records(responses(seed=4), step=1)
+    cols = {k: [r[k] for r in recs] for k in ("inference_logprobs", "trainer_logprobs", "loss_mask", "token_ids")}
+    path = str(tmp_path / f"rows.{fmt}")
+    if fmt == "parquet":
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table(cols), path)
+    else:
+        torch.save({k: [torch.tensor(v) for v in vals] for k, vals in cols.items()}, path)
+    named = Columns(rollout_log_probs="inference_logprobs", old_log_probs="trainer_logprobs")
+    with pytest.raises(ValueError, match="pass --mask-col loss_mask"):
+        diagnose_file(path, named, presets=[])
+    masked = Columns(**{**named.__dict__, "response_mask": "loss_mask"})
+    assert diagnose_file(path, masked, presets=[]).profile.counters.tokens == 37
+
+
 def test_prompt_and_completion_columns_show_the_prompt(tmp_path, capsys):
     rows = responses(seed=5)
     path = str(tmp_path / "rows.jsonl")
