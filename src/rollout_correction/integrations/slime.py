@@ -59,8 +59,8 @@ Metric names are those of slime's current ``examples/train_infer_mismatch_helper
 ``rollout_correction_dump_dir: DIR`` in the YAML (off by default) makes the function keep each
 micro-batch's train and rollout log-probs and loss masks (before any change) and write them once per
 optimizer step — every ``global_batch_size`` / data-parallel-size samples on a rank — to
-``DIR/step_{N}[_rank_{R}].pt`` (:mod:`rollout_correction.diagnose.dump`; N counts the process's steps
-from 0), for ``rollout-correction diagnose DIR``. It is refused with context parallelism, where the
+``DIR/step_{N}[_rank_{R}].pt`` (:mod:`rollout_correction.integrations.dump`; N counts the process's
+steps from 0), for ``rollout-correction diagnose DIR``. It is refused with context parallelism, where the
 function sees slices (slime's own ``--save-debug-train-data`` restores them and is read too).
 
 Context parallelism (``--context-parallel-size`` > 1): slime passes each rank's slice of the
@@ -378,9 +378,10 @@ def _check_dump(args: Any) -> None:
 
 def _dump(args: Any, train_log_probs, rollout_log_probs, loss_masks) -> None:
     """Keeps this micro-batch's log-probs and masks; writes them once per optimizer step, i.e. every
-    ``global_batch_size / data-parallel size`` samples on this rank (:mod:`rollout_correction.diagnose.dump`)."""
+    ``global_batch_size / data-parallel size`` samples on this rank
+    (:mod:`rollout_correction.integrations.dump`)."""
     batch = args.global_batch_size
-    from rollout_correction.diagnose.dump import StepDump
+    from rollout_correction.integrations.dump import StepDump
 
     directory = str(getattr(args, DUMP_KEY))
     state = _DUMPS.setdefault(directory, [StepDump(directory), 0])

@@ -330,7 +330,7 @@ if _GRPOTrainer is not None:
             rollout_correction_dump_dir: a directory (default None: no dump) where each training
                 generation batch's sampling and trainer log-probs, loss mask, completion lengths and
                 ``state.global_step`` are written once, before the correction, as
-                ``step_{N}[_rank_{R}].pt`` (:mod:`rollout_correction.diagnose.dump`), for
+                ``step_{N}[_rank_{R}].pt`` (:mod:`rollout_correction.integrations.dump`), for
                 ``rollout-correction diagnose DIR``.
         """
 
@@ -417,7 +417,7 @@ if _GRPOTrainer is not None:
             if old is None:
                 old = self._trainer_log_probs(out, mode)
             if self.rollout_correction_dump_dir and mode == "train":
-                from rollout_correction.diagnose.dump import write_step_dump
+                from rollout_correction.integrations.dump import write_step_dump
 
                 write_step_dump(self.rollout_correction_dump_dir, self.state.global_step, old_log_probs=old,
                                 rollout_log_probs=rollout, response_mask=mask,

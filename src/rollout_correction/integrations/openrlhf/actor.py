@@ -15,7 +15,7 @@ fills the actor's replay buffer in ``PolicyModelActor.append``
 * with ``rollout_correction_dump_dir`` set (the launcher's ``--rollout_correction.dump_dir DIR``; off by
   default), ``append`` also keeps a CPU copy of each experience's π_old and π_rollout log-probs and
   action mask (before the correction's rejection), and ``fit`` writes them once per training step to
-  ``DIR/step_{N}[_rank_{R}].pt`` (:mod:`rollout_correction.diagnose.dump`; N counts this actor's
+  ``DIR/step_{N}[_rank_{R}].pt`` (:mod:`rollout_correction.integrations.dump`; N counts this actor's
   training steps from 0) before OpenRLHF trains, for ``rollout-correction diagnose DIR``.
 
 The subclass is what :mod:`.train_ppo_ray` hands OpenRLHF's launcher; Ray ships the class to each
@@ -54,7 +54,7 @@ class RolloutCorrectionActorMixin:
     def append(self, experience: Any) -> Any:
         if self.rollout_correction_dump_dir:
             if self._dump is None:
-                from rollout_correction.diagnose.dump import StepDump
+                from rollout_correction.integrations.dump import StepDump
 
                 self._dump = StepDump(self.rollout_correction_dump_dir)
             if experience.rollout_log_probs is not None:

@@ -34,7 +34,7 @@ from . import (BACKEND_METRIC, _block_settings, _say_once, check_trainer_config,
 __all__ = ["DUMP_KEY", "RolloutCorrectionTrainerMixin", "trainer_class"]
 
 #: ``trainer.rollout_correction_dump_dir``: when set, each correction step writes the batch's rollout and
-#: trainer log-probs and mask there (``rollout_correction.diagnose.dump``) for ``rollout-correction diagnose``.
+#: trainer log-probs and mask there (``rollout_correction.integrations.dump``) for ``rollout-correction diagnose``.
 DUMP_KEY = "rollout_correction_dump_dir"
 
 _FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
@@ -55,7 +55,7 @@ class RolloutCorrectionTrainerMixin:
         check_trainer_config(self.config)
         dump_dir = self.config.trainer.get(DUMP_KEY, None)
         if dump_dir:  # once per step, before the correction changes the mask
-            from rollout_correction.diagnose.dump import write_step_dump
+            from rollout_correction.integrations.dump import write_step_dump
 
             step = int(getattr(self, "global_steps", 0) or 0)
             write_step_dump(str(dump_dir), step, old_log_probs=data.batch["old_log_probs"],
