@@ -508,3 +508,29 @@ def test_certify_and_positions_count_in_the_response(tmp_path):
     diag = diagnose_file(path, presets=[])
     np.testing.assert_array_equal(diag.profile.position.count[:max(RESPONSES)],
                                   [sum(n > p for n in RESPONSES) for p in range(max(RESPONSES))])
+
+
+def test_the_docs_engine_table_names_the_real_options():
+    """docs/diagnose.md's engine table: every engine reader, and the adapters' dump options as the code
+    spells them (read from the sources, so that no engine is imported here)."""
+    import re
+
+    from rollout_correction.diagnose.engines import ENGINES
+    from rollout_correction.integrations import slime
+    from rollout_correction.integrations.openrlhf import train_ppo_ray
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    page = open(os.path.join(root, "docs", "diagnose.md"), encoding="utf-8").read()
+    table = page[page.index("## What your engine writes"):page.index("## Input")]
+    rows = {line.split("|")[1].strip().split(" ")[0]: line for line in table.splitlines() if line.startswith("| ")}
+    assert {"slime", "NeMo-RL", "prime-rl", "SkyRL"} <= set(rows)
+    assert set(ENGINES) == {"slime", "nemo-rl", "prime-rl", "skyrl"}
+    src = os.path.join(root, "src", "rollout_correction", "integrations")
+    verl_yaml = open(os.path.join(src, "verl", "config", "rollout_correction_ppo_trainer.yaml")).read()
+    assert re.search(r"^trainer:\n(?:  #.*\n)*  rollout_correction_dump_dir: null", verl_yaml, re.M)
+    assert "`trainer.rollout_correction_dump_dir=DIR`" in rows["verl"]
+    assert f"`{train_ppo_ray.DUMP_OPTION} DIR`" in rows["OpenRLHF"]
+    assert f"`{slime.DUMP_KEY}: DIR`" in table
+    assert "rollout_correction_dump_dir: Optional[str] = None," in open(os.path.join(src, "trl.py")).read()
+    assert "`rollout_correction_dump_dir=DIR`" in rows["TRL"]
+    assert re.search(r"rollout-correction diagnose .*token_exports/", rows["prime-rl"])
