@@ -349,8 +349,44 @@ def test_the_documented_command_runs_openrlhfs_launcher_with_the_actor_subclass(
     with ref.ppo_actor(root), pytest.MonkeyPatch.context() as mp:
         _launcher_stand_ins(mp, seen)
         with pytest.raises(_ActorGroupCreated):
-            launcher.main([launcher.CONFIG_OPTION, "decoupled_geo_rs_token_tis", *argv])
+            launcher.main([launcher.CONFIG_OPTION, "decoupled_geo_rs_token_tis", launcher.DUMP_OPTION, "dumps", *argv])
     assert seen["actor_type"].__ray_actor_class__.rollout_correction_config == "decoupled_geo_rs_token_tis"
+    assert seen["actor_type"].__ray_actor_class__.rollout_correction_dump_dir == "dumps"
+    assert cls.rollout_correction_dump_dir is None  # off by default
+
+
+def test_the_dump_option_writes_one_file_per_step_that_diagnose_reads(tmp_path, monkeypatch):
+    """``--rollout_correction.dump_dir``: ``append`` keeps the experiences' log-probs and masks (before the
+    rejection), OpenRLHF's ``fit`` (its ``ppo_train``) runs after one write of them; diagnose reads it."""
+    from rollout_correction import compute_offpolicy_metrics, metrics_to_floats
+    from rollout_correction.diagnose import diagnose_file
+
+    root = ROOTS[0]
+    args = ref.parse_cli(CLI + flags(root), root)
+    batch = _batch()
+    seq, attn, mask, old, rollout, adv = batch
+    dump = tmp_path / "dump"
+    with ref.ppo_actor(root) as ns:
+        policy = TinyPolicy()
+        optim = torch.optim.SGD(policy.parameters(), lr=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        actor = object.__new__(policy_model_actor(_actor_class(ns, policy, optim, sched), None, str(dump)))
+        actor.init_model_from_pretrained(CpuStrategy(args, 1), "tiny-policy")
+        for exp in _experiences(ns, batch):
+            actor.append(exp)
+        assert not dump.exists()  # nothing per micro-batch: the write comes with the step
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        for name in ("empty_cache", "synchronize"):  # fit's CUDA housekeeping; no GPU here
+            monkeypatch.setattr(torch.cuda, name, lambda: None)
+        actor.actor = policy
+        torch.manual_seed(0)
+        actor.fit(kl_ctl=0.0)
+    assert os.listdir(dump) == ["step_000000.pt"]
+    diag = diagnose_file(str(dump), presets=[])
+    assert diag.profile.counters.tokens == int(mask.sum()) == sum(LENGTHS) and list(diag.profile.version) == [0]
+    for name, value in metrics_to_floats(compute_offpolicy_metrics(old, rollout, mask)).items():
+        assert diag.profile.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
 
 
 def test_documented_statement_on_args_from_openrlhf_cli(root):

@@ -68,6 +68,7 @@ def slime_args(yaml_text: str, *cli: str) -> argparse.Namespace:
     parser.add_argument("--custom-tis-function-path", type=str, default=None)
     parser.add_argument("--custom-config-path", type=str, default=None)
     parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--global-batch-size", type=int, default=None)
     args = parser.parse_args(list(cli))
     for k, v in (yaml.safe_load(yaml_text) or {}).items():
         setattr(args, k, v)
@@ -339,6 +340,34 @@ def test_recipe_flags_and_yaml_reach_the_function():
     # slime's --tis-clip / --tis-clip-low belong to its vanilla function: not read.
     other = slime_args(yaml_text, *flags, "--tis-clip", "7.0", "--tis-clip-low", "0.3")
     assert config_from_slime_args(other) == cfg
+
+
+def test_the_dump_option_writes_one_file_per_step_that_diagnose_reads(tmp_path):
+    """``rollout_correction_dump_dir`` in the YAML: micro-batches are kept and written once per optimizer
+    step (global_batch_size samples, one data-parallel rank); diagnose reads the files."""
+    from rollout_correction import compute_offpolicy_metrics, metrics_to_floats
+    from rollout_correction.diagnose import diagnose_file
+
+    flags, yaml_text = _recipe()
+    dump = tmp_path / "dump"
+    args = slime_args(yaml_text + f"\nrollout_correction_dump_dir: {dump}\n", *flags, "--global-batch-size", "5")
+    pg_loss, train, rollout, masks = _samples(scale=0.05)
+    for part in (slice(0, 2), slice(2, 5)):  # two micro-batches of one step
+        assert not dump.exists()
+        lengths = [len(t) for t in train[part]]
+        call_like_slime(args, pg_loss[sum(len(t) for t in train[:part.start]):][:sum(lengths)], train[part],
+                        rollout[part], masks[part], [n + 7 for n in lengths], lengths)
+    assert os.listdir(dump) == ["step_000000.pt"]
+    diag = diagnose_file(str(dump), presets=[])
+    padded = [torch.nn.utils.rnn.pad_sequence(x, batch_first=True) for x in (train, rollout, masks)]
+    assert diag.profile.counters.tokens == int(sum(m.sum() for m in masks)) and list(diag.profile.version) == [0]
+    for name, value in metrics_to_floats(compute_offpolicy_metrics(*padded)).items():
+        assert diag.profile.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    with pytest.raises(ValueError, match="context-parallel-size 2"):
+        tis_function(slime_args(yaml_text + f"\nrollout_correction_dump_dir: {dump}\n", *flags,
+                                "--global-batch-size", "5", "--context-parallel-size", "2"),
+                     pg_loss=pg_loss, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks,
+                     total_lengths=[len(t) + 7 for t in train], response_lengths=[len(t) for t in train])
 
 
 def test_geometric_batch_normalisation_skips_empty_samples():

@@ -9,6 +9,7 @@ built from a config and a word-level tokenizer built in code (nothing from a hub
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import pytest
@@ -400,6 +401,38 @@ def test_bypass_preset_clips_against_the_sampling_log_probs(tmp_path):
     # k3 at 1e-7 per sequence is tight enough for the bf16 sampler to get some sequences rejected.
     rejected = inputs["completion_mask"].bool().any(-1) & ~kept.any(-1)
     assert rejected.any() and kept.any()
+
+
+class _SeenTrainer(RolloutCorrectionGRPOTrainer):
+    """Keeps each generation batch's trainer and sampling log-probs and mask as the correction gets them."""
+
+    def _apply_rollout_correction(self, out, mode):
+        mask = out["completion_mask"].clone()
+        out = super()._apply_rollout_correction(out, mode)
+        self.seen.append((out["old_per_token_logps"].clone(), out["sampling_per_token_logps"].clone(), mask))
+        return out
+
+
+def test_the_dump_option_writes_what_diagnose_reads(tmp_path):
+    """``rollout_correction_dump_dir``: one file per generation batch, read back by diagnose."""
+    from rollout_correction import compute_offpolicy_metrics, metrics_to_floats
+    from rollout_correction.diagnose import diagnose_file
+
+    model, tokenizer = _tiny_lm(0)
+    dump = tmp_path / "dump"
+    trainer = _SeenTrainer(model=model, reward_funcs=distinct_letters, args=_grpo_args(tmp_path, max_steps=2),
+                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
+                           rollout_correction=REJECTING, rollout_autocast_dtype=torch.bfloat16,
+                           rollout_correction_dump_dir=str(dump))
+    trainer.seen = []
+    trainer.train()
+    assert sorted(os.listdir(dump)) == ["step_000000.pt", "step_000001.pt"] and len(trainer.seen) == 2
+    for step, (old, rollout, mask) in enumerate(trainer.seen):
+        diag = diagnose_file(str(dump / f"step_{step:06d}.pt"), presets=[])
+        assert diag.profile.counters.tokens == int(mask.sum()) and list(diag.profile.version) == [step]
+        for name, value in metrics_to_floats(compute_offpolicy_metrics(old, rollout, mask)).items():
+            assert diag.profile.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    assert diagnose_file(str(dump), presets=[]).profile.counters.tokens == sum(int(m.sum()) for _, _, m in trainer.seen)
 
 
 def test_with_vllm_the_weights_go_where_trl_multiplies_them(tmp_path):

@@ -185,6 +185,27 @@ def test_v1_without_the_entry_point_runs_verls_own_step_unchanged(transfer_queue
     assert {k: metrics[k] for k in ref_metrics} == pytest.approx(ref_metrics)
 
 
+def test_the_dump_option_writes_one_file_per_step_that_diagnose_reads(transfer_queue, tmp_path):
+    """``trainer.rollout_correction_dump_dir`` (off by default): the entry point's correction step writes
+    the batch it corrects, once per step; ``rollout-correction diagnose DIR`` reads it."""
+    from rollout_correction import compute_offpolicy_metrics, metrics_to_floats
+    from rollout_correction.diagnose import diagnose_file
+
+    assert _compose(SETTINGS).trainer.rollout_correction_dump_dir is None
+    dump = tmp_path / "dump"
+    config = _compose(SETTINGS + ["algorithm.adv_estimator=grpo_accepted", f"trainer.rollout_correction_dump_dir={dump}"])
+    keys, meta, (mask, old, rollout, _, _) = _put(seed=5, prefix="dump")
+    trainer = object.__new__(trainer_class(config.trainer.v1.trainer_mode))
+    trainer.config, trainer.global_steps = config, 7
+    trainer._compute_advantage(meta, {})
+    assert os.listdir(dump) == ["step_000007.pt"]
+    diag = diagnose_file(str(dump), presets=[])
+    assert diag.profile.counters.tokens == int(mask.sum())  # the mask before the correction's rejection
+    assert list(diag.profile.version) == [7]
+    for name, value in metrics_to_floats(compute_offpolicy_metrics(old, rollout, mask)).items():
+        assert diag.profile.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
 def _own_entry_point_code() -> str:
     """The python block of the verl section's "Your own entry point" route."""
     import re

@@ -9,7 +9,8 @@ NaN equals only the same NaN. Otherwise the certificate names how many tokens di
 diverging (row, position) in file order, the largest |Δ| = |log π_train − log π_rollout| (a
 non-finite value counts as infinite), and per response position the share of tokens that differ
 and their largest |Δ| (``certificate_positions.png``). Rows and positions count from 0: the row of
-the file, the position inside the row's response.
+the file (of the files' concatenation for a folder), the position inside the row's response (for an
+engine whose rows hold the prompt too, counted from the response's first token).
 
 The file is streamed in blocks of rows through the readers of ``rollout-correction diagnose``, so
 every format and layout it reads can be certified, with bounded memory.
@@ -68,8 +69,9 @@ def _abs_diff(old: np.ndarray, roll: np.ndarray) -> np.ndarray:
 
 
 def certify_file(path: str, columns: Columns | None = None, chunk_rows: int = 2048,
-                 fmt: str | None = None) -> Certificate:
-    """Compare the two log-prob columns of ``path`` bit for bit on every valid token."""
+                 fmt: str | None = None, engine: str | None = None) -> Certificate:
+    """Compare the two log-prob columns of ``path`` (a file, folder or glob; an engine's dump is read
+    as :func:`~.readers.iter_chunks` reads it) bit for bit on every valid token."""
     columns = dataclasses.replace(columns or Columns(), exact=True)
     cert = Certificate(path)
     heap: list[tuple[float, int, int, int, float, float]] = []  # (|Δ|, −row, −position, serial, rollout, old)
@@ -77,7 +79,7 @@ def certify_file(path: str, columns: Columns | None = None, chunk_rows: int = 20
     differ = np.zeros(0, dtype=np.int64)
     top = np.zeros(0, dtype=np.float64)
     serial = 0
-    for chunk in iter_chunks(path, columns, chunk_rows, fmt):
+    for chunk in iter_chunks(path, columns, chunk_rows, fmt, engine):
         old, roll, valid = chunk.old_log_probs, chunk.rollout_log_probs, chunk.response_mask
         first_row = cert.rows
         cert.rows += chunk.num_rows

@@ -1,6 +1,7 @@
 """``rollout-correction diagnose``: measure the mismatch in a dump of log-probs, write a report.
 
-    rollout-correction diagnose FILE --out DIR      # Parquet / JSONL / .pt / .npz
+    rollout-correction diagnose FILE --out DIR      # Parquet / JSONL / .pt / .npz / an engine's dump
+    rollout-correction diagnose DIR_OR_GLOB         # several files diagnosed as one dump
     rollout-correction diagnose --example [--out DIR]
     rollout-correction diagnose --certify FILE [--out DIR]   # zero-diff check: exit 0 pass, 1 fail
 """
@@ -11,13 +12,16 @@ import argparse
 import os
 import sys
 
+from .engines import ENGINES
 from .readers import FORMATS, Columns
 
 DEFAULT_OUT = "diagnose_report"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", nargs="?", help="dump of rollouts: .parquet, .jsonl, .pt or .npz")
+    parser.add_argument("file", nargs="?",
+                        help="dump of rollouts: a .parquet, .jsonl, .pt, .npz or (SkyRL) .pkl file, a folder of "
+                             "them or a glob pattern (quoted); several files are diagnosed as one dump")
     parser.add_argument("--out", default=None, help=f"report directory (default: ./{DEFAULT_OUT})")
     parser.add_argument("--example", action="store_true",
                         help="generate an example dump with a reduced-precision rollout engine and diagnose it")
@@ -25,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="zero-diff certificate: pass (exit 0) only if rollout and trainer log-probs agree bit "
                              "for bit on every valid token; otherwise report where they differ (exit 1)")
     parser.add_argument("--format", choices=FORMATS, default=None, help="input format (default: from the extension)")
+    parser.add_argument("--engine", choices=("auto", "plain", *ENGINES), default="auto",
+                        help="read the dump as that engine writes it (see docs/diagnose.md); auto (default): "
+                             "recognised by its keys unless --rollout-col / --old-col name the columns; plain: "
+                             "the columns as named")
     d = Columns()
     cols = parser.add_argument_group("columns")
     cols.add_argument("--rollout-col", default=d.rollout_log_probs, help="rollout-engine log-probs")
@@ -83,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         return _certify(path, columns, args, out)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
     try:
-        diag = diagnose_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, presets=presets)
+        diag = diagnose_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, presets=presets,
+                             engine=args.engine)
     except (ValueError, FileNotFoundError) as exc:
         print(f"rollout-correction diagnose: {exc}", file=sys.stderr)
         return 2
@@ -98,7 +107,7 @@ def _certify(path: str, columns: Columns, args: argparse.Namespace, out: str) ->
     from .certify import certify_file, print_certificate, write_certificate
 
     try:
-        cert = certify_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format)
+        cert = certify_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, engine=args.engine)
     except (ValueError, FileNotFoundError) as exc:
         print(f"rollout-correction diagnose --certify: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ import torch
 
 from .health import Check, health_checks, routing_checks
 from .profile import MismatchProfile, ProfileResult
-from .readers import Chunk, Columns, detect_format, iter_chunks
+from .readers import Chunk, Columns, detect_format, expand_inputs, iter_file_chunks
 from .recommend import Recommendation, recommend
 
 
@@ -38,19 +39,49 @@ def _finish(profile: MismatchProfile, source: dict) -> Diagnosis:
     return Diagnosis(profile=res, health=health_checks(res), recommendation=recommend(res), source=source)
 
 
+def _totals(profile: MismatchProfile) -> np.ndarray:
+    """(rows, rows with a non-finite log-prob, tokens, Σ log ρ, Σ k3) read so far."""
+    c, pos = profile.counters, profile.position
+    return np.array([c.rows, c.rows_nonfinite, c.tokens, pos.sums["log_ratio"].sum(), pos.sums["k3"].sum()])
+
+
+def _file_entry(path: str, root: str, engine: str | None, delta: np.ndarray) -> dict:
+    from .engines import step_of
+
+    rows, nonfinite, tokens, log_ratio, k3 = delta
+    rel = os.path.relpath(path, root) if os.path.isdir(root) else path
+    return {"file": rel, "engine": engine or "plain", "step": step_of(rel), "rows": int(rows),
+            "rows_nonfinite": int(nonfinite), "tokens": int(tokens),
+            "kl": -log_ratio / tokens if tokens else 0.0, "k3_kl": k3 / tokens if tokens else 0.0}
+
+
 def diagnose_file(path: str, columns: Columns | None = None, chunk_rows: int = 2048, fmt: str | None = None,
-                  presets: list[str] | None = None) -> Diagnosis:
+                  presets: list[str] | None = None, engine: str | None = None) -> Diagnosis:
     """Streams ``path`` in blocks of ``chunk_rows`` rows and diagnoses the mismatch.
 
+    path: a file, a folder of files or a glob pattern; several files are diagnosed as one dump (the
+    statistics of their concatenation), with per-file rows, tokens, kl and k3 in ``source["files"]``.
+    engine: read as that engine's dump (:mod:`.engines`); None recognises it by its keys.
     presets: what-if presets (default every preset of ``RolloutCorrectionConfig``).
     """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     columns = columns or Columns()
     t0 = time.perf_counter()
     profile = MismatchProfile(presets=presets)
-    for chunk in iter_chunks(path, columns, chunk_rows=chunk_rows, fmt=fmt):
-        profile.update(chunk)
-    source = {"path": str(path), "format": detect_format(str(path), fmt), "columns": columns.__dict__.copy(),
-              "chunk_rows": chunk_rows}
+    files, formats, engines = [], set(), set()
+    for file in expand_inputs(path):
+        before = _totals(profile)
+        name, chunks = iter_file_chunks(file, columns, chunk_rows, fmt, engine)
+        for chunk in chunks:
+            profile.update(chunk)
+        formats.add(detect_format(file, fmt))
+        engines.add(name or "plain")
+        files.append(_file_entry(file, str(path), name, _totals(profile) - before))
+    source = {"path": str(path), "format": ",".join(sorted(formats)), "engine": ",".join(sorted(engines)),
+              "columns": columns.__dict__.copy(), "chunk_rows": chunk_rows}
+    if len(files) > 1:
+        source["files"] = files
     diag = _finish(profile, source)
     diag.source["elapsed_seconds"] = time.perf_counter() - t0
     return diag

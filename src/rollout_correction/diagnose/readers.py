@@ -20,14 +20,22 @@ Two layouts are understood, per column:
   value is a response token unless a mask or lengths column says otherwise.
 
 A position is valid iff  mask ≠ 0 (when a mask column exists) ∧ position < lengths (when a
-lengths column exists) ∧ position < the row's own length.
+lengths column exists) ∧ position < the row's own length. Ragged rows read without a mask whose
+other columns show that they hold the prompt too are refused (:func:`check_response_only`).
+
+:func:`iter_chunks` reads a file, a folder of files or a glob pattern (:func:`expand_inputs`) as one
+dump; a file an RL engine wrote (slime, NeMo-RL, prime-rl, SkyRL) is read by that engine's reader
+(:mod:`.engines`), recognised by its keys or named.
 """
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
+import math
 import os
+import re
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-FORMATS = ("parquet", "jsonl", "pt", "npz")
+FORMATS = ("parquet", "jsonl", "pt", "npz", "pickle")
 
 
 @dataclass(frozen=True)
@@ -265,10 +273,79 @@ def _wanted(columns: Columns, available: list[str], source: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
+# Never the wrong tokens: ragged rows that hold the prompt too
+
+
+def _mask_like(name: str) -> bool:
+    low = name.lower()
+    return low.endswith(("mask", "masks")) and "attention" not in low and not low.startswith("is_")
+
+
+def _seq_len(v) -> int | None:
+    if isinstance(v, (list, tuple)):
+        return len(v)
+    if hasattr(v, "shape") and len(getattr(v, "shape")) == 1:
+        return int(v.shape[0])
+    return None
+
+
+def check_response_only(source: str, columns: Columns, row_lengths: np.ndarray, extras: dict[str, list],
+                        lengths: np.ndarray | None = None) -> None:
+    """Refuses ragged rows, read without a mask, whose other columns show that they hold the prompt too.
+
+    Ragged rows are taken as the response, every value a token. That is wrong when
+    (a) the rows' lengths exceed their response lengths (the lengths column) while the rows differ in
+    length, (b) an unused column named like a mask (``loss_mask``, ``token_loss_mask``, …) has one 0/1
+    per position and some zeros, or (c) an unused prompt column and a completion / response column
+    have lengths that add up to the row's. ``extras``: the first rows of the file's unused columns
+    (one value per row). ``--all-valid`` turns the check off.
+    """
+    if columns.all_valid or row_lengths.size == 0:
+        return
+    hint = " or --all-valid if every position really is a response token"
+    if lengths is not None and np.unique(row_lengths).size > 1 and (row_lengths > lengths).any():
+        i = int(np.nonzero(row_lengths > lengths)[0][0])
+        raise ValueError(
+            f"{source}: row {i} holds {int(row_lengths[i])} log-probs for a response of {int(lengths[i])} tokens "
+            f"({columns.lengths!r}): the rows hold more than the response (the prompt?), and counting their first "
+            f"positions would count prompt tokens; pass the response mask with --mask-col NAME{hint}")
+    n = row_lengths.size
+    for name, vals in extras.items():
+        if not _mask_like(name) or len(vals) < n:
+            continue
+        lens = [_seq_len(v) for v in vals[:n]]
+        if any(L is None for L in lens) or not np.array_equal(np.asarray(lens), row_lengths):
+            continue
+        flat = np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for v in vals[:n]] or [np.zeros(0)])
+        if flat.size and np.isin(flat, (0.0, 1.0)).all() and (flat == 0).any():
+            raise ValueError(
+                f"{source}: the log-prob rows are read without a mask, but column {name!r} holds one 0/1 per "
+                f"position with {int((flat == 0).sum())} zeros in the first {n} rows: counting every position "
+                f"would count the prompt or masked tokens; pass --mask-col {name}{hint}")
+
+    def per_row(prefixes):
+        for name, vals in extras.items():
+            low = name.lower()
+            if low.startswith(prefixes) and not _mask_like(name) and len(vals) >= n:
+                lens = [_seq_len(v) if _seq_len(v) is not None else
+                        (int(v) if isinstance(v, (int, np.integer)) else None) for v in vals[:n]]
+                if all(L is not None for L in lens):
+                    yield name, np.asarray(lens, dtype=np.int64)
+
+    for p_name, p_len in per_row(("prompt",)):
+        for c_name, c_len in per_row(("completion", "response")):
+            if p_len.any() and np.array_equal(p_len + c_len, row_lengths):
+                raise ValueError(
+                    f"{source}: each log-prob row is as long as {p_name!r} + {c_name!r}: the rows hold the prompt "
+                    f"as well as the response, and every position would be counted; pass the response mask with "
+                    f"--mask-col NAME{hint}")
+
+
+# --------------------------------------------------------------------------------------------
 # Parquet
 
 
-def _arrow_piece(arr, name: str, source: str):
+def _arrow_piece(arr, name: str, source: str, null_as_nan: bool = False):
     import pyarrow as pa
 
     if isinstance(arr, pa.ChunkedArray):
@@ -282,7 +359,7 @@ def _arrow_piece(arr, name: str, source: str):
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         offsets = arr.offsets.to_numpy().astype(np.int64)
         values = arr.flatten()
-        if values.null_count:
+        if values.null_count and not (null_as_nan and pa.types.is_floating(values.type)):
             raise ValueError(f"{source}: column {name!r} has null values inside a row")
         return _Ragged(values.to_numpy(zero_copy_only=False), offsets - offsets[0])
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
@@ -296,8 +373,20 @@ def iter_parquet(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk
     pf = pq.ParquetFile(path)
     wanted = _wanted(columns, pf.schema_arrow.names, path)
     row = 0
+    log_probs = (columns.rollout_log_probs, columns.old_log_probs)
     for batch in pf.iter_batches(batch_size=chunk_rows, columns=wanted):
-        pieces = {n: _arrow_piece(batch.column(n), n, path) for n in wanted}
+        pieces = {n: _arrow_piece(batch.column(n), n, path, null_as_nan=n in log_probs) for n in wanted}
+        old = pieces[columns.old_log_probs]
+        if row == 0 and isinstance(old, _Ragged) and columns.response_mask not in pieces:
+            names = [n for n in pf.schema_arrow.names if n not in wanted and (
+                _mask_like(n) or n.lower().startswith(("prompt", "completion", "response")))]
+            extras = {}
+            if names:
+                first = next(pf.iter_batches(batch_size=batch.num_rows, columns=names))
+                extras = {n: first.column(n).to_pylist() for n in names}
+            lens = pieces.get(columns.lengths)
+            check_response_only(path, columns, old.lengths, extras,
+                                np.asarray(lens.array).astype(np.int64) if isinstance(lens, _PerRow) else None)
         yield assemble_chunk(pieces, columns, path, row)
         row += batch.num_rows
 
@@ -306,7 +395,10 @@ def iter_parquet(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk
 # JSONL
 
 
-def _json_pieces(rows: list[dict], wanted: list[str], source: str, first_line: int) -> dict:
+def _json_pieces(rows: list[dict], wanted: list[str], source: str, first_line: int,
+                 nan_for_null: tuple[str, ...] = ()) -> dict:
+    """Per-column pieces of a block of JSON records. In the columns named in ``nan_for_null`` a
+    ``null`` inside a row's list is read as NaN (JSON has no NaN; writers put ``null`` in its place)."""
     pieces = {}
     for name in wanted:
         vals = [r.get(name) for r in rows]
@@ -318,8 +410,11 @@ def _json_pieces(rows: list[dict], wanted: list[str], source: str, first_line: i
             lengths = np.fromiter((len(v) for v in vals), dtype=np.int64, count=len(vals))
             offsets = np.zeros(len(vals) + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
+            items = itertools.chain.from_iterable(vals)
+            if name in nan_for_null:
+                items = (math.nan if v is None else v for v in items)
             try:
-                flat = np.fromiter(itertools.chain.from_iterable(vals), dtype=np.float64, count=int(offsets[-1]))
+                flat = np.fromiter(items, dtype=np.float64, count=int(offsets[-1]))
             except (TypeError, ValueError) as exc:
                 raise ValueError(
                     f"{source}: lines {first_line}-{first_line + len(rows) - 1}: column {name!r} holds a "
@@ -354,12 +449,25 @@ def _json_loader():
     return loads
 
 
-def iter_jsonl(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:
+def _jsonl_chunk(rows: list[dict], wanted: list[str], columns: Columns, path: str, first_line: int,
+                 row: int) -> Chunk:
+    pieces = _json_pieces(rows, wanted, path, first_line,
+                          nan_for_null=(columns.rollout_log_probs, columns.old_log_probs))
+    old = pieces[columns.old_log_probs]
+    if row == 0 and isinstance(old, _Ragged) and columns.response_mask not in pieces:
+        lens = pieces.get(columns.lengths)
+        extras = {k: [r.get(k) for r in rows] for k in rows[0] if k not in wanted}
+        check_response_only(path, columns, old.lengths, extras,
+                            np.asarray(lens.array).astype(np.int64) if isinstance(lens, _PerRow) else None)
+    return assemble_chunk(pieces, columns, path, row)
+
+
+def iter_json_records(path: str, chunk_rows: int) -> Iterator[tuple[int, list[dict]]]:
+    """(line number of the first record, records) of a JSONL file in blocks of ``chunk_rows`` records;
+    blank lines are skipped."""
     loads = _json_loader()
-    wanted: list[str] | None = None
     rows: list[dict] = []
-    first_line = 1
-    row = 0
+    first = 1
     with open(path, "rb") as fh:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
@@ -370,17 +478,24 @@ def iter_jsonl(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:
                 raise ValueError(f"{path}: line {line_no}: not valid JSON ({exc.msg})") from None
             if not isinstance(rec, dict):
                 raise ValueError(f"{path}: line {line_no}: expected a JSON object per line")
-            if wanted is None:
-                wanted = _wanted(columns, list(rec), f"{path} (line {line_no})")
             if not rows:
-                first_line = line_no
+                first = line_no
             rows.append(rec)
             if len(rows) == chunk_rows:
-                yield assemble_chunk(_json_pieces(rows, wanted, path, first_line), columns, path, row)
-                row += len(rows)
+                yield first, rows
                 rows = []
     if rows:
-        yield assemble_chunk(_json_pieces(rows, wanted, path, first_line), columns, path, row)
+        yield first, rows
+
+
+def iter_jsonl(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:
+    wanted: list[str] | None = None
+    row = 0
+    for first_line, rows in iter_json_records(path, chunk_rows):
+        if wanted is None:
+            wanted = _wanted(columns, list(rows[0]), f"{path} (line {first_line})")
+        yield _jsonl_chunk(rows, wanted, columns, path, first_line, row)
+        row += len(rows)
     if wanted is None:
         raise ValueError(f"{path}: the file holds no rows")
 
@@ -544,13 +659,29 @@ def iter_npz(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:
         yield from _iter_array_columns(opened, columns, path, chunk_rows)
 
 
-def iter_pt(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:
+def torch_load(path: str):
+    """``torch.load`` with ``weights_only=True`` (tensors and plain containers; no code from the file runs),
+    memory-mapped when the file allows it; an object outside that set is refused with a ValueError."""
+    import pickle
+
     import torch
 
     try:
-        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()
+        raise ValueError(f"{path}: refused: the file holds more than tensors and plain containers, which "
+                         f"torch.load(weights_only=True) cannot read without running code from it "
+                         f"({first[-1] if first else exc})") from None
+
+
+def iter_pt(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:
+    import torch
+
+    obj = torch_load(path)
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: expected torch.save of a dict of tensors or lists, got {type(obj).__name__}")
     wanted = _wanted(columns, [k for k in obj if isinstance(k, str)], path)
@@ -565,6 +696,15 @@ def iter_pt(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:
             cols[name] = _sliceable_column(name, np.asarray(v))
         else:
             raise ValueError(f"{path}: entry {name!r} must be a tensor or a list, got {type(v).__name__}")
+    old = cols[columns.old_log_probs]
+    if isinstance(old, _ListColumn) and columns.response_mask not in cols:
+        n = min(chunk_rows, len(old.rows))
+        row_lengths = np.array([_seq_len(np.asarray(r).reshape(-1)) for r in old.rows[:n]], dtype=np.int64)
+        extras = {k: list(v[:n]) for k, v in obj.items() if isinstance(k, str) and k not in wanted
+                  and isinstance(v, (list, tuple, torch.Tensor))}
+        lens = obj.get(columns.lengths) if columns.lengths in wanted else None
+        check_response_only(path, columns, row_lengths, extras,
+                            None if lens is None else np.asarray(lens[:n]).astype(np.int64).reshape(-1))
     yield from _iter_array_columns(cols, columns, path, chunk_rows)
 
 
@@ -577,24 +717,87 @@ def detect_format(path: str, fmt: str | None = None) -> str:
             raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
         return fmt
     lower = path.lower()
-    for ext, name in ((".parquet", "parquet"), (".pq", "parquet"), (".jsonl", "jsonl"), (".json", "jsonl"),
-                      (".ndjson", "jsonl"), (".pt", "pt"), (".pth", "pt"), (".npz", "npz")):
+    for ext, name in _EXTENSIONS:
         if lower.endswith(ext):
             return name
     raise ValueError(f"{path}: cannot tell the format from the extension; pass --format {{{','.join(FORMATS)}}}")
 
 
+_EXTENSIONS = ((".parquet", "parquet"), (".pq", "parquet"), (".jsonl", "jsonl"), (".json", "jsonl"),
+               (".ndjson", "jsonl"), (".pt", "pt"), (".pth", "pt"), (".npz", "npz"), (".pkl", "pickle"),
+               (".pickle", "pickle"))
+
+
+def _natural_key(path: str) -> list:
+    """Sort key that orders step_2 before step_10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
+
+
+def expand_inputs(path: str) -> list[str]:
+    """The files that form one dump: ``path`` itself, every file with a known extension under a folder
+    (recursively), or the files a glob pattern matches; in natural order (step_2 before step_10)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        found = [os.path.join(d, f) for d, _, files in os.walk(path) for f in files
+                 if f.lower().endswith(tuple(e for e, _ in _EXTENSIONS))]
+        if not found:
+            raise ValueError(f"{path}: the folder holds no dump file ({', '.join(e for e, _ in _EXTENSIONS)})")
+        return sorted(found, key=_natural_key)
+    if os.path.exists(path):
+        return [path]
+    if glob.has_magic(path):
+        found = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+        if not found:
+            raise FileNotFoundError(f"{path}: the pattern matches no file")
+        return sorted(found, key=_natural_key)
+    raise FileNotFoundError(f"{path}: no such file")
+
+
+def resolve_engine(path: str, fmt: str, columns: Columns, engine: str | None) -> str | None:
+    """The engine whose reader reads ``path``: ``engine`` when given (``plain``: none), else the one
+    recognised by the file's keys (only when the log-prob columns are not named explicitly); a pickle
+    is read only as SkyRL's."""
+    from .engines import ENGINES, detect_engine
+
+    if engine is not None and engine != "auto":
+        if engine == "plain":
+            if fmt == "pickle":
+                raise ValueError(f"{path}: a pickle is read only as SkyRL's TrainingInputBatch (--engine skyrl)")
+            return None
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; choose one of {('auto', 'plain', *ENGINES)}")
+        return engine
+    default = Columns()
+    if fmt != "pickle" and (columns.rollout_log_probs, columns.old_log_probs) != (default.rollout_log_probs,
+                                                                                 default.old_log_probs):
+        return None
+    return detect_engine(path, fmt)
+
+
+def iter_file_chunks(path: str, columns: Columns, chunk_rows: int, fmt: str | None,
+                     engine: str | None) -> tuple[str | None, Iterator[Chunk]]:
+    """(the engine read, the chunks) of one file."""
+    from .engines import READERS
+
+    fmt = detect_format(path, fmt)
+    name = resolve_engine(path, fmt, columns, engine)
+    if name is not None:
+        return name, READERS[name](path, columns, chunk_rows)
+    reader = {"parquet": iter_parquet, "jsonl": iter_jsonl, "pt": iter_pt, "npz": iter_npz}[fmt]
+    return None, reader(path, columns, chunk_rows)
+
+
 def iter_chunks(path: str, columns: Columns | None = None, chunk_rows: int = 2048,
-                fmt: str | None = None) -> Iterator[Chunk]:
-    """Yields the rows of ``path`` in blocks of at most ``chunk_rows`` rows."""
+                fmt: str | None = None, engine: str | None = None) -> Iterator[Chunk]:
+    """Yields the rows of ``path`` (a file, a folder of files or a glob pattern) in blocks of at most
+    ``chunk_rows`` rows. ``engine``: read as that engine's dump (see :mod:`.engines`); ``None`` /
+    ``"auto"`` recognises it by its keys, ``"plain"`` reads the columns as named."""
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file")
     columns = columns or Columns()
-    fmt = detect_format(path, fmt)
-    reader = {"parquet": iter_parquet, "jsonl": iter_jsonl, "pt": iter_pt, "npz": iter_npz}[fmt]
-    yield from reader(path, columns, chunk_rows)
+    for file in expand_inputs(path):
+        yield from iter_file_chunks(file, columns, chunk_rows, fmt, engine)[1]
 
 
-__all__ = ["FORMATS", "Chunk", "Columns", "assemble_chunk", "detect_format", "iter_chunks"]
+__all__ = ["FORMATS", "Chunk", "Columns", "assemble_chunk", "check_response_only", "detect_format", "expand_inputs",
+           "iter_chunks", "iter_file_chunks"]

@@ -147,7 +147,10 @@ def build_blocks(diag: Diagnosis, figures: list[str]) -> list[tuple]:
     mean_len = c.tokens / c.rows_used if c.rows_used else 0.0
     blocks: list[tuple] = [("h1", "Rollout mismatch diagnosis")]
     src = diag.source
-    blocks.append(("p", f"Input: `{src.get('path')}` ({src.get('format')}) · {c.rows:,} rows · {c.tokens:,} "
+    engine = src.get("engine", "plain")
+    kind = src.get("format") if engine in (None, "plain") else f"{engine} dump, {src.get('format')}"
+    files = f" · {len(src['files'])} files" if src.get("files") else ""
+    blocks.append(("p", f"Input: `{src.get('path')}` ({kind}){files} · {c.rows:,} rows · {c.tokens:,} "
                         f"response tokens · mean length {mean_len:.1f} · longest {c.max_length:,} · "
                         f"diagnosed in {src.get('elapsed_seconds', float('nan')):.1f} s"))
     blocks.append(("h2", "Recommendation"))
@@ -215,6 +218,15 @@ def build_blocks(diag: Diagnosis, figures: list[str]) -> list[tuple]:
         blocks.append(("table", ["version", "rows", "tokens", "kl per token", "k3 per token"],
                        [[v, int(e["rows"]), int(e["tokens"]), -e["log_ratio"] / max(e["tokens"], 1),
                          e["k3"] / max(e["tokens"], 1)] for v, e in sorted(res.version.items())]))
+    files = diag.source.get("files")
+    if files:
+        blocks.append(("h2", "By file"))
+        blocks.append(("p", "The files were diagnosed as one dump (every statistic above is over their concatenation); "
+                            "per file: rows, rows left out for a non-finite log-prob, valid tokens, and the mean per "
+                            "token of kl (log π_rollout − log π_train) and k3."))
+        blocks.append(("table", ["file", "step", "rows", "non-finite rows", "tokens", "kl per token", "k3 per token"],
+                       [[f["file"], "" if f["step"] is None else f["step"], f["rows"], f["rows_nonfinite"], f["tokens"],
+                         f["kl"], f["k3_kl"]] for f in files]))
     top = _top_tokens(diag)
     if top:
         blocks.append(("h2", "Tokens contributing most to the KL"))

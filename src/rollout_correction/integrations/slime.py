@@ -56,6 +56,13 @@ Metric names are those of slime's current ``examples/train_infer_mismatch_helper
 * beside them every ``rollout_corr/...`` metric of this library (a batch value over this call's
   samples, repeated on every token).
 
+``rollout_correction_dump_dir: DIR`` in the YAML (off by default) makes the function keep each
+micro-batch's train and rollout log-probs and loss masks (before any change) and write them once per
+optimizer step — every ``global_batch_size`` / data-parallel-size samples on a rank — to
+``DIR/step_{N}[_rank_{R}].pt`` (:mod:`rollout_correction.integrations.dump`; N counts the process's
+steps from 0), for ``rollout-correction diagnose DIR``. It is refused with context parallelism, where the
+function sees slices (slime's own ``--save-debug-train-data`` restores them and is read too).
+
 Context parallelism (``--context-parallel-size`` > 1): slime passes each rank's slice of the
 log-probs (the response positions whose logits fall in the rank's two zig-zag chunks, see
 :func:`cp_response_ranges`) with full-length loss masks. The function then reduces every
@@ -79,7 +86,7 @@ from rollout_correction._src.constants import SAFETY_BOUND
 from rollout_correction._src.correction import correction_pass
 from rollout_correction._src.sequence_group import RowExchange
 
-__all__ = ["SlimeOptions", "options_from_args", "config_from_slime_args", "tis_function"]
+__all__ = ["DUMP_KEY", "SlimeOptions", "options_from_args", "config_from_slime_args", "tis_function"]
 
 _LEVEL_TO_RS_OPTION = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 _LEVELS = tuple(_LEVEL_TO_RS_OPTION)
@@ -342,6 +349,48 @@ def _tis_pass(opts: SlimeOptions, cfg: RolloutCorrectionConfig, train: torch.Ten
     return weights, result.response_mask.to(torch.float32), row_keep, m
 
 
+#: ``rollout_correction_dump_dir`` (a key of the ``--custom-config-path`` YAML; off by default).
+DUMP_KEY = "rollout_correction_dump_dir"
+_DUMPS: dict[str, list] = {}  # directory → [StepDump, steps written by this process]
+
+
+def _data_parallel_size(args: Any) -> int:
+    """Megatron's ``args.data_parallel_size``, else world size / (TP · PP · CP)."""
+    dp = getattr(args, "data_parallel_size", None)
+    if dp:
+        return int(dp)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    model = 1
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        model *= int(getattr(args, key, 1) or 1)
+    return max(1, world // model)
+
+
+def _check_dump(args: Any) -> None:
+    cp_size = int(getattr(args, "context_parallel_size", 1) or 1)
+    if cp_size > 1:
+        raise ValueError(f"{DUMP_KEY} with --context-parallel-size {cp_size}: this function sees each rank's slices "
+                         "of the responses; use slime's --save-debug-train-data, which restores whole responses "
+                         "(rollout-correction diagnose reads its files)")
+    if not getattr(args, "global_batch_size", None):
+        raise ValueError(f"{DUMP_KEY} needs args.global_batch_size (slime sets it) to write once per step")
+
+
+def _dump(args: Any, train_log_probs, rollout_log_probs, loss_masks) -> None:
+    """Keeps this micro-batch's log-probs and masks; writes them once per optimizer step, i.e. every
+    ``global_batch_size / data-parallel size`` samples on this rank
+    (:mod:`rollout_correction.integrations.dump`)."""
+    batch = args.global_batch_size
+    from rollout_correction.integrations.dump import StepDump
+
+    directory = str(getattr(args, DUMP_KEY))
+    state = _DUMPS.setdefault(directory, [StepDump(directory), 0])
+    state[0].add(train_log_probs, rollout_log_probs, loss_masks)
+    if len(state[0]) >= max(1, int(batch) // _data_parallel_size(args)):
+        state[0].flush(state[1])
+        state[1] += 1
+
+
 def tis_function(
     args: Any,
     *,
@@ -374,6 +423,8 @@ def tis_function(
             f"train_log_probs, rollout_log_probs and loss_masks must have one tensor per sample; got "
             f"{len(train_log_probs)}, {len(rollout_log_probs)} and {len(loss_masks)}"
         )
+    if getattr(args, DUMP_KEY, None):
+        _check_dump(args)
     cp_size, cp_rank, cp_group = _context_parallel(args)
     local_masks, ranges = _local_masks(loss_masks, train_log_probs, total_lengths, response_lengths, cp_size, cp_rank)
     lengths = []
@@ -388,6 +439,8 @@ def tis_function(
                          "this rank; pg_loss must be the flat concatenation of the per-sample tokens")
     opts = options_from_args(args)
     cfg = config_from_slime_args(opts)
+    if getattr(args, DUMP_KEY, None):
+        _dump(args, train_log_probs, rollout_log_probs, loss_masks)
     if not lengths:
         return pg_loss, list(loss_masks), {}
 

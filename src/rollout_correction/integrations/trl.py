@@ -327,6 +327,11 @@ if _GRPOTrainer is not None:
             rollout_autocast_dtype: dtype for plain ``generate`` under autocast (no vLLM, no
                 continuous batching), e.g. ``torch.bfloat16``; None generates in the model's own
                 precision.
+            rollout_correction_dump_dir: a directory (default None: no dump) where each training
+                generation batch's sampling and trainer log-probs, loss mask, completion lengths and
+                ``state.global_step`` are written once, before the correction, as
+                ``step_{N}[_rank_{R}].pt`` (:mod:`rollout_correction.integrations.dump`), for
+                ``rollout-correction diagnose DIR``.
         """
 
         def __init__(
@@ -334,6 +339,7 @@ if _GRPOTrainer is not None:
             *args: Any,
             rollout_correction: Union[None, str, Mapping[str, Any], RolloutCorrectionConfig] = None,
             rollout_autocast_dtype: Optional[torch.dtype] = None,
+            rollout_correction_dump_dir: Optional[str] = None,
             **kwargs: Any,
         ):
             check_trl_version()
@@ -347,6 +353,7 @@ if _GRPOTrainer is not None:
                 config = _check_supported(rollout_correction, self.args, rollout_autocast_dtype)
             self.rollout_correction = config
             self.rollout_autocast_dtype = rollout_autocast_dtype
+            self.rollout_correction_dump_dir = rollout_correction_dump_dir
             generate_every = self.args.steps_per_generation * self.num_iterations
             trl_computes_old = (self.use_vllm and self.vllm_importance_sampling_correction) or \
                 self.args.gradient_accumulation_steps % generate_every != 0
@@ -409,6 +416,13 @@ if _GRPOTrainer is not None:
             old = out.get("old_per_token_logps")
             if old is None:
                 old = self._trainer_log_probs(out, mode)
+            if self.rollout_correction_dump_dir and mode == "train":
+                from rollout_correction.integrations.dump import write_step_dump
+
+                write_step_dump(self.rollout_correction_dump_dir, self.state.global_step, old_log_probs=old,
+                                rollout_log_probs=rollout, response_mask=mask,
+                                response_lengths=completion_mask.sum(-1),
+                                rank=self.accelerator.process_index if self.accelerator.num_processes > 1 else None)
             cfg = self.rollout_correction
             # Each process holds its slice of the generation batch; batch statistics (normalisation,
             # ESS, every metric) are reduced over all of them.

@@ -11,10 +11,13 @@ that name to the subclass in its own process before running OpenRLHF's launcher 
 after). That is the only OpenRLHF name it touches, in the process the user started with this
 command; the actor processes receive the subclass from Ray.
 
-One option of this launcher's own, removed before OpenRLHF parses the rest:
+Two options of this launcher's own, removed before OpenRLHF parses the rest:
 ``--rollout_correction.config CONFIG``, a preset name or a JSON mapping of this library's config
 keys, replaces the mapping of OpenRLHF's correction flags (``RolloutCorrectionPolicyLoss.from_args(args,
 CONFIG)``); OpenRLHF's flags must still turn the correction on, for the sampling log-probs.
+``--rollout_correction.dump_dir DIR`` (off by default) makes each policy actor write its training
+step's π_old and π_rollout log-probs and action masks to ``DIR`` once per step, for
+``rollout-correction diagnose DIR`` (:mod:`.actor`).
 """
 
 from __future__ import annotations
@@ -24,30 +27,42 @@ import runpy
 import sys
 from typing import Any, Optional, Sequence
 
-__all__ = ["CONFIG_OPTION", "OPENRLHF_MAIN", "main", "parse_config_option"]
+__all__ = ["CONFIG_OPTION", "DUMP_OPTION", "OPENRLHF_MAIN", "main", "parse_config_option", "parse_dump_option"]
 
 CONFIG_OPTION = "--rollout_correction.config"
+DUMP_OPTION = "--rollout_correction.dump_dir"
 OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
 
 
-def parse_config_option(argv: Sequence[str]) -> tuple[Any, list[str]]:
-    """(the config given with :data:`CONFIG_OPTION` or None, the remaining arguments for OpenRLHF)."""
-    rest, config = [], None
+def _pop_option(argv: Sequence[str], option: str, what: str) -> tuple[Optional[str], list[str]]:
+    """(the value of ``option`` or None, the other arguments)."""
+    rest, value = [], None
     items = list(argv)
     i = 0
     while i < len(items):
         item = items[i]
-        if item == CONFIG_OPTION or item.startswith(CONFIG_OPTION + "="):
-            if item == CONFIG_OPTION:
+        if item == option or item.startswith(option + "="):
+            if item == option:
                 if i + 1 >= len(items):
-                    raise SystemExit(f"{CONFIG_OPTION} needs a value: a preset name or a JSON mapping")
+                    raise SystemExit(f"{option} needs a value: {what}")
                 value, i = items[i + 1], i + 2
             else:
                 value, i = item.split("=", 1)[1], i + 1
-            config = json.loads(value) if value.lstrip().startswith("{") else value
             continue
         rest.append(item)
         i += 1
+    return value, rest
+
+
+def parse_dump_option(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """(the directory given with :data:`DUMP_OPTION` or None, the remaining arguments)."""
+    return _pop_option(argv, DUMP_OPTION, "a directory")
+
+
+def parse_config_option(argv: Sequence[str]) -> tuple[Any, list[str]]:
+    """(the config given with :data:`CONFIG_OPTION` or None, the remaining arguments for OpenRLHF)."""
+    value, rest = _pop_option(argv, CONFIG_OPTION, "a preset name or a JSON mapping")
+    config = None if value is None else json.loads(value) if value.lstrip().startswith("{") else value
     if config is not None:
         from rollout_correction import as_config
 
@@ -62,12 +77,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from . import check_openrlhf_version
     from .actor import policy_model_actor
 
-    config, rest = parse_config_option(sys.argv[1:] if argv is None else argv)
+    dump_dir, rest = parse_dump_option(sys.argv[1:] if argv is None else argv)
+    config, rest = parse_config_option(rest)
     check_openrlhf_version()
     from openrlhf.trainer.ray import ppo_actor
 
     openrlhf_actor = ppo_actor.PolicyModelActor
-    ppo_actor.PolicyModelActor = ray.remote(num_gpus=1)(policy_model_actor(openrlhf_actor, config))
+    ppo_actor.PolicyModelActor = ray.remote(num_gpus=1)(policy_model_actor(openrlhf_actor, config, dump_dir))
     saved_argv = sys.argv
     sys.argv = [OPENRLHF_MAIN, *rest]
     try:

@@ -17,6 +17,11 @@ denominator.
 :func:`trainer_class` gives the subclass of the trainer verl registered for a mode (``sync``,
 ``colocate_async``, ``separate_async``, or one a recipe registered). Importing this module imports
 verl's V1 trainer modules (and TransferQueue); the plugin module does not.
+
+``trainer.rollout_correction_dump_dir=DIR`` (off by default; beside verl's own
+``trainer.rollout_data_dir``) makes the correction step write, once per training step, the batch's
+rollout and trainer log-probs, response mask, lengths and the step to ``DIR/step_{N}.pt``, which
+``rollout-correction diagnose DIR`` reads.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ from typing import Any
 from . import (BACKEND_METRIC, _block_settings, _say_once, check_trainer_config,
                compute_rollout_correction_and_add_to_batch)
 
-__all__ = ["RolloutCorrectionTrainerMixin", "trainer_class"]
+__all__ = ["DUMP_KEY", "RolloutCorrectionTrainerMixin", "trainer_class"]
+
+#: ``trainer.rollout_correction_dump_dir``: when set, each correction step writes the batch's rollout and
+#: trainer log-probs and mask there (``rollout_correction.integrations.dump``) for ``rollout-correction diagnose``.
+DUMP_KEY = "rollout_correction_dump_dir"
 
 _FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
 
@@ -44,6 +53,14 @@ class RolloutCorrectionTrainerMixin:
         ``rollout_corr/...`` metrics with :data:`~rollout_correction.integrations.verl.BACKEND_METRIC` = 1.
         """
         check_trainer_config(self.config)
+        dump_dir = self.config.trainer.get(DUMP_KEY, None)
+        if dump_dir:  # once per step, before the correction changes the mask
+            from rollout_correction.integrations.dump import write_step_dump
+
+            step = int(getattr(self, "global_steps", 0) or 0)
+            write_step_dump(str(dump_dir), step, old_log_probs=data.batch["old_log_probs"],
+                            rollout_log_probs=data.batch["rollout_log_probs"],
+                            response_mask=data.batch["response_mask"], rank=None)
         block = _block_settings(self.config.algorithm.rollout_correction)
         data, metrics = compute_rollout_correction_and_add_to_batch(data, block)
         _say_once("step", "rollout_correction: verl's rollout-correction step runs this library "
