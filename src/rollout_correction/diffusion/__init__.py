@@ -28,7 +28,28 @@ from .correction import (
     step_correction,
 )
 from .loss import flow_grpo_loss
-from .sde import gaussian_step_log_prob, ode_step, sde_sigma, sde_step_mean_std, time_grid
+from .sde import (
+    SDE_TYPES,
+    flow_sde_log_prob,
+    flow_sde_step,
+    gaussian_step_log_prob,
+    ode_step,
+    sde_sigma,
+    sde_step_mean_std,
+    time_grid,
+)
+
+_NEEDS_DIFFUSERS = {"FlowMatchSDEScheduler": "scheduler", "FlowMatchSDESchedulerOutput": "scheduler"}
+
+
+def __getattr__(name: str):
+    # The scheduler subclasses diffusers' scheduler; import it (and diffusers) only when asked for.
+    if name in _NEEDS_DIFFUSERS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_NEEDS_DIFFUSERS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "apply_bypass_mode",
@@ -45,4 +66,9 @@ __all__ = [
     "sde_sigma",
     "ode_step",
     "time_grid",
+    "SDE_TYPES",
+    "flow_sde_step",
+    "flow_sde_log_prob",
+    "FlowMatchSDEScheduler",
+    "FlowMatchSDESchedulerOutput",
 ]
