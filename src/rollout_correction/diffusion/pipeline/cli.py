@@ -102,7 +102,7 @@ def run_demo(cfg, command: str) -> dict[str, Any]:
     from .runner import config_dict, mismatch_scan, prepare, run_variant
 
     t0 = time.perf_counter()
-    model, bank, losses = prepare(cfg)
+    model, bank, losses = prepare(cfg, cache_dir=cfg.out)
     t_warm = time.perf_counter() - t0
     print(f"warm start: {cfg.warm_start_steps} flow-matching steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
           f"({t_warm:.0f} s)", file=sys.stderr)

@@ -110,7 +110,7 @@ def reward(x0: torch.Tensor, prompt: torch.Tensor, bank: PromptBank) -> torch.Te
     return (x0.float() * bank.patterns[prompt]).mean(dim=(1, 2, 3))
 
 
-def warm_start(model: nn.Module, bank: PromptBank, steps: int, seed: int, batch: int = 64,
+def warm_start(model: nn.Module, bank: PromptBank, steps: int, seed: int, batch: int = 32,
                lr: float = 2e-3, cond_drop: float = 0.1) -> list[float]:
     """Rectified-flow pretraining on the prompts' data (x₀ = a·πₚ + 0.3·ε); returns the losses.
 

@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
@@ -33,8 +35,8 @@ class DemoConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: str = "bf16"
     all_low_precision: bool = False
-    iters: int = 40
-    warm_start_steps: int = 300
+    iters: int = 30
+    warm_start_steps: int = 150
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     runs: tuple[str, ...] = tuple(VARIANTS)
     window_seed: int = 42
@@ -48,18 +50,31 @@ class DemoConfig:
 
     @classmethod
     def quick(cls, **kw: Any) -> "DemoConfig":
-        base = dict(iters=3, warm_start_steps=30, seeds=(0,), eval_samples=16,
+        base = dict(iters=2, warm_start_steps=8, seeds=(0,), eval_samples=16,
                     train=TrainConfig(prompts_per_batch=2, group_size=4),
                     scan_precisions=("bf16",), scan_noise_levels=(0.7,), scan_cfg_scales=(1.0,), scan_batches=1)
         base.update(kw)
         return cls(**base)
 
 
-def prepare(cfg: DemoConfig) -> tuple[torch.nn.Module, PromptBank, list[float]]:
-    """The warm-started fp32 transformer every variant starts from, its prompts, the warm-start losses."""
+def prepare(cfg: DemoConfig, cache_dir: Optional[str] = None) -> tuple[torch.nn.Module, PromptBank, list[float]]:
+    """The warm-started fp32 transformer every variant starts from, its prompts, the warm-start losses.
+
+    With ``cache_dir`` the warm-started weights are saved there (keyed by the model config, seed and
+    number of steps) and loaded by later runs instead of being trained again.
+    """
     bank = PromptBank(cfg.model)
     model = build_transformer(cfg.model, cfg.model_seed)
+    key = hashlib.sha1(repr((cfg.model, cfg.model_seed, cfg.warm_start_steps)).encode()).hexdigest()[:12]
+    path = None if cache_dir is None else os.path.join(cache_dir, f"warm_start_{key}.pt")
+    if path is not None and os.path.exists(path):
+        saved = torch.load(path, weights_only=True)
+        model.load_state_dict(saved["state"])
+        return model, bank, saved["losses"]
     losses = warm_start(model, bank, cfg.warm_start_steps, seed=cfg.model_seed)
+    if path is not None:
+        os.makedirs(cache_dir, exist_ok=True)
+        torch.save({"state": model.state_dict(), "losses": losses}, path)
     return model, bank, losses
 
 

@@ -61,7 +61,7 @@ class TrainConfig:
     window_range: tuple[int, int] = (0, 5)
     cfg_scale: float = 1.0
     prompts_per_batch: int = 4
-    group_size: int = 8
+    group_size: int = 4
     mini_batches: int = 2
     lr: float = 3e-4
     clip_range: float = 1e-4
