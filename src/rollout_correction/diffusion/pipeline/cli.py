@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--scan-only", action="store_true", help="only the mismatch scan (no training)")
     a("--threads", type=int, default=1, help="torch threads (default 1)")
     a("--out", default=None, help=f"output directory (default {d.out})")
+    a("--merge", nargs="+", default=None, metavar="DIR",
+      help="merge the summary.json of runs made in separate processes into --out (no training)")
     a("--toy", nargs=argparse.REMAINDER, default=None,
       help="run the 2-D toy instead; the rest of the line goes to the toy (see --toy --help)")
 
@@ -139,6 +141,18 @@ def run(args: argparse.Namespace) -> int:
         from rollout_correction.diffusion.example.cli import main as toy_main
 
         return toy_main(args.toy)
+    if args.merge:
+        import json
+
+        from .report import merge_results, write_report
+
+        parts = []
+        for d in args.merge:
+            with open(os.path.join(d, "summary.json")) as f:
+                parts.append(json.load(f))
+        paths = write_report(args.out or "diffusion_pipeline_demo", merge_results(parts))
+        print("wrote " + ", ".join(paths), file=sys.stderr)
+        return 0
     torch.set_num_threads(max(1, args.threads))
     from diffusers.utils import logging as diffusers_logging
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["provenance", "summarise", "write_report"]
+__all__ = ["provenance", "summarise", "merge_results", "write_report"]
 
 # two-sided 95 % Student t quantiles by degrees of freedom (1 … 30); normal beyond
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
@@ -73,55 +73,67 @@ def _tail_mean(xs: list[float], k: int = 5) -> float:
 
 def summarise(logs: list[dict[str, Any]], clip_range: float) -> dict[str, Any]:
     """Per-variant figures over seeds (see the module doc for intervals and ties)."""
+    out = {name: _variant_summary(runs) for name, runs in _by_variant(logs).items()}
+    add_paired_differences(out, logs)
+    return out
+
+
+def _by_variant(logs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     by: dict[str, list[dict[str, Any]]] = {}
     for log in logs:
         by.setdefault(log["variant"], []).append(log)
-    out: dict[str, Any] = {}
+    return by
+
+
+def add_paired_differences(out: dict[str, Any], logs: list[dict[str, Any]]) -> None:
+    """``vs_naive``: final and eval reward minus naive's on the same seeds, with the tie verdict."""
+    by = _by_variant(logs)
+    if "naive" not in by:
+        return
+    base = {r["seed"]: r for r in by["naive"]}
     for name, runs in by.items():
-        iters = len(runs[0]["reward"])
-        curve = [mean_ci([r["reward"][i] for r in runs]) for i in range(iters)]
-        times = {k: mean_ci([sum(t[k] for t in r["times"]) / iters for r in runs])[0]
-                 for k in ("rollout", "recompute", "update")}
-        gap_all = [g["mean"] for r in runs for g in r["gap"]]
-        clip_first = [m.get("actor/pg_clipfrac@first_mini_step", 0.0) for r in runs for m in r["metrics"]]
-        rej_keys = ("rollout_corr/rejected_fraction", "actor/rollout_corr/rejected_fraction")
-        ess_keys = ("rollout_corr/rollout_is_eff_sample_size", "actor/rollout_corr/rollout_is_eff_sample_size")
-        rej = [m[k] for r in runs for m in r["metrics"] for k in rej_keys if k in m]
-        ess = [m[k] for r in runs for m in r["metrics"] for k in ess_keys if k in m]
-        by_ts: dict[str, list[float]] = {}
-        for r in runs:
-            for g in r["gap"]:
-                for t, v in g["by_timestep"].items():
-                    by_ts.setdefault(t, []).append(v["mean"])
-        out[name] = {
-            "seeds": [r["seed"] for r in runs],
-            "final_reward": mean_ci([_tail_mean(r["reward"]) for r in runs]),
-            "eval_reward": mean_ci([r["eval_reward"] for r in runs]),
-            "reward_curve": curve,
-            "time_per_iter_s": times,
-            "wall_s_per_run": mean_ci([r["wall_s"] for r in runs])[0],
-            "wall_s_max": max(r["wall_s"] for r in runs),
-            "gap_mean": sum(gap_all) / len(gap_all),
-            "gap_frac_above_clip": sum(g["frac_above_clip"] for r in runs for g in r["gap"]) / len(gap_all),
-            "gap_by_timestep": {t: sum(v) / len(v) for t, v in sorted(by_ts.items(), key=lambda kv: float(kv[0]))},
-            "clipfrac_first_mini_step": sum(clip_first) / max(len(clip_first), 1),
-            "rejected_fraction": (sum(rej) / len(rej)) if rej else None,
-            "ess": (sum(ess) / len(ess)) if ess else None,
-        }
-    # paired differences against naive (same seeds)
-    if "naive" in by:
-        base = {r["seed"]: r for r in by["naive"]}
-        for name, runs in by.items():
-            if name == "naive":
-                continue
-            d_final = [_tail_mean(r["reward"]) - _tail_mean(base[r["seed"]]["reward"]) for r in runs if r["seed"] in base]
-            d_eval = [r["eval_reward"] - base[r["seed"]]["eval_reward"] for r in runs if r["seed"] in base]
-            if d_final:
-                m, h = mean_ci(d_final)
-                me, he = mean_ci(d_eval)
-                out[name]["vs_naive"] = {"final_reward_diff": [m, h], "eval_reward_diff": [me, he],
-                                         "tie": bool(abs(m) <= h and abs(me) <= he) if len(d_final) > 1 else None}
-    return out
+        if name == "naive":
+            continue
+        d_final = [_tail_mean(r["reward"]) - _tail_mean(base[r["seed"]]["reward"]) for r in runs if r["seed"] in base]
+        d_eval = [r["eval_reward"] - base[r["seed"]]["eval_reward"] for r in runs if r["seed"] in base]
+        if d_final:
+            m, h = mean_ci(d_final)
+            me, he = mean_ci(d_eval)
+            out[name]["vs_naive"] = {"final_reward_diff": [m, h], "eval_reward_diff": [me, he],
+                                     "tie": bool(abs(m) <= h and abs(me) <= he) if len(d_final) > 1 else None}
+
+
+def _variant_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    iters = len(runs[0]["reward"])
+    curve = [mean_ci([r["reward"][i] for r in runs]) for i in range(iters)]
+    times = {k: mean_ci([sum(t[k] for t in r["times"]) / iters for r in runs])[0]
+             for k in ("rollout", "recompute", "update")}
+    gap_all = [g["mean"] for r in runs for g in r["gap"]]
+    clip_first = [m.get("actor/pg_clipfrac@first_mini_step", 0.0) for r in runs for m in r["metrics"]]
+    rej_keys = ("rollout_corr/rejected_fraction", "actor/rollout_corr/rejected_fraction")
+    ess_keys = ("rollout_corr/rollout_is_eff_sample_size", "actor/rollout_corr/rollout_is_eff_sample_size")
+    rej = [m[k] for r in runs for m in r["metrics"] for k in rej_keys if k in m]
+    ess = [m[k] for r in runs for m in r["metrics"] for k in ess_keys if k in m]
+    by_ts: dict[str, list[float]] = {}
+    for r in runs:
+        for g in r["gap"]:
+            for t, v in g["by_timestep"].items():
+                by_ts.setdefault(t, []).append(v["mean"])
+    return {
+        "seeds": [r["seed"] for r in runs],
+        "final_reward": mean_ci([_tail_mean(r["reward"]) for r in runs]),
+        "eval_reward": mean_ci([r["eval_reward"] for r in runs]),
+        "reward_curve": curve,
+        "time_per_iter_s": times,
+        "wall_s_per_run": mean_ci([r["wall_s"] for r in runs])[0],
+        "wall_s_max": max(r["wall_s"] for r in runs),
+        "gap_mean": sum(gap_all) / len(gap_all),
+        "gap_frac_above_clip": sum(g["frac_above_clip"] for r in runs for g in r["gap"]) / len(gap_all),
+        "gap_by_timestep": {t: sum(v) / len(v) for t, v in sorted(by_ts.items(), key=lambda kv: float(kv[0]))},
+        "clipfrac_first_mini_step": sum(clip_first) / max(len(clip_first), 1),
+        "rejected_fraction": (sum(rej) / len(rej)) if rej else None,
+        "ess": (sum(ess) / len(ess)) if ess else None,
+    }
 
 
 def _fmt_ci(mc: tuple[float, float] | list[float]) -> str:
@@ -226,3 +238,25 @@ def write_report(out_dir: str, result: dict[str, Any]) -> list[str]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths
+
+
+def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from runs made in separate processes (e.g. variants split across processes).
+
+    Variant summaries and scan rows are concatenated, the paired differences against ``naive`` are
+    recomputed from the per-run logs, and the provenance keeps each part's command.
+    """
+    if not results:
+        raise ValueError("nothing to merge")
+    merged = {**results[0], "summary": {}, "scan": [], "runs": []}
+    for r in results:
+        merged["summary"].update(r["summary"])
+        merged["scan"] += r.get("scan", [])
+        merged["runs"] += r.get("runs", [])
+    for s in merged["summary"].values():
+        s.pop("vs_naive", None)
+    add_paired_differences(merged["summary"], merged["runs"])
+    merged["provenance"] = {**results[0]["provenance"],
+                            "command": " && ".join(r["provenance"]["command"] for r in results),
+                            "parts": [r["provenance"] for r in results]}
+    return merged

@@ -63,7 +63,7 @@ class TrainConfig:
     prompts_per_batch: int = 4
     group_size: int = 4
     mini_batches: int = 2
-    lr: float = 3e-4
+    lr: float = 1e-3
     clip_range: float = 1e-4
     adv_clip_max: float = 5.0
     adv_std: str = "global"
