@@ -127,6 +127,7 @@ def _variant_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "time_per_iter_s": times,
         "wall_s_per_run": mean_ci([r["wall_s"] for r in runs])[0],
         "wall_s_max": max(r["wall_s"] for r in runs),
+        "cpu_s_per_run": (sum(r["cpu_s"] for r in runs) / len(runs)) if all("cpu_s" in r for r in runs) else None,
         "gap_mean": sum(gap_all) / len(gap_all),
         "gap_frac_above_clip": sum(g["frac_above_clip"] for r in runs for g in r["gap"]) / len(gap_all),
         "gap_by_timestep": {t: sum(v) / len(v) for t, v in sorted(by_ts.items(), key=lambda kv: float(kv[0]))},
@@ -145,7 +146,9 @@ def _table(summary: dict[str, Any], scan: list[dict[str, Any]], clip_range: floa
              "mean \\|Δ log π\\| | steps > clip | clipped @ 1st mini-step | rejected | ESS | "
              "rollout / recompute / update s per iter |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, s in summary.items():
+    order = ["fp32_reference", "naive", "decoupled_is_rs", "bypass", "bypass_rs"]
+    for name in [n for n in order if n in summary] + [n for n in summary if n not in order]:
+        s = summary[name]
         vs = s.get("vs_naive")
         vs_txt = "—" if vs is None else (
             f"{vs['final_reward_diff'][0]:+.4f} ± {vs['final_reward_diff'][1]:.4f} / "
@@ -202,11 +205,7 @@ def write_report(out_dir: str, result: dict[str, Any]) -> list[str]:
         ax.fill_between(xs, [a - b for a, b in zip(m, h)], [a + b for a, b in zip(m, h)], alpha=0.15)
     ax.set_xlabel("iteration")
     ax.set_ylabel("mean rollout reward (95 % CI over seeds)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "reward.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, ax, out_dir, "reward.png"))
     scan = result.get("scan", [])
     if scan:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -219,11 +218,7 @@ def write_report(out_dir: str, result: dict[str, Any]) -> list[str]:
         ax.set_yscale("log")
         ax.set_xlabel("timestep (diffusers scale, 1000 = noise)")
         ax.set_ylabel("mean |log π_old − log π_rollout| (nats)")
-        ax.legend(fontsize=6)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "gap_by_timestep.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(fig, ax, out_dir, "gap_by_timestep.png", fontsize=6))
     fig, ax = plt.subplots(figsize=(6, 3))
     names = list(result["summary"])
     bottom = [0.0] * len(names)
@@ -232,12 +227,24 @@ def write_report(out_dir: str, result: dict[str, Any]) -> list[str]:
         ax.barh(names, vals, left=bottom, label=part)
         bottom = [a + b for a, b in zip(bottom, vals)]
     ax.set_xlabel("seconds per iteration (measured)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "timing.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, ax, out_dir, "timing.png"))
     return paths
+
+
+def _save(fig: Any, ax: Any, out_dir: str, name: str, fontsize: int = 7) -> str:
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=fontsize)
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render_table(result: dict[str, Any]) -> str:
+    """The markdown tables of a results file (what docs/diffusion.md shows)."""
+    return _table(result["summary"], result.get("scan", []), result["config"]["train"]["clip_range"])
 
 
 def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -252,7 +259,8 @@ def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
     for r in results:
         merged["summary"].update(r["summary"])
         merged["scan"] += r.get("scan", [])
-        merged["runs"] += r.get("runs", [])
+        # per-iteration metric dicts stay in the parts; the merged file keeps rewards, times, gaps
+        merged["runs"] += [{k: v for k, v in run.items() if k != "metrics"} for run in r.get("runs", [])]
     for s in merged["summary"].values():
         s.pop("vs_naive", None)
     add_paired_differences(merged["summary"], merged["runs"])
@@ -260,3 +268,8 @@ def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
                             "command": " && ".join(r["provenance"]["command"] for r in results),
                             "parts": [r["provenance"] for r in results]}
     return merged
+
+
+if __name__ == "__main__":  # python -m rollout_correction.diffusion.pipeline.report RESULTS.json
+    with open(sys.argv[1]) as f:
+        print(render_table(json.load(f)))
