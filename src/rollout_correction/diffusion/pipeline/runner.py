@@ -35,7 +35,7 @@ class DemoConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: str = "bf16"
     all_low_precision: bool = False
-    iters: int = 20
+    iters: int = 12
     warm_start_steps: int = 150
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     runs: tuple[str, ...] = tuple(VARIANTS)
