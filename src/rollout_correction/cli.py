@@ -18,7 +18,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "diagnose": ("rollout_correction.diagnose.cli",
                  "measure the training-inference mismatch in dumped log-probs and recommend a preset"),
     "diffusion-demo": ("rollout_correction.diffusion.cli",
-                       "toy FlowGRPO: a reduced-precision rollout engine with and without rollout correction"),
+                       "FlowGRPO on a diffusers transformer: a bf16/fp8 rollout engine with and without rollout correction"),
     "presets": ("rollout_correction.presets_cli", "list the configuration presets"),
     "monitor": ("rollout_correction.monitor.cli",
                 "replay a logged metrics history through the training health monitor: plot, alerts, summary"),
@@ -26,7 +26,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
                    "check that `import verl` loads this library's plugin in this environment"),
 }
 # sub-command -> the pyproject extra that installs what it needs (when it is not the command's name)
-_EXTRAS: dict[str, str] = {"diffusion-demo": "plot", "presets": "cli", "verl-check": "verl"}
+_EXTRAS: dict[str, str] = {"diffusion-demo": "diffusion", "presets": "cli", "verl-check": "verl"}
 
 
 def install_hint(command: str) -> str:

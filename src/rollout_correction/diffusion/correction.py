@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from rollout_correction import (METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_offpolicy_metrics,
-                                compute_rollout_correction)
+                                compute_rollout_correction, metrics_to_floats)
 
 __all__ = [
     "MissingLogProbsError",
@@ -44,10 +44,19 @@ __all__ = [
     "correct_log_probs",
     "per_step_metrics",
     "config_notes",
+    "apply_bypass_mode_to_diffusion_batch",
+    "apply_rollout_correction_to_diffusion_batch",
+    "timestep_metrics",
+    "BYPASS_METRIC_PREFIX",
 ]
 
 ROLLOUT_KEY = "rollout_log_probs"
 OLD_KEY = "old_log_probs"
+WEIGHTS_KEY = "rollout_is_weights"
+TIMESTEPS_KEY = "all_timesteps"
+# In bypass mode the correction runs per SDE step inside the loss, whose metrics the actor logs
+# under its own prefix (verl-omni's convention); the decoupled correction logs ``rollout_corr/``.
+BYPASS_METRIC_PREFIX = "actor/" + METRIC_PREFIX
 
 
 class MissingLogProbsError(KeyError):
@@ -307,7 +316,12 @@ def apply_rollout_correction(
 
 
 def step_correction(
-    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, config: Any, *, step_index: Optional[int] = None
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    config: Any,
+    *,
+    step_index: Optional[int] = None,
+    prefix: str = METRIC_PREFIX,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bypass-mode correction of one SDE step: (keep_weights, metrics).
 
@@ -321,6 +335,8 @@ def step_correction(
         config: :class:`RolloutCorrectionConfig` or a mapping of its keys.
         step_index: if given, every metric key is ``rollout_corr/step_<k>/<name>`` (so the metrics
             of the steps of a window can be merged); otherwise ``rollout_corr/<name>``.
+        prefix: the metric prefix in place of ``rollout_corr/``; :data:`BYPASS_METRIC_PREFIX`
+            (``actor/rollout_corr/``) is where verl-omni's actor logs the per-step correction.
     Returns:
         keep_weights with the shape of ``log_prob`` (float32, detached) and the metrics.
     """
@@ -347,5 +363,76 @@ def step_correction(
     metrics = res.metrics
     if step_index is not None:
         metrics = {f"{METRIC_PREFIX}step_{step_index}/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
+    if prefix != METRIC_PREFIX:
+        metrics = {prefix + k[len(METRIC_PREFIX):]: v for k, v in metrics.items()}
     weights = res.weights.squeeze(1) if squeeze else res.weights
     return weights, metrics
+
+
+# ------------------------------------------------------------------------ verl-omni's entry points
+def _store(batch: Any) -> Any:
+    store = batch.batch if not hasattr(batch, "__setitem__") and hasattr(batch, "batch") else batch
+    if not (hasattr(store, "__contains__") and hasattr(store, "__setitem__")):
+        raise TypeError(f"batch must be dict-like (or have a dict-like .batch), got {type(batch).__name__}")
+    return store
+
+
+def timestep_metrics(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, timesteps: torch.Tensor, prefix: str = METRIC_PREFIX
+) -> dict[str, torch.Tensor]:
+    """|Δ log π| grouped by timestep value: ``<prefix>logprob_abs_diff/ts_<t>`` (``t`` as ``%.4g``).
+
+    With per-sample SDE windows the column index of a (B, S) block is not a timestep; the value in
+    ``timesteps`` (B, S) is. Each key is the mean of |log π_old − log π_rollout| over the finite
+    elements taken at that timestep.
+    """
+    _check_window("old_log_prob", old_log_prob, "rollout_log_prob", rollout_log_prob)
+    if not isinstance(timesteps, torch.Tensor) or timesteps.shape != old_log_prob.shape:
+        raise ValueError(
+            f"timesteps must be a tensor of the log-probs' shape {tuple(old_log_prob.shape)}, got "
+            f"{tuple(timesteps.shape) if isinstance(timesteps, torch.Tensor) else type(timesteps).__name__}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        diff = (old_log_prob.detach().float() - rollout_log_prob.detach().float()).abs()
+        finite = torch.isfinite(diff)
+        ts = timesteps.detach().to(diff.device)
+        for t in torch.unique(ts):
+            sel = (ts == t) & finite
+            out[f"{prefix}logprob_abs_diff/ts_{float(t):.4g}"] = diff[sel].sum() / sel.sum().clamp(min=1)
+    return out
+
+
+def apply_bypass_mode_to_diffusion_batch(batch: Any) -> Any:
+    """verl-omni's name for :func:`apply_bypass_mode`: ``old_log_probs := rollout_log_probs``."""
+    return apply_bypass_mode(batch)
+
+
+def apply_rollout_correction_to_diffusion_batch(batch: Any, rollout_corr_config: Any) -> tuple[Any, dict[str, float]]:
+    """Decoupled correction on a batch, under verl-omni's name and conventions.
+
+    Reads ``old_log_probs`` and ``rollout_log_probs`` (B, S) from ``batch`` (a dict, a TensorDict or
+    an object with a dict-like ``.batch`` such as verl's ``DataProto``), runs
+    :func:`apply_rollout_correction` and, when ``rollout_is`` or ``rollout_rs`` is set, writes the
+    folded weight w = IS · keep to ``batch["rollout_is_weights"]`` (the dtype of ``old_log_probs``).
+    With ``all_timesteps`` (B, S) in the batch the metrics include :func:`timestep_metrics`.
+
+    Returns:
+        (batch, metrics as Python floats under ``rollout_corr/``).
+    """
+    store = _store(batch)
+    missing = [k for k in (OLD_KEY, ROLLOUT_KEY) if k not in store or store[k] is None]
+    if missing:
+        raise MissingLogProbsError(
+            f"the decoupled correction needs {missing} in the batch: record log-probs in the rollout engine "
+            "and run the old-log-prob recompute (or use bypass mode)"
+        )
+    old, ro = store[OLD_KEY], store[ROLLOUT_KEY]
+    cfg = _as_config(rollout_corr_config)
+    weights, metrics = apply_rollout_correction(old, ro, cfg)
+    ts = store[TIMESTEPS_KEY] if TIMESTEPS_KEY in store else None
+    if ts is not None and isinstance(ts, torch.Tensor) and ts.shape == old.shape:
+        metrics.update(timestep_metrics(old, ro, ts))
+    if cfg.rollout_is or cfg.rollout_rs:
+        store[WEIGHTS_KEY] = weights.to(old.dtype)
+    return batch, metrics_to_floats(metrics)

@@ -25,13 +25,15 @@ attached to the autograd graph (so a data-parallel rank with nothing to learn fr
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from collections.abc import Sequence
+from typing import Literal, Optional, Union
 
 import torch
 
 from rollout_correction import SAFETY_BOUND
+from rollout_correction.advantages import group_advantages
 
-__all__ = ["flow_grpo_loss"]
+__all__ = ["flow_grpo_loss", "grpo_guard_loss", "sde_kl_loss", "flow_grpo_advantages"]
 
 
 Denominator = Literal["all", "kept"]
@@ -160,3 +162,111 @@ def flow_grpo_loss(
             "actor/kept_fraction": kept_f.mean() if kept_f.numel() else zero,
         }
     return loss, metrics
+
+
+def _row_mean(x: torch.Tensor) -> torch.Tensor:
+    return x.mean(dim=tuple(range(1, x.dim()))) if x.dim() > 1 else x
+
+
+def grpo_guard_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    prev_sample_mean: torch.Tensor,
+    old_prev_sample_mean: torch.Tensor,
+    std_dev_t: torch.Tensor,
+    sqrt_dt: torch.Tensor,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    clip_range: float = 1e-4,
+    adv_clip_max: float = 5.0,
+    denominator: Denominator = "all",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO-Guard (Wang et al., 2025, arXiv:2510.22319) for one SDE step, with correction weights.
+
+    With c = mean(√dt)·mean(s_t) the step's diffusion scale and the mean drift of the proposal
+
+        bᵢ  = mean_d (μ_θ,ᵢ − μ_old,ᵢ)² / (2c²)
+        r̃ᵢ  = exp((log π_θ − log π_old + bᵢ)·c)
+        L   = FlowGRPO clipped surrogate on r̃ (weights, clip, denominator as :func:`flow_grpo_loss`)
+              / mean(√dt)²
+
+    Args:
+        log_prob, old_log_prob: (B,) or (B, 1) log-probs of the step (current with grad; old constant).
+        advantages: (B,) or (B, 1).
+        prev_sample_mean, old_prev_sample_mean: μ_θ and μ_old, (B, …) (the old one is a constant).
+        std_dev_t: s_t of the step (0-d or (B, 1, …)); sqrt_dt: √(σ − σ′), 0-d or (B,).
+        weights: optional (B,) / (B, 1) rollout-correction weights (0 = rejected).
+    Returns:
+        (loss, metrics) with ``actor/ppo_kl`` of the raw log-ratio and the clip fractions of r̃.
+    """
+    lp = log_prob.reshape(-1, 1) if log_prob.dim() == 1 else log_prob
+    old = old_log_prob.reshape(-1, 1) if old_log_prob.dim() == 1 else old_log_prob
+    if lp.shape != old.shape or lp.dim() != 2 or lp.shape[1] != 1:
+        raise ValueError(
+            f"grpo_guard_loss works on one SDE step: log_prob and old_log_prob must be (B,) or (B, 1), got "
+            f"{tuple(log_prob.shape)} and {tuple(old_log_prob.shape)}"
+        )
+    if prev_sample_mean.shape != old_prev_sample_mean.shape or prev_sample_mean.shape[0] != lp.shape[0]:
+        raise ValueError(
+            f"prev_sample_mean {tuple(prev_sample_mean.shape)} and old_prev_sample_mean "
+            f"{tuple(old_prev_sample_mean.shape)} must share a (B, …) shape with B = {lp.shape[0]}"
+        )
+    c = sqrt_dt.float().mean() * std_dev_t.float().mean()
+    if not bool(c > 0):
+        raise ValueError("grpo_guard_loss needs a stochastic step: mean(sqrt_dt)·mean(std_dev_t) must be > 0")
+    drift = _row_mean((prev_sample_mean.float() - old_prev_sample_mean.detach().float()) ** 2) / (2 * c * c)
+    guarded = (lp.float() - old.detach().float() + drift.reshape(-1, 1)) * c
+    w = None if weights is None else (weights.reshape(-1, 1) if weights.dim() == 1 else weights)
+    loss, metrics = flow_grpo_loss(
+        guarded, torch.zeros_like(guarded), advantages, w,
+        clip_range=clip_range, adv_clip_max=adv_clip_max, denominator=denominator,
+    )
+    with torch.no_grad():
+        metrics["actor/ppo_kl"] = (old.float() - lp.detach().float()).mean()
+    return loss / sqrt_dt.float().mean() ** 2, metrics
+
+
+def sde_kl_loss(
+    prev_sample_mean: torch.Tensor, ref_prev_sample_mean: torch.Tensor, std_dev_t: torch.Tensor
+) -> torch.Tensor:
+    """KL penalty to a reference policy for one step: mean_i mean_d (μ_θ − μ_ref)² / (2·s_t²).
+
+    The two step distributions share their variance, so the Gaussian KL is the squared mean gap
+    over twice the variance; like FlowGRPO and verl-omni, s_t (not s_t·√dt) is the scale.
+    ``ref_prev_sample_mean`` is a constant. Returns a 0-d tensor attached to ``prev_sample_mean``.
+    """
+    if prev_sample_mean.shape != ref_prev_sample_mean.shape:
+        raise ValueError(
+            f"prev_sample_mean {tuple(prev_sample_mean.shape)} and ref_prev_sample_mean "
+            f"{tuple(ref_prev_sample_mean.shape)} must have the same shape"
+        )
+    s = std_dev_t.float()
+    if not bool((s > 0).all()):
+        raise ValueError("sde_kl_loss needs std_dev_t > 0 (a stochastic step)")
+    gap = (prev_sample_mean.float() - ref_prev_sample_mean.detach().float()) ** 2
+    s_row = s.reshape(-1) if s.dim() else s
+    return (_row_mean(gap) / (2 * s_row * s_row)).mean()
+
+
+def flow_grpo_advantages(
+    scores: torch.Tensor,
+    group_ids: Union[int, torch.Tensor, Sequence],
+    *,
+    std: Literal["global", "group"] = "global",
+    epsilon: float = 1e-4,
+) -> torch.Tensor:
+    """FlowGRPO advantages Âᵢ = (rᵢ − μ_g(i)) / (σ + ε), (B,) float32.
+
+    μ_g is the mean score of sample i's group (prompt). ``std="global"`` (FlowGRPO's and verl-omni's
+    default) divides by the standard deviation σ of every score in the batch, ``std="group"`` by the
+    group's own σ_g (GRPO). The group baseline is :func:`rollout_correction.group_advantages`'s; a
+    group of one sample gets advantage 0 (it has nothing to be compared with).
+    """
+    if std not in ("global", "group"):
+        raise ValueError(f"std must be 'global' or 'group', got {std!r}")
+    if std == "group":
+        return group_advantages(scores, group_ids, norm_by_std=True, epsilon=epsilon).advantages
+    centred = group_advantages(scores, group_ids, norm_by_std=False, epsilon=epsilon).advantages
+    sigma = scores.double().std() if scores.numel() > 1 else scores.new_zeros((), dtype=torch.float64)
+    return (centred.double() / (sigma + epsilon)).float()
