@@ -42,9 +42,9 @@ def test_verls_own_rollout_corr_tests_pass_on_the_drop_in():
     assert report["ok"], report["output_tail"]
     assert report["counts"] == {"passed": sum(COUNTS.values())}, report["counts"]
     assert report["modules"] == {"verl.trainer.ppo.rollout_corr_helper": "rollout_correction.compat.verl"}
-    used = {m.rsplit(".", 1)[-1] + ".py": names for m, names in report["uses"].items()}
-    assert sorted(used) == sorted(Path(t).name for t in COUNTS), report["uses"]
-    assert all("compute_rollout_correction_and_rejection_mask" in names for names in used.values()), used
+    for test_file in COUNTS:  # each test module calls the drop-in's functions
+        names = report["uses"].get(test_file[:-len(".py")].replace("/", "."), [])
+        assert "compute_rollout_correction_and_rejection_mask" in names, (test_file, report["uses"])
 
 
 def test_a_boolean_threshold_raises_verls_type():

@@ -14,7 +14,8 @@ process or in any other.
 
 The report gives the counts (passed / failed / errors / skipped), the checkout's commit, and, for
 each test module, the names it imported that resolve to the drop-in, which is the evidence that the
-engine's tests exercised this library. The exit status is 0 when every collected test passed and
+engine's tests exercised this library (engine modules that bind a drop-in name, such as a loss
+module importing the drop-in's function, are listed too). The exit status is 0 when every collected test passed and
 the count equals the suite's ``expected`` (when it has one).
 """
 
@@ -106,7 +107,7 @@ _PLUGIN = textwrap.dedent('''
         prefixes = tuple(m.__name__ for m in _OURS.values())
         for mod_name, mod in list(sys.modules.items()):
             path = getattr(mod, "__file__", None) or ""
-            if not any(path.startswith(os.path.join(root, "")) for root in _SPEC["tests_roots"]):
+            if not any(path.startswith(os.path.join(root, "")) for root in _SPEC["roots"]):
                 continue
             names = sorted(n for n, v in vars(mod).items()
                            if getattr(v, "__module__", None) in prefixes or any(v is m for m in _OURS.values()))
@@ -138,7 +139,7 @@ def run_suite(key: str, checkout: Path, python: str = sys.executable, commit: Op
         (tmp_path / "pytest.ini").write_text("[pytest]\n")  # neither the engine's settings nor ours
         report = tmp_path / "report.json"
         spec = {"modules": dict(suite.modules), "preload": list(suite.preload), "report": str(report),
-                "tests_roots": sorted({str(t.parent) for t in tests})}
+                "roots": [str(checkout)]}
         path = [str(tmp_path), *(str((checkout / p).resolve()) for p in suite.paths), str(SRC)]
         inherited = os.environ.get("PYTHONPATH")
         env = {**os.environ, "ROLLOUT_CORRECTION_PEER_SPEC": json.dumps(spec),
