@@ -34,9 +34,19 @@ _BYPASS_ONLY_LOSSES = ("topr",)
 #: (no ``seq_max_k1``: the largest −log ρ of a sequence is not a ratio band), the
 #: probability-space ``token_tv`` … ``seq_max_binary_kl`` (per token, sequence mean, sequence max),
 #: and the same aggregations per segment (turn), ``segment_sum_k1`` … ``segment_max_binary_kl``.
-RS_OPTIONS: dict[str, tuple[RsAggregation, DivergenceEstimator]] = {
+RS_OPTIONS: dict[str, tuple[RsAggregation, str]] = {
     f"{agg}_{est}": (agg, est) for agg in get_args(RsAggregation) for est in get_args(DivergenceEstimator)
     if not (agg.endswith("_max") and est == "k1") and not (est in ("tv", "binary_kl") and agg.endswith("_sum"))}
+
+#: Estimators beyond the table above, one upper bound each: ``kpop``, the symmetric binary KL
+#: max(KL(p‖q), KL(q‖p)) of the sampled token (KPop; AReaL's ``metric="binary_kl"``, prime-rl's
+#: ``kpop`` loss), per token, sequence (sum, mean, max) and segment (mean, max); ``logprob_error``,
+#: exp(|log ρ_t|) averaged per sequence / segment (NeMo-RL's ``seq_logprob_error_threshold``).
+ExtraEstimator = Literal["kpop", "logprob_error"]
+RS_OPTIONS.update({f"{agg}_kpop": (agg, "kpop")
+                   for agg in ("token", "seq_sum", "seq_mean", "seq_max", "segment_mean", "segment_max")})
+RS_OPTIONS.update(seq_logprob_error=("seq_mean", "logprob_error"),
+                  segment_logprob_error=("segment_mean", "logprob_error"))
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,7 @@ class RSOption:
 
     name: str
     agg: RsAggregation
-    estimator: DivergenceEstimator
+    estimator: Union[DivergenceEstimator, ExtraEstimator]
     stat_lower: Optional[float]
     stat_upper: float
     legacy: Optional[str] = None
@@ -97,11 +107,13 @@ class RolloutCorrectionConfig(Presets, Loading):
         "seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3; in probability space token_tv, seq_mean_tv, "
         "seq_max_tv, token_binary_kl, seq_mean_binary_kl, seq_max_binary_kl; per segment (turn, from the "
         "segment_ids argument) segment_sum_k1/k2/k3, segment_mean_k1/k2/k3, segment_max_k2/k3, segment_mean_tv, "
-        "segment_max_tv, segment_mean_binary_kl, segment_max_binary_kl; or one of the first-generation "
+        "segment_max_tv, segment_mean_binary_kl, segment_max_binary_kl; KPop's symmetric binary KL token_kpop, "
+        "seq_sum_kpop, seq_mean_kpop, seq_max_kpop, segment_mean_kpop, segment_max_kpop; NeMo-RL's mean "
+        "exp(|log ρ_t|) seq_logprob_error, segment_logprob_error; or one of the first-generation "
         "modes token, sequence, geometric.")
     rollout_rs_threshold: Optional[Union[float, str, Band, tuple[Union[float, Band], ...]]] = _key(
         None, "number or string, one per option or shared", "k1: ratio bounds \"lo_hi\" (a single x means "
-        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3, tv, binary_kl: one upper bound. First-generation modes: "
+        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3, tv, binary_kl, kpop, logprob_error (≥ 1): one upper bound. First-generation modes: "
         "the upper ratio bound (defaults to rollout_is_threshold).")
     rollout_rs_threshold_lower: Optional[float] = _key(
         None, "number ≥ 0 or null", "first-generation modes: lower ratio bound.", "1/upper")
@@ -248,6 +260,9 @@ class RolloutCorrectionConfig(Presets, Loading):
                 raise invalid(key, raw, f"{name} takes a single upper bound, not 'lo_hi'")
             elif not value > 0:
                 raise invalid(key, raw, "must be > 0")
+            elif est == "logprob_error" and not value >= 1:
+                raise invalid(key, raw, "the mean of exp(|log ρ_t|) is ≥ 1: a bound below 1 rejects every "
+                              "sequence (NeMo-RL recipes use 2)")
             else:
                 options.append(RSOption(name, agg, est, None, value))
             values.append(value)
