@@ -49,6 +49,9 @@ CONFIGS = {
     "prob_gates": dict(rollout_is="token", rollout_is_threshold=2.0,
                        rollout_rs="token_tv,seq_mean_binary_kl,seq_max_tv", rollout_rs_threshold="0.15,0.02,0.3",
                        rollout_token_veto_threshold_high=2.5),
+    "kpop_logprob_error": dict(rollout_is="token", rollout_is_threshold=2.0,
+                               rollout_rs="token_kpop,seq_sum_kpop,seq_mean_kpop,seq_max_kpop,seq_logprob_error",
+                               rollout_rs_threshold="0.1,0.5,0.02,0.1,1.35"),
 }
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
