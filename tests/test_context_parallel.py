@@ -380,7 +380,7 @@ def run_grid(cp: int, dp: int, names: list[str], losses: list[str], tmp_path, th
 def test_context_parallel_equals_unsplit(tmp_path):
     """CP = 2 × DP = 2 (4 processes), one preset per family and the hand-picked configurations."""
     run_grid(2, 2, FAMILY_PRESETS + list(EXTRA), ["decoupled_seq_is_rs", "bypass_pg_geo_rs_token_tis",
-                                                  "decoupled_gspo_geo_is"], tmp_path)
+                                                  "decoupled_gspo_geo_is", "rs_valid_denominator"], tmp_path)
 
 
 def test_context_parallel_three_ranks(tmp_path):

@@ -17,7 +17,8 @@ from .vocab import (LEGACY_RS, Band, ConfigError, MissingSettingError, as_float,
                     threshold_parts)
 
 __all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISSpec", "RSOption", "RS_OPTIONS",
-           "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator"]
+           "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
+           "LossDenominator"]
 
 IsLevel = Literal["token", "sequence", "geometric", "segment"]
 IsMode = Literal["truncate", "clip", "mask"]
@@ -25,6 +26,7 @@ LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl
 NonFinitePolicy = Literal["reject", "raise"]
 RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max", "segment_sum", "segment_mean", "segment_max"]
 DivergenceEstimator = Literal["k1", "k2", "k3", "tv", "binary_kl"]
+LossDenominator = Literal["kept", "valid"]
 
 _IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
 #: Losses defined on the ratio π_θ/π_rollout only (no π_old): they need ``bypass_mode=True``.
@@ -137,6 +139,13 @@ class RolloutCorrectionConfig(Presets, Loading):
     rollout_m2po_threshold: Optional[float] = _key(
         None, "number ≥ 0 or null", "M2PO (AReaL m2_threshold): mask the tokens with the largest (log ρ_t)² "
         "until the batch mean of (log ρ_t)² over the kept tokens is ≤ τ; batch-global over the process group.")
+    loss_denominator: Optional[LossDenominator] = _key(
+        None, "null, kept, valid", "what the loss denominators count (token-mean's token count, the "
+        "seq-mean modes' sequence count and per-sequence token counts): kept, the tokens and sequences "
+        "every criterion accepted (rejected units leave the denominators); valid, every valid token of the "
+        "response mask as given (rejected units stay counted with a zero loss, as OpenRLHF, slime, NeMo-RL "
+        "and AReaL reduce). Every loss and aggregation mode honours it; null is the entry point's default.",
+        "kept; the slime adapter: valid")
     on_nonfinite: NonFinitePolicy = _key(
         "reject", "reject, raise", "NaN/±inf log-probs at valid positions: drop the sequence and count it, or raise.")
     check_alignment: bool = _key(
@@ -157,7 +166,8 @@ class RolloutCorrectionConfig(Presets, Loading):
         for key in ("rollout_is_batch_normalize", "bypass_mode", "check_alignment", "mismatch_metrics"):
             if not isinstance(getattr(self, key), bool):
                 raise invalid(key, getattr(self, key), "expected true or false")
-        for key, allowed in (("loss_type", get_args(LossType)), ("on_nonfinite", get_args(NonFinitePolicy))):
+        for key, allowed in (("loss_type", get_args(LossType)), ("on_nonfinite", get_args(NonFinitePolicy)),
+                             ("loss_denominator", (None,) + get_args(LossDenominator))):
             if getattr(self, key) not in allowed:
                 raise invalid(key, getattr(self, key), f"allowed values are {list(allowed)}")
         if self.loss_type in _BYPASS_ONLY_LOSSES and not self.bypass_mode:
