@@ -481,7 +481,8 @@ def _aggregate(rows, mode, T):
 
 
 @FAST
-@given(batches(), any_config(), st.sampled_from(["decoupled", "bypass_ppo_clip", "bypass_reinforce"]),
+@given(batches(), any_config(), st.sampled_from(["decoupled", "bypass_ppo_clip", "bypass_reinforce",
+                                                  "bypass_rollout_is"]),
        st.sampled_from(["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                         "seq-mean-token-sum-norm"]), st.integers(0, 2 ** 16))
 def test_policy_loss_matches_its_definition(batch, cfg, mode_name, agg, seed):
@@ -509,6 +510,9 @@ def test_policy_loss_matches_its_definition(batch, cfg, mode_name, agg, seed):
                 row.append(w * _ppo_token_loss(lp, old[i, t].item(), a))
             elif mode_name == "bypass_ppo_clip":  # IS weights are diagnostics only
                 row.append(_ppo_token_loss(lp, rollout[i, t].item(), a))
+            elif mode_name == "bypass_rollout_is":  # r zeroed outside (0.8, 1.2); no IS weight
+                r = math.exp(max(-20.0, min(20.0, lp - rollout[i, t].item())))
+                row.append(-(r if 0.8 < r < 1.2 else 0.0) * a * lp)
             else:
                 row.append(-w * a * lp)
         rows.append(row)

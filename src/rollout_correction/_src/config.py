@@ -22,7 +22,7 @@ __all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISS
 
 IsLevel = Literal["token", "sequence", "geometric", "segment"]
 IsMode = Literal["truncate", "clip", "mask"]
-LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr"]
+LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr", "rollout_is"]
 NonFinitePolicy = Literal["reject", "raise"]
 RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max", "segment_sum", "segment_mean", "segment_max"]
 DivergenceEstimator = Literal["k1", "k2", "k3", "tv", "binary_kl"]
@@ -30,7 +30,7 @@ LossDenominator = Literal["kept", "valid"]
 
 _IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
 #: Losses defined on the ratio π_θ/π_rollout only (no π_old): they need ``bypass_mode=True``.
-_BYPASS_ONLY_LOSSES = ("topr",)
+_BYPASS_ONLY_LOSSES = ("topr", "rollout_is")
 
 #: Divergence-based rejection options: name -> (aggregation, estimator), ``token_k1`` … ``seq_max_k3``
 #: (no ``seq_max_k1``: the largest −log ρ of a sequence is not a ratio band), the
@@ -130,8 +130,9 @@ class RolloutCorrectionConfig(Presets, Loading):
         "ppo_clip", ", ".join(get_args(LossType)), "policy loss: PPO clip; REINFORCE −sg(w)·A·log π_θ (bypass "
         "only: pure IS); GSPO (PPO clip on exp(mean log r)); CISPO −sg(clip r)·A·log π_θ; DPPO-TV / DPPO-KL "
         "(truncated-ratio REINFORCE masked outside a probability-difference / binary-KL trust region); TOPR "
-        "(bypass only: weight 1 for A ≥ 0, min(∏r, 1) for A < 0). In decoupled mode the IS weights multiply "
-        "the loss; in bypass mode r = π_θ/π_rollout. See policy_losses.py.")
+        "(bypass only: weight 1 for A ≥ 0, min(∏r, 1) for A < 0); rollout_is (bypass only: −sg(r·1[1−ε_lo < r < "
+        "1+ε_hi])·A·log π_θ, SkyRL's / GLM-5's). In decoupled mode the IS weights multiply the loss; in bypass "
+        "mode r = π_θ/π_rollout. See policy_losses.py.")
     rollout_opsm_delta: Optional[float] = _key(
         None, "number or null", "off-policy sequence masking (DeepSeek-V3.2): drop a sequence with advantage < 0 "
         "whose mean log(π_rollout/π_θ) over its finite valid tokens exceeds δ. Applied in compute_policy_loss "

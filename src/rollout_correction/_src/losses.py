@@ -32,7 +32,7 @@ from .constants import SAFETY_BOUND
 from .correction import compute_rollout_correction, correction_pass
 from .metrics import Metrics, prefixed
 from .opsm import compute_opsm
-from .policy_losses import cispo_loss, dppo_loss, gspo_loss, topr_loss, topr_weights
+from .policy_losses import cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, topr_loss, topr_weights
 from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, stats_owner
 from .stats import SufficientStats, Value, maximum
 from .validation import check_same, first_nonfinite
@@ -174,6 +174,9 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
     if loss_type == "cispo":
         pg, clipped = cispo_loss(lp, prox, adv, clip_ratio_low, clip_ratio_high)
         return pg, clipped, torch.zeros_like(valid)
+    if loss_type == "rollout_is":
+        pg, outside = rollout_is_loss(lp, prox, adv, clip_ratio_low, clip_ratio_high)
+        return pg, outside, torch.zeros_like(valid)
     if loss_type in ("dppo_tv", "dppo_kl"):
         return dppo_loss(lp, prox, adv, loss_type[5:], clip_ratio_low, clip_ratio_high, clip_ratio_c)
     return ppo_clip_loss(lp, prox, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
