@@ -272,6 +272,8 @@ CONFIGS = {
     "icepop": dict(rollout_is="segment", rollout_is_threshold="0.7_1.5"),
     "rs": dict(rollout_is="token", rollout_is_threshold=2.0,
                rollout_rs="segment_sum_k1,segment_mean_k3,segment_max_tv", rollout_rs_threshold=("0.6_1.5", 0.03, 0.2)),
+    "kpop_logprob_error": dict(rollout_rs="segment_mean_kpop,segment_max_kpop,segment_logprob_error",
+                               rollout_rs_threshold=(0.05, 0.1, 1.4)),
 }
 
 
