@@ -119,3 +119,34 @@ def test_nonfinite_log_probs_drop_the_sequence_instead_of_weight_one():
     assert result.loss_mask.tolist() == [[0, 0, 0], [1, 1, 1]]
     assert torch.isfinite(result.behave_imp_weight).all() and result.behave_imp_weight[0].eq(0).all()
     assert result.filtered_fraction == pytest.approx(0.5)
+
+
+def _areal_main_kpop(prox: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """AReaL main's ``metric="binary_kl"`` statistic, written out: max(KL(p‖q), KL(q‖p)) of the
+    sampled token's Bernoulli, p = π_prox, q = π_behave clamped to [1e-8, 1 − 1e-8]."""
+    def kl(log_a, log_b):
+        a, b = log_a.exp().clamp(1e-8, 1 - 1e-8), log_b.exp().clamp(1e-8, 1 - 1e-8)
+        return a * (a / b).log() + (1 - a) * ((1 - a) / (1 - b)).log()
+    return torch.maximum(kl(prox, old), kl(old, prox))
+
+
+@pytest.mark.parametrize("level,agg", [("token", "mean"), ("sequence", "sum"), ("sequence", "mean"), ("sequence", "max")])
+def test_binary_kl_keeps_what_areal_mains_kpop_keeps(level, agg):
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        old = -0.02 - torch.rand(5, 8, generator=gen) * 3  # probabilities inside both clamps
+        prox = (old + torch.randn(5, 8, generator=gen) * 0.3).clamp(max=-0.02)
+        mask = torch.rand(5, 8, generator=gen) > 0.2
+        upper = 0.02
+        stat = torch.where(mask, _areal_main_kpop(prox, old), 0.0)
+        if level == "token":
+            keep = stat <= upper
+        else:
+            n = mask.sum(-1, keepdim=True).clamp(min=1)
+            row = {"sum": stat.sum(-1, keepdim=True), "mean": stat.sum(-1, keepdim=True) / n,
+                   "max": stat.amax(-1, keepdim=True)}[agg]
+            keep = (row <= upper).expand_as(mask)
+        result = apply_rejection_sampling(prox, old, mask, None, dict(metric="binary_kl", level=level, agg=agg,
+                                                                       upper=upper))
+        assert torch.equal(result.loss_mask, mask & keep), seed
+        torch.testing.assert_close(result.behave_imp_weight, torch.where(mask & keep, (prox - old).exp(), 0.0))
