@@ -150,3 +150,50 @@ def test_binary_kl_keeps_what_areal_mains_kpop_keeps(level, agg):
                                                                        upper=upper))
         assert torch.equal(result.loss_mask, mask & keep), seed
         torch.testing.assert_close(result.behave_imp_weight, torch.where(mask & keep, (prox - old).exp(), 0.0))
+
+
+def _actor_loss_fn(rejection_sampling_fn):
+    """AReaL 1.0.4's ``ppo_actor_loss_fn`` compiled from its file, calling ``rejection_sampling_fn`` where
+    its module calls ``apply_rejection_sampling`` (what the drop-in in place of AReaL's module gives)."""
+    root = Path(importlib.util.find_spec("areal").submodule_search_locations[0])
+    path = root / "utils/functional/functional.py"
+    nodes = [n for n in ast.parse(path.read_text()).body
+             if isinstance(n, ast.FunctionDef) and n.name in ("ppo_actor_loss_fn", "_compute_sequence_level_ratio_and_advantages")]
+    namespace = dict(AREAL, apply_rejection_sampling=rejection_sampling_fn)
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["ppo_actor_loss_fn"]
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.upper in (1.5, 0.4, 0.05) or c.action == "clamp"][:10],
+                         ids=lambda c: f"{c.level}-{c.metric}-{c.agg}-{c.action}")
+def test_areals_actor_loss_on_the_drop_in_equals_its_own(config):
+    """AReaL's PPO loss (``ppo_actor_loss_fn``, called by its actor's ``grpo_loss_fn``) with the drop-in:
+    the same loss and gradient as with AReaL's function; rejected tokens stay in its denominator."""
+    mine, theirs = _actor_loss_fn(apply_rejection_sampling), _actor_loss_fn(AREAL["apply_rejection_sampling"])
+    for seed in range(4):
+        prox, old, mask, _ = _batch(seed, packed=False)
+        mask = mask.bool()
+        logprobs = (prox + 0.1 * torch.randn(prox.shape, generator=torch.Generator().manual_seed(seed))).requires_grad_()
+        adv = torch.randn(prox.shape, generator=torch.Generator().manual_seed(seed + 1))
+        losses = []
+        for fn in (mine, theirs):
+            loss, stat = fn(logprobs=logprobs, proximal_logprobs=prox, old_logprobs=old, advantages=adv, eps_clip=0.2,
+                            loss_mask=mask, rejection_sampling=config)
+            losses.append((loss, torch.autograd.grad(loss, logprobs)[0], stat["behave_mask"]))
+        (l_m, g_m, b_m), (l_t, g_t, b_t) = losses
+        torch.testing.assert_close(l_m, l_t, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(g_m, g_t, rtol=1e-5, atol=1e-7)
+        assert torch.equal(b_m, b_t)
+
+
+def test_areals_actor_loss_keeps_rejected_tokens_in_its_denominator():
+    loss_fn = _actor_loss_fn(apply_rejection_sampling)
+    prox = torch.tensor([[0.0, 2.0, 0.0, 0.0]])  # token 1: ρ = e² > 2, rejected
+    old = torch.zeros(1, 4)
+    logprobs = prox.clone()  # π_θ = π_prox: r = 1, no clipping
+    adv = torch.tensor([[1.0, 1.0, 2.0, 0.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    loss, stat = loss_fn(logprobs=logprobs, proximal_logprobs=prox, old_logprobs=old, advantages=adv, eps_clip=0.2,
+                         loss_mask=mask, rejection_sampling={"upper": 2.0})
+    assert stat["behave_mask"].tolist() == [[True, False, True, False]]
+    assert float(loss) == pytest.approx(-(1.0 + 2.0) / 3)  # Σ over kept tokens of −A·r·w, over the 3 original
