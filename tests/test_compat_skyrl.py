@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,13 +112,14 @@ def _loss_inputs(seed: int):
     return log_probs, old, rollout, mask, advantages
 
 
-LOSS_LINES = [  # docs/integrations.md, SkyRL: the config lines
-    "trainer.algorithm.policy_loss_type=rollout_correction",
-    "trainer.algorithm.off_policy_correction.tis_ratio_type=token",
-    "trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high=2.0",
-    "trainer.algorithm.off_policy_correction.outlier_token_is_threshold_low=0.5",
-    "trainer.algorithm.off_policy_correction.outlier_token_is_threshold_high=2.5",
-]
+def _docs_block(language: str) -> str:
+    """The first ``language`` code block of docs/integrations.md's SkyRL section."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    section = text.split("## SkyRL (0.4.0)", 1)[1].split("\n## ", 1)[0]
+    return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+LOSS_LINES = _docs_block("text").split()  # the page's config lines
 
 
 @pytest.mark.parametrize("loss_type", ["regular", "dual_clip", "gspo", "sapo", "rollout_is"])
@@ -146,9 +148,7 @@ def test_skyrls_own_losses_call_the_drop_in_and_give_their_losses(loss_type):
 @pytest.fixture(scope="module")
 def registry():
     module = ref.ppo_utils(THEIRS)  # SkyRL's ppo_utils under its own name, with SkyRL's correction
-    # docs/integrations.md, SkyRL: the line in the entry script
-    from rollout_correction.compat.skyrl import register_policy_loss
-    register_policy_loss()
+    exec(_docs_block("python"), {})  # the page's lines in the entry script
     return module
 
 
