@@ -66,15 +66,15 @@ SUITES: dict[str, PeerSuite] = {
     "verl": PeerSuite(
         "verl", {"verl.trainer.ppo.rollout_corr_helper": "rollout_correction.compat.verl"},
         ("tests/trainer/ppo/test_rollout_corr.py", "tests/trainer/ppo/test_rollout_corr_integration.py"),
-        preload=("verl",),
+        preload=("verl",), expected=30,
         setup="a verl 0.9.1 source tree (or the installed wheel's directory, which ships these tests); "
               "the environment of .ci/run"),
     "verl-omni": PeerSuite(
         "verl-omni", {"verl.trainer.ppo.rollout_corr_helper": "rollout_correction.compat.verl"},
         ("tests/trainer/diffusion/test_rollout_correction_on_cpu.py",),
         preload=("verl",),
-        setup="a verl-omni checkout; verl (the .ci/run environment) and what verl_omni's diffusion trainer "
-              "imports"),
+        setup="a verl-omni checkout; verl at verl-omni's pinned commit, vllm_omni and what its diffusion trainer "
+              "imports, in a throwaway environment (importing verl_omni writes a .pth file into site-packages)"),
     "skyrl": PeerSuite(
         "SkyRL", {"skyrl.backends.skyrl_train.utils.off_policy_correction_utils": "rollout_correction.compat.skyrl"},
         ("tests/train/algorithms/test_off_policy_correction.py",),
