@@ -1,21 +1,18 @@
 """verl's own unit tests of its rollout-correction helper, run against ``rollout_correction.compat.verl``.
 
-verl 0.9.1's wheel ships ``tests/trainer/ppo/test_rollout_corr.py``, which imports its functions with
-``from verl.trainer.ppo.rollout_corr_helper import ...``. Here that file, unmodified, is collected by
-pytest in a child process whose ``conftest.py`` puts this library's drop-in in ``sys.modules`` under
-verl's module name before the file is imported: every one of verl's tests then calls the drop-in.
-Nothing is redirected in this process or in any other.
+verl 0.9.1's wheel ships ``tests/trainer/ppo/test_rollout_corr.py`` (19 tests) and
+``tests/trainer/ppo/test_rollout_corr_integration.py`` (11), which import its functions with
+``from verl.trainer.ppo.rollout_corr_helper import ...``. ``tools/peer_suites.py`` collects both
+files, unmodified and in place, with pytest in a child process whose first plugin puts this library's
+drop-in in ``sys.modules`` under verl's module name before the files are imported: every one of
+verl's tests then calls the drop-in. Nothing is redirected in this process or in any other.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
-import re
-import shutil
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -24,41 +21,30 @@ from verl_reference import require_verl
 
 require_verl()
 
-SUITE = "tests/trainer/ppo/test_rollout_corr.py"
-HELPER = "verl.trainer.ppo.rollout_corr_helper"
-CONFTEST = textwrap.dedent(f"""
-    import sys
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from peer_suites import SUITES, run_suite  # noqa: E402
 
-    import verl  # verl's package (and its plugins) as in any verl process
-    import rollout_correction.compat.verl as drop_in
-
-    sys.modules["{HELPER}"] = drop_in  # in this test process only
-""")
+COUNTS = {"tests/trainer/ppo/test_rollout_corr.py": 19, "tests/trainer/ppo/test_rollout_corr_integration.py": 11}
 
 
-def _suite() -> Path:
-    files = importlib.metadata.files("verl") or []
-    found = [f for f in files if str(f).replace(os.sep, "/") == SUITE]
-    assert found, f"verl's wheel ships no {SUITE}"
-    return Path(found[0].locate())
+def _wheel_root() -> Path:
+    """The directory the installed verl wheel's ``tests/`` lies in."""
+    files = {str(f).replace(os.sep, "/"): f for f in importlib.metadata.files("verl") or []}
+    found = [files[t] for t in SUITES["verl"].tests if t in files]
+    assert len(found) == len(SUITES["verl"].tests), f"verl's wheel ships no {SUITES['verl'].tests}"
+    path = Path(found[0].locate())
+    return path.parents[len(Path(SUITES["verl"].tests[0]).parts) - 1]
 
 
-def test_verls_own_rollout_corr_tests_pass_on_the_drop_in(tmp_path):
-    shutil.copy(_suite(), tmp_path / "test_rollout_corr.py")
-    (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # not this repository's settings
-    check = "import sys; import conftest; m = sys.modules['" + HELPER + "']; print(m.__name__)"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    seen = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert seen.stdout.strip() == "rollout_correction.compat.verl", seen.stderr[-2000:]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
-                           "test_rollout_corr.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
-    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) == 19 and "failed" not in summary and "skipped" not in summary, summary
+def test_verls_own_rollout_corr_tests_pass_on_the_drop_in():
+    assert sorted(COUNTS) == sorted(SUITES["verl"].tests)
+    report = run_suite("verl", _wheel_root(), commit="verl 0.9.1 wheel")
+    assert report["ok"], report["output_tail"]
+    assert report["counts"] == {"passed": sum(COUNTS.values())}, report["counts"]
+    assert report["modules"] == {"verl.trainer.ppo.rollout_corr_helper": "rollout_correction.compat.verl"}
+    for test_file in COUNTS:  # each test module calls the drop-in's functions
+        names = report["uses"].get(test_file[:-len(".py")].replace("/", "."), [])
+        assert "compute_rollout_correction_and_rejection_mask" in names, (test_file, report["uses"])
 
 
 def test_a_boolean_threshold_raises_verls_type():

@@ -19,6 +19,7 @@ DEFAULTS = {
     "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None, "bypass_mode": False,
     "loss_type": "ppo_clip", "on_nonfinite": "reject", "check_alignment": False, "mismatch_metrics": False,
     "rollout_opsm_delta": None, "rollout_m2po_threshold": None, "rollout_token_veto_threshold_high": None,
+    "loss_denominator": None,
 }
 
 GEO = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}
@@ -93,6 +94,11 @@ PRESETS = {
     "decoupled_binary_kl_rs_token_tis": ({**TOK, "rollout_rs": "seq_mean_binary_kl", "rollout_rs_threshold": 0.02},
                                          TOK_TIS, [("seq_mean_binary_kl", None, 0.02)]),
     "decoupled_token_is_veto": ({**TOK, **VETO, "rollout_token_veto_threshold_high": 10.0}, TOK_TIS, []),
+    # SkyRL's rollout-anchored losses and geometric band.
+    "bypass_rollout_is": ({"bypass_mode": True, "loss_type": "rollout_is"}, None, []),
+    "bypass_cispo": ({"bypass_mode": True, "loss_type": "cispo"}, None, []),
+    "decoupled_geo_rs_wide": ({"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.99_1.01"}, None,
+                              [("seq_mean_k1", 0.99, 1.01)]),
 }
 
 
@@ -108,7 +114,7 @@ def _resolved_rs(cfg):
 
 def test_preset_table_covers_every_preset():
     assert sorted(C.preset_names()) == sorted(PRESETS)
-    assert len(C.preset_names()) == 40
+    assert len(C.preset_names()) == 43
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

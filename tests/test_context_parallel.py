@@ -49,7 +49,8 @@ FAMILY_PRESETS = ["decoupled_token_is", "decoupled_seq_is_rs", "decoupled_token_
                   "decoupled_token_is_m2po", "disabled"]
 # Losses compared: PPO clip, bypass REINFORCE, CISPO, DPPO, and the sequence-level GSPO and TOPR.
 LOSS_PRESETS = ["decoupled_seq_is_rs", "bypass_pg_geo_rs_token_tis", "decoupled_cispo_token_is",
-                "decoupled_dppo_tv_token_is", "decoupled_gspo_geo_is", "bypass_topr"]
+                "decoupled_dppo_tv_token_is", "decoupled_gspo_geo_is", "bypass_topr", "bypass_rollout_is",
+                "bypass_cispo"]
 EXTRA = CONFIGS  # the hand-picked configurations of the data-parallel tests
 
 
@@ -380,12 +381,13 @@ def run_grid(cp: int, dp: int, names: list[str], losses: list[str], tmp_path, th
 def test_context_parallel_equals_unsplit(tmp_path):
     """CP = 2 × DP = 2 (4 processes), one preset per family and the hand-picked configurations."""
     run_grid(2, 2, FAMILY_PRESETS + list(EXTRA), ["decoupled_seq_is_rs", "bypass_pg_geo_rs_token_tis",
-                                                  "decoupled_gspo_geo_is"], tmp_path)
+                                                  "decoupled_gspo_geo_is", "rs_valid_denominator"], tmp_path)
 
 
 def test_context_parallel_three_ranks(tmp_path):
     """CP = 3 × DP = 2 (6 processes; one rank's contiguous slice is empty), a few configurations."""
-    run_grid(3, 2, ["decoupled_geo_rs_token_tis", "rs_chain", "veto_legacy"], ["bypass_topr"], tmp_path)
+    run_grid(3, 2, ["decoupled_geo_rs_token_tis", "rs_chain", "veto_legacy"], ["bypass_topr", "bypass_rollout_is"],
+             tmp_path)
 
 
 @pytest.mark.slow

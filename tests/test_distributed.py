@@ -52,6 +52,11 @@ CONFIGS = {
     "roll_dp_bands": dict(rollout_is="geometric", rollout_is_threshold=1.3,
                           rollout_rs="token_dp,seq_mean_dp,seq_sum_dp,seq_mean_k1",
                           rollout_rs_threshold="-0.25_0.2,-0.05_0.04,-0.3_0.5,0.8_1.25"),
+    "kpop_logprob_error": dict(rollout_is="token", rollout_is_threshold=2.0,
+                               rollout_rs="token_kpop,seq_sum_kpop,seq_mean_kpop,seq_max_kpop,seq_logprob_error",
+                               rollout_rs_threshold="0.1,0.5,0.02,0.1,1.35"),
+    "rs_valid_denominator": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1,seq_mean_k3",
+                                 rollout_rs_threshold="0.6_1.6,0.05", loss_denominator="valid"),
 }
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -101,6 +106,13 @@ def compute_all(old, rollout, mask, log_prob, adv, group, global_tokens=None, gl
         loss.backward()
         out[f"loss/{mode}"] = float(loss.detach())
         out[f"grad/{mode}"] = lp.grad.clone()
+        lp = log_prob.clone().requires_grad_(True)  # rejected tokens stay in the denominators
+        loss, _ = compute_policy_loss(lp, old, adv, mask, config=RolloutCorrectionConfig.from_dict(
+            CONFIGS["rs_valid_denominator"]), rollout_log_prob=rollout, loss_agg_mode=mode, process_group=group,
+            global_num_tokens=global_tokens, global_num_seqs=global_seqs)
+        loss.backward()
+        out[f"loss_valid/{mode}"] = float(loss.detach())
+        out[f"grad_valid/{mode}"] = lp.grad.clone()
     return out
 
 
@@ -186,12 +198,15 @@ def _check_layout(whole, per_rank, bounds, world_group_size, context):
             assert torch.equal(got[f"{name}/mask"], whole[f"{name}/mask"][lo:hi]), f"{context} rank {rank} {name}"
         _assert_scalars_equal(whole["offpolicy"], got["offpolicy"], f"{context} rank {rank} offpolicy")
         for mode in AGG_MODES:
-            losses_sum[mode] = losses_sum.get(mode, 0.0) + got[f"loss/{mode}"]
-            # The gradient of the summed per-rank losses equals the whole-batch gradient.
-            torch.testing.assert_close(got[f"grad/{mode}"], whole[f"grad/{mode}"][lo:hi], rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"{context} rank {rank} grad {mode}: {m}")
+            for key in ("", "_valid"):
+                losses_sum[key + mode] = losses_sum.get(key + mode, 0.0) + got[f"loss{key}/{mode}"]
+                # The gradient of the summed per-rank losses equals the whole-batch gradient.
+                torch.testing.assert_close(got[f"grad{key}/{mode}"], whole[f"grad{key}/{mode}"][lo:hi], rtol=1e-5,
+                                           atol=1e-7, msg=lambda m: f"{context} rank {rank} grad{key} {mode}: {m}")
     for mode in AGG_MODES:
-        assert losses_sum[mode] == pytest.approx(whole[f"loss/{mode}"], rel=1e-5, abs=1e-7), f"{context} {mode}"
+        for key in ("", "_valid"):
+            assert losses_sum[key + mode] == pytest.approx(whole[f"loss{key}/{mode}"], rel=1e-5, abs=1e-7), \
+                f"{context} {key} {mode}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -224,8 +224,10 @@ RANDOM_CONFIG_VALUES = {
     "rollout_rs": [None, "token_k1", "seq_sum_k1", "seq_mean_k3", "seq_max_k2", "token_k1,seq_max_k3",
                    "token", "sequence", "geometric", "token,sequence", "seq_max_k1", ",", 7,
                    "token_tv", "seq_max_binary_kl", "seq_mean_tv,token_k1", "token_binary_kl,seq_sum_k3", "seq_sum_tv",
-                   "segment_sum_k1", "segment_mean_k3,token_k1", "segment_max_tv", "segment_max_k1", "segment_sum_tv"],
-    "rollout_rs_threshold": [None, 2.0, 0.01, "0.5_2.0", "0.999_1.001", "2.0_0.5", 0.0, -1.0, math.inf,
+                   "segment_sum_k1", "segment_mean_k3,token_k1", "segment_max_tv", "segment_max_k1", "segment_sum_tv",
+                   "token_kpop", "seq_sum_kpop,token_k1", "seq_max_kpop", "segment_sum_kpop", "seq_logprob_error",
+                   "seq_mean_kpop,seq_logprob_error", "token_logprob_error", "segment_logprob_error,segment_max_kpop"],
+    "rollout_rs_threshold": [None, 2.0, 0.01, 1.5, 0.9, "0.5_2.0", "0.999_1.001", "2.0_0.5", 0.0, -1.0, math.inf,
                              math.nan, "0.5_2.0,0.01", "x"],
     "rollout_rs_threshold_lower": [None, 0.5, 0.0, 2.0, math.nan],
     "rollout_token_veto_threshold": [None, 1e-4, 0.0, -1.0, math.nan, math.inf, "1e-4"],
@@ -343,6 +345,7 @@ SEGMENT_CONFIGS = [
     dict(rollout_is="segment", rollout_is_threshold=2.0, rollout_rs="segment_mean_tv,seq_max_k2,token_k3",
          rollout_rs_threshold=(0.2, 0.5, 1.0), bypass_mode=True, loss_type="reinforce"),
     dict(rollout_rs="segment_mean_binary_kl,segment_mean_k1", rollout_rs_threshold=(0.05, "0.9_1.1")),
+    dict(rollout_rs="segment_max_kpop,segment_logprob_error,seq_mean_kpop", rollout_rs_threshold=(0.1, 1.5, 0.5)),
 ]
 SEGMENT_CONFIGS += [
     dict(rollout_is="segment_geometric", rollout_is_threshold=1.5, rollout_rs="segment_mean_dp,token_dp,seq_sum_dp",

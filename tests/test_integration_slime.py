@@ -560,3 +560,33 @@ def test_example_script_runs(capsys):
     out = capsys.readouterr().out
     assert "kept tokens per sample: [5, 6, 3, 0] of [5, 6, 3, 6]" in out
     assert "mis_rs_catastrophic_seq_fraction" in out and "rollout_corr/rollout_is_mean" in out
+
+
+@pytest.mark.parametrize("denominator", [None, "valid", "kept"])
+def test_loss_denominator_through_slimes_reducer(denominator):
+    """slime divides each sample by its given token count (``rollout_mask_sums``, one sample per
+    rollout): by default (``valid``) rejected tokens stay counted, as in slime; ``loss_denominator:
+    kept`` in the YAML makes slime's loss the mean over each sample's kept tokens."""
+    yaml_text = "use_tis: true\ntis_mode: mask\ntis_level: token\ntis_lower_bound: 0.7\ntis_upper_bound: 1.4\n"
+    if denominator is not None:
+        yaml_text += f"loss_denominator: {denominator}\n"
+    args = slime_args(yaml_text, "--use-tis", "--custom-tis-function-path", FUNCTION_PATH)
+    pg_loss, train, rollout, masks = _samples(seed=4)
+    lengths = [len(t) for t in train]
+    new_pg, modified, _ = call_like_slime(args, pg_loss, train, rollout, masks, [n + 5 for n in lengths], lengths)
+    got = sum_of_sample_mean(new_pg, lengths, modified, [m.sum() for m in masks])
+    expected, rejected = 0.0, 0
+    for x, t, r, m in zip(pg_loss.split(lengths), train, rollout, masks):
+        rho = (t - r).exp()
+        keep = (m > 0) & (rho >= 0.7) & (rho <= 1.4)
+        rejected += int(((m > 0) & ~keep).sum())
+        den = keep.sum() if denominator == "kept" else m.sum()
+        expected += float(torch.where(keep, x * rho, 0.0).sum() / den.clamp_min(1))
+    assert rejected > 0
+    assert float(got) == pytest.approx(expected, rel=1e-5)
+
+
+def test_bad_loss_denominator_is_refused():
+    args = slime_args("use_tis: true\nloss_denominator: all\n", "--use-tis")
+    with pytest.raises(ValueError, match="loss_denominator"):
+        config_from_slime_args(args)

@@ -540,6 +540,8 @@ def test_construction_refuses_what_it_cannot_do(tmp_path, monkeypatch):
         build(_grpo_args(tmp_path), rollout_correction={"rollout_is": "sequence", "loss_type": "gspo"})
     with pytest.raises(ValueError, match="off_policy_mask_threshold"):
         build(_grpo_args(tmp_path), rollout_correction={"rollout_is": "token", "rollout_opsm_delta": 0.05})
+    with pytest.raises(ValueError, match="loss_denominator='valid' is not available with TRL"):
+        build(_grpo_args(tmp_path), rollout_correction={"rollout_is": "token", "loss_denominator": "valid"})
     with pytest.raises(ValueError, match="rollout_autocast_dtype"):
         build(_grpo_args(tmp_path, use_transformers_continuous_batching=True), rollout_autocast_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rollout_autocast_dtype"):  # refused before TRL looks for vLLM

@@ -253,3 +253,27 @@ def test_verl_imports_the_adapter_in_a_fresh_process_and_registers_it():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["rollout_correction.integrations.verl"] * 2
+
+
+def test_loss_denominator_in_verls_loss_call():
+    """Bypass: the loss computes the rejection and honours loss_denominator (here the local
+    per-sequence counts of seq-mean-token-mean); decoupled: "valid" is refused by name, since the
+    mask arrives rejected."""
+    from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
+
+    log_prob, old, rollout, adv, mask = _tensors(scale=0.3)
+    rc = {"bypass_mode": True, "loss_type": "ppo_clip", "rollout_rs": "token_k1", "rollout_rs_threshold": "0.8_1.25"}
+    fn = CORE.get_policy_loss_fn(rc_verl.LOSS_NAME)
+    out = {}
+    for denominator in ("kept", "valid"):
+        cfg = _actor_config({}, rollout_correction={**rc, "loss_denominator": denominator})
+        out[denominator] = _loss_and_grad(fn, log_prob, adv, mask, "seq-mean-token-mean", cfg, old=rollout)[0]
+        direct, _ = compute_policy_loss(log_prob.detach(), None, adv, mask, rollout_log_prob=rollout,
+                                        loss_agg_mode="seq-mean-token-mean", clip_ratio_high=0.28,
+                                        config=RolloutCorrectionConfig(**rc, loss_denominator=denominator))
+        torch.testing.assert_close(out[denominator], direct, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(out["kept"], out["valid"])
+    cfg = _actor_config({}, rollout_correction={"rollout_is": "token", "rollout_is_threshold": 2.0,
+                                                "loss_denominator": "valid"})
+    with pytest.raises(ValueError, match="loss_denominator='valid' is not available in verl's decoupled mode"):
+        _loss_and_grad(fn, log_prob, adv, mask, "token-mean", cfg, torch.ones_like(mask), old=old)

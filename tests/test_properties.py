@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
+from rollout_correction._src.config import RS_OPTIONS
 from rollout_correction._src.correction import CorrectionAccumulator
 from rollout_correction._src.metrics import OffPolicyAccumulator, compute_offpolicy_metrics
 
@@ -19,9 +20,11 @@ from rollout_correction._src.metrics import OffPolicyAccumulator, compute_offpol
 FAST = settings(max_examples=150, deadline=None)
 LEVELS = ["token", "sequence", "geometric"]
 K1_OPTIONS = ["token_k1", "seq_sum_k1", "seq_mean_k1"]
-PROB_OPTIONS = ["token_tv", "seq_mean_tv", "seq_max_tv", "token_binary_kl", "seq_mean_binary_kl", "seq_max_binary_kl"]
+PROB_OPTIONS = ["token_tv", "seq_mean_tv", "seq_max_tv", "token_binary_kl", "seq_mean_binary_kl", "seq_max_binary_kl",
+                "token_kpop", "seq_sum_kpop", "seq_mean_kpop", "seq_max_kpop"]
+LOGPROB_ERROR = ["seq_logprob_error"]  # bounds ≥ 1; its metrics: tests/test_rejection_kpop.py
 ALL_OPTIONS = K1_OPTIONS + ["token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3",
-                            "seq_max_k2", "seq_max_k3"] + PROB_OPTIONS
+                            "seq_max_k2", "seq_max_k3"] + PROB_OPTIONS + LOGPROB_ERROR
 DP_OPTIONS = ["token_dp", "seq_sum_dp", "seq_mean_dp"]  # signed Δp = p_train − p_rollout bands
 PROB_OPTIONS, ALL_OPTIONS = PROB_OPTIONS + DP_OPTIONS, ALL_OPTIONS + DP_OPTIONS
 
@@ -63,6 +66,8 @@ def _threshold(draw, option):
         return f"{-draw(st.floats(0.0, 0.6)):.3f}_{draw(st.floats(0.0, 0.6)):.3f}"
     if option.endswith("k1"):
         return f"{draw(st.floats(0.1, 0.99)):.3f}_{draw(st.floats(1.01, 8.0)):.3f}"
+    if option.endswith("logprob_error"):
+        return f"{draw(st.floats(1.0, 3.0)):.4f}"
     return f"{draw(st.floats(0.001, 2.0)):.4f}"
 
 
@@ -264,10 +269,13 @@ def _direct_weights_and_keep(lr_rows, cfg, lp_rows=None):
     def k(est, x, lqp):
         if est == "dp":  # exp in float32, as the library holds the probabilities
             return float(torch.tensor(lqp[0]).exp()) - float(torch.tensor(lqp[1]).exp())
-        if est in ("tv", "binary_kl"):
+        if est in ("tv", "binary_kl", "kpop"):
             q, p = _prob(lqp[0]), _prob(lqp[1])
-            return abs(p - q) if est == "tv" else p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+            kl = lambda a, b: a * math.log(a / b) + (1 - a) * math.log((1 - a) / (1 - b))  # noqa: E731
+            return abs(p - q) if est == "tv" else kl(p, q) if est == "binary_kl" else max(kl(p, q), kl(q, p))
         x = max(-20.0, min(20.0, x))
+        if est == "logprob_error":
+            return math.exp(abs(x))
         return {"k1": -x, "k2": 0.5 * x * x, "k3": math.expm1(x) - x}[est]
 
     def accepts(opt, s):
@@ -444,7 +452,7 @@ def test_is_metrics_match_their_definitions(batch, cfg_bounds):
 
 
 @FAST  # (the metrics of the probability-space options, computed by the same code: tests/test_rejection.py)
-@given(moderate_batches, st.sampled_from([o for o in ALL_OPTIONS if o not in PROB_OPTIONS]), st.data())
+@given(moderate_batches, st.sampled_from([o for o in ALL_OPTIONS if o not in PROB_OPTIONS + LOGPROB_ERROR]), st.data())
 def test_rs_metrics_match_their_definitions(batch, option, data):
     old, rollout, mask, _ = _moderate(batch)
     thr = _threshold(data.draw, option)
@@ -479,7 +487,8 @@ def _aggregate(rows, mode, T):
 
 
 @FAST
-@given(batches(), any_config(), st.sampled_from(["decoupled", "bypass_ppo_clip", "bypass_reinforce"]),
+@given(batches(), any_config(), st.sampled_from(["decoupled", "bypass_ppo_clip", "bypass_reinforce",
+                                                  "bypass_rollout_is"]),
        st.sampled_from(["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                         "seq-mean-token-sum-norm"]), st.integers(0, 2 ** 16))
 def test_policy_loss_matches_its_definition(batch, cfg, mode_name, agg, seed):
@@ -507,13 +516,17 @@ def test_policy_loss_matches_its_definition(batch, cfg, mode_name, agg, seed):
                 row.append(w * _ppo_token_loss(lp, old[i, t].item(), a))
             elif mode_name == "bypass_ppo_clip":  # IS weights are diagnostics only
                 row.append(_ppo_token_loss(lp, rollout[i, t].item(), a))
+            elif mode_name == "bypass_rollout_is":  # r zeroed outside (0.8, 1.2); no IS weight
+                r = math.exp(max(-20.0, min(20.0, lp - rollout[i, t].item())))
+                row.append(-(r if 0.8 < r < 1.2 else 0.0) * a * lp)
             else:
                 row.append(-w * a * lp)
         rows.append(row)
     assert loss.item() == pytest.approx(_aggregate(rows, agg, T), rel=1e-4, abs=1e-5)
 
 
-SEGMENT_PAIRS = [("segment", "sequence"), ("segment_geometric", "geometric")] + [(f"segment_{o[4:]}", o) for o in ALL_OPTIONS if o.startswith("seq_")]
+SEGMENT_PAIRS = [("segment", "sequence"), ("segment_geometric", "geometric")] + [
+    (f"segment_{o[4:]}", o) for o in ALL_OPTIONS if o.startswith("seq_") and f"segment_{o[4:]}" in RS_OPTIONS]
 
 
 @FAST

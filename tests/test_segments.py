@@ -279,6 +279,8 @@ CONFIGS = {
     "roll": dict(rollout_is="segment_geometric", rollout_is_threshold=1.3, rollout_is_batch_normalize=True,
                  rollout_rs="segment_mean_dp,token_dp,seq_mean_dp,segment_sum_dp,seq_sum_dp,segment_mean_k1",
                  rollout_rs_threshold="-0.1_0.08,-0.3_0.3,-0.06_0.06,-0.4_0.3,-0.6_0.5,0.7_1.4"),
+    "kpop_logprob_error": dict(rollout_rs="segment_mean_kpop,segment_max_kpop,segment_logprob_error",
+                               rollout_rs_threshold=(0.05, 0.1, 1.4)),
 }
 
 

@@ -17,26 +17,28 @@ from .vocab import (LEGACY_RS, Band, ConfigError, MissingSettingError, as_float,
                     threshold_parts)
 
 __all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISSpec", "RSOption", "RS_OPTIONS",
-           "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator"]
+           "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
+           "LossDenominator"]
 
 IsLevel = Literal["token", "sequence", "geometric", "segment", "segment_geometric"]
 IsMode = Literal["truncate", "clip", "mask"]
-LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr"]
+LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr", "rollout_is"]
 NonFinitePolicy = Literal["reject", "raise"]
 RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max", "segment_sum", "segment_mean", "segment_max"]
 DivergenceEstimator = Literal["k1", "k2", "k3", "tv", "binary_kl"]
 #: IS levels whose unit is a segment (turn) of a row: the product, or the geometric mean, of its ratios.
 SEGMENT_IS_LEVELS = ("segment", "segment_geometric")
+LossDenominator = Literal["kept", "valid"]
 
 _IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
 #: Losses defined on the ratio π_θ/π_rollout only (no π_old): they need ``bypass_mode=True``.
-_BYPASS_ONLY_LOSSES = ("topr",)
+_BYPASS_ONLY_LOSSES = ("topr", "rollout_is")
 
 #: Divergence-based rejection options: name -> (aggregation, estimator), ``token_k1`` … ``seq_max_k3``
 #: (no ``seq_max_k1``: the largest −log ρ of a sequence is not a ratio band), the
 #: probability-space ``token_tv`` … ``seq_max_binary_kl`` (per token, sequence mean, sequence max),
 #: and the same aggregations per segment (turn), ``segment_sum_k1`` … ``segment_max_binary_kl``.
-RS_OPTIONS: dict[str, tuple[RsAggregation, DivergenceEstimator]] = {
+RS_OPTIONS: dict[str, tuple[RsAggregation, str]] = {
     f"{agg}_{est}": (agg, est) for agg in get_args(RsAggregation) for est in get_args(DivergenceEstimator)
     if not (agg.endswith("_max") and est == "k1") and not (est in ("tv", "binary_kl") and agg.endswith("_sum"))}
 
@@ -45,6 +47,15 @@ RS_OPTIONS: dict[str, tuple[RsAggregation, DivergenceEstimator]] = {
 #: Options ``token_dp``, ``seq_sum_dp``, ``seq_mean_dp``, ``segment_sum_dp``, ``segment_mean_dp``.
 SIGNED_ESTIMATORS = ("dp",)
 RS_OPTIONS.update({f"{agg}_dp": (agg, "dp") for agg in ("token", "seq_sum", "seq_mean", "segment_sum", "segment_mean")})
+#: Estimators beyond the table above, one upper bound each: ``kpop``, the symmetric binary KL
+#: max(KL(p‖q), KL(q‖p)) of the sampled token (KPop; AReaL's ``metric="binary_kl"``, prime-rl's
+#: ``kpop`` loss), per token, sequence (sum, mean, max) and segment (mean, max); ``logprob_error``,
+#: exp(|log ρ_t|) averaged per sequence / segment (NeMo-RL's ``seq_logprob_error_threshold``).
+ExtraEstimator = Literal["kpop", "logprob_error"]
+RS_OPTIONS.update({f"{agg}_kpop": (agg, "kpop")
+                   for agg in ("token", "seq_sum", "seq_mean", "seq_max", "segment_mean", "segment_max")})
+RS_OPTIONS.update(seq_logprob_error=("seq_mean", "logprob_error"),
+                  segment_logprob_error=("segment_mean", "logprob_error"))
 
 
 @dataclass(frozen=True)
@@ -68,7 +79,7 @@ class RSOption:
 
     name: str
     agg: RsAggregation
-    estimator: Union[DivergenceEstimator, Literal["dp"]]
+    estimator: Union[DivergenceEstimator, ExtraEstimator, Literal["dp"]]
     stat_lower: Optional[float]
     stat_upper: float
     legacy: Optional[str] = None
@@ -106,14 +117,16 @@ class RolloutCorrectionConfig(Presets, Loading):
         "seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3; in probability space token_tv, seq_mean_tv, "
         "seq_max_tv, token_binary_kl, seq_mean_binary_kl, seq_max_binary_kl; per segment (turn, from the "
         "segment_ids argument) segment_sum_k1/k2/k3, segment_mean_k1/k2/k3, segment_max_k2/k3, segment_mean_tv, "
-        "segment_max_tv, segment_mean_binary_kl, segment_max_binary_kl; signed Δp = p_train − p_rollout bands "
+        "segment_max_tv, segment_mean_binary_kl, segment_max_binary_kl; KPop's symmetric binary KL token_kpop, "
+        "seq_sum_kpop, seq_mean_kpop, seq_max_kpop, segment_mean_kpop, segment_max_kpop; NeMo-RL's mean "
+        "exp(|log ρ_t|) seq_logprob_error, segment_logprob_error; signed Δp = p_train − p_rollout bands "
         "token_dp, seq_sum_dp, seq_mean_dp, segment_sum_dp, segment_mean_dp; or one of the first-generation "
         "modes token, sequence, geometric.")
     rollout_rs_threshold: Optional[Union[float, str, Band, tuple[Union[float, Band], ...]]] = _key(
         None, "number or string, one per option or shared", "k1: ratio bounds \"lo_hi\" (a single x means "
-        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3, tv, binary_kl: one upper bound. First-generation modes: "
-        "the upper ratio bound (defaults to rollout_is_threshold). *_dp: the band \"lo_hi\" on Δp (bounds in "
-        "[−1, 1], e.g. \"-0.2_0.2\"; a single x means [−x, x]).")
+        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3, tv, binary_kl, kpop, logprob_error (≥ 1): one upper bound. "
+        "First-generation modes: the upper ratio bound (defaults to rollout_is_threshold). *_dp: the band "
+        "\"lo_hi\" on Δp (bounds in [−1, 1], e.g. \"-0.2_0.2\"; a single x means [−x, x]).")
     rollout_rs_threshold_lower: Optional[float] = _key(
         None, "number ≥ 0 or null", "first-generation modes: lower ratio bound.", "1/upper")
     rollout_token_veto_threshold: Optional[float] = _key(
@@ -127,8 +140,9 @@ class RolloutCorrectionConfig(Presets, Loading):
         "ppo_clip", ", ".join(get_args(LossType)), "policy loss: PPO clip; REINFORCE −sg(w)·A·log π_θ (bypass "
         "only: pure IS); GSPO (PPO clip on exp(mean log r)); CISPO −sg(clip r)·A·log π_θ; DPPO-TV / DPPO-KL "
         "(truncated-ratio REINFORCE masked outside a probability-difference / binary-KL trust region); TOPR "
-        "(bypass only: weight 1 for A ≥ 0, min(∏r, 1) for A < 0). In decoupled mode the IS weights multiply "
-        "the loss; in bypass mode r = π_θ/π_rollout. See policy_losses.py.")
+        "(bypass only: weight 1 for A ≥ 0, min(∏r, 1) for A < 0); rollout_is (bypass only: −sg(r·1[1−ε_lo < r < "
+        "1+ε_hi])·A·log π_θ, SkyRL's / GLM-5's). In decoupled mode the IS weights multiply the loss; in bypass "
+        "mode r = π_θ/π_rollout. See policy_losses.py.")
     rollout_opsm_delta: Optional[float] = _key(
         None, "number or null", "off-policy sequence masking (DeepSeek-V3.2): drop a sequence with advantage < 0 "
         "whose mean log(π_rollout/π_θ) over its finite valid tokens exceeds δ. Applied in compute_policy_loss "
@@ -136,6 +150,13 @@ class RolloutCorrectionConfig(Presets, Loading):
     rollout_m2po_threshold: Optional[float] = _key(
         None, "number ≥ 0 or null", "M2PO (AReaL m2_threshold): mask the tokens with the largest (log ρ_t)² "
         "until the batch mean of (log ρ_t)² over the kept tokens is ≤ τ; batch-global over the process group.")
+    loss_denominator: Optional[LossDenominator] = _key(
+        None, "null, kept, valid", "what the loss denominators count (token-mean's token count, the "
+        "seq-mean modes' sequence count and per-sequence token counts): kept, the tokens and sequences "
+        "every criterion accepted (rejected units leave the denominators); valid, every valid token of the "
+        "response mask as given (rejected units stay counted with a zero loss, as OpenRLHF, slime, NeMo-RL "
+        "and AReaL reduce). Every loss and aggregation mode honours it; null is the entry point's default.",
+        "kept; the slime adapter: valid")
     on_nonfinite: NonFinitePolicy = _key(
         "reject", "reject, raise", "NaN/±inf log-probs at valid positions: drop the sequence and count it, or raise.")
     check_alignment: bool = _key(
@@ -156,7 +177,8 @@ class RolloutCorrectionConfig(Presets, Loading):
         for key in ("rollout_is_batch_normalize", "bypass_mode", "check_alignment", "mismatch_metrics"):
             if not isinstance(getattr(self, key), bool):
                 raise invalid(key, getattr(self, key), "expected true or false")
-        for key, allowed in (("loss_type", get_args(LossType)), ("on_nonfinite", get_args(NonFinitePolicy))):
+        for key, allowed in (("loss_type", get_args(LossType)), ("on_nonfinite", get_args(NonFinitePolicy)),
+                             ("loss_denominator", (None,) + get_args(LossDenominator))):
             if getattr(self, key) not in allowed:
                 raise invalid(key, getattr(self, key), f"allowed values are {list(allowed)}")
         if self.loss_type in _BYPASS_ONLY_LOSSES and not self.bypass_mode:
@@ -264,6 +286,9 @@ class RolloutCorrectionConfig(Presets, Loading):
                 raise invalid(key, raw, f"{name} takes a single upper bound, not 'lo_hi'")
             elif not value > 0:
                 raise invalid(key, raw, "must be > 0")
+            elif est == "logprob_error" and not value >= 1:
+                raise invalid(key, raw, "the mean of exp(|log ρ_t|) is ≥ 1: a bound below 1 rejects every "
+                              "sequence (NeMo-RL recipes use 2)")
             else:
                 options.append(RSOption(name, agg, est, None, value))
             values.append(value)

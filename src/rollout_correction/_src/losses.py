@@ -32,7 +32,7 @@ from .constants import SAFETY_BOUND
 from .correction import compute_rollout_correction, correction_pass
 from .metrics import Metrics, prefixed
 from .opsm import compute_opsm
-from .policy_losses import cispo_loss, dppo_loss, gspo_loss, topr_loss, topr_weights
+from .policy_losses import cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, topr_loss, topr_weights
 from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, stats_owner
 from .stats import SufficientStats, Value, maximum
 from .validation import check_same, first_nonfinite
@@ -57,7 +57,8 @@ def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
 
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: LossAggMode = "token-mean",
              global_num_tokens: Count = None, global_num_seqs: Count = None, dp_size: int = 1,
-             loss_scale_factor: Optional[float] = None, sequence_group: Optional[object] = None) -> torch.Tensor:
+             loss_scale_factor: Optional[float] = None, sequence_group: Optional[object] = None,
+             count_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss over the valid (non-zero mask) tokens.
 
     * token-mean:              Σ_{i,t} ℓ / N_tok
@@ -71,6 +72,11 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: 
     averaging (DDP/FSDP) pass ``dp_size`` = world size, so the averaged gradient is the global
     loss's. Denominators are at least 1: an all-masked batch gives exactly 0 (attached to the graph).
 
+    ``count_mask``: the (B, T) tokens the denominators count (N_tok, n_i and the sequences of
+    N_seq), when they are not ``loss_mask``'s: the response mask before rejection keeps rejected
+    tokens and sequences counted with a zero loss (``loss_denominator="valid"``). Only tokens of
+    ``loss_mask`` reach the numerator either way.
+
     ``sequence_group``: every sequence is split across this group (context parallelism; see
     :func:`~rollout_correction.compute_rollout_correction`). The counts n_i are those of the whole
     sequences (one all-gather of B scalars) and the result is this rank's share: the shares add up
@@ -79,8 +85,10 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: 
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
-    check_same([("loss_mat", loss_mat), ("loss_mask", loss_mask)], float_names=("loss_mat",))
+    check_same([("loss_mat", loss_mat), ("loss_mask", loss_mask), ("count_mask", count_mask)],
+               float_names=("loss_mat",))
     valid = loss_mask.bool()
+    counted = valid if count_mask is None else count_mask.bool()
     if sequence_group is not None:
         check_sequence_group(sequence_group)
     if sequence_group is None and loss_agg_mode in ("token-mean", "token-sum"):
@@ -88,16 +96,18 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: 
     else:
         rows = RowExchange(sequence_group)
         for _ in rows.passes():
-            n_row = rows.sum(valid.sum(-1, dtype=torch.float64))
+            n_row = rows.sum(counted.sum(-1, dtype=torch.float64))
     return _aggregate(loss_mat, valid, n_row, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
-                      loss_scale_factor, split=sequence_group is not None)
+                      loss_scale_factor, split=sequence_group is not None, counted=counted)
 
 
 def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: Optional[torch.Tensor], loss_agg_mode: str,
                global_num_tokens: Count, global_num_seqs: Count, dp_size: int,
-               loss_scale_factor: Optional[float], split: bool) -> torch.Tensor:
-    """:func:`agg_loss` with the per-row valid-token counts ``n_row`` (B,) of the whole sequences
-    (None for token-mean / token-sum on whole sequences: the total is counted here)."""
+               loss_scale_factor: Optional[float], split: bool,
+               counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`agg_loss` with the per-row counted-token counts ``n_row`` (B,) of the whole sequences
+    (None for token-mean / token-sum on whole sequences: the total of ``counted``, default ``valid``,
+    is counted here)."""
     if dp_size > 1:
         needed = {"token-mean": ("global_num_tokens", global_num_tokens)}.get(
             loss_agg_mode, ("global_num_seqs", global_num_seqs) if loss_agg_mode != "token-sum" else None)
@@ -112,7 +122,8 @@ def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: Optional[torc
     if loss_agg_mode == "token-sum":
         return lm.sum() * dp_size if dp_size != 1 else lm.sum()
     if loss_agg_mode == "token-mean":
-        local = valid.sum(dtype=lm.dtype) if n_row is None else n_row.to(lm.dtype).sum()
+        local = (valid if counted is None else counted).sum(dtype=lm.dtype) if n_row is None else \
+            n_row.to(lm.dtype).sum()
         loss = lm.sum() / _count(global_num_tokens, local)
     else:
         n_row = n_row.to(lm.dtype)
@@ -163,6 +174,9 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
     if loss_type == "cispo":
         pg, clipped = cispo_loss(lp, prox, adv, clip_ratio_low, clip_ratio_high)
         return pg, clipped, torch.zeros_like(valid)
+    if loss_type == "rollout_is":
+        pg, outside = rollout_is_loss(lp, prox, adv, clip_ratio_low, clip_ratio_high)
+        return pg, outside, torch.zeros_like(valid)
     if loss_type in ("dppo_tv", "dppo_kl"):
         return dppo_loss(lp, prox, adv, loss_type[5:], clip_ratio_low, clip_ratio_high, clip_ratio_c)
     return ppo_clip_loss(lp, prox, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
@@ -222,7 +236,8 @@ def compute_policy_loss(
         rollout_is_weights: (B, T) precomputed IS weights (decoupled mode); detached here.
         clip_ratio_low / clip_ratio_high / clip_ratio_c: PPO clip range and dual-clip constant.
         loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see
-            :func:`agg_loss`; rejected tokens are not counted in local denominators.
+            :func:`agg_loss`; rejected tokens are not counted in local denominators unless
+            ``config.loss_denominator`` is ``"valid"`` (then every valid token of ``response_mask`` is).
         process_group: reduce the correction statistics over this group.
         sequence_group: every sequence is split across this group (context parallelism; layout
             and ``process_group`` as for :func:`~rollout_correction.compute_rollout_correction`).
@@ -326,7 +341,8 @@ def compute_policy_loss(
     sums = torch.where(in_loss, torch.stack(parts), zero).sum(dim=(1, 2), dtype=torch.float64)
     actor = SufficientStats.from_vector(names + ["input_rows", "kept_rows"], torch.cat([sums, row_counts]))
     metrics.add_derived(actor, functools.partial(_actor_metrics, rows=B), prefix="")
-    loss = agg_loss(pg, mask, loss_agg_mode=loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+    loss = agg_loss(pg, mask, loss_agg_mode=loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, dp_size=dp_size, loss_scale_factor=loss_scale_factor,
+                    count_mask=input_valid if config.loss_denominator == "valid" else None)
     return loss, metrics
 
 
@@ -343,6 +359,7 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
         finite &= torch.isfinite(rollout_is_weights)
     bad_rows = rows.max((input_valid & ~finite).any(-1))
     input_rows = rows.max(input_valid.any(-1))
+    n_input = rows.sum(input_valid.sum(-1, dtype=torch.float64))  # loss_denominator="valid"
     rows.drop(bad_rows)
     if rows.final and config.on_nonfinite == "raise":
         raise_nonfinite(bad_rows, f"log_prob / {('old_log_prob', 'rollout_log_prob')[bypass]} / advantages"
@@ -415,6 +432,6 @@ def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, confi
     metrics["actor/nonfinite_seq_fraction"] = (
         (bad_rows & input_rows).sum(dtype=torch.float64) / input_rows.sum().clamp_min(1))
     metrics.update(corr_metrics)
-    loss = _aggregate(pg, mask, kept, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
-                      loss_scale_factor, split=True)
+    loss = _aggregate(pg, mask, n_input if config.loss_denominator == "valid" else kept, loss_agg_mode,
+                      global_num_tokens, global_num_seqs, dp_size, loss_scale_factor, split=True)
     return loss, metrics

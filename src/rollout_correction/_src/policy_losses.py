@@ -23,6 +23,9 @@ decoupled mode, π_rollout in bypass mode), clamped to ±20 before ``exp``; A_t 
       ℓ_t = −sg(w) · A_t · log π_θ(y_t),   w = 1 if A(y) ≥ 0 else min(∏_t r_t, 1)
   with A(y) the sequence advantage (:func:`sequence_advantage`): positive samples are pushed up at
   full strength, negative ones only as far as π_θ has not already moved away from them.
+* rollout-IS (GLM-5 tech report §4.1.2; SkyRL's ``policy_loss_type="rollout_is"``), in bypass mode
+  (π_prox = π_rollout): REINFORCE with the ratio zeroed outside the open band (1 − ε_lo, 1 + ε_hi),
+      ℓ_t = −sg(r_t · 1[1 − ε_lo < r_t < 1 + ε_hi]) · A_t · log π_θ(y_t)
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import torch
 
 from .constants import SAFETY_BOUND
 
-__all__ = ["sequence_advantage", "gspo_loss", "cispo_loss", "dppo_loss", "topr_loss", "topr_weights"]
+__all__ = ["sequence_advantage", "gspo_loss", "cispo_loss", "dppo_loss", "topr_loss", "topr_weights",
+           "rollout_is_loss"]
 
 
 def _log_ratio(log_prob: torch.Tensor, prox_log_prob: torch.Tensor) -> torch.Tensor:
@@ -119,3 +123,11 @@ def topr_loss(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages
     (ℓ (B, T), tapered (B,) bool, the negative-advantage sequences whose weight is below 1)."""
     w = topr_weights(log_prob, rollout_log_prob, advantages, valid, seq_log_ratio_sum, seq_advantage)
     return -(w.unsqueeze(-1) * advantages) * log_prob, w < 1.0
+
+
+def rollout_is_loss(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
+                    clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """rollout-IS per-token loss (module docstring): (ℓ (B, T), outside (B, T) bool: r_t ∉ (1 − ε_lo, 1 + ε_hi))."""
+    r = _log_ratio(log_prob, rollout_log_prob).exp().detach()
+    inside = (r > 1.0 - clip_ratio_low) & (r < 1.0 + clip_ratio_high)
+    return -(torch.where(inside, r, 0.0) * advantages) * log_prob, ~inside

@@ -208,6 +208,22 @@ class Presets:
         return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_token_veto_threshold=low,
                    rollout_token_veto_threshold_high=high)
 
+    # SkyRL's losses and band: rollout-anchored REINFORCE / CISPO, and its geometric sequence mask.
+    @preset
+    def bypass_rollout_is(cls) -> RolloutCorrectionConfig:
+        """rollout-IS (SkyRL, GLM-5): REINFORCE with r = π_θ/π_rollout zeroed outside (1 − ε_lo, 1 + ε_hi)."""
+        return cls(bypass_mode=True, loss_type="rollout_is")
+
+    @preset
+    def bypass_cispo(cls) -> RolloutCorrectionConfig:
+        """CISPO anchored on the rollout policy (SkyRL's cispo_anchor='rollout'): −sg(clip(π_θ/π_rollout))·A·log π_θ."""
+        return cls(bypass_mode=True, loss_type="cispo")
+
+    @preset
+    def decoupled_geo_rs_wide(cls, rs_threshold: str = "0.99_1.01") -> RolloutCorrectionConfig:
+        """Geometric RS with SkyRL's band: reject sequences whose exp(mean log ρ_t) leaves [0.99, 1.01]."""
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
     @preset
     def disabled(cls) -> RolloutCorrectionConfig:
         """Metrics only: no weights, no rejection."""

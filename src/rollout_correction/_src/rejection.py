@@ -6,8 +6,10 @@ k1 = −log ρ_t,  k2 = ½ (log ρ_t)²,  k3 = ρ_t − 1 − log ρ_t (≥ 0).
 Per-token divergences in probability space, between the sampled token's probabilities
 q = π_train(y_t) and p = π_rollout(y_t), both clamped to [1e-6, 1 − 1e-6] (OpenRLHF 0.11.2's clamp,
 which keeps the logarithms finite); no function of ρ = q/p alone can express them:
-tv = |p − q|,  binary_kl = p log(p/q) + (1 − p) log((1 − p)/(1 − q))  — the KL between the Bernoulli
-distributions "the sampled token / any other token" under π_rollout and π_train (≥ 0).
+tv = |p − q|,  binary_kl = KL(p‖q) = p log(p/q) + (1 − p) log((1 − p)/(1 − q))  — the KL between the
+Bernoulli distributions "the sampled token / any other token" under π_rollout and π_train (≥ 0);
+kpop = max(KL(p‖q), KL(q‖p)), its symmetric form (KPop). And NeMo-RL's multiplicative probability
+error, logprob_error = exp(|log ρ_t|) ≥ 1 (log ρ_t clamped to ±20), meant to be averaged.
 
 Signed probability difference (ROLL's ``diff`` filters, roll/utils/train_infer_corrections.py):
 dp = Δp_t = π_train(y_t) − π_rollout(y_t) = exp(log π_train) − exp(log π_rollout), unclamped, in [−1, 1];
@@ -46,23 +48,34 @@ PROB_CLAMP = 1e-6
 
 
 def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
-    """Per-token k1 / k2 / k3 / tv / binary_kl / dp (see module docstring); 0 at invalid positions. Shape (B, T)."""
+    """Per-token k1 / k2 / k3 / tv / binary_kl / kpop / logprob_error / dp (see module docstring); 0 at
+    invalid positions. Shape (B, T)."""
     x = batch.log_ratio_clamped
     if estimator == "k1":
         return -x
     if estimator == "dp":
         train, rollout = batch.log_probs()  # 0 at invalid positions: exp(0) − exp(0) = 0 there
         return train.exp().sub_(rollout.exp())
-    if estimator in ("tv", "binary_kl"):
+    if estimator in ("tv", "binary_kl", "kpop"):
         train, rollout = batch.log_probs()
         q = train.exp().clamp_(PROB_CLAMP, 1 - PROB_CLAMP)
         p = rollout.exp().clamp_(PROB_CLAMP, 1 - PROB_CLAMP)
         if estimator == "tv":
             d = (p - q).abs_()
-        else:  # written as OpenRLHF 0.11.2 writes it, so that the float32 values agree bit for bit
-            d = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+        elif estimator == "binary_kl":
+            d = _bernoulli_kl(p, q)
+        else:
+            d = torch.maximum(_bernoulli_kl(p, q), _bernoulli_kl(q, p))
         return torch.where(batch.valid, d, 0.0)
+    if estimator == "logprob_error":
+        return x.abs().exp_().mul_(batch.mask)
     return 0.5 * x * x if estimator == "k2" else batch.k3  # the estimator of a validated RSOption
+
+
+def _bernoulli_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(p) ‖ Bernoulli(q)), written as OpenRLHF 0.11.2 writes it, so that the float32
+    values agree bit for bit."""
+    return p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
 
 
 @dataclass
@@ -111,7 +124,7 @@ class RejectionResult:
 def _segment_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, S) statistic of each segment and (B, S) its valid-token count."""
     n = batch.segment_total(batch.mask)
-    if agg == "segment_max":  # k2/k3/tv/binary_kl ≥ 0, 0 at padding
+    if agg == "segment_max":  # k2/k3/tv/binary_kl/kpop ≥ 0, 0 at padding
         return batch.segment_max(per_token), n
     total = batch.segment_total(per_token)
     return (total if agg == "segment_sum" else total / n.clamp_min(1.0)), n
@@ -122,7 +135,7 @@ def _row_stat(batch: LogRatioBatch, per_token: torch.Tensor, agg: str) -> torch.
         return batch.row_total(per_token)
     if agg == "seq_mean":
         return batch.row_total(per_token) / batch.n_row.clamp_min(1.0)
-    # seq_max (k2/k3/tv/binary_kl ≥ 0, 0 at padding): max over valid tokens; 0 for empty rows
+    # seq_max (k2/k3/tv/binary_kl/kpop ≥ 0, 0 at padding): max over valid tokens; 0 for empty rows
     return batch.reduce_max(per_token.amax(-1) if per_token.shape[-1] else per_token.sum(-1))
 
 

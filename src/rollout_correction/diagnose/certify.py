@@ -12,6 +12,11 @@ and their largest |Δ| (``certificate_positions.png``). Rows and positions count
 the file (of the files' concatenation for a folder), the position inside the row's response (for an
 engine whose rows hold the prompt too, counted from the response's first token).
 
+With a tolerance (``--atol X``, slime's CI gate uses 1e-6) a token also passes when
+|Δ| ≤ X; the dump passes when every valid token does, and the certificate reads as above with
+"differ" meaning "differ by more than X". ``max_abs_diff`` is the largest |Δ| over all valid tokens
+either way.
+
 The file is streamed in blocks of rows through the readers of ``rollout-correction diagnose``, so
 every format and layout it reads can be certified, with bounded memory.
 """
@@ -41,10 +46,13 @@ class Certificate:
     tokens / rows: valid tokens and rows read; differing: valid tokens whose log-probs differ in
     any bit; first: (row, position) of the first of them, None when there is none; largest: up to
     :data:`TOP_DIFFERENCES` dicts (row, position, rollout, trainer, abs_diff), largest |Δ| first;
-    per_position: per response position, [valid tokens, differing tokens, largest |Δ|].
+    per_position: per response position, [valid tokens, differing tokens, largest |Δ|];
+    atol: the tolerance (None: bit for bit); max_abs_diff: the largest |Δ| of any valid token.
     """
 
     path: str
+    atol: float | None = None
+    max_abs_diff: float = 0.0
     rows: int = 0
     tokens: int = 0
     differing: int = 0
@@ -69,11 +77,14 @@ def _abs_diff(old: np.ndarray, roll: np.ndarray) -> np.ndarray:
 
 
 def certify_file(path: str, columns: Columns | None = None, chunk_rows: int = 2048,
-                 fmt: str | None = None, engine: str | None = None) -> Certificate:
+                 fmt: str | None = None, engine: str | None = None, atol: float | None = None) -> Certificate:
     """Compare the two log-prob columns of ``path`` (a file, folder or glob; an engine's dump is read
-    as :func:`~.readers.iter_chunks` reads it) bit for bit on every valid token."""
+    as :func:`~.readers.iter_chunks` reads it) on every valid token: bit for bit, or with ``atol``
+    within |Δ| ≤ atol (a token whose bits agree passes either way, even a non-finite one)."""
+    if atol is not None and not 0.0 <= atol < np.inf:
+        raise ValueError(f"atol={atol!r}: expected a finite number ≥ 0, e.g. 1e-6")
     columns = dataclasses.replace(columns or Columns(), exact=True)
-    cert = Certificate(path)
+    cert = Certificate(path, atol=atol)
     heap: list[tuple[float, int, int, int, float, float]] = []  # (|Δ|, −row, −position, serial, rollout, old)
     total = np.zeros(0, dtype=np.int64)
     differ = np.zeros(0, dtype=np.int64)
@@ -93,8 +104,14 @@ def certify_file(path: str, columns: Columns | None = None, chunk_rows: int = 20
         total[:T] += valid.sum(0)
         if not bad.any():
             continue
-        cert.differing += int(bad.sum())
         d = np.where(bad, _abs_diff(old, roll), 0.0)
+        cert.max_abs_diff = max(cert.max_abs_diff, float(d.max()))
+        if atol is not None:
+            bad &= ~(d <= atol)
+            if not bad.any():
+                continue
+            d = np.where(bad, d, 0.0)
+        cert.differing += int(bad.sum())
         differ[:T] += bad.sum(0)
         top[:T] = np.maximum(top[:T], d.max(0))
         rows, cols = np.nonzero(bad)  # row-major: the first pair is the first in file order
@@ -160,13 +177,15 @@ def print_certificate(cert: Certificate, paths: list[str], file=None) -> None:
     from rich.table import Table
 
     console = Console(file=file, width=110)
+    within = "bit for bit" if cert.atol is None else f"within |Δ| ≤ {cert.atol:g} (largest {cert.max_abs_diff:.3g})"
     if cert.passed:
-        console.print(f"[bold green]PASS[/bold green] {cert.path}: rollout and trainer log-probs agree bit for "
-                      f"bit on all {cert.tokens:,} valid tokens of {cert.rows:,} rows")
+        console.print(f"[bold green]PASS[/bold green] {cert.path}: rollout and trainer log-probs agree {within} "
+                      f"on all {cert.tokens:,} valid tokens of {cert.rows:,} rows")
     else:
         row, pos = cert.first
+        beyond = "" if cert.atol is None else f" by more than {cert.atol:g}"
         console.print(f"[bold red]FAIL[/bold red] {cert.path}: {cert.differing:,} of {cert.tokens:,} valid tokens "
-                      f"differ; first divergence at row {row}, position {pos}")
+                      f"differ{beyond}; first divergence at row {row}, position {pos}")
         t = Table(title="largest differences")
         for col in ("row", "position", "rollout log p", "trainer log p", "|Δ|"):
             t.add_column(col, justify="right")

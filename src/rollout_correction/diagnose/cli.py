@@ -4,6 +4,7 @@
     rollout-correction diagnose DIR_OR_GLOB         # several files diagnosed as one dump
     rollout-correction diagnose --example [--out DIR]
     rollout-correction diagnose --certify FILE [--out DIR]   # zero-diff check: exit 0 pass, 1 fail
+    rollout-correction diagnose --certify FILE --atol 1e-6  # the same within |Δ log p| ≤ 1e-6
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--certify", action="store_true",
                         help="zero-diff certificate: pass (exit 0) only if rollout and trainer log-probs agree bit "
                              "for bit on every valid token; otherwise report where they differ (exit 1)")
+    parser.add_argument("--atol", type=float, default=None,
+                        help="with --certify: pass when every valid token's |Δ log p| ≤ ATOL instead of bit for bit")
     parser.add_argument("--format", choices=FORMATS, default=None, help="input format (default: from the extension)")
     parser.add_argument("--engine", choices=("auto", "plain", *ENGINES), default="auto",
                         help="read the dump as that engine writes it (see docs/diagnose.md); auto (default): "
@@ -89,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
         token_ids=_none(args.token_ids_col), all_valid=args.all_valid)
     if args.certify:
         return _certify(path, columns, args, out)
+    if getattr(args, "atol", None) is not None:
+        print("rollout-correction diagnose: --atol applies to --certify only", file=sys.stderr)
+        return 2
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
     try:
         diag = diagnose_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, presets=presets,
@@ -107,7 +113,8 @@ def _certify(path: str, columns: Columns, args: argparse.Namespace, out: str) ->
     from .certify import certify_file, print_certificate, write_certificate
 
     try:
-        cert = certify_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, engine=args.engine)
+        cert = certify_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, engine=args.engine,
+                            atol=getattr(args, "atol", None))
     except (ValueError, FileNotFoundError) as exc:
         print(f"rollout-correction diagnose --certify: {exc}", file=sys.stderr)
         return 2

@@ -33,8 +33,14 @@ Semantics (same as slime's ``mis.py``), with ρ = π_train/π_rollout aggregated
   mismatch ones and this library's off-policy ones) and nothing is changed.
 
 Removed tokens leave the numerator only: which denominator a sample's mean uses is slime's
-choice (slime ≥ PR #657 keeps each sample's original token count, so a rejected token counts as
-a zero-loss token instead of shrinking the sample). Batch normalisation (``tis_batch_normalize``)
+choice (slime ≥ PR #657 keeps each sample's original token count, ``rollout_mask_sums``, so a
+rejected token counts as a zero-loss token instead of shrinking the sample): the adapter's
+``loss_denominator`` defaults to ``valid``, slime's own reduction. ``loss_denominator: kept`` in
+the YAML multiplies each sample's returned loss by n_i / k_i (its given over its kept token
+count, over the whole sample with context parallelism), so that slime's division by n_i gives the
+mean over the kept tokens; exact when each rollout is one sample (slime's default), while a
+rollout of several samples (``rollout_mask_sums`` summed over them) gets each sample's share
+rescaled by its own ratio. A fully rejected sample keeps contributing zero either way. Batch normalisation (``tis_batch_normalize``)
 rescales the weights of this call to mean 1 over the original loss masks (before rejection, as
 slime does): over valid tokens (token level) or over samples with at least one valid token
 (sequence / geometric; slime itself rejects geometric and averages over every sample including
@@ -99,7 +105,11 @@ class SlimeOptions:
     def __init__(self, *, use_tis: bool, tis_mode: str, tis_level: str, tis_lower_bound: Optional[float],
                  tis_upper_bound: float, tis_batch_normalize: bool, use_rs: bool, rs_level: str,
                  rs_lower_bound: Optional[float], rs_upper_bound: Optional[float],
-                 rs_veto_threshold: Optional[float]):
+                 rs_veto_threshold: Optional[float], loss_denominator: Optional[str] = None):
+        if loss_denominator not in (None, "kept", "valid"):
+            raise ValueError(f"loss_denominator={loss_denominator!r}: allowed values are 'kept', 'valid' "
+                             "(null: 'valid', slime's own reduction)")
+        self.loss_denominator = loss_denominator or "valid"
         if tis_mode not in _MODES:
             raise ValueError(f"tis_mode={tis_mode!r}: allowed values are {list(_MODES)}")
         for key, level in (("tis_level", tis_level), ("rs_level", rs_level)):
@@ -151,6 +161,7 @@ def options_from_args(args: Any) -> SlimeOptions:
         rs_lower_bound=_get(args, "rs_lower_bound", None, None),
         rs_upper_bound=_get(args, "rs_upper_bound", None, None),
         rs_veto_threshold=_get(args, "rs_veto_threshold", "mis_veto_threshold", None),
+        loss_denominator=_get(args, "loss_denominator", None, None),
     )
 
 
@@ -159,7 +170,7 @@ def config_from_slime_args(args: Any) -> RolloutCorrectionConfig:
     opts = args if isinstance(args, SlimeOptions) else options_from_args(args)
     if not opts.use_tis:
         return RolloutCorrectionConfig.disabled()
-    data: dict[str, Any] = {"rollout_is": opts.tis_level,
+    data: dict[str, Any] = {"rollout_is": opts.tis_level, "loss_denominator": opts.loss_denominator,
                             "rollout_is_batch_normalize": opts.tis_batch_normalize}
     if opts.tis_mode == "truncate":
         data["rollout_is_threshold"] = opts.tis_upper
@@ -452,6 +463,8 @@ def tis_function(
     with torch.no_grad():
         for _ in rows.passes():
             weights, new_mask, row_keep, per_token = _tis_pass(opts, cfg, train, rollout, mask, rows)
+            if new_mask is not None and opts.loss_denominator == "kept":  # whole samples: given, kept
+                counts = rows.sum(torch.stack([mask.sum(-1), new_mask.sum(-1)]))
     from rollout_correction.monitor import active_monitor, observe  # beside the adapters, not below
 
     if active_monitor() is not None:  # feed the health monitor; its numbers go back as slime metrics
@@ -473,5 +486,7 @@ def tis_function(
         full[a:b] = local[: b - a]
         full[c:d] = local[b - a:]
         modified.append(full)
+    if opts.loss_denominator == "kept":  # slime divides by the given count: make it the kept count
+        weights = weights * (counts[0] / counts[1].clamp_min(1.0)).unsqueeze(-1)
     flat_weights = _unpad(weights, lengths).to(pg_loss.dtype)
     return pg_loss * flat_weights, modified, metrics

@@ -272,6 +272,13 @@ def _check_supported(rollout_correction: Any, grpo_args: Any,
             f"(e.g. loss_type='cispo'; importance_sampling_level='sequence' for GSPO); TRL has no "
             f"REINFORCE loss, so the bypass_pg_* presets have no TRL counterpart"
         )
+    if cfg.loss_denominator == "valid":
+        raise ValueError(
+            "loss_denominator='valid' is not available with TRL: TRL's loss adds its KL (beta) and "
+            "entropy terms on every token of the loss mask, so a rejected token kept in the mask would "
+            "still carry them; rejected tokens leave TRL's loss mask and its denominators "
+            "(loss_denominator='kept', the default)"
+        )
     if cfg.rollout_opsm_delta is not None:
         raise ValueError(
             "rollout_opsm_delta (off-policy sequence masking) acts inside this library's loss, which "

@@ -356,6 +356,14 @@ def _check_config(config: RolloutCorrectionConfig, policy_loss: Any) -> None:
             "so that OpenRLHF's PolicyLoss and the config agree (GSPO averages per sequence: "
             "OpenRLHF then passes the sequence count global_batch_size it divides by)"
         )
+    if config.loss_denominator == "valid" and (config.loss_type != "ppo_clip" or config.rollout_opsm_delta is not None):
+        raise ValueError(
+            f"loss_denominator='valid' with loss_type={config.loss_type!r}"
+            f"{' and rollout_opsm_delta' if config.rollout_opsm_delta is not None else ''}: the adapter keeps "
+            "rejected tokens counted by zeroing their weight in OpenRLHF's own PolicyLoss (ppo_clip without "
+            "OPSM); the other loss types read the kept mask itself (GSPO's sequence ratio, OPSM's mean). "
+            "Use loss_denominator='kept' (the adapter's default) or loss_type='ppo_clip'"
+        )
     if config.loss_type in ("gspo", "cispo") and getattr(policy_loss, "dual_clip", None) is not None:
         raise ValueError(
             f"--actor.dual_clip {policy_loss.dual_clip} with loss_type={config.loss_type!r}: this library's "
@@ -506,6 +514,8 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         n_valid = valid.sum(-1)
         rejected = (n_valid - kept.sum(-1)).float()
         placeholder = torch.zeros_like(n_valid, dtype=torch.bool)
+        if self.config.loss_denominator == "valid":  # rejected tokens stay counted: the loss zeroes them
+            kept = valid
         for row in ((n_valid > 0) & ~kept.any(-1)).nonzero().flatten().tolist():
             if self._empty_rows < self.micro_batch_size - 1:
                 self._empty_rows += 1
@@ -574,7 +584,13 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         mask = result.response_mask.to(action_mask.dtype)
         # Tokens rejected here but counted by OpenRLHF (placeholders have advantage 0 and do not count).
         counted = action_mask.to(torch.bool) & ~mask.to(torch.bool) & (advantages != 0)
-        if not self._warned_unprepared and bool(counted.any()):
+        weights, accepted = result.weights, mask.to(torch.bool)
+        if self.config.loss_denominator == "valid":  # OpenRLHF's own reduction: a zero weight, still counted
+            weights = torch.where(mask.to(torch.bool), 1.0 if weights is None else weights, 0.0)
+            finite = torch.isfinite(log_probs.detach()) & torch.isfinite(old_log_probs) & \
+                torch.isfinite(rollout_log_probs)  # a non-finite token leaves the loss (no NaN)
+            mask = action_mask * finite.to(action_mask.dtype)
+        elif not self._warned_unprepared and bool(counted.any()):
             self._warned_unprepared = True
             logger.warning(
                 "rollout-correction rejected tokens inside the loss: they are left out of the loss but "
@@ -584,12 +600,12 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
             )
         if self.uses_core_loss:
             loss, clip_ratio, ppo_kl = self._core_loss(log_probs, old_log_probs, advantages, mask,
-                                                       rollout_log_probs, result.weights, dp_size,
+                                                       rollout_log_probs, weights, dp_size,
                                                        batch_num_tokens, global_batch_size)
             n_values = 5 if self._five_values else 4
         else:
-            if result.weights is not None:
-                advantages = advantages * result.weights.to(advantages.dtype)
+            if weights is not None:
+                advantages = advantages * weights.to(advantages.dtype)
             out = self.policy_loss(
                 log_probs, old_log_probs, advantages, action_mask=mask, rollout_log_probs=rollout_log_probs,
                 dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
@@ -607,6 +623,6 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
             filter_ratio = torch.tensor(self._step_filter_ratio, dtype=torch.float32, device=log_probs.device)
         else:  # no prepare_experience: what this micro-batch's loss filtered
             filtered, units = self._filter_counts(old_log_probs.detach(), rollout_log_probs,
-                                                  action_mask.to(torch.bool), valid)
+                                                  action_mask.to(torch.bool), accepted)
             filter_ratio = filtered.float() / units.clamp(min=1).float()
         return loss, clip_ratio, ppo_kl, vllm_kl, filter_ratio

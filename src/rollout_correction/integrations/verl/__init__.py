@@ -137,7 +137,9 @@ def policy_loss(
     to it in time, hence the line
     ``+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}``.
     The rejection happens per micro-batch, after verl counted ``batch_num_tokens``, so rejected
-    tokens stay in that denominator (as in verl's own bypass loss).
+    tokens stay in that denominator (as in verl's own bypass loss); ``loss_denominator`` decides the
+    local counts (the per-sequence token counts of the seq-mean modes), and ``"valid"`` is refused in
+    decoupled mode (the mask arrives already rejected).
 
     Args follow verl: (B, T) tensors; ``config`` is the actor config (``clip_ratio``,
     ``clip_ratio_low``/``_high``, ``clip_ratio_c``, ``policy_loss``, ``global_batch_info``).
@@ -166,6 +168,13 @@ def policy_loss(
                       "actor_rollout_ref.actor.policy_loss.rollout_correction block, so this is PPO on the "
                       "driver's rejection mask only; for bypass mode, loss_type or rollout_opsm_delta add "
                       "'+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}'")
+        if rc is not None and rc.loss_denominator == "valid":
+            raise ValueError(
+                "loss_denominator='valid' is not available in verl's decoupled mode: the driver's correction "
+                "step rejects tokens from response_mask before the loss runs, and the V1 trainer counts "
+                "batch_num_tokens from the corrected loss_mask, so the loss cannot count them again. Use "
+                "loss_denominator='kept' (the default), or bypass mode, where the loss computes the rejection "
+                "and honours it")
         rc = _decoupled_loss_config(rc, rollout_is_weights)
     loss, metrics = compute_policy_loss(
         log_prob, None if bypass else old_log_prob, advantages, response_mask, config=rc,
