@@ -39,7 +39,7 @@ import os
 import pickle
 import queue
 import traceback
-from typing import Any, Optional
+from typing import Any, Optional, get_args
 
 import numpy as np
 import pytest
@@ -51,7 +51,7 @@ from hypothesis import strategies as st
 
 from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, compute_policy_loss,
                                 compute_rollout_correction)
-from rollout_correction._src.config import RS_OPTIONS
+from rollout_correction._src.config import RS_OPTIONS, IsLevel, IsMode, LossType
 from rollout_correction._src.vocab import LEGACY_RS, ConfigError
 from test_distributed import _free_port
 
@@ -68,7 +68,8 @@ TOL = dict(rel=1e-5, abs=1e-6)
 
 # Topologies: (name, data-parallel size, context-parallel size). Rank = dp_rank · CP + cp_rank.
 TOPOLOGIES = [("dp", 2, 1), ("dp", 3, 1), ("cp", 1, 2), ("cp", 1, 3), ("dpcp", 2, 2), ("dpcp_world", 2, 2)]
-LOSS_TYPES = ["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr"]
+# Drawn from the configuration's own vocabularies, so that what is added there is drawn too.
+IS_LEVELS, IS_MODES, LOSS_TYPES = list(get_args(IsLevel)), list(get_args(IsMode)), list(get_args(LossType))
 
 
 # ----------------------------------------------------------------------------- the rank pool
@@ -212,8 +213,10 @@ def _option_threshold(draw, name: str):
     if est in ("k2", "k3", "binary_kl"):
         scale = 3.0 if str(agg).endswith("_sum") else 0.6
         return draw(st.floats(0.003, scale))
-    # an option this suite does not know the threshold of: a bound or a band, whichever the config reads
+    # an option this suite does not know the threshold of: a bound, a ratio band or a signed band,
+    # whichever the configuration reads (the others are redrawn)
     return draw(st.one_of(st.floats(0.01, 3.0), st.tuples(st.floats(0.2, 0.97), st.floats(1.03, 4.0)).map(
+        lambda b: f"{b[0]:.4g}_{b[1]:.4g}"), st.tuples(st.floats(-0.5, -0.01), st.floats(0.01, 0.5)).map(
         lambda b: f"{b[0]:.4g}_{b[1]:.4g}")))
 
 
@@ -221,16 +224,16 @@ def _option_threshold(draw, name: str):
 def configs(draw) -> dict:
     """A configuration dictionary drawn from every option (an invalid combination is redrawn)."""
     cfg: dict[str, Any] = {}
-    level = draw(st.sampled_from([None, "token", "sequence", "geometric", "segment"]))
+    level = draw(st.sampled_from([None] + IS_LEVELS))
     if level is not None:
         cfg["rollout_is"] = level
         band = draw(st.booleans())
         if band:
             cfg["rollout_is_threshold"] = f"{draw(st.floats(0.1, 0.9)):.4g}_{draw(st.floats(1.1, 6.0)):.4g}"
-            cfg["rollout_is_mode"] = draw(st.sampled_from(["mask", "clip"]))
+            cfg["rollout_is_mode"] = draw(st.sampled_from([m for m in IS_MODES if m != "truncate"]))
         else:
             cfg["rollout_is_threshold"] = draw(st.floats(1.05, 6.0))
-            cfg["rollout_is_mode"] = draw(st.sampled_from([None, "truncate", "clip", "mask"]))
+            cfg["rollout_is_mode"] = draw(st.sampled_from([None] + IS_MODES))
         cfg["rollout_is_batch_normalize"] = draw(st.booleans())
     if draw(st.booleans()):
         if draw(st.integers(0, 5)) == 0:
