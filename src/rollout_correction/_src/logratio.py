@@ -42,9 +42,26 @@ _FLOAT32_SUB = {(a, b): torch.promote_types(a, b) == torch.float32
                 for b in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
 
-def float_mask(mask: torch.Tensor) -> torch.Tensor:
-    """(…) float32 0/1: 1 where ``mask`` is non-zero, whatever its dtype."""
+def float_mask(mask: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(…) float32 0/1: 1 where ``mask`` is non-zero, whatever its dtype (written into ``out`` if given)."""
+    if out is not None:
+        return torch.ne(mask, 0, out=out)
     return (mask if mask.dtype == torch.bool else mask != 0).to(torch.float32)
+
+
+def _slots(response_mask: torch.Tensor, count: int) -> Optional[torch.Tensor]:
+    """Eagerly, the (count, B, T) float32 buffer of the pass: each per-token value whose row sums
+    are needed is computed into its slot, and one reduction sums them all, without a stacked copy
+    (peak memory: the values once, not twice). None under torch.compile, where each value's sum is
+    fused into the loop that computes it and a buffer would be written to memory in full."""
+    if torch.compiler.is_compiling():
+        return None
+    return torch.empty((count, *response_mask.shape), dtype=torch.float32, device=response_mask.device)
+
+
+def _slot(slots: Optional[torch.Tensor], i: int) -> Optional[torch.Tensor]:
+    """Slot ``i`` of :func:`_slots` (the ``out=`` of the operation that computes it), or None."""
+    return None if slots is None else slots[i]
 
 
 class RowSums(NamedTuple):
@@ -108,8 +125,9 @@ class LogRatioBatch:
         the ratio only works as usual; the perplexity metrics need the log-probs (:meth:`train_means64`
         raises)."""
         check_same([("log_ratio", log_ratio), ("response_mask", response_mask)], float_names=("log_ratio",))
-        return _build(log_ratio.to(torch.float32, copy=True), response_mask, on_nonfinite, row_offset,
-                      source=log_ratio)
+        slots = _slots(response_mask, 6)
+        lr = log_ratio.detach().to(torch.float32, copy=True) if slots is None else slots[2].copy_(log_ratio)
+        return _build(lr, response_mask, on_nonfinite, row_offset, source=log_ratio, slots=slots)
 
     @classmethod
     def from_mask(cls, response_mask: torch.Tensor) -> "LogRatioBatch":
@@ -263,15 +281,26 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     """
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     segments = check_segment_ids(segment_ids, response_mask, max_segments, row_offset)
+    old_log_prob, rollout_log_prob = old_log_prob.detach(), rollout_log_prob.detach()  # statistics only
+    slots = _slots(response_mask, 7)
     if _FLOAT32_SUB.get((old_log_prob.dtype, rollout_log_prob.dtype)):  # (torch.result_type breaks a graph)
-        lr = torch.sub(old_log_prob, rollout_log_prob)  # upcasts inside the subtraction
-    else:  # e.g. both bf16: a subtraction in bf16 would round
+        lr = torch.sub(old_log_prob, rollout_log_prob, out=_slot(slots, 2))  # upcasts inside the subtraction
+    elif slots is None:  # e.g. both bf16: a subtraction in bf16 would round
         lr = old_log_prob.to(torch.float32, copy=True).sub_(rollout_log_prob)
-    batch = _build(lr, response_mask, on_nonfinite, row_offset, old_log_prob, rollout_log_prob, rows)
+    else:
+        lr = slots[2].copy_(old_log_prob).sub_(rollout_log_prob)
+    batch = _build(lr, response_mask, on_nonfinite, row_offset, old_log_prob, rollout_log_prob, rows, slots=slots)
     if segments is None:
         return batch
     ids, S = segments
     return dataclasses.replace(batch, segment_ids=ids, num_segments=S)
+
+
+def _masked_fill(x: torch.Tensor, where: torch.Tensor, value: float, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x.masked_fill(where, value)``, written into ``out`` when given (``torch.masked_fill`` takes no ``out=``)."""
+    if out is None:
+        return x.masked_fill(where, value)
+    return torch.ops.aten.masked_fill.Scalar_out(x, where, value, out=out)
 
 
 def _sanitised(x: torch.Tensor, nan: float = NONFINITE_SENTINEL) -> torch.Tensor:
@@ -284,11 +313,14 @@ def _sanitised(x: torch.Tensor, nan: float = NONFINITE_SENTINEL) -> torch.Tensor
 
 def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row_offset: int,
            old: Optional[torch.Tensor] = None, rollout: Optional[torch.Tensor] = None,
-           rows: Optional["RowExchange"] = None, source: Optional[torch.Tensor] = None) -> LogRatioBatch:
+           rows: Optional["RowExchange"] = None, source: Optional[torch.Tensor] = None,
+           slots: Optional[torch.Tensor] = None) -> LogRatioBatch:
     """The batch from a float32 log-ratio ``lr`` that this function may overwrite (``source``: the
-    caller's log-ratio, for messages)."""
+    caller's log-ratio, for messages), held in slot 2 of ``slots`` (:func:`_slots`) when given:
+    input mask, mask, log ρ, [masked log π_train,] k3, ρ, ρ², the order of :class:`RowSums`."""
     B, T = response_mask.shape
-    input_mask = float_mask(response_mask)
+    last = 0 if slots is None else slots.shape[0]  # k3, ρ, ρ² in the last three slots
+    input_mask = float_mask(response_mask, out=_slot(slots, 0))
     lr = _sanitised(lr).mul_(input_mask)
     if T > 0:  # (abs + amax: on CPU ~20x faster than aminmax or an inf-norm)
         bad = lr.abs().amax(-1) >= NONFINITE_SENTINEL
@@ -300,20 +332,21 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         raise _nonfinite_error(lr, input_mask, bad, row_offset, old, rollout, source)
     # Rows are dropped arithmetically whether or not any is bad: no data-dependent branch.
     drop = bad.unsqueeze(-1)
-    mask = input_mask.masked_fill(drop, 0.0)
+    mask = _masked_fill(input_mask, drop, 0.0, out=_slot(slots, 1))
     lr.masked_fill_(drop, 0.0)
     lrc = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    ratio = lrc.exp().mul_(mask)
-    k3 = (ratio - mask).sub_(lrc).clamp_min_(0.0)
+    ratio = torch.exp(lrc, out=_slot(slots, last - 2)).mul_(mask)
+    k3 = torch.sub(ratio, mask, out=_slot(slots, last - 3)).sub_(lrc).clamp_min_(0.0)
     # log π_train at the positions used (finite there); NaN·0 and ±inf·0 in padding → 0
-    train = [] if old is None else [_sanitised(old * mask, nan=0.0)]
-    per_token = [input_mask, mask, lr, *train, k3, ratio, ratio * ratio]
-    # One reduction for all rows' sums (each slot summed on its own under torch.compile, where a
-    # stack would be written to memory in full), spanning the group when the rows are split.
-    if torch.compiler.is_compiling():
+    train = [] if old is None else [_sanitised(torch.mul(old, mask, out=_slot(slots, 3)), nan=0.0)]
+    ratio2 = torch.mul(ratio, ratio, out=_slot(slots, last - 1))
+    # One reduction for all rows' sums (each value summed on its own under torch.compile),
+    # spanning the group when the rows are split.
+    if slots is None:
+        per_token = [input_mask, mask, lr, *train, k3, ratio, ratio2]
         stacked = torch.stack([x.sum(-1, dtype=torch.float32) for x in per_token])
     else:
-        stacked = torch.stack(per_token).sum(-1, dtype=torch.float32)
+        stacked = slots.sum(-1, dtype=torch.float32)
     if rows is not None:  # the group's sums of a row some rank found bad are those of an empty row
         stacked = rows.sum(stacked)
         stacked[1:].masked_fill_(bad, 0.0)

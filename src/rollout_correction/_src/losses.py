@@ -21,18 +21,17 @@ exactly 0, still attached to the graph, with zero gradient.
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Literal, Optional, Union, get_args
+from typing import Callable, Literal, NamedTuple, Optional, Union, get_args
 
 import torch
 
 from .config import RolloutCorrectionConfig, as_config
 from .constants import SAFETY_BOUND
-from .correction import compute_rollout_correction, correction_pass
+from .correction import RowValues, compute_rollout_correction, correction_pass
 from .metrics import Metrics, prefixed
 from .opsm import compute_opsm
-from .policy_losses import cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, topr_loss, topr_weights
+from .policy_losses import cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, topr_loss
 from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, stats_owner
 from .stats import SufficientStats, Value, maximum
 from .validation import check_same, first_nonfinite
@@ -160,14 +159,12 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
                     valid: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
                     seq_values: Optional[dict[str, torch.Tensor]] = None):
     """(ℓ (B, T), clipped, clipped_lower) for ``loss_type`` (indicators None for REINFORCE; for TOPR
-    the tokens of tapered sequences); ``seq_values``: GSPO / TOPR per-sequence values given."""
+    (B,) the tapered sequences, and None); ``seq_values``: GSPO / TOPR per-sequence values given."""
     seq_values = seq_values or {}
     if loss_type == "reinforce" and bypass:
         return -adv * lp, None, None
     if loss_type == "topr":
-        pg, tapered = topr_loss(lp, prox, adv, valid, **seq_values)
-        clipped = tapered.unsqueeze(-1).expand_as(valid)
-        return pg, clipped, torch.zeros_like(valid)
+        return (*topr_loss(lp, prox, adv, valid, **seq_values), None)
     if loss_type == "gspo":
         pg, clipped = gspo_loss(lp, prox, adv, valid, clip_ratio_low, clip_ratio_high, **seq_values)
         return pg, clipped, torch.zeros_like(valid)
@@ -182,10 +179,63 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
     return ppo_clip_loss(lp, prox, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
 
 
-def _actor_metrics(stats, rows: int) -> dict[str, Value]:
+class _Settings(NamedTuple):
+    """The clip and aggregation settings of one :func:`compute_policy_loss` call."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    loss_agg_mode: str
+    global_num_tokens: Count
+    global_num_seqs: Count
+    dp_size: int
+    loss_scale_factor: Optional[float]
+
+
+class _LossRows:
+    """Per-sequence sums over the tokens in the loss, of the whole sequences.
+
+    ``keep`` (B, T) bool: this rank's tokens accepted at token level; ``total`` maps a (B, T)
+    tensor that is 0 outside ``keep`` to its (B,) float64 sum over each whole sequence (over the
+    sequence group when the rows are split, with the segment decisions applied after the
+    reduction); ``row_keep`` (B,) bool or None, the sequence-level decisions; ``kept`` (B,) float32
+    the number of tokens in the loss per sequence. With split rows a partial depends on this rank's
+    tokens only, and every decision taken from a reduced value is applied to the reduced sum."""
+
+    def __init__(self, keep: torch.Tensor, total: Callable[[torch.Tensor], torch.Tensor], kept: torch.Tensor,
+                 row_keep: Optional[torch.Tensor] = None) -> None:
+        self.keep, self.total, self.row_keep, self.kept = keep, total, row_keep, kept
+
+    @classmethod
+    def whole(cls, in_loss: torch.Tensor) -> "_LossRows":
+        """Whole rows: ``in_loss`` is the final mask."""
+        return cls(in_loss, lambda x: x.sum(-1, dtype=torch.float64), in_loss.sum(-1, dtype=torch.float32))
+
+    @classmethod
+    def split(cls, rows: RowExchange, valid: torch.Tensor, values: Optional[RowValues]) -> "_LossRows":
+        """Rows split across ``rows.group``; ``values`` of the correction pass (None without one)."""
+        if values is None:
+            return cls(valid, lambda x: rows.sum(x.sum(-1, dtype=torch.float64)),
+                       rows.sum(valid.sum(-1, dtype=torch.float32)))
+
+        def total(x: torch.Tensor) -> torch.Tensor:  # (k, B, T) one part at a time: segments scatter per part
+            if x.dim() == 2:
+                return values.kept_total(x.double())
+            return torch.stack([values.kept_total(p.double()) for p in x.unbind()])
+
+        return cls(values.token_keep > 0, total, values.kept, values.row_keep)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """(B,) float64 Σ over each sequence's tokens in the loss of a detached (B, T) tensor; (k, B)
+        for (k, B, T)."""
+        out = self.total(torch.where(self.keep, x, 0.0))
+        return out if self.row_keep is None else out * self.row_keep
+
+
+def _actor_metrics(stats) -> dict[str, Value]:
     """``actor/*`` metrics from :func:`compute_policy_loss`'s sums: means over the tokens in the loss,
-    the non-finite share over sequences with a valid input token (dropped: ``rows`` − rows kept)."""
-    out = {"actor/nonfinite_seq_fraction": (rows - stats.sum("kept_rows")) / maximum(stats.sum("input_rows"), 1.0)}
+    the non-finite share over sequences with a valid input token."""
+    out = {"actor/nonfinite_seq_fraction": stats.sum("bad_rows") / maximum(stats.sum("input_rows"), 1.0)}
     n = maximum(stats.sum("n"), 1.0)
     for name in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_lower"):
         if name in stats.sums:
@@ -226,6 +276,10 @@ def compute_policy_loss(
     without gradient) vs π_rollout is computed here and its rejection mask always applies.
     ``loss_type="ppo_clip"`` uses no IS weights; ``"reinforce"`` is −sg(w)·A·log π_θ.
 
+    Whole and split rows take one path: every per-sequence value (the GSPO / TOPR sequence ratio
+    and advantage, the token counts of the denominators, the ``actor/*`` sums) is a sum over the
+    sequence's tokens in the loss, taken over the sequence group when there is one.
+
     Args:
         log_prob: (B, T) log π_θ, with gradient.
         old_log_prob: (B, T) log π_old (may be None in bypass mode when rollout_log_prob is given).
@@ -249,8 +303,9 @@ def compute_policy_loss(
             :func:`~rollout_correction.compute_rollout_correction`.
     Returns:
         (loss, metrics): scalar loss; 0-d tensors ``actor/pg_clipfrac``, ``actor/ppo_kl``,
-        ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` and, when the
-        correction was computed here, every ``rollout_corr/*`` metric.
+        ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` (over this data-parallel
+        rank's sequences) and, when the correction was computed here, every ``rollout_corr/*``
+        metric (over the whole batch of ``process_group``).
     """
     config = as_config(config)
     bypass = config.bypass_mode
@@ -268,7 +323,7 @@ def compute_policy_loss(
                 ("advantages", advantages), ("response_mask", response_mask),
                 ("rollout_log_prob", rollout_log_prob), ("rollout_is_weights", rollout_is_weights)],
                float_names=("log_prob", "old_log_prob", "rollout_log_prob", "advantages", "rollout_is_weights"))
-
+    owner = None
     if sequence_group is not None:
         if config.rollout_opsm_delta is not None or config.rollout_m2po_threshold is not None:
             raise ValueError(f"rollout_opsm_delta={config.rollout_opsm_delta!r}, rollout_m2po_threshold="
@@ -277,14 +332,22 @@ def compute_policy_loss(
                              "sequences on one rank")
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
-        rows = RowExchange(sequence_group)
-        for _ in rows.passes():
-            result = _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config,
-                                        rollout_is_weights, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-                                        loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
-                                        loss_scale_factor, process_group, rows, owner, segment_ids, max_segments)
-        return result
+    settings = _Settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens,
+                         global_num_seqs, dp_size, loss_scale_factor)
+    rows = RowExchange(sequence_group)
+    for _ in rows.passes():  # one pass for whole rows; collect and replay for split rows
+        result = _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollout_is_weights, config,
+                                   settings, process_group, rows, owner, segment_ids, max_segments)
+    return result
 
+
+def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollout_is_weights,
+                      config: RolloutCorrectionConfig, s: _Settings, process_group, rows: RowExchange, owner,
+                      segment_ids, max_segments):
+    """One pass of :func:`compute_policy_loss`: the only one for whole rows (``rows`` local); for
+    rows split across ``rows.group`` the collect pass makes the reductions only (returns None) and
+    the replay pass builds loss and metrics."""
+    bypass = config.bypass_mode
     # Drop (or refuse) rows with a non-finite value at a valid position; sanitise the rest. The
     # inputs are checked and masked stacked: one where, one max |x| per row over all of them.
     input_valid = response_mask.bool()
@@ -295,143 +358,84 @@ def compute_policy_loss(
         inputs = inputs.float()
     zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
     masked = torch.where(input_valid, inputs, zero)
-    if config.on_nonfinite == "raise":
+    if T > 0:
+        bad_rows = ~(masked.abs().amax(dim=(0, 2)) < math.inf)  # NaN compares False
+    else:
+        bad_rows = torch.zeros(B, dtype=torch.bool, device=log_prob.device)
+    bad_rows = rows.max(bad_rows)
+    input_rows = rows.max(input_valid.any(-1))
+    rows.drop(bad_rows)
+    if config.on_nonfinite == "raise" and rows.final:
+        what = (f"log_prob / {('old_log_prob', 'rollout_log_prob')[bypass]} / advantages"
+                f"{' / rollout_is_weights' if rollout_is_weights is not None else ''}")
+        if rows.group is not None:  # raised on every rank of the group alike
+            raise_nonfinite(bad_rows, what)
         pos = first_nonfinite(input_valid & ~torch.isfinite(masked).all(0))
         if pos is not None:
-            raise ValueError(f"non-finite log_prob / {('old_log_prob', 'rollout_log_prob')[bypass]} / advantages"
-                             f"{' / rollout_is_weights' if rollout_is_weights is not None else ''} at valid "
-                             f"position (row {pos[0]}, column {pos[1]}); set on_nonfinite='reject' to drop such rows")
-    if T > 0:
-        good = masked.abs().amax(dim=(0, 2)) < math.inf  # NaN compares False
-    else:
-        good = torch.ones(B, dtype=torch.bool, device=log_prob.device)
-    valid = input_valid & good.unsqueeze(-1)
+            raise ValueError(f"non-finite {what} at valid position (row {pos[0]}, column {pos[1]}); set "
+                             "on_nonfinite='reject' to drop such rows")
+    valid = input_valid.masked_fill(bad_rows.unsqueeze(-1), False)
     clean = torch.where(valid, masked, zero)
     prox_s, adv = clean[1], clean[2]
     lp = torch.where(valid, log_prob.float(), zero)  # with gradient
     metrics = Metrics()  # derived on demand from packed statistics: no kernel per metric, no sync
-    # rows with ≥ 1 valid input token, and rows kept (B minus the rows dropped)
-    row_counts = torch.stack([input_valid.any(-1), good]).sum(-1, dtype=torch.float64)
 
-    weights = None
-    mask = valid
+    weights, mask, values = None, valid, None
     if rollout is not None and (bypass or rollout_is_weights is None):
         train_side = lp.detach() if bypass else prox_s
-        corr = compute_rollout_correction(train_side, rollout, valid, config=config, process_group=process_group,
-                                          segment_ids=segment_ids, max_segments=max_segments)
-        mask = corr.response_mask
-        weights = corr.weights
+        if rows.group is None:
+            corr = compute_rollout_correction(train_side, rollout, valid, config=config, process_group=process_group,
+                                              segment_ids=segment_ids, max_segments=max_segments)
+        else:
+            with torch.no_grad():
+                corr, values = correction_pass(train_side, rollout, valid, config, process_group, rows, owner,
+                                               segment_ids, max_segments)
+        mask, weights = corr.response_mask.bool(), corr.weights
         metrics.update(corr.metrics)
     if rollout_is_weights is not None and not bypass:
         weights = clean[3]
-
-    if config.rollout_opsm_delta is not None:
+    if config.rollout_opsm_delta is not None:  # whole rows only (refused with a sequence group)
         behaviour = rollout if rollout is not None else prox_s
-        row_keep, opsm = compute_opsm(lp, behaviour, adv, mask.bool(), float(config.rollout_opsm_delta), process_group)
-        mask = mask.bool() & row_keep.unsqueeze(-1)
+        row_keep, opsm = compute_opsm(lp, behaviour, adv, mask, float(config.rollout_opsm_delta), process_group)
+        mask = mask & row_keep.unsqueeze(-1)
         metrics.update(prefixed(opsm))
-
-    pg, clipped, clipped_lower = _per_token_loss(config.loss_type, bypass, lp, prox_s, adv, mask.bool(),
-                                                 clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    if weights is not None and (not bypass or config.loss_type == "reinforce"):
-        pg = pg * weights.detach()  # bypass PPO-clip / GSPO / …: the ratio to π_rollout is the correction
-    in_loss = mask.bool()
-    names = ["ppo_kl"] + (["pg_clipfrac", "pg_clipfrac_lower"] if clipped is not None else []) + ["n"]
-    parts = [prox_s - lp.detach()] + ([clipped, clipped_lower] if clipped is not None else []) + [in_loss]
-    sums = torch.where(in_loss, torch.stack(parts), zero).sum(dim=(1, 2), dtype=torch.float64)
-    actor = SufficientStats.from_vector(names + ["input_rows", "kept_rows"], torch.cat([sums, row_counts]))
-    metrics.add_derived(actor, functools.partial(_actor_metrics, rows=B), prefix="")
-    loss = agg_loss(pg, mask, loss_agg_mode=loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, dp_size=dp_size, loss_scale_factor=loss_scale_factor,
-                    count_mask=input_valid if config.loss_denominator == "valid" else None)
-    return loss, metrics
-
-
-def _split_policy_loss(log_prob, prox, rollout, advantages, response_mask, config, rollout_is_weights,
-                       clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens,
-                       global_num_seqs, dp_size, loss_scale_factor, process_group, rows: RowExchange, owner,
-                       segment_ids=None, max_segments=None):
-    """One pass of :func:`compute_policy_loss` over sequences split across ``rows.group``: the
-    collect pass makes the reductions only (returns None), the replay pass builds loss and metrics."""
-    bypass = config.bypass_mode
-    input_valid = response_mask.bool()
-    finite = torch.isfinite(log_prob.detach()) & torch.isfinite(prox) & torch.isfinite(advantages)
-    if rollout_is_weights is not None:
-        finite &= torch.isfinite(rollout_is_weights)
-    bad_rows = rows.max((input_valid & ~finite).any(-1))
-    input_rows = rows.max(input_valid.any(-1))
-    n_input = rows.sum(input_valid.sum(-1, dtype=torch.float64))  # loss_denominator="valid"
-    rows.drop(bad_rows)
-    if rows.final and config.on_nonfinite == "raise":
-        raise_nonfinite(bad_rows, f"log_prob / {('old_log_prob', 'rollout_log_prob')[bypass]} / advantages"
-                                  f"{' / rollout_is_weights' if rollout_is_weights is not None else ''}")
-    valid = input_valid & ~bad_rows.unsqueeze(-1)
-    zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
-    lp = torch.where(valid, log_prob.float(), zero)
-    prox_s = torch.where(valid, prox.float(), zero)
-    adv = torch.where(valid, advantages.float(), zero)
-
-    weights = None
-    corr_metrics: dict[str, torch.Tensor] = {}
-    if rollout is not None and (bypass or rollout_is_weights is None):
-        train_side = lp.detach() if bypass else prox_s
-        with torch.no_grad():
-            corr, values = correction_pass(train_side, rollout, valid, config, process_group, rows, owner,
-                                           segment_ids, max_segments)
-        mask, weights, corr_metrics = corr.response_mask.bool(), corr.weights, corr.metrics
-        token_keep, row_keep, kept = values.token_keep, values.row_keep, values.kept
-        total = values.kept_total  # per segment when segment decisions apply
-    else:
-        mask, token_keep = valid, valid.float()
-        row_keep = torch.ones_like(bad_rows)
-        kept = rows.sum(valid.sum(-1).to(torch.float64))
-
-        def total(x: torch.Tensor) -> torch.Tensor:
-            return rows.sum(x.sum(-1))
-    if rollout_is_weights is not None and not bypass:
-        weights = torch.where(valid, rollout_is_weights.detach().float(), zero)
-
-    def kept_sum(x: torch.Tensor) -> torch.Tensor:  # (B,) float64: Σ over each sequence's kept tokens
-        return total(torch.where(token_keep > 0, x.detach().double(), 0.0)) * row_keep
-
-    def mean(x: torch.Tensor) -> torch.Tensor:
-        return kept_sum(x).sum() / kept.sum().clamp_min(1)
+    in_loss = _LossRows.whole(mask) if rows.group is None else _LossRows.split(rows, valid, values)
+    kept = in_loss.kept
+    # loss_denominator="valid": each sequence counts its valid tokens, rejected ones included (a row
+    # dropped for a non-finite value is out of the batch either way)
+    counted = rows.sum(valid.sum(-1, dtype=torch.float32)) if config.loss_denominator == "valid" else kept
 
     seq_values: dict[str, torch.Tensor] = {}
-    if config.loss_type in ("gspo", "topr"):  # per-sequence Σ log r (and Σ A) over the kept tokens
-        if config.loss_type == "gspo":
-            seq_values["seq_log_ratio"] = kept_sum(lp - prox_s) / kept.clamp_min(1)
-        else:
-            seq_values["seq_log_ratio_sum"] = kept_sum(lp - prox_s)
-            seq_values["seq_advantage"] = kept_sum(adv) / kept.clamp_min(1)
-    metrics: dict[str, torch.Tensor] = {}
+    if config.loss_type == "gspo":  # mean log r over the sequence's tokens in the loss
+        seq_values["seq_log_ratio"] = in_loss.sum(lp.detach() - prox_s) / kept.clamp_min(1)
+    elif config.loss_type == "topr":  # Σ log r and the mean advantage
+        sums = in_loss.sum(torch.stack([lp.detach() - prox_s, adv]))
+        seq_values["seq_log_ratio_sum"], seq_values["seq_advantage"] = sums[0], sums[1] / kept.clamp_min(1)
     pg, clipped, clipped_lower = _per_token_loss(config.loss_type, bypass, lp, prox_s, adv, mask,
-                                                 clip_ratio_low, clip_ratio_high, clip_ratio_c, seq_values)
+                                                 s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, seq_values)
     if weights is not None and (not bypass or config.loss_type == "reinforce"):
-        pg = pg * weights.detach()
-    metrics["actor/ppo_kl"] = mean(prox_s - lp)
-    if config.loss_type in ("gspo", "topr"):
-        # The clipped / tapered indicator depends on the sequence's value, so count per row from
-        # this rank's tokens' advantage signs and apply the sequence's value after the reduction.
-        if config.loss_type == "gspo":
-            s_row = seq_values["seq_log_ratio"].float().clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
-            n_pos = total(((token_keep > 0) & (adv > 0)).double()) * row_keep
-            n_neg = total(((token_keep > 0) & (adv < 0)).double()) * row_keep
-            hi = torch.tensor(1.0 + clip_ratio_high, dtype=s_row.dtype)
-            lo = torch.tensor(1.0 - clip_ratio_low, dtype=s_row.dtype)
-            n_clipped = n_pos * (s_row > hi) + n_neg * (s_row < lo)
-        else:
-            w = topr_weights(lp, prox_s, adv, mask, seq_values["seq_log_ratio_sum"], seq_values["seq_advantage"])
-            n_clipped = kept * (w < 1.0)
-        metrics["actor/pg_clipfrac"] = n_clipped.sum() / kept.sum().clamp_min(1)
-        metrics["actor/pg_clipfrac_lower"] = torch.zeros((), dtype=torch.float64, device=lp.device)
-    elif clipped is not None:
-        metrics["actor/pg_clipfrac"] = mean(clipped.float())
-        metrics["actor/pg_clipfrac_lower"] = mean(clipped_lower.float())
+        pg = pg * weights.detach()  # bypass PPO-clip / GSPO / …: the ratio to π_rollout is the correction
+
+    # actor/* sums: per sequence over its tokens in the loss, then over this rank's sequences. The
+    # GSPO / TOPR indicators depend on the sequence's value: counted per sequence from the reduced sums.
+    token_parts = [prox_s - lp.detach()]
+    if config.loss_type == "gspo":
+        token_parts += [adv > 0, adv < 0]
+    elif clipped is not None and config.loss_type != "topr":
+        token_parts += [clipped, clipped_lower]
+    per_row = list(in_loss.sum(torch.stack(token_parts)).unbind())
+    if config.loss_type == "gspo":
+        ratio = seq_values["seq_log_ratio"].float().clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
+        above, below = ratio > 1.0 + s.clip_ratio_high, ratio < 1.0 - s.clip_ratio_low
+        per_row = [per_row[0], per_row[1] * above + per_row[2] * below, torch.zeros_like(kept)]
+    elif config.loss_type == "topr":
+        per_row += [kept * clipped, torch.zeros_like(kept)]  # clipped: the tapered sequences
+    names = ["ppo_kl"] + (["pg_clipfrac", "pg_clipfrac_lower"] if len(per_row) > 1 else [])
     if not rows.final:
         return None
-    metrics["actor/nonfinite_seq_fraction"] = (
-        (bad_rows & input_rows).sum(dtype=torch.float64) / input_rows.sum().clamp_min(1))
-    metrics.update(corr_metrics)
-    loss = _aggregate(pg, mask, n_input if config.loss_denominator == "valid" else kept, loss_agg_mode,
-                      global_num_tokens, global_num_seqs, dp_size, loss_scale_factor, split=True)
+    sums = torch.stack(per_row + [kept, input_rows, bad_rows]).sum(-1)  # a bad row has a valid input token
+    actor = SufficientStats.from_vector(names + ["n", "input_rows", "bad_rows"], sums)
+    metrics.add_derived(actor, _actor_metrics, prefix="")
+    loss = _aggregate(pg, mask, counted, s.loss_agg_mode, s.global_num_tokens, s.global_num_seqs, s.dp_size,
+                      s.loss_scale_factor, split=rows.group is not None)
     return loss, metrics

@@ -176,6 +176,9 @@ class RowExchange:
         if not self._parts:
             return
         B = self._parts[0][1].shape[-1]
+        if B == 0:  # no rows (the same B on every rank of the group): every reduction is empty
+            self._values = [p.detach() for _, p in self._parts]
+            return
         for _, p in self._parts:
             if p.dim() not in (1, 2) or p.shape[-1] != B:
                 raise RuntimeError(f"per-row partials must be (B,) or (k, B) with B = {B}, got {tuple(p.shape)}")

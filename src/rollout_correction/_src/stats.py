@@ -6,6 +6,14 @@ whether the parts are data-parallel ranks or streamed chunks, so the derived num
 depend on how the batch was split. All values live in one packed float64 vector: reducing over a
 process group takes two collectives (SUM, MAX), reading every value on the host one copy.
 
+The **layout** of that vector — which slot holds which name — is declared by what the code records,
+never inferred from the data: the slots are the recorded names in recording order, arranged by
+kind and restriction only (see :func:`_order`), so a configuration fixes them whatever rows,
+segments or non-finite values a rank holds. A rank with nothing in a slot (no rows) contributes
+the reduction's identity there (0 for a sum, −inf for a maximum). Before the first reduction of a
+layout over a process group, the ranks compare a fingerprint of the slot names (one small
+collective, then cached) and raise :class:`LayoutMismatchError` naming the first differing slot.
+
 Values are derived by plain functions that work on :class:`SufficientStats` (0-d device tensors,
 no sync) and on :class:`HostStats` (Python floats in float64) alike: ``safe_div``, ``where``,
 ``sqrt0``, ``exp``, ``clamp``, ``maximum`` below accept both.
@@ -13,12 +21,13 @@ no sync) and on :class:`HostStats` (Python floats in float64) alike: ``safe_div`
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Optional, Union
 
 import torch
 
-__all__ = ["SufficientStats", "HostStats", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
+__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
 
 Value = Union[torch.Tensor, float]
 
@@ -105,6 +114,85 @@ def _reduce_shape(parts: list[_Part]) -> tuple[list[str], Optional[torch.Tensor]
     return ([p.name for p in sums], vs, [p.name for p in maxes + mins], vm)
 
 
+def _arrange(reduced: list[tuple[list[str], Optional[torch.Tensor], list[str], Optional[torch.Tensor]]],
+             layout_s: list[str], layout_m: list[str]) -> torch.Tensor:
+    """The values of several reduced shape groups (:func:`_reduce_shape`) as one (K + M,) vector in
+    the layout's order; a name recorded more than once is combined (sums add, maxima take the max)."""
+    device = next(v.device for r in reduced for v in (r[1], r[3]) if v is not None)
+    sums: dict[str, torch.Tensor] = {}
+    maxes: dict[str, torch.Tensor] = {}
+    for names_s, vs, names_m, vm in reduced:
+        for names, v, into, combine in ((names_s, vs, sums, torch.add), (names_m, vm, maxes, torch.maximum)):
+            if v is None:
+                continue
+            for n, x in zip(names, (v if v.device == device else v.to(device)).unbind()):
+                into[n] = combine(into[n], x) if n in into else x
+    return torch.stack([sums[n] for n in layout_s] + [maxes[n] for n in layout_m])
+
+
+class LayoutMismatchError(ValueError):
+    """The ranks of a process group recorded different statistics (different configurations): a
+    positional reduction would add unlike quantities."""
+
+
+#: (process group, sum names, max names) whose layout every rank of the group has confirmed.
+_AGREED: set = set()
+
+
+def _slot_names(sum_names: list[str], max_names: list[str]) -> list[str]:
+    """The slots as words: ``sum <name>``, ``max <name>``, ``min <name>``."""
+    return [f"sum {n}" for n in sum_names] + [f"min {n[1:]}" if n.startswith("-") else f"max {n}" for n in max_names]
+
+
+def _fingerprint(slots: list[str]) -> int:
+    """A 62-bit hash of the slot names, the same in every process (its negation fits an int64)."""
+    digest = hashlib.blake2b("\n".join(slots).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def check_layout(sum_names: list[str], max_names: list[str], device: Optional[torch.device],
+                 process_group: object) -> None:
+    """Confirm that every rank of ``process_group`` packs the same slots, once per (layout, group):
+    one all-reduce (MAX of the fingerprint and of its negation) and one host read the first time,
+    nothing afterwards. On a mismatch every rank raises :class:`LayoutMismatchError` naming the
+    first differing slot and the ranks on each side (the name lists are then gathered)."""
+    import torch.distributed as dist
+
+    try:
+        key = (process_group, tuple(sum_names), tuple(max_names))
+        hash(key)
+    except TypeError:  # an unhashable group object: key it by identity
+        key = (id(process_group), tuple(sum_names), tuple(max_names))
+    if key in _AGREED:
+        return
+    slots = _slot_names(sum_names, max_names)
+    fp = _fingerprint(slots)
+    if device is None or device.type == "meta":
+        nccl = "nccl" in str(dist.get_backend(process_group))
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    both = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)  # (max, −min) of the fingerprints
+    high, neg_low = both.tolist()
+    if high == fp == -neg_low:
+        _AGREED.add(key)
+        return
+    ranks = list(dist.get_process_group_ranks(process_group))
+    layouts: list = [None] * len(ranks)
+    dist.all_gather_object(layouts, slots, group=process_group)
+    first = next(i for i in range(max(map(len, layouts)))
+                 if len({lay[i] if i < len(lay) else None for lay in layouts}) > 1)
+    holders: dict[str, list[int]] = {}
+    for rank, lay in zip(ranks, layouts):
+        holders.setdefault(lay[first] if first < len(lay) else "no slot", []).append(rank)
+    sides = "; ".join(f"{slot!r} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                      for slot, rs in holders.items())
+    raise LayoutMismatchError(
+        f"the ranks of process_group {ranks} recorded different statistics: slot {first} holds {sides} "
+        f"({len(slots)} slots on rank {dist.get_rank()}). A reduction over the group adds slot by slot, so "
+        "every rank must compute with the same configuration (and the same max_segments when segment_ids "
+        "are given): pass one config to every rank")
+
+
 class _Reading:
     """``sum`` / ``max`` / ``min`` by name over the ``sums`` and ``maxes`` mappings."""
 
@@ -126,7 +214,8 @@ class SufficientStats(_Reading):
     ``weight=`` (same shape) multiplies them first (sums only). Adding to an existing name
     accumulates. An empty maximum is ``-inf`` or a large negative number; the code that derives a
     metric checks the matching count before using it. Recording is deferred: parts of one shape
-    are stacked and reduced together when the values are first read.
+    are stacked and reduced together when the values are first read, and placed in the layout's
+    slots (module docstring), which never depend on the shapes.
     """
 
     def __init__(self) -> None:
@@ -198,17 +287,24 @@ class SufficientStats(_Reading):
     def _settle(self) -> None:
         if not self._parts:
             return
+        parts, self._parts = self._parts, []
+        # The layout: every recorded name once, in the order of _order over all parts (kind,
+        # restriction, recording order; never shapes). Parts of one shape are reduced together.
+        sums, maxes, mins = _order(parts)
+        layout_s = list(dict.fromkeys(p.name for p in sums))
+        layout_m = list(dict.fromkeys(p.name for p in maxes + mins))
         groups: dict[tuple, list[_Part]] = {}
-        for p in self._parts:
+        for p in parts:
             groups.setdefault((tuple(p.value.shape), p.value.device), []).append(p)
-        self._parts = []
         reduced = [_reduce_shape(g) for g in groups.values()]
-        names_s = [n for r in reduced for n in r[0]]
-        names_m = [n for r in reduced for n in r[2]]
-        pieces = [r[1] for r in reduced if r[1] is not None] + [r[3] for r in reduced if r[3] is not None]
-        device = pieces[0].device
-        vec = pieces[0] if len(pieces) == 1 else torch.cat([v.to(device) for v in pieces])
-        self._accumulate(names_s, names_m, vec)
+        names_s, vs, names_m, vm = reduced[0]
+        if len(reduced) == 1 and len(names_s) == len(layout_s) and len(names_m) == len(layout_m):
+            # one shape, each name once: the group's order is the layout's (_order of the same parts)
+            pieces = [v for v in (vs, vm) if v is not None]
+            vec = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        else:
+            vec = _arrange(reduced, layout_s, layout_m)
+        self._accumulate(layout_s, layout_m, vec)
 
     # -- reading -----------------------------------------------------------------------
     def packed_vector(self) -> tuple[list[str], list[str], Optional[torch.Tensor]]:
@@ -242,13 +338,16 @@ class SufficientStats(_Reading):
         return self
 
     def all_reduce(self, process_group: Optional[object] = None) -> "SufficientStats":
-        """Reduce in place over ``process_group`` with one SUM and one MAX collective (every rank has
-        recorded the same names in the same order: they depend on the config only, never on the data)."""
+        """Reduce in place over ``process_group`` with one SUM and one MAX collective. The layout is
+        the configuration's (module docstring); the first reduction of a layout over a group checks
+        that every rank has it (:func:`check_layout`)."""
         import torch.distributed as dist
 
         if process_group is None or not (dist.is_available() and dist.is_initialized()):
             return self
         self._settle()
+        check_layout(self._sum_names, self._max_names, None if self._vec is None else self._vec.device,
+                     process_group)
         if self._vec is None:
             return self
         packed = self._vec.clone()

@@ -1,0 +1,255 @@
+"""One statistics layout whatever a rank holds.
+
+``SufficientStats`` packs its named sums and maxima into one vector that is reduced slot by slot
+over a process group, so every rank must pack the same names in the same slots. These tests check
+that the layout is fixed by what is recorded (never by tensor shapes: a rank with no rows, one row
+or one segment per row packs the same slots), that a rank with nothing in a slot contributes the
+reduction's identity, that the segment level split across gloo ranks (an empty rank, a rank whose
+rows are all one segment, a rank with a non-finite row) equals one process on the whole batch, and
+that ranks given different configurations fail with an error naming the first differing slot.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+from rollout_correction._src.stats import LayoutMismatchError, SufficientStats
+from test_distributed import _free_port, init_gloo
+
+# ----------------------------------------------------------------------------------------- units
+
+
+def _record(stats: SufficientStats, B: int, S: int, gen: torch.Generator, scalar: float = 2.5) -> dict:
+    """A family of statistics of three shapes — per row (B,), per segment (B·S,) and 0-d — in an
+    interleaved recording order; returns the expected value of each slot, computed directly."""
+    row = torch.randn(B, generator=gen, dtype=torch.float64)
+    row_ok = torch.rand(B, generator=gen) > 0.3
+    seg = torch.randn(B * S, generator=gen, dtype=torch.float64)
+    seg_ok = torch.rand(B * S, generator=gen) > 0.3
+    n = torch.randint(0, 5, (B * S,), generator=gen).double()
+    stats.add_sum("rows", row_ok)
+    stats.add_sum("seg.w", seg, rows=seg_ok, weight=n)
+    stats.add_max("row.max", row, rows=row_ok)
+    stats.add_sum("row.sum", row, rows=row_ok)
+    stats.add_min("seg.min", seg, rows=seg_ok)
+    stats.add_sum("scalar", torch.tensor(scalar, dtype=torch.float64))
+    stats.add_max("seg.max", seg)
+    stats.add_sum("seg.units", seg_ok)
+
+    def mx(x):
+        return float(x.max()) if x.numel() else -math.inf
+
+    return {"sums": {"rows": float(row_ok.sum()), "seg.w": float((seg * n)[seg_ok].sum()),
+                     "row.sum": float(row[row_ok].sum()), "scalar": scalar, "seg.units": float(seg_ok.sum())},
+            "maxes": {"row.max": mx(row[row_ok]), "-seg.min": mx(-seg[seg_ok]), "seg.max": mx(seg)}}
+
+
+@pytest.mark.parametrize("B, S", [(0, 3), (1, 1), (4, 1), (3, 3), (2, 5)])
+def test_layout_does_not_depend_on_shapes(B, S):
+    """(0, S): every part is empty; (·, 1): per-row and per-segment parts share a shape."""
+    reference = SufficientStats()
+    _record(reference, 5, 3, torch.Generator().manual_seed(0))
+    stats = SufficientStats()
+    expected = _record(stats, B, S, torch.Generator().manual_seed(1))
+    names_s, names_m, vec = stats.packed_vector()
+    ref_s, ref_m, _ = reference.packed_vector()
+    assert (names_s, names_m) == (ref_s, ref_m)
+    # the slots: sums (unrestricted, restricted, weighted), then maxima, then minima, in recording order
+    assert names_s == ["rows", "scalar", "seg.units", "row.sum", "seg.w"]
+    assert names_m == ["seg.max", "row.max", "-seg.min"]
+    for name, value in expected["sums"].items():
+        assert float(stats.sum(name)) == pytest.approx(value, rel=1e-12, abs=1e-12), name
+    for name, value in expected["maxes"].items():
+        assert float(stats.maxes[name]) == value, name
+    assert vec.shape == (len(names_s) + len(names_m),)
+
+
+def test_an_empty_part_contributes_the_identities():
+    empty = SufficientStats()
+    _record(empty, 0, 3, torch.Generator().manual_seed(2), scalar=0.0)
+    assert all(float(v) == 0.0 for v in empty.sums.values())
+    assert all(float(v) == -math.inf for v in empty.maxes.values())
+
+
+def test_merging_an_empty_rank_changes_nothing():
+    full, empty = SufficientStats(), SufficientStats()
+    _record(full, 4, 3, torch.Generator().manual_seed(3))
+    _record(empty, 0, 3, torch.Generator().manual_seed(4), scalar=0.0)
+    names_s, names_m, vec = full.packed_vector()
+    for merged in (SufficientStats().merge(empty).merge(full), SufficientStats().merge(full).merge(empty)):
+        assert merged.packed_vector()[:2] == (names_s, names_m)
+        assert torch.equal(merged.packed_vector()[2], vec)
+
+
+def test_merge_equals_one_recording_of_the_concatenation():
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(3, generator=gen, dtype=torch.float64), torch.randn(0, dtype=torch.float64)
+    a, b, both = SufficientStats(), SufficientStats(), SufficientStats()
+    for stats, value in ((a, x), (b, y), (both, torch.cat([x, y]))):
+        stats.add_sum("s", value)
+        stats.add_max("m", value)
+        stats.add_min("m", value)
+        stats.add_sum("t", value.exp(), rows=value > 0)
+    a.merge(b)
+    assert a.packed_vector()[:2] == both.packed_vector()[:2]
+    torch.testing.assert_close(a.packed_vector()[2], both.packed_vector()[2], rtol=1e-15, atol=0)
+
+
+def test_a_name_recorded_in_two_shapes_is_combined():
+    stats = SufficientStats()
+    stats.add_sum("s", torch.ones(3))
+    stats.add_max("m", torch.tensor([1.0, 4.0]))
+    stats.add_sum("s", torch.ones(2))
+    stats.add_max("m", torch.tensor([2.0, 3.0, 0.0]))
+    assert stats.packed_vector()[:2] == (["s"], ["m"])
+    assert float(stats.sum("s")) == 5.0 and float(stats.max("m")) == 4.0
+
+
+# ------------------------------------------------------------------- split across gloo ranks
+
+B_ALL, T_ALL, MAXSEG = 20, 60, 3
+ONE_SEGMENT_ROWS = range(7, 14)  # rows whose tokens are all one segment
+NAN_ROW = 16
+
+CONFIGS = {
+    "segment_is": dict(rollout_is="segment", rollout_is_threshold=2.0),
+    "segment_is_bn": dict(rollout_is="segment", rollout_is_threshold=2.0, rollout_is_batch_normalize=True),
+    "segment_icepop_mm": dict(rollout_is="segment", rollout_is_threshold="0.6_1.8", mismatch_metrics=True),
+    "segment_rs": dict(rollout_rs="segment_sum_k1,segment_mean_k3,segment_max_k2",
+                       rollout_rs_threshold=("0.5_2.0", 0.05, 0.3)),
+    "segment_max_tv": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="segment_max_tv",
+                           rollout_rs_threshold=0.3, rollout_token_veto_threshold=0.02),
+    "mixed": dict(rollout_is="segment", rollout_is_threshold=1.5, rollout_is_batch_normalize=True,
+                  rollout_rs="token_k1,seq_mean_k3,segment_mean_binary_kl",
+                  rollout_rs_threshold=("0.3_3.0", 0.08, 0.05), rollout_token_veto_threshold_high=8.0),
+}
+
+# (rows of each rank, the rank that passes no segment_ids: its rows are all one segment)
+LAYOUTS = {
+    "empty rank": ([(0, 0), (0, 9), (9, 20)], None),
+    "one-segment rank": ([(0, 7), (7, 14), (14, 20)], 1),
+    "one-row rank, empty rank": ([(7, 8), (8, 8), (0, 7)], None),
+}
+
+
+def make_batch():
+    gen = torch.Generator().manual_seed(30)
+    old = -torch.rand(B_ALL, T_ALL, generator=gen) * 3 - 0.05
+    rollout = old + 0.5 * torch.randn(B_ALL, T_ALL, generator=gen)
+    lengths = torch.randint(4, T_ALL + 1, (B_ALL,), generator=gen)
+    lengths[5] = 0  # a row without a valid token
+    mask = (torch.arange(T_ALL)[None] < lengths[:, None]).float()
+    ids = (torch.arange(T_ALL)[None] * MAXSEG // lengths.clamp_min(1)[:, None]).clamp(max=MAXSEG - 1)
+    ids[list(ONE_SEGMENT_ROWS)] = 0
+    old[NAN_ROW, 2] = float("nan")  # dropped (on_nonfinite="reject")
+    return old, rollout, mask, ids
+
+
+def _layout_rows(layout):
+    """The rows the ranks hold, in rank order (a layout may leave rows out)."""
+    return torch.cat([torch.arange(lo, hi) for lo, hi in layout])
+
+
+def _run(name, rows, ids_given=True, group=None):
+    old, rollout, mask, ids = (x[rows] for x in make_batch())
+    res = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**CONFIGS[name]),
+                                     process_group=group, segment_ids=ids if ids_given else None,
+                                     max_segments=MAXSEG if ids_given else None)
+    return {"weights": res.weights, "mask": res.response_mask, "floats": res.metrics_as_floats(),
+            "tensors": {k: float(v) for k, v in dict(res.metrics).items()}}
+
+
+def _worker(rank, world, port, out_dir):
+    init_gloo(rank, world, port)
+    try:
+        results = {}
+        # a rank given another configuration (first thing: no rank has agreed on a layout yet); the
+        # mask mode records one more slot
+        mine = dict(CONFIGS["segment_is"], rollout_is_mode="mask") if rank == 2 else CONFIGS["segment_is"]
+        old, rollout, mask, ids = make_batch()
+        try:
+            compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**mine),
+                                       process_group=dist.group.WORLD, segment_ids=ids, max_segments=MAXSEG)
+            results["error"] = None
+        except LayoutMismatchError as e:
+            results["error"] = str(e)
+        counts = []
+        real = dist.all_reduce
+
+        def counted(*a, **k):
+            counts[-1] += 1
+            return real(*a, **k)
+
+        dist.all_reduce = counted
+        for lname, (layout, one_segment_rank) in LAYOUTS.items():
+            lo, hi = layout[rank]
+            for cname in CONFIGS:
+                counts.append(0)
+                results[lname, cname] = _run(cname, torch.arange(lo, hi), rank != one_segment_rank, dist.group.WORLD)
+                results[lname, cname]["all_reduces"] = counts[-1]
+        dist.all_reduce = real
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def split_results(tmp_path_factory):
+    """Every rank's results, from one spawn of three gloo ranks."""
+    world, out = 3, tmp_path_factory.mktemp("layout")
+    mp.start_processes(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True, start_method="fork")
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def test_segment_level_split_with_empty_and_one_segment_ranks_equals_one_process(split_results):
+    per_rank = split_results
+    for lname, (layout, _) in LAYOUTS.items():
+        rows = _layout_rows(layout)
+        for cname in CONFIGS:
+            whole = _run(cname, rows)
+            offset = 0
+            for rank, (lo, hi) in enumerate(layout):
+                got = per_rank[rank][lname, cname]
+                part = slice(offset, offset + hi - lo)
+                offset += hi - lo
+                where = f"{lname}, {cname}, rank {rank}"
+                assert torch.equal(got["mask"], whole["mask"][part]), where
+                if whole["weights"] is None:
+                    assert got["weights"] is None
+                else:
+                    torch.testing.assert_close(got["weights"], whole["weights"][part], rtol=1e-6, atol=1e-7,
+                                               msg=lambda m: f"{where}: {m}")
+                for kind in ("floats", "tensors"):
+                    assert got[kind].keys() == whole[kind].keys(), where
+                    bad = {k: (whole[kind][k], v) for k, v in got[kind].items() if not _close(v, whole[kind][k])}
+                    assert not bad, f"{where} ({kind}): whole vs split {bad}"
+                # one SUM and one MAX per call, and the layout check on the first call of a layout
+                first_layout = lname == next(iter(LAYOUTS))
+                assert got["all_reduces"] in ((2, 3) if first_layout else (2,)), where
+    assert per_rank[0][next(iter(LAYOUTS)), next(iter(CONFIGS))]["all_reduces"] == 3
+    # the comparison is sensitive: the split ranks' own statistics differ from the whole batch's
+    whole, alone = _run("segment_is", torch.arange(20)), _run("segment_is", torch.arange(9, 20))
+    assert sum(not _close(v, alone["floats"][k]) for k, v in whole["floats"].items()) >= 10
+    assert 0 < whole["floats"]["rollout_corr/rollout_is_ratio_fraction_high"] < 1
+    segment_rs = _run("segment_rs", torch.arange(20))
+    assert 0 < segment_rs["mask"].sum() < make_batch()[2].sum() - make_batch()[2][NAN_ROW].sum()
+
+
+def test_ranks_with_different_configurations_raise_naming_the_slot(split_results):
+    for rank, results in enumerate(split_results):
+        error = results["error"]
+        assert error is not None, f"rank {rank} did not raise"
+        assert "'sum is.oob' on rank 2" in error, error
+        assert "on ranks 0, 1" in error and "same configuration" in error, error
