@@ -20,7 +20,7 @@ __all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISS
            "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
            "LossDenominator"]
 
-IsLevel = Literal["token", "sequence", "geometric", "segment"]
+IsLevel = Literal["token", "sequence", "geometric", "segment", "prefix_min"]
 IsMode = Literal["truncate", "clip", "mask"]
 LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr", "rollout_is"]
 NonFinitePolicy = Literal["reject", "raise"]
@@ -90,9 +90,10 @@ class RolloutCorrectionConfig(Presets, Loading):
     ``(lo, hi)`` and is held as a ``Band``; a rejection threshold given per option, as a tuple."""
 
     rollout_is: Optional[IsLevel] = _key(
-        None, "null, token, sequence, geometric, segment", "IS weight level: ρ_t per token; ∏ρ_t per sequence; "
-        "exp(mean log ρ_t) per sequence; ∏ρ_t per segment (turn) of a row, from the segment_ids argument (a "
-        "row without segment ids is one segment). null computes no weights (metrics only).")
+        None, "null, token, sequence, geometric, segment, prefix_min", "IS weight level: ρ_t per token; ∏ρ_t per "
+        "sequence; exp(mean log ρ_t) per sequence; ∏ρ_t per segment (turn) of a row, from the segment_ids argument "
+        "(a row without segment ids is one segment); min_{s≤t} ρ_s per token (MinPRO, whole sequences only). null "
+        "computes no weights (metrics only).")
     rollout_is_threshold: Optional[Union[float, str, Band]] = _key(
         2.0, "number C, or string \"lo_hi\"", "C truncates weights above C (TIS); \"lo_hi\" is IcePop: weights "
         "outside [lo, hi] become 0, the response mask is unchanged.")
@@ -115,8 +116,8 @@ class RolloutCorrectionConfig(Presets, Loading):
         "modes token, sequence, geometric.")
     rollout_rs_threshold: Optional[Union[float, str, Band, tuple[Union[float, Band], ...]]] = _key(
         None, "number or string, one per option or shared", "k1: ratio bounds \"lo_hi\" (a single x means "
-        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3, tv, binary_kl, kpop, logprob_error (≥ 1): one upper bound. First-generation modes: "
-        "the upper ratio bound (defaults to rollout_is_threshold).")
+        "[1/x, x]) on ρ_agg = exp(−k1_agg); k2/k3, tv, binary_kl, kpop, logprob_error (≥ 1): one upper bound. "
+        "First-generation modes: the upper ratio bound (defaults to rollout_is_threshold).")
     rollout_rs_threshold_lower: Optional[float] = _key(
         None, "number ≥ 0 or null", "first-generation modes: lower ratio bound.", "1/upper")
     rollout_token_veto_threshold: Optional[float] = _key(
