@@ -81,6 +81,9 @@ CONFIGS = {
     "veto": {"rollout_is": "token", "rollout_token_veto_threshold": 1e-3},
     "probability gates": {"rollout_rs": "token_tv,seq_max_binary_kl", "rollout_rs_threshold": "0.1,0.05",
                           "rollout_token_veto_threshold_high": 10.0},
+    "KPop + log-prob error": {"rollout_rs": "token_kpop,seq_mean_kpop,seq_logprob_error",
+                              "rollout_rs_threshold": "0.1,0.02,1.3"},
+    "prefix-min IS": {"rollout_is": "prefix_min", "rollout_is_threshold": 1.5},
 }
 
 
@@ -155,6 +158,8 @@ LOSS_CASES = {
     "bypass REINFORCE, sequence TIS": (True, {"rollout_is": "sequence", "bypass_mode": True, "loss_type": "reinforce"}),
     "decoupled token TIS": (True, {"rollout_is": "token"}),
     "decoupled, given weights": (False, {"rollout_is": "token"}),
+    "rollout-IS, rejected tokens counted": (True, CONFIGS["KPop + log-prob error"] | {
+        "bypass_mode": True, "loss_type": "rollout_is", "loss_denominator": "valid"}),
 }
 
 

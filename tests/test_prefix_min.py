@@ -21,13 +21,14 @@ P = "rollout_corr/"
 
 
 def test_prefix_min_by_hand():
-    lr = torch.tensor([[0.1, -0.5, 0.3, -0.2], [0.0, 5.0, -0.1, -7.0]])
-    roll = torch.full((2, 4), -1.0)
-    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 0]], dtype=torch.bool)
+    lr = torch.tensor([[0.1, -0.5, 0.3, -0.2], [0.0, 5.0, -0.1, -7.0], [0.0, 0.0, 0.0, 0.0]])
+    roll = torch.full((3, 4), -1.0)
+    roll[2, 1] = float("nan")  # a row dropped for a non-finite value: weight 0, never NaN
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
     out = compute_rollout_correction(roll + lr, roll, mask, config=RolloutCorrectionConfig(
         rollout_is="prefix_min", rollout_is_threshold=1.05))
     e = math.exp
-    expected = [[1.05, e(-0.5), e(-0.5), e(-0.5)], [1.0, 0.0, e(-0.1), 0.0]]  # e^0.1 truncated at 1.05
+    expected = [[1.05, e(-0.5), e(-0.5), e(-0.5)], [1.0, 0.0, e(-0.1), 0.0], [0.0] * 4]  # e^0.1 truncated at 1.05
     torch.testing.assert_close(out.weights, torch.tensor(expected), rtol=1e-6, atol=1e-7)
     m = out.metrics_as_floats()
     raw = [e(0.1), e(-0.5), e(-0.5), e(-0.5), 1.0, e(-0.1)]

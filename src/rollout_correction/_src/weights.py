@@ -77,8 +77,8 @@ def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
         if batch.rows is not None:
             raise ValueError("rollout_is='prefix_min' needs whole sequences (the minimum over each token's prefix "
                              "spans the ranks before it); call it without sequence_group")
-        x = batch.log_ratio_clamped.masked_fill(batch.mask == 0, math.inf)
-        raw = (x.cummin(-1).values.exp() * batch.mask) if x.shape[-1] else batch.ratio
+        x = batch.log_ratio_clamped.masked_fill(batch.mask == 0, math.inf)  # unused positions: no effect
+        raw = torch.where(batch.mask > 0, x.cummin(-1).values.exp(), 0.0) if x.shape[-1] else batch.ratio
         return ISWeights(weights=bound_weights(raw, spec, batch.mask), raw=raw)
     if spec.level == "segment":
         seg_log = batch.segment_total(batch.log_ratio)  # (B, S) Σ_{t∈s} log ρ_t
