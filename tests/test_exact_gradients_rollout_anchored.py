@@ -96,3 +96,23 @@ def test_kpop_and_logprob_error_rejection(toy, option):
     assert 0 < K <= B and (valid & ~keep).any() and (option == "token_kpop" or K < B)
     cfg = RolloutCorrectionConfig(rollout_rs=option, rollout_rs_threshold=u, **REINFORCE)
     assert_grad(library_gradient(toy, cfg), from_coefficients(toy, torch.where(keep, muA * B / K, 0.0)))
+
+
+def test_rollout_is_loss_by_hand():
+    """r = 1.1, 0.7, 1.3 against the band (0.8, 1.2): only the first token keeps its ratio.
+    token-mean over 3 tokens: loss = −1.1·A·log π_θ(y_0)/3, gradient −1.1·A/3 on log π_θ(y_0)."""
+    from rollout_correction import compute_policy_loss
+
+    rollout = torch.tensor([[-1.0, -0.5, -2.0]])
+    ratio = torch.tensor([[1.1, 0.7, 1.3]])
+    log_prob = (rollout + ratio.log()).requires_grad_(True)
+    adv = torch.full((1, 3), 2.0)
+    loss, metrics = compute_policy_loss(log_prob, None, adv, torch.ones(1, 3, dtype=torch.bool),
+                                        config=RolloutCorrectionConfig.bypass_rollout_is(), rollout_log_prob=rollout)
+    loss.backward()
+    expected = -1.1 * 2.0 * float(log_prob[0, 0]) / 3
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert log_prob.grad.tolist()[0] == pytest.approx([-1.1 * 2.0 / 3, 0.0, 0.0], rel=1e-5)
+    assert float(metrics["actor/pg_clipfrac"]) == pytest.approx(2 / 3)
+    with pytest.raises(Exception, match="bypass"):
+        RolloutCorrectionConfig(loss_type="rollout_is")

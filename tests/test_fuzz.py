@@ -215,7 +215,7 @@ def check_policy_loss(data):
 
 
 RANDOM_CONFIG_VALUES = {
-    "rollout_is": [None, "token", "sequence", "geometric", "segment", "segments", "tokens", 3, ""],
+    "rollout_is": [None, "token", "sequence", "geometric", "segment", "prefix_min", "segments", "tokens", 3, ""],
     "rollout_is_threshold": [None, 2.0, 1.0, 0.5, 0.0, -1.0, 1e30, math.inf, math.nan, "0.5_5.0", "5.0_0.5",
                              "2.0", "abc", "0_2", True],
     "rollout_is_threshold_lower": [None, 0.5, 0.0, -1.0, 3.0, math.nan, "0.2"],

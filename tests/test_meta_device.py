@@ -39,8 +39,8 @@ from rollout_correction import RolloutCorrectionConfig
 META = torch.device("meta")
 B, T = 5, 12
 PRESETS = RolloutCorrectionConfig.preset_names()
-LOSS_TYPES = ["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr"]
-BYPASS_ONLY = {"reinforce", "topr"}  # REINFORCE is the bypass (pure IS) loss; TOPR is bypass-only
+LOSS_TYPES = ["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr", "rollout_is"]
+BYPASS_ONLY = {"reinforce", "topr", "rollout_is"}  # REINFORCE is the bypass (pure IS) loss; TOPR is bypass-only
 
 
 def meta(dtype=torch.float32, shape=(B, T), requires_grad=False) -> torch.Tensor:

@@ -83,6 +83,9 @@ CONFIGS = {
                           "rollout_token_veto_threshold_high": 10.0},
     "Δp bands + segment_geometric": {"rollout_is": "segment_geometric", "rollout_rs": "token_dp,seq_mean_dp,segment_sum_dp",
                                      "rollout_rs_threshold": "-0.3_0.3,-0.05_0.05,-0.5_0.5"},
+    "KPop + log-prob error": {"rollout_rs": "token_kpop,seq_mean_kpop,seq_logprob_error",
+                              "rollout_rs_threshold": "0.1,0.02,1.3"},
+    "prefix-min IS": {"rollout_is": "prefix_min", "rollout_is_threshold": 1.5},
 }
 
 
@@ -157,6 +160,8 @@ LOSS_CASES = {
     "bypass REINFORCE, sequence TIS": (True, {"rollout_is": "sequence", "bypass_mode": True, "loss_type": "reinforce"}),
     "decoupled token TIS": (True, {"rollout_is": "token"}),
     "decoupled, given weights": (False, {"rollout_is": "token"}),
+    "rollout-IS, rejected tokens counted": (True, CONFIGS["KPop + log-prob error"] | {
+        "bypass_mode": True, "loss_type": "rollout_is", "loss_denominator": "valid"}),
 }
 
 

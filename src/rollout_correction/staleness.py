@@ -20,11 +20,21 @@ v_prox = V and v_θ = V + 1, so α_t = ℓ_t / (ℓ_t + 1)):
 
 A fresh token (ℓ_t = 0) then gets π_prox = π_behav and weight 1: the approximation cannot see the
 engine mismatch; recompute π_prox when that matters.
+
+Maximum off-policy span (verl 0.9.1's ``trainer.v1.sampler.max_off_policy_threshold`` N, default 8,
+with ``max_off_policy_strategy`` drop | wait, ``verl/trainer/ppo/v1/replay_buffer.py``). A
+trajectory whose prompt was dispatched at step s spans σ = S − s + 1 versions at step S.
+:func:`max_off_policy_control` decides, per batch: ``drop`` discards a finished trajectory with
+σ > N; ``wait`` discards nothing and holds the batch back while an unfinished trajectory has
+σ ≥ N, so that it finishes and is trained on. :func:`trajectory_span_metrics` gives the spans a
+trajectory was generated across (partial rollouts): span = v_max − v_min + 1, staleness V − v_max
+and its worst case V − v_min (verl's ``training/off_policy/trajectory_spans`` /
+``trajectory_staleness`` / ``trajectory_staleness_worst``, where verl's ``global_steps − 1`` is V).
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Literal, NamedTuple, Optional, Union
 
 import torch
 
@@ -35,7 +45,8 @@ from ._src.losses import compute_policy_loss
 from ._src.metrics import compute_offpolicy_metrics
 
 __all__ = ["staleness_lag", "max_staleness_mask", "staleness_metrics", "proximal_log_prob_from_versions",
-           "compute_staleness_policy_loss"]
+           "compute_staleness_policy_loss", "off_policy_span", "OffPolicyControl", "max_off_policy_control",
+           "trajectory_span_metrics"]
 
 Version = Union[int, torch.Tensor]
 ProxMethod = Literal["loglinear", "linear", "behaviour"]
@@ -231,3 +242,109 @@ def compute_staleness_policy_loss(
                                              **loss_kwargs)
     metrics.update(loss_metrics)
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------- maximum off-policy span
+OffPolicyStrategy = Literal["drop", "wait"]
+
+
+def _steps(name: str, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.dtype == torch.bool or x.dim() != 1:
+        raise TypeError(f"{name} must be a (B,) integer tensor of policy versions / steps")
+    return x.to(torch.int64)
+
+
+def off_policy_span(current_step: Version, start_steps: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 span σ = S − s + 1 of each trajectory: the versions from its dispatch at step s to
+    the current step S (1: dispatched this step). A start after S raises ValueError naming it."""
+    start = _steps("start_steps", start_steps)
+    cur = torch.as_tensor(current_step, device=start.device)
+    if cur.dim() != 0 or cur.is_floating_point():
+        raise TypeError(f"current_step must be an integer; got {current_step!r}")
+    span = cur.to(torch.int64) - start + 1
+    if bool((span < 1).any()):
+        b = int((span < 1).nonzero()[0])
+        raise ValueError(f"start step {int(start[b])} of trajectory {b} is after the current step {int(cur)}")
+    return span
+
+
+class OffPolicyControl(NamedTuple):
+    """The decision of :func:`max_off_policy_control`: ``keep`` (B,) bool, the trajectories that stay
+    (finished ones to train on, unfinished ones still in flight); ``wait`` 0-d bool, hold the batch
+    back; ``metrics`` 0-d tensors."""
+
+    keep: torch.Tensor
+    wait: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def max_off_policy_control(current_step: Version, start_steps: torch.Tensor, finished: torch.Tensor,
+                           threshold: Optional[int] = 8, strategy: OffPolicyStrategy = "drop",
+                           prefix: str = METRIC_PREFIX) -> OffPolicyControl:
+    """verl's maximum off-policy span (module docstring), N = ``threshold`` (None: no control):
+
+        drop:  keep_b = ¬(finished_b ∧ σ_b > N);  wait = False
+        wait:  keep_b = True;                      wait = ∃b: ¬finished_b ∧ σ_b ≥ N
+
+    Metrics: ``off_policy/dropped`` (count) and ``off_policy/dropped_fraction`` (over finished
+    trajectories), ``off_policy/dropped_span_mean`` / ``_max`` / ``_min`` (0 when none is dropped;
+    verl's ``off_policy/evicted_samples`` and ``evicted_samples_staleness/*``), ``off_policy/span_mean``
+    / ``_max`` over the finished trajectories, and ``off_policy/wait`` (1.0 when holding back).
+    """
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
+        raise ValueError(f"threshold must be an integer ≥ 1 or None; got {threshold!r}")
+    if strategy not in ("drop", "wait"):
+        raise ValueError(f"strategy must be 'drop' or 'wait'; got {strategy!r}")
+    span = off_policy_span(current_step, start_steps)
+    if not isinstance(finished, torch.Tensor) or finished.shape != span.shape:
+        raise ValueError(f"finished must be a ({span.shape[0]},) bool tensor, one flag per trajectory")
+    done = finished.to(device=span.device, dtype=torch.bool)
+    never = torch.zeros_like(done)
+    if threshold is None:
+        dropped, wait = never, torch.zeros((), dtype=torch.bool, device=span.device)
+    elif strategy == "drop":
+        dropped, wait = done & (span > threshold), torch.zeros((), dtype=torch.bool, device=span.device)
+    else:
+        dropped, wait = never, (~done & (span >= threshold)).any()
+    n_drop = dropped.sum().double()
+    fspan = span.double()
+    big = torch.tensor(float(torch.iinfo(torch.int64).max), dtype=torch.float64, device=span.device)
+    metrics = {
+        f"{prefix}off_policy/dropped": n_drop,
+        f"{prefix}off_policy/dropped_fraction": n_drop / done.sum().clamp(min=1),
+        f"{prefix}off_policy/dropped_span_mean": torch.where(dropped, fspan, 0.0).sum() / n_drop.clamp(min=1),
+        f"{prefix}off_policy/dropped_span_max": torch.where(dropped, fspan, 0.0).amax() if span.numel() else n_drop * 0,
+        f"{prefix}off_policy/dropped_span_min": torch.where(
+            n_drop > 0, torch.where(dropped, fspan, big).amin() if span.numel() else big, 0.0),
+        f"{prefix}off_policy/span_mean": torch.where(done, fspan, 0.0).sum() / done.sum().clamp(min=1),
+        f"{prefix}off_policy/span_max": torch.where(done, fspan, 0.0).amax() if span.numel() else n_drop * 0,
+        f"{prefix}off_policy/wait": wait.double(),
+    }
+    return OffPolicyControl(~dropped, wait, metrics)
+
+
+def trajectory_span_metrics(min_versions: torch.Tensor, max_versions: torch.Tensor, current_version: Version,
+                            prefix: str = METRIC_PREFIX) -> dict[str, torch.Tensor]:
+    """Per trajectory generated across versions [v_min, v_max] (partial rollouts), with the trainer
+    at version V: span = v_max − v_min + 1, staleness = V − v_max, worst staleness = V − v_min;
+    ``off_policy/trajectory_span_{mean,max,min}``, ``off_policy/trajectory_staleness_{…}`` and
+    ``off_policy/trajectory_staleness_worst_{…}`` (0-d float64; 0 for an empty batch)."""
+    lo, hi = _steps("min_versions", min_versions), _steps("max_versions", max_versions)
+    if lo.shape != hi.shape:
+        raise ValueError(f"min_versions {tuple(lo.shape)} and max_versions {tuple(hi.shape)} differ in shape")
+    if bool((hi < lo).any()):
+        b = int((hi < lo).nonzero()[0])
+        raise ValueError(f"trajectory {b}: max version {int(hi[b])} below its min version {int(lo[b])}")
+    cur = torch.as_tensor(current_version, device=lo.device).to(torch.int64)
+    if bool((hi > cur).any()):
+        b = int((hi > cur).nonzero()[0])
+        raise ValueError(f"trajectory {b}: version {int(hi[b])} is newer than current_version {int(cur)}")
+    out: dict[str, torch.Tensor] = {}
+    for name, x in (("trajectory_span", hi - lo + 1), ("trajectory_staleness", cur - hi),
+                    ("trajectory_staleness_worst", cur - lo)):
+        x = x.double()
+        empty = x.numel() == 0
+        out[f"{prefix}off_policy/{name}_mean"] = x.mean() if not empty else x.new_zeros(())
+        out[f"{prefix}off_policy/{name}_max"] = x.amax() if not empty else x.new_zeros(())
+        out[f"{prefix}off_policy/{name}_min"] = x.amin() if not empty else x.new_zeros(())
+    return out

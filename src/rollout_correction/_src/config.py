@@ -20,7 +20,7 @@ __all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISS
            "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
            "LossDenominator"]
 
-IsLevel = Literal["token", "sequence", "geometric", "segment", "segment_geometric"]
+IsLevel = Literal["token", "sequence", "geometric", "segment", "segment_geometric", "prefix_min"]
 IsMode = Literal["truncate", "clip", "mask"]
 LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr", "rollout_is"]
 NonFinitePolicy = Literal["reject", "raise"]
@@ -97,10 +97,11 @@ class RolloutCorrectionConfig(Presets, Loading):
     ``(lo, hi)`` and is held as a ``Band``; a rejection threshold given per option, as a tuple."""
 
     rollout_is: Optional[IsLevel] = _key(
-        None, "null, token, sequence, geometric, segment, segment_geometric", "IS weight level: ρ_t per token; "
-        "∏ρ_t per sequence; exp(mean log ρ_t) per sequence; ∏ρ_t per segment (turn) of a row, from the "
-        "segment_ids argument (a row without segment ids is one segment); segment_geometric: exp(mean log ρ_t) "
-        "per segment (ROLL's segment weight). null computes no weights (metrics only).")
+        None, "null, token, sequence, geometric, segment, segment_geometric, prefix_min", "IS weight level: ρ_t "
+        "per token; ∏ρ_t per sequence; exp(mean log ρ_t) per sequence; ∏ρ_t per segment (turn) of a row, from "
+        "the segment_ids argument (a row without segment ids is one segment); segment_geometric: exp(mean log "
+        "ρ_t) per segment (ROLL's segment weight); prefix_min: min_{s≤t} ρ_s per token (MinPRO, whole sequences "
+        "only). null computes no weights (metrics only).")
     rollout_is_threshold: Optional[Union[float, str, Band]] = _key(
         2.0, "number C, or string \"lo_hi\"", "C truncates weights above C (TIS); \"lo_hi\" is IcePop: weights "
         "outside [lo, hi] become 0, the response mask is unchanged.")

@@ -10,6 +10,9 @@ Levels (ρ_t = π_train(y_t) / π_rollout(y_t), all exponentials taken after cla
 * segment_geometric:
               w_s = (∏_{t∈s} ρ_t)^(1/|s|) = exp(mean_{t∈s} log ρ_t)  (per segment, broadcast; ROLL's
   segment weight, roll/utils/train_infer_corrections.py)
+* prefix_min: w_t = min_{s≤t} ρ_s    over the row's valid tokens up to t (MinPRO, Lei, Cheng & Tao
+  2026, arXiv 2601.22718: the prefix ratio ∏_{s≤t} ρ_s replaced by its smallest factor); a
+  per-token weight, bounded and reported as token weights; it needs whole sequences
 
 Bounding modes (U = upper, L = lower):
 
@@ -73,6 +76,13 @@ def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
     if spec.level == "token":
         raw = batch.ratio
         return ISWeights(weights=bound_weights(raw, spec, batch.mask), raw=raw)
+    if spec.level == "prefix_min":
+        if batch.rows is not None:
+            raise ValueError("rollout_is='prefix_min' needs whole sequences (the minimum over each token's prefix "
+                             "spans the ranks before it); call it without sequence_group")
+        x = batch.log_ratio_clamped.masked_fill(batch.mask == 0, math.inf)  # unused positions: no effect
+        raw = torch.where(batch.mask > 0, x.cummin(-1).values.exp(), 0.0) if x.shape[-1] else batch.ratio
+        return ISWeights(weights=bound_weights(raw, spec, batch.mask), raw=raw)
     if spec.level in SEGMENT_IS_LEVELS:
         seg_log = batch.segment_total(batch.log_ratio)  # (B, S) Σ_{t∈s} log ρ_t
         seg_n = batch.segment_total(batch.mask)
@@ -91,6 +101,9 @@ def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
     return ISWeights(weights=batch.expand_rows(row_w), row_log=row_log, row_raw=row_raw, row_weight=row_w)
 
 
+#: Levels whose weights vary token by token: their statistics are taken over tokens.
+TOKEN_WEIGHT_LEVELS = ("token", "prefix_min")
+
 #: A row weight below 0.1 (before truncation) counts as collapsed: the sequence barely enters the loss.
 COLLAPSED_LOG_WEIGHT = math.log(0.1)
 
@@ -102,7 +115,7 @@ def _log(x: float) -> float:
 def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec, isw: ISWeights) -> None:
     """Record the sufficient statistics of every ``rollout_is_*`` metric."""
     U, L = spec.upper, spec.metric_lower
-    if spec.level == "token":
+    if spec.level in TOKEN_WEIGHT_LEVELS:
         w, raw = isw.weights, isw.raw
         sum_w, sum_w2 = batch.token_moments(w)
         stats.add_sum("is.sum_w", sum_w)
@@ -156,7 +169,7 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
 
 def batch_norm_factor(stats, spec: ISSpec) -> Value:
     """Mean bounded weight (over tokens, valid sequences or valid segments); 1 when it is ≤ 1e-8."""
-    if spec.level == "token":
+    if spec.level in TOKEN_WEIGHT_LEVELS:
         mean = safe_div(stats.sum("is.sum_w"), stats.sum("n_tok"))
     else:
         mean = safe_div(stats.sum("is.seq_sum"), _units(stats, spec))
@@ -189,7 +202,7 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     std = where(n_tok > 1, sqrt0(ew2 - mean * mean), 0.0)
     ess = safe_div((mean + 1e-8) ** 2, ew2)
     m: dict[str, Value] = {"rollout_is_mean": mean, "rollout_is_std": std, "rollout_is_eff_sample_size": ess}
-    if spec.level == "token":
+    if spec.level in TOKEN_WEIGHT_LEVELS:
         m["rollout_is_max"] = where(n_tok > 0, stats.max("is.max"), 0.0)
         m["rollout_is_min"] = where(n_tok > 0, stats.min("is.min"), 0.0)
         den = n_tok
@@ -207,7 +220,7 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
         m[f"rollout_is_seq_{k}"] = v
     m["rollout_is_seq_fraction_high"] = safe_div(stats.sum("is.seq_high"), n_rows)
     m["rollout_is_seq_fraction_low"] = safe_div(stats.sum("is.seq_low"), n_rows)
-    if spec.level != "token":
+    if spec.level not in TOKEN_WEIGHT_LEVELS:
         raw_sum, raw_sum2 = stats.sum("is.raw_sum"), stats.sum("is.raw_sum2")
         m["rollout_is_seq_raw_mean"] = safe_div(raw_sum, n_rows)
         m["rollout_is_seq_raw_ess"] = safe_div(raw_sum * raw_sum, n_rows * raw_sum2)
@@ -215,7 +228,8 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
         m["rollout_is_seq_collapsed_fraction"] = safe_div(stats.sum("is.collapsed"), n_rows)
     if spec.mode == "mask":
         # the band is [metric_lower, upper] in mask mode: at token level the tokens outside it
-        m["rollout_is_oob_ratio"] = safe_div(stats.sum("is.out" if spec.level == "token" else "is.oob"), n_tok)
+        out_of_bounds = stats.sum("is.out" if spec.level in TOKEN_WEIGHT_LEVELS else "is.oob")
+        m["rollout_is_oob_ratio"] = safe_div(out_of_bounds, n_tok)
     if spec.batch_normalize:
         m["rollout_is_batch_norm_factor"] = batch_norm_factor(stats, spec)
     return m

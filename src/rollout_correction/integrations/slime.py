@@ -40,8 +40,8 @@ the YAML multiplies each sample's returned loss by n_i / k_i (its given over its
 count, over the whole sample with context parallelism), so that slime's division by n_i gives the
 mean over the kept tokens; exact when each rollout is one sample (slime's default), while a
 rollout of several samples (``rollout_mask_sums`` summed over them) gets each sample's share
-rescaled by its own ratio. A fully rejected sample keeps contributing zero either way. Batch normalisation (``tis_batch_normalize``)
-rescales the weights of this call to mean 1 over the original loss masks (before rejection, as
+rescaled by its own ratio. A fully rejected sample keeps contributing zero either way. Batch
+normalisation (``tis_batch_normalize``) rescales the weights of this call to mean 1 over the original loss masks (before rejection, as
 slime does): over valid tokens (token level) or over samples with at least one valid token
 (sequence / geometric; slime itself rejects geometric and averages over every sample including
 empty ones).
