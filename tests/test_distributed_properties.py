@@ -51,7 +51,7 @@ from hypothesis import strategies as st
 
 from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, compute_policy_loss,
                                 compute_rollout_correction)
-from rollout_correction._src.config import RS_OPTIONS, IsLevel, IsMode, LossType
+from rollout_correction._src.config import _BYPASS_ONLY_LOSSES, RS_OPTIONS, IsLevel, IsMode, LossDenominator, LossType
 from rollout_correction._src.vocab import LEGACY_RS, ConfigError
 from test_distributed import _free_port
 
@@ -264,10 +264,12 @@ def configs(draw) -> dict:
 def loss_settings(draw, config: dict, split: bool) -> tuple[dict, dict]:
     """(the loss's config: ``config`` with a loss type, bypass mode and OPSM; the aggregation)."""
     loss_type = draw(st.sampled_from(LOSS_TYPES))
-    bypass = True if loss_type == "topr" else draw(st.booleans())
-    lc = dict(config, loss_type=loss_type, bypass_mode=bypass)
+    bypass = True if loss_type in _BYPASS_ONLY_LOSSES else draw(st.booleans())
+    lc = dict(config, loss_type=loss_type, bypass_mode=bypass,
+              loss_denominator=draw(st.sampled_from(get_args(LossDenominator))))
     if split:  # refused with a sequence group (a clear ValueError, tested in test_context_parallel)
         lc.pop("rollout_m2po_threshold", None)
+        assume(lc.get("rollout_is") != "prefix_min")  # needs whole sequences (refusal: test_prefix_min)
     elif draw(st.integers(0, 3)) == 0:
         lc["rollout_opsm_delta"] = draw(st.floats(-0.2, 0.5))
     agg = dict(loss_agg_mode=draw(st.sampled_from(LOSS_AGG_MODES)),
