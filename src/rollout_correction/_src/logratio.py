@@ -125,7 +125,7 @@ class LogRatioBatch:
         the ratio only works as usual; the perplexity metrics need the log-probs (:meth:`train_means64`
         raises)."""
         check_same([("log_ratio", log_ratio), ("response_mask", response_mask)], float_names=("log_ratio",))
-        slots = _slots(response_mask, 6)
+        slots = _slots(response_mask, 5)
         lr = log_ratio.detach().to(torch.float32, copy=True) if slots is None else slots[2].copy_(log_ratio)
         return _build(lr, response_mask, on_nonfinite, row_offset, source=log_ratio, slots=slots)
 
@@ -282,7 +282,7 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     segments = check_segment_ids(segment_ids, response_mask, max_segments, row_offset)
     old_log_prob, rollout_log_prob = old_log_prob.detach(), rollout_log_prob.detach()  # statistics only
-    slots = _slots(response_mask, 7)
+    slots = _slots(response_mask, 6)
     if _FLOAT32_SUB.get((old_log_prob.dtype, rollout_log_prob.dtype)):  # (torch.result_type breaks a graph)
         lr = torch.sub(old_log_prob, rollout_log_prob, out=_slot(slots, 2))  # upcasts inside the subtraction
     elif slots is None:  # e.g. both bf16: a subtraction in bf16 would round
@@ -317,9 +317,9 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
            slots: Optional[torch.Tensor] = None) -> LogRatioBatch:
     """The batch from a float32 log-ratio ``lr`` that this function may overwrite (``source``: the
     caller's log-ratio, for messages), held in slot 2 of ``slots`` (:func:`_slots`) when given:
-    input mask, mask, log ρ, [masked log π_train,] k3, ρ, ρ², the order of :class:`RowSums`."""
+    input mask, mask, log ρ, [masked log π_train,] k3, ρ, the order of :class:`RowSums`."""
     B, T = response_mask.shape
-    last = 0 if slots is None else slots.shape[0]  # k3, ρ, ρ² in the last three slots
+    last = 0 if slots is None else slots.shape[0]  # k3 and ρ in the last two slots
     input_mask = float_mask(response_mask, out=_slot(slots, 0))
     lr = _sanitised(lr).mul_(input_mask)
     if T > 0:  # (abs + amax: on CPU ~20x faster than aminmax or an inf-norm)
@@ -335,23 +335,24 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     mask = _masked_fill(input_mask, drop, 0.0, out=_slot(slots, 1))
     lr.masked_fill_(drop, 0.0)
     lrc = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    ratio = torch.exp(lrc, out=_slot(slots, last - 2)).mul_(mask)
-    k3 = torch.sub(ratio, mask, out=_slot(slots, last - 3)).sub_(lrc).clamp_min_(0.0)
+    ratio = torch.exp(lrc, out=_slot(slots, last - 1)).mul_(mask)
+    k3 = torch.sub(ratio, mask, out=_slot(slots, last - 2)).sub_(lrc).clamp_min_(0.0)
     # log π_train at the positions used (finite there); NaN·0 and ±inf·0 in padding → 0
     train = [] if old is None else [_sanitised(torch.mul(old, mask, out=_slot(slots, 3)), nan=0.0)]
-    ratio2 = torch.mul(ratio, ratio, out=_slot(slots, last - 1))
     # One reduction for all rows' sums (each value summed on its own under torch.compile),
-    # spanning the group when the rows are split.
+    # spanning the group when the rows are split. Σρ² is reduced on its own: ρ² is needed for
+    # nothing else, and a slot of the buffer would hold it until the batch is freed.
+    sum2 = (ratio * ratio).sum(-1, dtype=torch.float32)
     if slots is None:
-        per_token = [input_mask, mask, lr, *train, k3, ratio, ratio2]
-        stacked = torch.stack([x.sum(-1, dtype=torch.float32) for x in per_token])
+        stacked = torch.stack([x.sum(-1, dtype=torch.float32) for x in (input_mask, mask, lr, *train, k3, ratio)])
     else:
         stacked = slots.sum(-1, dtype=torch.float32)
     if rows is not None:  # the group's sums of a row some rank found bad are those of an empty row
-        stacked = rows.sum(stacked)
+        stacked, sum2 = rows.sum(stacked), rows.sum(sum2)
         stacked[1:].masked_fill_(bad, 0.0)
+        sum2.masked_fill_(bad, 0.0)
         rows.drop(bad)
-    sums = RowSums(*stacked[:3].unbind(), stacked[3] if old is not None else None, *stacked[-3:].unbind())
+    sums = RowSums(*stacked[:3].unbind(), stacked[3] if old is not None else None, *stacked[-2:].unbind(), sum2)
     counted = stacked[:2] > 0
     sums64 = stacked[:4].double()
     means64 = None
