@@ -40,9 +40,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from ._src.constants import METRIC_PREFIX
-from ._src.stats import SufficientStats, safe_div
-from ._src.validation import ShapeMismatchError
+from rollout_correction import METRIC_PREFIX, ShapeMismatchError
+from rollout_correction.reductions import SufficientStats, safe_div
 
 __all__ = ["RoutingRecord", "RecordingHandle", "Router", "find_routers", "record_routing", "replay_routing",
            "gate_weights", "routing_agreement", "routing_mask_from_response", "UnsupportedModelError",
