@@ -11,7 +11,8 @@ from ._src.metrics import (ENGINE_METRIC_NAMES, OffPolicyAccumulator, compute_of
 from ._src.packed import compute_rollout_correction_packed
 from ._src.validation import ShapeMismatchError
 
-__version__ = "0.1.0"
+#: The one source of the version: pyproject.toml reads it, CHANGELOG.md names it (docs/api.md).
+__version__ = "0.2.0"
 
 __all__ = [
     "RolloutCorrectionConfig",
