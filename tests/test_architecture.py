@@ -4,10 +4,11 @@
   function runs later and cannot deadlock the loader, but the core has none of those either
   towards the surfaces).
 * The core never imports a product surface (adapters depend on the core, not the reverse).
-* A surface imports from the core only names listed in the core module's ``__all__`` (or the
-  package's), never a name starting with ``_``, never a private module other than the package's
-  own internals, ``rollout_correction._src`` (whose ``__all__`` lists are the seams the surfaces
-  use; users import from ``rollout_correction`` and the documented submodules).
+* Only the package root and the public seam modules (``primitives``, ``reductions``,
+  ``vocabulary``; ``tools/architecture.py`` ``SEAMS``) import the private package
+  ``rollout_correction._src``. Every other module — the surfaces and the public extension modules
+  (``moe``, ``staleness``, ``supports``, ``advantages``) — imports only names listed in a public
+  module's ``__all__``, never a name starting with ``_``.
 """
 
 from __future__ import annotations
@@ -62,17 +63,45 @@ def _surface_imports():
                 yield surface, m, target, name, line
 
 
+def _outside_imports():
+    """(importing module, imported module, imported name or None, line) for every import made by a
+    module that is neither private nor a seam (the surfaces and the public extension modules)."""
+    for m in A.MODULES:
+        if not A.is_private(m) and m not in A.SEAMS:
+            for target, name, line in A.imports(m, top_level_only=False):
+                yield m, target, name, line
+
+
 def _private_core_imports() -> list[str]:
     bad = []
-    for _, m, target, name, line in _surface_imports():
-        if A.surface(target) is not None:
+    for m, target, name, line in _outside_imports():
+        if A.surface(target) is not None and A.surface(m) is not None:
             continue  # within the surfaces
         where = f"{A.where(m)}:{line}"
-        if any(part.startswith("_") and part not in ("__init__", "_src") for part in target.split(".")):
+        if any(part.startswith("_") and part != "__init__" for part in target.split(".")):
             bad.append(f"{where} imports the private module {target}")
-        elif name is not None and (name.startswith("_") or name not in A.public_names(target)):
+        elif name is not None and (_private_name(name) or name not in A.public_names(target)):
             bad.append(f"{where} imports {target}.{name}, which is not in {target}.__all__")
     return bad
+
+
+def _private_name(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))  # __version__ is public
+
+
+def test_only_the_seams_import_the_private_package():
+    """The count the versioning policy rests on: no module but the root and the seams names ``_src``."""
+    importers = sorted({m for m in A.MODULES if not A.is_private(m)
+                        for target, _, _ in A.imports(m, top_level_only=False) if A.is_private(target)})
+    assert importers == sorted(A.SEAMS), f"modules importing rollout_correction._src: {importers}"
+
+
+def test_every_private_name_is_public_somewhere():
+    """Each name in a ``_src`` module's ``__all__`` is re-exported by the root or a seam, so code outside
+    the core never needs the private package."""
+    public = set().union(*(A.public_names(m) for m in A.SEAMS))
+    missing = sorted(f"{m}.{n}" for m in A.MODULES if A.is_private(m) for n in A.public_names(m) if n not in public)
+    assert not missing, f"private names without a public home (add them to a seam module): {missing}"
 
 
 def test_surfaces_use_only_the_public_api_of_the_core():
@@ -93,8 +122,10 @@ def test_surfaces_do_not_import_each_other():
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from rollout_correction._src.weights import _div\n", "weights._div"),
-    ("from .._src.stats import SufficientStats\nfrom .._src.logratio import _sanitised\n", "_src.logratio._sanitised"),
+    ("from rollout_correction._src.weights import _div\n", "private module _src.weights"),
+    ("from rollout_correction.primitives import ISWeights\nfrom .._src.stats import SufficientStats\n",
+     "private module _src.stats"),
+    ("from rollout_correction.reductions import _owner\n", "reductions._owner"),
 ])
 def test_private_import_check_catches_a_planted_violation(tmp_path, monkeypatch, source, expected):
     # a module of the compat surface (relative imports resolve as for compat/verl.py)

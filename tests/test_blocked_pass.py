@@ -42,3 +42,31 @@ def test_blocked_pass_reports_the_global_row_of_a_nonfinite_value(monkeypatch):
     cfg = RolloutCorrectionConfig(on_nonfinite="raise")
     with pytest.raises(ValueError, match=r"row 6, column 2"):
         compute_rollout_correction(old, roll, mask, config=cfg)
+
+
+def test_compiled_passes_share_one_function_in_a_bounded_cache(monkeypatch):
+    """compile=True keeps one compiled pass per config, the COMPILE_CACHE_SIZE most recent, and every
+    one of them compiles the same function (no copy of a code object per config). ``torch.compile``
+    is recorded here, not run: what is checked is what the cache hands it and keeps."""
+    compiled = []
+
+    def record(fn):
+        compiled.append(fn)
+        return fn
+
+    monkeypatch.setattr(correction.torch, "compile", record)
+    monkeypatch.setattr(correction, "COMPILE_CACHE_SIZE", 2)
+    monkeypatch.setattr(correction, "_COMPILED", correction.OrderedDict())
+    g = torch.Generator().manual_seed(0)
+    old, rollout = -torch.rand(3, 5, generator=g), -torch.rand(3, 5, generator=g)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    configs = [RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=c) for c in (1.5, 2.0, 3.0)]
+    for cfg in configs + configs[2:]:
+        got = compute_rollout_correction(old, rollout, mask, config=cfg, compile=True)
+        eager = compute_rollout_correction(old, rollout, mask, config=cfg)
+        torch.testing.assert_close(got.weights, eager.weights, rtol=0, atol=0)
+    assert len(compiled) == 3  # the repeated last config reused its pass
+    assert len({fn.__code__ for fn in compiled}) == 1
+    assert list(correction._COMPILED) == configs[1:]  # bounded: the oldest config dropped
+    compute_rollout_correction(old, rollout, mask, config=configs[0], compile=True)
+    assert len(compiled) == 4 and list(correction._COMPILED) == [configs[2], configs[0]]

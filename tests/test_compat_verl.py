@@ -94,12 +94,30 @@ def test_rollout_correction_and_rejection_mask_matches_verl(settings):
 
 
 def test_weights_holder_without_verl(monkeypatch):
-    monkeypatch.delitem(sys.modules, "verl.protocol")
+    for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "verl", None)  # what Python reports for a package that is not installed
     old, rollout, mask = make_batch(3, 5, 0.1, 2)
     holder, _, _ = compat.compute_rollout_correction_and_rejection_mask(old, rollout, mask, rollout_is="token")
     assert isinstance(holder, compat.RolloutISWeights) and len(holder) == 3
     expected = torch.exp(old - rollout).clamp(max=2.0) * mask
     _close(holder.batch["rollout_is_weights"], expected)
+
+
+def test_weights_holder_type_does_not_depend_on_what_was_imported_before():
+    """With verl installed the holder is verl's DataProto, also in a process that never imported
+    verl before the call (it used to be the light holder there)."""
+    import subprocess
+
+    code = ("import sys, torch\n"
+            "from rollout_correction.compat import verl as c\n"
+            "assert 'verl.protocol' not in sys.modules\n"
+            "m = torch.ones(2, 3)\n"
+            "h, _, _ = c.compute_rollout_correction_and_rejection_mask(-m, -m, m, rollout_is='token')\n"
+            "print(type(h).__module__, type(h).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["verl.protocol", "DataProto"]
 
 
 def test_rejection_without_threshold_raises_like_verl():

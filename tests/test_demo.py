@@ -172,6 +172,20 @@ def test_quick_end_to_end(tmp_path):
             assert r["final_mismatch_kl"] > 1e-3        # a real gap
     assert "| method |" in (out / "report.md").read_text()
     assert set(summary["checks"]) >= {"naive_gap", "naive_kl_growth", "all_hold"}
+    # provenance of the invocation and of every run; one seed: means without intervals, no ties judged
+    from rollout_correction.demo.results import PROVENANCE_FIELDS
+
+    assert set(summary["provenance"]) == set(PROVENANCE_FIELDS)
+    assert summary["provenance"]["command"].startswith("rollout-correction demo") or "Python" in \
+        summary["provenance"]["command"]
+    assert summary["run_provenance"] == [{**{k: summary["provenance"][k] for k in
+                                             ("commit", "dirty", "torch", "python", "cpu", "threads")},
+                                          "runs": len(runs)}] and summary["mixed_provenance"] is False
+    for m in methods:
+        final = summary["methods"][m]["final_reward"]
+        assert final["n"] == 1 and final["ci"] is None
+        assert final["mean"] == pytest.approx(next(r["final_reward"] for r in runs if r["method"] == m))
+    assert summary["tied_with_best"] is None
 
 
 def test_saved_runs_are_reused_only_with_identical_settings(tmp_path):
@@ -201,3 +215,95 @@ def test_checks_text_says_above_or_below_and_keeps_the_deciding_digit():
     above = dict(checks, best_correction_final=0.898, best_minus_naive=0.416,
                  **{"best_beats_naive_by_0.2": True})
     assert checks_text(above)[3].endswith("yes — 0.030 above on-policy.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Intervals, ties and provenance (demo/results.py)
+
+
+@pytest.mark.parametrize("df, expected", [(1, 12.706), (2, 4.303), (4, 2.776), (10, 2.228), (30, 2.042),
+                                          (120, 1.980)])
+def test_t_quantile_matches_the_printed_table(df, expected):
+    from rollout_correction.demo.results import t_quantile
+
+    assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+
+
+def test_interval_of_three_seeds_by_hand():
+    from rollout_correction.demo.results import interval
+
+    s = interval([0.89, 0.87, 0.85])
+    # mean 0.87, s = 0.02, half-width t(0.975, 2) · s / √3 = 4.3027 · 0.02 / 1.7321 = 0.04968
+    assert s["mean"] == pytest.approx(0.87) and s["std"] == pytest.approx(0.02) and s["n"] == 3
+    assert s["ci"] == pytest.approx([0.87 - 0.04968, 0.87 + 0.04968], abs=1e-4)
+    one = interval([0.5, float("nan")])
+    assert one["n"] == 1 and one["ci"] is None and one["mean"] == 0.5
+
+
+def test_ties_are_overlapping_intervals_with_the_best():
+    from rollout_correction.demo.results import interval, tied_with_best
+
+    stats = {"a": interval([0.89, 0.87, 0.85]),   # best: [0.820, 0.920]
+             "b": interval([0.78, 0.71, 0.72]),   # [0.643, 0.831]: overlaps
+             "c": interval([0.72, 0.44, 0.50]),   # [0.187, 0.920]: overlaps (a wide interval is a tie)
+             "d": interval([0.50, 0.51, 0.52])}   # [0.485, 0.535]: below
+    assert tied_with_best(stats) == ["a", "b", "c"]
+    assert tied_with_best({"a": interval([0.9]), "b": interval([0.1, 0.2])}) is None
+
+
+def test_provenance_names_commit_machine_threads_date_and_command():
+    import torch
+
+    from rollout_correction.demo.results import PROVENANCE_FIELDS, provenance
+
+    p = provenance("rollout-correction demo --quick", workers=2, threads=1)
+    assert tuple(p) == PROVENANCE_FIELDS
+    assert p["torch"] == torch.__version__ and p["workers"] == 2 and p["threads"] == 1
+    assert p["command"] == "rollout-correction demo --quick" and p["cpu"] and p["date"].endswith("Z")
+    assert p["commit"] is None or len(p["commit"]) == 40
+
+
+def test_checks_are_judged_on_intervals():
+    from rollout_correction.demo.report import checks
+    from rollout_correction.demo.results import interval
+
+    def method(values):
+        return {"final_reward": interval(values), "collapsed": 0, "runs": len(values), "kl_growth": 6.0}
+
+    apart = {"on_policy": method([0.89, 0.87, 0.85]), "naive": method([0.52, 0.55, 0.50]),
+             "token_tis": method([0.80, 0.78, 0.82])}
+    c = checks(apart)
+    assert c["naive_degrades"] and c["best_beats_naive_by_0.2"] and c["best_within_0.1_of_on_policy"]
+    assert c["judged_on"] == "means and 95 % intervals"
+    # a 0.33 gap of the means whose intervals overlap is not a resolved drop
+    wide = dict(apart, naive=method([0.95, 0.40, 0.30]))
+    c = checks(wide)
+    assert c["naive_gap"] >= 0.3 and c["naive_below_on_policy_interval"] is False and not c["naive_degrades"]
+    one_seed = {k: method([v["final_reward"]["mean"]]) for k, v in apart.items()}
+    assert checks(one_seed)["judged_on"].startswith("means (one seed")
+
+
+def test_summary_table_reads_whole_in_a_log():
+    """Through a pipe rich assumes 80 columns; the table must not wrap or cut method names."""
+    import io
+
+    from rich.console import Console
+
+    from rollout_correction.demo.report import print_table
+    from rollout_correction.demo.results import interval
+
+    methods = {m: {"label": METHODS[m].label, "preset": METHODS[m].preset, "final_reward": interval([0.8, 0.7, 0.75]),
+                   "best_reward": interval([0.8, 0.8, 0.8]), "final_engine_reward": interval([0.7, 0.7, 0.7]),
+                   "initial_mismatch_kl": 0.01, "final_mismatch_kl": 0.02, "collapsed": 0, "runs": 3,
+                   "seconds": interval([45.0, 46.0, 47.0])} for m in ("on_policy", "cispo", "binary_kl_rs")}
+    summary = {"methods": methods, "tied_with_best": list(methods), "checks": {"available": False, "reason": "x"}}
+    out = io.StringIO()
+    console = Console(file=out, width=80)
+    assert not console.is_terminal
+    print_table(summary, console)
+    text = out.getvalue()
+    assert "…" not in text
+    for m in methods.values():
+        assert sum(m["label"] in line for line in text.splitlines()) == 1, m["label"]
+    row = next(line for line in text.splitlines() if "binary-KL RS + token TIS" in line)
+    assert "0.75 [0.63, 0.87]" in row and "yes" in row

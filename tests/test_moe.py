@@ -349,6 +349,45 @@ def test_models_without_conventional_routers_are_refused_by_name():
             pass
 
 
+def test_routers_are_found_by_structure_and_the_config_not_by_class_name():
+    """A softmax top-k router named ``Gate`` is found; a module shaped like a router whose expert count,
+    top-k or width disagrees with the model's config is not; the transformers routers still are."""
+
+    class Gate(torch.nn.Module):  # no "Router" in the name
+        def __init__(self, experts=4, hidden=8, top_k=2):
+            super().__init__()
+            self.top_k, self.weight = top_k, torch.nn.Parameter(torch.randn(experts, hidden))
+
+        def forward(self, h):
+            logits = h @ self.weight.T
+            p = torch.softmax(logits.float(), dim=-1)
+            s, i = p.topk(self.top_k, dim=-1)
+            return logits, s / s.sum(-1, keepdim=True), i
+
+    class Toy(torch.nn.Module):
+        def __init__(self, config=None, **gate):
+            super().__init__()
+            self.gate = Gate(**gate)
+            if config is not None:
+                self.config = config
+
+    from rollout_correction.moe import find_routers
+
+    (r,) = find_routers(Toy())
+    assert (r.name, r.top_k, r.num_experts, r.renormalize) == ("gate", 2, 4, True)
+    cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, hidden_size=8)
+    assert [x.name for x in find_routers(Toy(cfg))] == ["gate"]
+    for wrong in (dict(experts=6), dict(top_k=3), dict(hidden=16)):  # disagrees with the config
+        with pytest.raises(UnsupportedModelError, match="has no top-k router modules"):
+            find_routers(Toy(cfg, **wrong))
+    with pytest.raises(UnsupportedModelError, match="has no top-k router modules"):
+        find_routers(Toy(experts=2, top_k=2))  # as many "experts" as chosen: nothing to route
+    model = build("mixtral")
+    names = [x.name for x in find_routers(model)]
+    assert names == [f"model.layers.{i}.mlp.gate" for i in range(LAYERS)]
+    assert {type(x.module).__name__ for x in find_routers(model)} != {"Gate"}
+
+
 # ---------------------------------------------------------------------------------------------
 # Agreement
 

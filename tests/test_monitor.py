@@ -260,17 +260,29 @@ def test_save_load_roundtrip_and_resume(tmp_path):
         HealthMonitor.load(tmp_path / "plain.jsonl")
 
 
-def test_active_monitor_hook():
-    assert observe({P + "kl": 0.5}) == {}  # no monitor: no-op
-    mon = set_active_monitor(HealthMonitor(log_alerts=False))
+def test_observe_counts_steps_and_returns_the_health_numbers():
+    mon = HealthMonitor(log_alerts=False)
+    h = mon.observe({P + "kl": 0.5})
+    mon.observe({P + "kl": 0.01}, step=10)
+    last = mon.observe({P + "kl": 0.01})
+    assert h[P + "health/kl_high"] == 1.0 and last == mon.health_metrics()
+    assert [x["step"] for x in mon.history] == [0, 10, 11]
+
+
+def test_the_process_wide_monitor_is_deprecated_and_still_works():
+    """0.2.0 deprecates set_active_monitor / observe (removed in 0.3.0, docs/api.md): they warn,
+    and keep their behaviour for the deprecation's minor release."""
+    with pytest.warns(DeprecationWarning, match="0.3.0"):
+        assert observe({P + "kl": 0.5}) == {}  # no monitor: no-op
+    with pytest.warns(DeprecationWarning, match="set_active_monitor is deprecated"):
+        mon = set_active_monitor(HealthMonitor(log_alerts=False))
     try:
-        h = observe({P + "kl": 0.5})
-        observe({P + "kl": 0.01}, step=10)
-        observe({P + "kl": 0.01})
-        assert h[P + "health/kl_high"] == 1.0
-        assert [x["step"] for x in mon.history] == [0, 10, 11]
+        with pytest.warns(DeprecationWarning):
+            h = observe({P + "kl": 0.5})
+        assert h[P + "health/kl_high"] == 1.0 and [x["step"] for x in mon.history] == [0]
     finally:
-        set_active_monitor(None)
+        with pytest.warns(DeprecationWarning):
+            set_active_monitor(None)
 
 
 def test_plot_metrics_png_and_svg(tmp_path):

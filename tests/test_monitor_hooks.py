@@ -1,7 +1,9 @@
-"""The adapters feed the process's active health monitor: verl's correction step (the method of
-the V1 trainer subclass that ``rollout_correction.integrations.verl.main_ppo`` runs, which its
-``_compute_advantage`` calls once per training step) and slime's custom TIS function (loaded by dotted path as slime's
-``--custom-tis-function-path`` does). The gap is a known shift δ of every log-prob, so
+"""The adapters feed the health monitor they are given, explicitly: verl's correction step (the
+method of the V1 trainer subclass that ``rollout_correction.integrations.verl.main_ppo`` runs, which
+its ``_compute_advantage`` calls once per training step; the monitor is the trainer's
+``health_monitor``) and slime's custom TIS function (``make_tis_function(monitor)``, loaded by dotted
+path as slime's ``--custom-tis-function-path`` does). Without one they feed nothing (the deprecated
+process-wide monitor aside). The gap is a known shift δ of every log-prob, so
 |k1| = δ exactly: 0.01 for 20 steps, then 0.05."""
 
 from __future__ import annotations
@@ -29,9 +31,7 @@ def _log_probs(step, B=4, T=6):
 
 @pytest.fixture
 def monitor():
-    mon = set_active_monitor(HealthMonitor(log_alerts=False, trend_factor=2.0, window=10))
-    yield mon
-    set_active_monitor(None)
+    return HealthMonitor(log_alerts=False, trend_factor=2.0, window=10)
 
 
 def _check(mon, returned):
@@ -54,6 +54,7 @@ def test_verl_driver_step_feeds_the_monitor(monitor):
 
     protocol = _import("verl.protocol")
     trainer = object.__new__(trainer_class("sync"))  # its __init__ builds workers; the step needs the config
+    trainer.health_monitor = monitor  # what RolloutCorrectionTaskRunnerV1.run sets from its health_monitor()
     trainer.config = OmegaConf.create({"algorithm": {"rollout_correction": {"rollout_is": "token",
                                                                             "rollout_is_threshold": 2.0}}})
     returned = []
@@ -80,9 +81,18 @@ def test_verl_driver_step_without_a_monitor_returns_only_the_metrics():
     assert not any(k.startswith(P + "health/") for k in metrics)
 
 
-def test_slime_tis_function_feeds_the_monitor(monitor):
-    module, attr = "rollout_correction.integrations.slime.tis_function".rsplit(".", 1)
-    fn = getattr(importlib.import_module(module), attr)
+def test_slime_tis_function_feeds_the_monitor(monitor, tmp_path, monkeypatch):
+    # the user's module, as docs/monitoring.md writes it, loaded by dotted path as slime does
+    (tmp_path / "my_slime_hooks.py").write_text(
+        "from rollout_correction.integrations.slime import make_tis_function\n"
+        "MONITOR = None\n"
+        "def tis(args, **kwargs):\n"
+        "    return make_tis_function(MONITOR)(args, **kwargs)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module, attr = "my_slime_hooks.tis".rsplit(".", 1)
+    hooks = importlib.import_module(module)
+    hooks.MONITOR = monitor
+    fn = getattr(hooks, attr)
     args = SimpleNamespace(use_tis=True, tis_mode="truncate", tis_level="token", tis_lower_bound=None,
                            tis_upper_bound=2.0, tis_batch_normalize=False, use_rs=False, rs_level="token",
                            rs_lower_bound=None, rs_upper_bound=None, rs_veto_threshold=None)
@@ -99,3 +109,35 @@ def test_slime_tis_function_feeds_the_monitor(monitor):
         returned.append({k: float(v.mean()) for k, v in metrics.items()})
         assert all(v.shape == pg_loss.shape for v in metrics.values())
     _check(monitor, returned)
+
+
+def test_without_a_monitor_the_adapters_feed_nothing(monitor):
+    """No process-wide monitor is fed implicitly: a monitor that was not handed over sees nothing."""
+    from rollout_correction.integrations.slime import tis_function
+
+    args = SimpleNamespace(use_tis=True, tis_mode="truncate", tis_level="token", tis_lower_bound=None,
+                           tis_upper_bound=2.0, tis_batch_normalize=False, use_rs=False, rs_level="token",
+                           rs_lower_bound=None, rs_upper_bound=None, rs_veto_threshold=None)
+    old, rollout = _log_probs(0)
+    _, _, metrics = tis_function(args, pg_loss=torch.ones(old.numel()), train_log_probs=list(old),
+                                 rollout_log_probs=list(rollout), loss_masks=[torch.ones(6)] * 4)
+    assert monitor.history == [] and not any(k.startswith(P + "health/") for k in metrics)
+
+
+def test_the_deprecated_process_wide_monitor_is_still_fed(monitor):
+    from verl_reference import _import
+
+    from rollout_correction.integrations import verl as rc_verl
+
+    protocol = _import("verl.protocol")
+    old, rollout = _log_probs(0)
+    batch = protocol.DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout,
+                                                  "response_mask": torch.ones_like(old)})
+    with pytest.warns(DeprecationWarning):
+        set_active_monitor(monitor)
+    try:
+        _, metrics = rc_verl.compute_rollout_correction_and_add_to_batch(batch, {"rollout_is": "token"})
+    finally:
+        with pytest.warns(DeprecationWarning):
+            set_active_monitor(None)
+    assert len(monitor.history) == 1 and P + "health/status" in metrics

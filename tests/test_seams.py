@@ -14,11 +14,10 @@ import torch
 from rollout_correction import (ConfigError, CorrectionAccumulator, RolloutCorrectionConfig,
                                 as_config, compute_rollout_correction)
 from rollout_correction import config_value
-from rollout_correction._src.presets import PRESETS
-from rollout_correction._src.logratio import LogRatioBatch, log_ratio_batch
-from rollout_correction._src.rejection import rejection_keep, rs_metrics, rs_option_metrics
-from rollout_correction._src.stats import SufficientStats
-from rollout_correction._src.weights import importance_weights
+from rollout_correction.primitives import LogRatioBatch, log_ratio_batch, rejection_keep, rs_metrics, rs_option_metrics
+from rollout_correction.reductions import SufficientStats
+from rollout_correction.vocabulary import PRESETS
+from rollout_correction.primitives import importance_weights
 
 C = RolloutCorrectionConfig
 

@@ -21,6 +21,16 @@ SRC = ROOT / "src" / "rollout_correction"
 PKG = "rollout_correction"
 #: The product surfaces: packages that may use only the public names of the core.
 SURFACES = ("compat", "integrations", "diagnose", "demo", "diffusion", "monitor")
+#: The modules that may import the private package ``rollout_correction._src``: the package root and
+#: the public seam modules that re-export its names. Every other module (the surfaces and the public
+#: extension modules) imports public names only.
+SEAMS = ("rollout_correction", "rollout_correction.primitives", "rollout_correction.reductions",
+         "rollout_correction.vocabulary")
+
+
+def is_private(module: str) -> bool:
+    """``rollout_correction._src`` or a module inside it."""
+    return module == f"{PKG}._src" or module.startswith(f"{PKG}._src.")
 
 
 def module_name(path: Path) -> str:
@@ -150,14 +160,16 @@ LAYERS: list[tuple[str, str, list[str]]] = [
      ["constants", "validation", "stats", "_src", "vocab", "segments"]),
     ("config parts", "presets; loading", ["presets", "config_io"]),
     ("config, groups", "config; context-parallel row exchange", ["config", "sequence_group"]),
-    ("per-token pieces", "log-ratio, loss terms, supports, advantages",
-     ["logratio", "policy_losses", "m2po", "supports", "alignment", "advantages"]),
+    ("per-token pieces", "log-ratio, loss terms, alignment",
+     ["logratio", "policy_losses", "m2po", "alignment"]),
     ("estimators", "IS weights, rejection, metrics, masking",
      ["weights", "rejection", "metrics", "opsm"]),
     ("pipeline", "compute_rollout_correction", ["correction"]),
     ("entry points", "policy loss; packed inputs", ["losses", "packed"]),
-    ("extensions", "asynchronous RL; MoE routing replay", ["staleness", "moe"]),
-    ("public API", "rollout_correction/__init__.py", ["__init__"]),
+    ("public API", "package root; the seams of the core",
+     ["__init__", "primitives", "reductions", "vocabulary"]),
+    ("extensions", "async RL; MoE; supports; advantages",
+     ["staleness", "moe", "supports", "advantages"]),
     ("surfaces", "public names of the core only",
      ["compat", "integrations", "diagnose", "demo", "diffusion", "monitor", "presets_cli"]),
     ("command", "rollout-correction <sub-command>", ["cli"]),

@@ -12,7 +12,8 @@ from ._src.packed import compute_rollout_correction_packed
 from ._src.segments import max_runs, segment_ids_from_mask
 from ._src.validation import ShapeMismatchError
 
-__version__ = "0.1.0"
+#: The one source of the version: pyproject.toml reads it, CHANGELOG.md names it (docs/api.md).
+__version__ = "0.2.0"
 
 __all__ = [
     "RolloutCorrectionConfig",

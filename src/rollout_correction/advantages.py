@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple, Optional, Union
 
 import torch
 
-from ._src.constants import METRIC_PREFIX
+from rollout_correction import METRIC_PREFIX
 
 __all__ = ["GroupAdvantages", "accepted_rows", "group_advantages", "grpo_advantages", "rloo_advantages"]
 

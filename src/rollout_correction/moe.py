@@ -14,7 +14,8 @@ Both go through the same two context managers, :func:`record_routing` and
 :func:`replay_routing`, on any Hugging Face ``transformers`` model whose routers follow the
 library's top-k router convention (Mixtral, Qwen3-MoE, OLMoE; a router module with ``top_k`` and a
 ``(num_experts, hidden)`` ``weight`` whose forward returns ``(router_logits, router_scores,
-router_indices)``), with
+router_indices)``). Routers are found by that structure and the model's config (its expert count,
+``num_experts_per_tok`` and ``hidden_size`` where it names them), never by class name, with
 
     p = softmax(router_logits)                 (in fp32)
     I = top-k(p),  sᵢ = p_i  for i ∈ I,         sᵢ ← sᵢ / Σ_{j∈I} p_j  when the architecture renormalises
@@ -40,9 +41,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from ._src.constants import METRIC_PREFIX
-from ._src.stats import SufficientStats, safe_div
-from ._src.validation import ShapeMismatchError
+from rollout_correction import METRIC_PREFIX, ShapeMismatchError
+from rollout_correction.reductions import SufficientStats, safe_div
 
 __all__ = ["RoutingRecord", "RecordingHandle", "Router", "find_routers", "record_routing", "replay_routing",
            "gate_weights", "routing_agreement", "routing_mask_from_response", "UnsupportedModelError",
@@ -260,10 +260,29 @@ def _model_name(model: torch.nn.Module) -> str:
     return f"{type(model).__name__}" + (f" (model_type {kind!r})" if kind else "")
 
 
-def _candidate(module: torch.nn.Module) -> bool:
-    w = getattr(module, "weight", None)
-    return ("Router" in type(module).__name__ and isinstance(getattr(module, "top_k", None), int)
-            and isinstance(w, torch.Tensor) and w.dim() == 2)
+#: The model-config fields transformers' MoE configs name the expert count, top-k and width with.
+_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _config_shape(model: torch.nn.Module) -> tuple[Optional[int], Optional[int], Optional[int]]:
+    """(experts, top-k, hidden size) from the model's config (``model.config``), None where absent."""
+    config = getattr(model, "config", None)
+    experts = next((v for k in _EXPERTS_KEYS if isinstance(v := getattr(config, k, None), int)), None)
+    top_k, hidden = getattr(config, "num_experts_per_tok", None), getattr(config, "hidden_size", None)
+    return experts, top_k if isinstance(top_k, int) else None, hidden if isinstance(hidden, int) else None
+
+
+def _candidate(module: torch.nn.Module, shape: tuple[Optional[int], Optional[int], Optional[int]]) -> bool:
+    """A router by structure, whatever its class is called: an int ``top_k`` and a 2-D ``weight``
+    of (experts, hidden) with more experts than ``top_k``; where the model's config names the
+    expert count, top-k or width, the module must agree with them. The probe of
+    :func:`_renormalizes` then checks what it computes."""
+    w, top_k = getattr(module, "weight", None), getattr(module, "top_k", None)
+    if not (isinstance(top_k, int) and not isinstance(top_k, bool) and isinstance(w, torch.Tensor) and w.dim() == 2):
+        return False
+    experts, k, hidden = shape
+    return (w.shape[0] > top_k and (experts is None or w.shape[0] == experts) and (k is None or top_k == k)
+            and (hidden is None or w.shape[1] == hidden))
 
 
 @torch.no_grad()
@@ -304,7 +323,8 @@ def find_routers(model: torch.nn.Module) -> list[Router]:
     """The model's routers in forward order (their order among the modules), each checked against
     the top-k router convention (once per module); raises :class:`UnsupportedModelError` naming the
     model otherwise."""
-    found = [(name, m) for name, m in model.named_modules() if _candidate(m)]
+    shape = _config_shape(model)
+    found = [(name, m) for name, m in model.named_modules() if _candidate(m, shape)]
     if not found:
         raise UnsupportedModelError(
             f"{_model_name(model)} has no top-k router modules; routing record/replay supports Hugging Face "

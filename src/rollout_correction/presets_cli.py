@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._src.config import RolloutCorrectionConfig
+from rollout_correction import RolloutCorrectionConfig
 
 
 #: Columns of :func:`preset_rows`.

@@ -38,11 +38,8 @@ from typing import Literal, NamedTuple, Optional, Union
 
 import torch
 
-from ._src.config import RolloutCorrectionConfig, as_config
-from ._src.constants import METRIC_PREFIX
-from ._src.correction import compute_rollout_correction
-from ._src.losses import compute_policy_loss
-from ._src.metrics import compute_offpolicy_metrics
+from rollout_correction import (METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_offpolicy_metrics,
+                                compute_policy_loss, compute_rollout_correction)
 
 __all__ = ["staleness_lag", "max_staleness_mask", "staleness_metrics", "proximal_log_prob_from_versions",
            "compute_staleness_policy_loss", "off_policy_span", "OffPolicyControl", "max_off_policy_control",

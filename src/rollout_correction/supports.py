@@ -34,7 +34,7 @@ from typing import Literal, NamedTuple, Optional, Union
 
 import torch
 
-from ._src.constants import METRIC_PREFIX
+from rollout_correction import METRIC_PREFIX
 
 __all__ = [
     "SupportLogProbs",

@@ -8,10 +8,10 @@ collectives), and derives the batch-normalisation factor and all metrics from th
 from __future__ import annotations
 
 import functools
-import types
 import warnings
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
@@ -219,17 +219,26 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     return weights, keep, stats
 
 
-_COMPILED: dict[RolloutCorrectionConfig, Callable] = {}
+#: How many compiled per-token passes are kept, one per config, the least recently used dropped first.
+#: All of them compile the same function (no copy of its code), so torch's own limit on the
+#: recompilations of one function applies too (``recompile_limit`` of ``torch._dynamo.config``, 8 by
+#: default, counting configs and input shapes alike): past it, torch runs the pass of a further config
+#: eagerly, with its warning, and the results are the same.
+COMPILE_CACHE_SIZE = 8
+_COMPILED: "OrderedDict[RolloutCorrectionConfig, Callable]" = OrderedDict()
 
 
 def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
-    """A compiled per-token pass for ``config``: torch.compile caches per code object, with a limit
-    on recompilations, so each config gets its own copy of the code (many configs never exhaust it)."""
-    fn = _COMPILED.get(config)
+    """The compiled per-token pass for ``config`` (:data:`COMPILE_CACHE_SIZE`)."""
+    fn = _COMPILED.pop(config, None)
     if fn is None:
-        code = _local_pass.__code__.replace(co_name=f"_local_pass_{len(_COMPILED)}")
-        local = types.FunctionType(code, _local_pass.__globals__, code.co_name, (config,))  # config as default
-        fn = _COMPILED[config] = torch.compile(local)
+        def local(old_log_prob, rollout_log_prob, response_mask, segment_ids, max_segments):
+            return _local_pass(old_log_prob, rollout_log_prob, response_mask, segment_ids, max_segments, config)
+
+        fn = torch.compile(local)
+    _COMPILED[config] = fn
+    while len(_COMPILED) > COMPILE_CACHE_SIZE:
+        _COMPILED.popitem(last=False)
     return fn
 
 
@@ -277,8 +286,9 @@ def compute_rollout_correction(
         config: a :class:`RolloutCorrectionConfig`; None means metrics only.
         process_group: a ``torch.distributed`` group over which the batch is split; batch
             normalisation and every metric then cover the whole batch (the single-process result).
-        compile: run the per-token pass through ``torch.compile`` (compiled once per config; same
-            results as eager; not with ``sequence_group``, which runs eagerly).
+        compile: run the per-token pass through ``torch.compile`` (compiled once per config and kept
+            for the :data:`COMPILE_CACHE_SIZE` most recent configs; same results as eager; not with
+            ``sequence_group``, which runs eagerly).
         sequence_group: a ``torch.distributed`` group over which every sequence is split
             (context parallelism: Megatron's ``mpu.get_context_parallel_group()``, or Ulysses).
             Each rank passes its own tokens of the same B rows in the same order, in any layout

@@ -55,8 +55,7 @@ import torch
 
 from .. import ConfigError, RolloutCorrectionConfig, compute_rollout_correction
 from .. import config_value as _get
-from .._src.packed import lengths_from_cu_seqlens, pack_index, to_padded
-from .._src.weights import bound_weights
+from ..primitives import bound_weights, lengths_from_cu_seqlens, pack_index, to_padded
 
 __all__ = ["RejectionSamplingResult", "apply_rejection_sampling", "correction_settings", "AREAL_DEFAULTS"]
 

@@ -56,11 +56,8 @@ from typing import Any, Optional
 import torch
 
 from .. import config_value as _get
-from .._src.config import ISSpec, RSOption
-from .._src.logratio import LogRatioBatch, log_ratio_batch
-from .._src.rejection import rejection_keep, token_divergence
-from .._src.segments import max_runs, segment_ids_from_mask, segment_sums
-from .._src.weights import bound_weights, importance_weights
+from ..primitives import (ISSpec, LogRatioBatch, RSOption, bound_weights, importance_weights, log_ratio_batch,
+                          max_runs, rejection_keep, segment_ids_from_mask, segment_sums, token_divergence)
 
 __all__ = ["compute_train_infer_correction", "compute_segment_masked_mean", "ROLL_AGG_TYPES"]
 

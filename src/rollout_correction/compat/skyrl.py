@@ -56,7 +56,7 @@ import torch
 
 from .. import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
 from .. import config_value as _get
-from .._src.vocab import SKYRL_KEYS
+from ..vocabulary import SKYRL_KEYS
 
 __all__ = ["off_policy_correction_enabled", "compute_tis_ratio", "compute_outlier_token_mask", "compute_token_mask",
            "compute_sequence_mask", "compute_off_policy_correction", "apply_off_policy_correction",

@@ -30,24 +30,20 @@ another group, or ``None`` for a purely local computation.
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from typing import Any, Optional
 
 import torch
 
 from .. import ConfigError, RolloutCorrectionConfig, as_config
 from .. import config_value as _get
-from .._src.constants import METRIC_PREFIX as PREFIX
-from .._src.constants import SAFETY_BOUND
-from .._src.correction import compute_rollout_correction
-from .._src.logratio import LogRatioBatch
-from .._src.metrics import compute_offpolicy_metrics as _offpolicy_metrics
-from .._src.metrics import engine_metrics
-from .._src.metrics import metrics_to_floats
-from .._src.config import RS_OPTIONS, RSOption
-from .._src.rejection import option_keep, rejection_keep, rs_metrics, rs_option_metrics
-from .._src.stats import SufficientStats
-from .._src.weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
+from rollout_correction import METRIC_PREFIX as PREFIX
+from rollout_correction import SAFETY_BOUND, compute_rollout_correction, engine_metrics, metrics_to_floats
+from rollout_correction import compute_offpolicy_metrics as _offpolicy_metrics
+from rollout_correction.primitives import (RS_OPTIONS, ISWeights, LogRatioBatch, RSOption, add_is_statistics,
+                                           batch_norm_factor, importance_weights, is_metrics, option_keep,
+                                           rejection_keep, rs_metrics, rs_option_metrics)
+from rollout_correction.reductions import SufficientStats
 
 __all__ = [
     "ConfigBlockError",
@@ -79,7 +75,7 @@ _AUTO = object()  # process_group default: WORLD when verl would all-reduce, els
 
 
 class RolloutISWeights:
-    """Holder returned in place of verl's ``DataProto`` when verl is not imported:
+    """Holder returned in place of verl's ``DataProto`` when verl is not installed:
     ``holder.batch["rollout_is_weights"]`` is the (B, T) weight tensor."""
 
     def __init__(self, weights: torch.Tensor) -> None:
@@ -113,12 +109,14 @@ def _threshold(value: Any) -> Any:
 
 
 def _weights_holder(weights: torch.Tensor) -> Any:
-    """verl's ``DataProto`` if the caller already imported verl (so ``batch.union`` works),
-    otherwise the light :class:`RolloutISWeights`."""
-    protocol = sys.modules.get("verl.protocol")
-    if protocol is not None and hasattr(protocol, "DataProto"):
-        return protocol.DataProto.from_dict(tensors={"rollout_is_weights": weights})
-    return RolloutISWeights(weights)
+    """verl's ``DataProto`` when verl is installed (what verl's callers ``union`` into the batch),
+    otherwise the light :class:`RolloutISWeights`: the type depends on the installation, never on
+    what the caller imported before. A verl that is installed but fails to import raises."""
+    if importlib.util.find_spec("verl") is None:
+        return RolloutISWeights(weights)
+    from verl.protocol import DataProto
+
+    return DataProto.from_dict(tensors={"rollout_is_weights": weights})
 
 
 def _resolve_group(process_group: Any, batch_normalize: bool) -> Optional[object]:
@@ -368,7 +366,7 @@ def compute_offpolicy_metrics(
     """Off-policy diagnostics without prefix: ``training_ppl``, ``training_log_ppl`` and, with
     rollout log-probs, ``kl``, ``k3_kl``, ``rollout_ppl``, ``rollout_log_ppl``, ``log_ppl_diff``,
     ``log_ppl_abs_diff``, ``log_ppl_diff_max``, ``log_ppl_diff_min``, ``ppl_ratio``,
-    ``chi2_token``, ``chi2_seq`` (see :mod:`rollout_correction._src.metrics` for the formulas)."""
+    ``chi2_token``, ``chi2_seq`` (the metric reference in README.md has the formulas)."""
     if rollout_log_prob is None:
         metrics = _unprefix(metrics_to_floats(_offpolicy_metrics(old_log_prob, old_log_prob, response_mask)))
         return {k: metrics[k] for k in ("training_ppl", "training_log_ppl")}

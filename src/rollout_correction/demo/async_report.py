@@ -282,4 +282,6 @@ def print_table(summary: dict, console) -> None:
         table.add_column(col)
     for row in table_rows(summary):
         table.add_row(*row)
-    console.print(table)
+    from rollout_correction.demo.report import print_unwrapped
+
+    print_unwrapped(console, table)

@@ -117,7 +117,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rollout_correction.demo.report import print_table, write_report
+    from rollout_correction.demo.report import print_table, print_unwrapped, write_report
+    from rollout_correction.demo.results import provenance
     from rollout_correction.demo.runner import run_experiment
 
     console = Console()
@@ -135,14 +136,15 @@ def run(args: argparse.Namespace) -> int:
     if args.async_mode:
         return run_async(args, cfg, console, command)
     n_runs = len(cfg.methods) * len(cfg.seeds)
-    console.print(f"[bold]rollout-correction demo[/bold] — scenario {cfg.scenario}: {n_runs} runs "
+    print_unwrapped(console, f"[bold]rollout-correction demo[/bold] — scenario {cfg.scenario}: {n_runs} runs "
                   f"({len(cfg.methods)} methods × {len(cfg.seeds)} seeds), {cfg.steps} GRPO steps each, "
                   f"engine {cfg.precision}/{cfg.quant}/lag {cfg.lag}, {cfg.workers} worker(s)")
     t0 = time.perf_counter()
-    raw = run_experiment(cfg, show_progress=not args.no_progress, resume=args.resume)
-    summary = write_report(cfg, raw, Path(cfg.out), command)
+    prov = provenance(command, cfg.workers, cfg.threads)
+    raw = run_experiment(cfg, show_progress=not args.no_progress, resume=args.resume, provenance=prov)
+    summary = write_report(cfg, raw, Path(cfg.out), command, prov)
     print_table(summary, console)
-    console.print(f"report: {Path(cfg.out) / 'report.md'}  ({time.perf_counter() - t0:.0f} s)")
+    print_unwrapped(console, f"report: {Path(cfg.out) / 'report.md'}  ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 

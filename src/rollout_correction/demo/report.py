@@ -3,21 +3,27 @@
 Per method and seed the summary keeps the trainer's final and best greedy exact match, the
 rollout engine's, the mismatch KL(π_rollout‖π_old) at the start and the end, whether the run
 collapsed and its wall time; ``methods.png`` compares the methods side by side. A run *collapsed* when its final exact match is below half of its best.
-The *checks* are the demonstration's claims, each with its numbers:
+Every per-method figure has its 95 % interval over seeds (``demo/results.py``) and the summary
+names the methods tied with the best (intervals overlapping the best's). ``summary.json`` carries
+the provenance: commit, torch, CPU, workers × threads, date and command.
+The *checks* are the demonstration's claims, each with its numbers, judged on the intervals when
+there are two or more seeds:
 
-* naive PPO ends ≥ 0.3 below the on-policy reference (or collapses on most seeds);
+* naive PPO ends ≥ 0.3 below the on-policy reference, its interval wholly below on-policy's (or it
+  collapses on most seeds);
 * its mismatch KL rises ≥ 5× from the first to the last tenth of training;
-* the best correction beats naive by ≥ 0.2 and ends within 0.1 of on-policy.
+* the best correction beats naive by ≥ 0.2, its interval wholly above naive's, and ends within 0.1
+  of on-policy or tied with it (overlapping intervals).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 from pathlib import Path
 
 from rollout_correction.demo.config import METHODS, DemoConfig
+from rollout_correction.demo.results import interval, provenance, tied_with_best
 
 COLLAPSE_FRACTION = 0.5
 
@@ -111,14 +117,24 @@ def summarize_run(r: dict, sft_reward: float) -> dict:
 
 
 def _stats(xs):
-    """Mean and sample standard deviation (n − 1 denominator; 0 for a single seed) of the finite values."""
-    xs = [x for x in xs if math.isfinite(x)]
-    if not xs:
-        return {"mean": float("nan"), "std": float("nan")}
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
+    """Mean, sample standard deviation (n − 1 denominator; 0 for a single seed), n and the 95 %
+    interval over seeds (None for a single seed) of the finite values."""
+    return interval(xs)
 
 
-def summarize(cfg: DemoConfig, raw: dict) -> dict:
+def run_provenance(raw: dict) -> list[dict]:
+    """The distinct (commit, dirty, torch, Python, CPU, threads) the runs were measured with, each
+    with its run count (a run resumed from an earlier invocation keeps that invocation's)."""
+    keys = ("commit", "dirty", "torch", "python", "cpu", "threads")
+    groups: dict[tuple, dict] = {}
+    for r in raw["results"]:
+        p = r.get("provenance") or {}
+        k = tuple(p.get(x) for x in keys)
+        groups.setdefault(k, {**dict(zip(keys, k)), "runs": 0})["runs"] += 1
+    return list(groups.values())
+
+
+def summarize(cfg: DemoConfig, raw: dict, command: str = "", prov: dict | None = None) -> dict:
     runs = [summarize_run(r, raw["sft_reward"][r["seed"]]) for r in raw["results"]]
     per_method = {}
     for m in cfg.methods:
@@ -137,8 +153,13 @@ def summarize(cfg: DemoConfig, raw: dict) -> dict:
             "runs": len(rs),
             "seconds": _stats([r["seconds"] for r in rs]),
         }
+    measured = run_provenance(raw)
     return {
+        "provenance": prov if prov is not None else provenance(command, cfg.workers, cfg.threads),
+        "run_provenance": measured,
+        "mixed_provenance": len(measured) > 1,
         "config": cfg.to_dict(),
+        "tied_with_best": tied_with_best({m: s["final_reward"] for m, s in per_method.items()}),
         "sft_reward": {str(k): v for k, v in raw["sft_reward"].items()},
         "seconds": {**raw["seconds"], "run_cpu_total": sum(r["cpu_seconds"] for r in runs)},
         "resumed": raw.get("resumed", 0),
@@ -148,33 +169,50 @@ def summarize(cfg: DemoConfig, raw: dict) -> dict:
     }
 
 
+def below(a: dict, b: dict) -> bool | None:
+    """Whether interval ``a`` lies wholly below interval ``b`` (None without intervals: one seed)."""
+    if a.get("ci") is None or b.get("ci") is None:
+        return None
+    return bool(a["ci"][1] < b["ci"][0])
+
+
 def checks(per_method: dict) -> dict:
-    """The demonstration's claims, evaluated on the mean over seeds (None: a method is missing)."""
+    """The demonstration's claims: the thresholds on the means over seeds and, with two or more
+    seeds, the separations on the 95 % intervals (``judged_on`` says which)."""
     if "on_policy" not in per_method or "naive" not in per_method:
         return {"available": False, "reason": "needs the on_policy and naive methods"}
-    on = per_method["on_policy"]["final_reward"]["mean"]
+    on_s = per_method["on_policy"]["final_reward"]
+    on = on_s["mean"]
     nv = per_method["naive"]
     gap = on - nv["final_reward"]["mean"]
     naive_collapsed = nv["collapsed"] * 2 > nv["runs"]
+    separated = below(nv["final_reward"], on_s)
     out = {
         "available": True,
+        "judged_on": "means and 95 % intervals" if separated is not None else "means (one seed: no interval)",
         "on_policy_final": on,
         "naive_final": nv["final_reward"]["mean"],
         "naive_gap": gap,
-        "naive_degrades": bool(gap >= 0.3 or naive_collapsed),
+        "naive_below_on_policy_interval": separated,
+        "naive_degrades": bool((gap >= 0.3 and separated is not False) or naive_collapsed),
         "naive_kl_growth": nv["kl_growth"],
         "naive_kl_rises_5x": bool(nv["kl_growth"] >= 5.0),
     }
     corrections = [m for m in per_method if METHODS[m].preset is not None]
     if corrections:
         best = max(corrections, key=lambda m: per_method[m]["final_reward"]["mean"])
-        b = per_method[best]["final_reward"]["mean"]
+        b_s = per_method[best]["final_reward"]
+        b = b_s["mean"]
+        above_naive = below(nv["final_reward"], b_s)
+        tied_on = below(b_s, on_s) is False if b_s.get("ci") is not None and on_s.get("ci") is not None else False
         out.update({
             "best_correction": best,
             "best_correction_final": b,
             "best_minus_naive": b - nv["final_reward"]["mean"],
-            "best_beats_naive_by_0.2": bool(b - nv["final_reward"]["mean"] >= 0.2),
-            "best_within_0.1_of_on_policy": bool(on - b <= 0.1),
+            "best_above_naive_interval": above_naive,
+            "best_beats_naive_by_0.2": bool(b - nv["final_reward"]["mean"] >= 0.2 and above_naive is not False),
+            "best_tied_with_on_policy": tied_on,
+            "best_within_0.1_of_on_policy": bool(on - b <= 0.1 or tied_on),
         })
     keys = ["naive_degrades", "naive_kl_rises_5x", "best_beats_naive_by_0.2", "best_within_0.1_of_on_policy"]
     out["all_hold"] = all(out.get(k, False) for k in keys)
@@ -309,6 +347,20 @@ def _pm(s: dict) -> str:
     return f"{s['mean']:.2f} ± {s['std']:.2f}"
 
 
+def _ci(s: dict) -> str:
+    """Mean and 95 % interval over seeds, "0.87 [0.82, 0.92]" (the mean alone from one seed)."""
+    if s.get("ci") is None:
+        return f"{s['mean']:.2f}"
+    return f"{s['mean']:.2f} [{s['ci'][0]:.2f}, {s['ci'][1]:.2f}]"
+
+
+def _tie(summary: dict, method: str) -> str:
+    tied = summary.get("tied_with_best")
+    if tied is None:
+        return "n/a"
+    return "yes" if method in tied else "—"
+
+
 def _secs(x: float) -> str:
     return f"{x:.1f}" if x < 10 else f"{x:.0f}"
 
@@ -321,16 +373,16 @@ def table_rows(summary: dict) -> list[list[str]]:
     rows = []
     for m, s in summary["methods"].items():
         rows.append([
-            s["label"], s["preset"] or "—", _pm(s["final_reward"]), _pm(s["best_reward"]),
+            s["label"], s["preset"] or "—", _ci(s["final_reward"]), _tie(summary, m), _pm(s["best_reward"]),
             _pm(s["final_engine_reward"]), f"{_kl(s['initial_mismatch_kl'])} → {_kl(s['final_mismatch_kl'])}",
             f"{s['collapsed']}/{s['runs']}", _secs(s["seconds"]["mean"]),
         ])
     return rows
 
 
-TABLE_HEADER = ["method", "preset", "trainer final", "trainer best", "engine final", "mismatch KL first → last",
-                "collapsed", "wall s / run"]
-_TERMINAL_COLUMNS = (0, 2, 3, 4, 5, 6, 7)
+TABLE_HEADER = ["method", "preset", "trainer final [95 % CI]", "tied with best", "trainer best", "engine final",
+                "mismatch KL first → last", "collapsed", "wall s / run"]
+_TERMINAL_COLUMNS = (0, 2, 3, 4, 5, 6, 7, 8)
 
 
 def _above_below(diff: float) -> str:
@@ -359,6 +411,10 @@ def checks_text(c: dict) -> list[str]:
             f"- …and ends within 0.1 of on-policy: {yn(c['best_within_0.1_of_on_policy'])} — "
             f"{_above_below(c['best_correction_final'] - c['on_policy_final'])}.",
         ]
+    if c.get("judged_on"):
+        lines.append(f"Judged on {c['judged_on']}" + (
+            "" if c["judged_on"].startswith("means (") else
+            " (a drop or a gain counts only where the intervals are apart; overlapping intervals are a tie)") + ".")
     lines.append("All claims hold." if c["all_hold"] else "**Not every claim holds in this run; see above.**")
     return lines
 
@@ -378,8 +434,15 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
         lines += [f"{summary['resumed']} of {len(summary['runs'])} runs were reused from `runs/` (`--resume`); "
                   "the wall time covers only this invocation.", ""]
     lines += [
+        provenance_line(summary["provenance"]), "",
+        *([f"**Mixed provenance:** the runs come from {len(summary['run_provenance'])} different commits, "
+           "machines or settings (`run_provenance` in summary.json); do not compare their rows as one "
+           "measurement.", ""] if summary["mixed_provenance"] else []),
         "Rewards are greedy exact match on a fixed set of "
-        f"{cfg.eval_prompts} held-out prompts, mean ± sample standard deviation (n − 1) over seeds; *trainer* is the fp32 policy being "
+        f"{cfg.eval_prompts} held-out prompts. *Trainer final* is the mean over seeds with its 95 % Student-t "
+        "interval (one seed: no interval); *tied with best*: the interval overlaps the interval of the highest "
+        "mean (methods inside a tie are not ranked); the other columns are mean ± sample standard deviation "
+        "(n − 1) over seeds. *Trainer* is the fp32 policy being "
         "trained, *engine* its rollout copy. Mismatch KL is the k1 estimate of KL(π_rollout ‖ π_old) per "
         "token over the first and last tenth of training. A run collapsed if its final exact match is below "
         "half of its best.", "",
@@ -399,6 +462,13 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
     lines += ["", "## Plots", ""]
     lines += [f"![{f[:-4]}]({f})" for f in files]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def provenance_line(p: dict) -> str:
+    """One sentence: the commit, machine, threads, date and command of a result."""
+    commit = (p["commit"] or "no git checkout")[:12] + (" with uncommitted changes" if p.get("dirty") else "")
+    return (f"Commit {commit}; torch {p['torch']}, Python {p['python']}; {p['cpu']} ({p['logical_cpus']} logical "
+            f"CPUs), {p['workers']} worker(s) × {p['threads']} thread(s); {p['date']}; `{p['command']}`.")
 
 
 def health_lines(cfg: DemoConfig, summary: dict) -> list[str]:
@@ -432,18 +502,37 @@ def _per_seed_table(cfg: DemoConfig, summary: dict, header: str, cell) -> list[s
 
 
 def print_table(summary: dict, console=None) -> None:
+    """The summary table and the checks. In a log (not a terminal: a pipe, ``tee``, CI) nothing is
+    wrapped or cut: the table takes the width it needs and each line stays one line."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title="greedy exact match, mean ± sample std (n − 1) over seeds")
+    table = Table(title="greedy exact match: final mean [95 % interval] over seeds; other columns mean ± sample "
+                        "std (n − 1)")
     for i in _TERMINAL_COLUMNS:
-        table.add_column(TABLE_HEADER[i], justify="left" if i == 0 else "right")
+        table.add_column(TABLE_HEADER[i], justify="left" if i == 0 else "right", no_wrap=i == 0)
     for r in table_rows(summary):
         table.add_row(*(r[i] for i in _TERMINAL_COLUMNS))
-    console.print(table)
+    print_unwrapped(console, table)
     for line in checks_text(summary["checks"]):
-        console.print(line.replace("**", ""))
+        print_unwrapped(console, line.replace("**", ""))
+
+
+def print_unwrapped(console, renderable) -> None:
+    """Print in full width when the console is not a terminal (rich assumes 80 columns there)."""
+    if console.is_terminal:
+        console.print(renderable)
+    elif isinstance(renderable, str):
+        console.print(renderable, soft_wrap=True)
+    else:
+        need = console.measure(renderable, options=console.options.update_width(1000)).maximum
+        width = console.width
+        console.width = max(width, need)
+        try:
+            console.print(renderable)
+        finally:
+            console.width = width
 
 
 def _finite_or_null(x):
@@ -457,9 +546,9 @@ def _finite_or_null(x):
     return x
 
 
-def write_report(cfg: DemoConfig, raw: dict, out_dir: Path, command: str) -> dict:
+def write_report(cfg: DemoConfig, raw: dict, out_dir: Path, command: str, prov: dict | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = summarize(cfg, raw)
+    summary = summarize(cfg, raw, command, prov)
     summary["routing"] = routing_summary(cfg, raw)
     (out_dir / "summary.json").write_text(json.dumps(_finite_or_null(summary), indent=2, allow_nan=False))
     files = plot_all(cfg, raw, out_dir)

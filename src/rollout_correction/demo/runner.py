@@ -48,7 +48,8 @@ def _run_path(cfg: DemoConfig, method: str, seed: int) -> Path:
 
 
 def _save_run(cfg: DemoConfig, result: dict) -> None:
-    """Keep each finished run in ``<out>/runs/`` so a long experiment is never lost."""
+    """Keep each finished run in ``<out>/runs/`` so a long experiment is never lost (with the
+    provenance of the invocation that ran it, when it has one)."""
     path = _run_path(cfg, result["method"], result["seed"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**result, "settings": _run_key(cfg)}))
@@ -63,11 +64,14 @@ def _load_run(cfg: DemoConfig, method: str, seed: int) -> dict | None:
     return data if data.get("settings") == _run_key(cfg) else None
 
 
-def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = False) -> dict:
+def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = False,
+                   provenance: dict | None = None) -> dict:
     """SFT per seed, then every method × seed; returns the raw results and timings.
 
-    With ``resume``, runs already saved in ``<out>/runs/`` with the same settings are reused.
+    With ``resume``, runs already saved in ``<out>/runs/`` with the same settings are reused; each
+    run keeps the ``provenance`` (``demo/results.py``) of the invocation that ran it.
     """
+    stamp = {"provenance": provenance} if provenance is not None else {}
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     t0 = time.perf_counter()
@@ -90,7 +94,7 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = F
             results = list(done.values())
             for m, s in todo:
                 r = train(cfg, m, s, sft_out[s][0], progress=lambda n, key=(m, s): bars.advance(run_bars[key], n))
-                results.append(r.to_dict())
+                results.append({**r.to_dict(), **stamp})
                 _save_run(cfg, results[-1])
         else:
             ctx = mp.get_context("spawn")
@@ -110,9 +114,9 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = F
                     _drain(q, bars, run_bars, timeout=0.2)
                     for f in [f for f in pending if f.done()]:
                         pending.discard(f)
-                        _save_run(cfg, f.result())
+                        _save_run(cfg, {**f.result(), **stamp})
                 _drain(q, bars, run_bars, timeout=0.0)
-                results = list(done.values()) + [f.result() for f in futures]
+                results = list(done.values()) + [{**f.result(), **stamp} for f in futures]
     order = {j: i for i, j in enumerate(jobs)}
     results.sort(key=lambda r: order[(r["method"], r["seed"])])
     return {

@@ -23,8 +23,7 @@ import torch
 
 from rollout_correction import (METRIC_PREFIX, SAFETY_BOUND, CorrectionAccumulator, OffPolicyAccumulator, RolloutCorrectionConfig,
                                 metrics_to_floats)
-from rollout_correction._src.alignment import AlignmentReport, alignment_report, alignment_statistics
-from rollout_correction._src.logratio import log_ratio_batch
+from rollout_correction.primitives import AlignmentReport, alignment_report, alignment_statistics, log_ratio_batch
 
 from .histograms import AdaptiveLinearHistogram, Histogram, KeyedSums, symlog_edges
 from .readers import Chunk

@@ -73,7 +73,7 @@ Context parallelism (``--context-parallel-size`` > 1): slime passes each rank's 
 log-probs (the response positions whose logits fall in the rank's two zig-zag chunks, see
 :func:`cp_response_ranges`) with full-length loss masks. The function then reduces every
 per-sample quantity over Megatron's context-parallel group with one all-gather of a few scalars
-per sample (see :mod:`rollout_correction._src.sequence_group`), so weights, masks and metrics are
+per sample (see :class:`rollout_correction.reductions.RowExchange`), so weights, masks and metrics are
 those of the whole responses; ``pg_loss`` and the metrics cover this rank's tokens, the returned
 loss masks are full length, exact on this rank's positions (the ones slime's reducer reads) and
 carrying the sample-level decisions elsewhere.
@@ -82,17 +82,18 @@ carrying the sample-level decisions elsewhere.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from rollout_correction import METRIC_PREFIX, RolloutCorrectionConfig
 from rollout_correction import config_value
-from rollout_correction._src.constants import SAFETY_BOUND
-from rollout_correction._src.correction import correction_pass
-from rollout_correction._src.sequence_group import RowExchange
+from rollout_correction import SAFETY_BOUND
+from rollout_correction.primitives import correction_pass
+from rollout_correction.reductions import RowExchange
 
-__all__ = ["DUMP_KEY", "SlimeOptions", "options_from_args", "config_from_slime_args", "tis_function"]
+__all__ = ["DUMP_KEY", "SlimeOptions", "options_from_args", "config_from_slime_args", "tis_function",
+           "make_tis_function"]
 
 _LEVEL_TO_RS_OPTION = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 _LEVELS = tuple(_LEVEL_TO_RS_OPTION)
@@ -411,9 +412,12 @@ def tis_function(
     loss_masks: list[torch.Tensor],
     total_lengths: Optional[list[int]] = None,
     response_lengths: Optional[list[int]] = None,
+    monitor: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
     """slime's custom TIS hook: returns (pg_loss · w, modified loss masks, per-token metrics).
+    ``monitor``: a :class:`~rollout_correction.monitor.HealthMonitor` fed once per call (slime does
+    not pass one; :func:`make_tis_function` binds it).
 
     Args:
         args: slime's argument namespace (options above; ``context_parallel_size``).
@@ -465,11 +469,12 @@ def tis_function(
             weights, new_mask, row_keep, per_token = _tis_pass(opts, cfg, train, rollout, mask, rows)
             if new_mask is not None and opts.loss_denominator == "kept":  # whole samples: given, kept
                 counts = rows.sum(torch.stack([mask.sum(-1), new_mask.sum(-1)]))
-    from rollout_correction.monitor import active_monitor, observe  # beside the adapters, not below
+    from rollout_correction.monitor import active_monitor  # beside the adapters, not below
 
-    if active_monitor() is not None:  # feed the health monitor; its numbers go back as slime metrics
+    monitor = monitor if monitor is not None else active_monitor()  # the latter: deprecated since 0.2.0
+    if monitor is not None:  # feed the health monitor; its numbers go back as slime metrics
         batch = {k: v.reshape(-1)[0] for k, v in per_token.items() if k.startswith(METRIC_PREFIX) and v.numel()}
-        per_token.update({k: torch.full_like(train, x) for k, x in observe(batch).items()})
+        per_token.update({k: torch.full_like(train, x) for k, x in monitor.observe(batch).items()})
     metrics = {k: _unpad(torch.nan_to_num(v.float()), lengths) for k, v in per_token.items()}
     if weights is None:
         return pg_loss, list(loss_masks), metrics
@@ -490,3 +495,15 @@ def tis_function(
         weights = weights * (counts[0] / counts[1].clamp_min(1.0)).unsqueeze(-1)
     flat_weights = _unpad(weights, lengths).to(pg_loss.dtype)
     return pg_loss * flat_weights, modified, metrics
+
+
+def make_tis_function(monitor: Any) -> Callable[..., tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]]:
+    """:func:`tis_function` feeding ``monitor`` (a :class:`~rollout_correction.monitor.HealthMonitor`)
+    once per call, for slime's ``--custom-tis-function-path``: in a module of yours,
+    ``tis = make_tis_function(HealthMonitor())``, then ``--custom-tis-function-path your_module.tis``."""
+
+    def tis(args: Any, **kwargs: Any):
+        return tis_function(args, monitor=monitor, **kwargs)
+
+    tis.__doc__ = tis_function.__doc__
+    return tis

@@ -5,6 +5,9 @@ before a collapse.
     mon = HealthMonitor()
     alerts = mon.update(step, metrics)      # in the training loop, after each step
 
+Adapters whose engine owns the loop take the monitor explicitly (docs/monitoring.md); there is no
+process-wide monitor they feed on their own.
+
 See docs/monitoring.md for every rule's formula. ``HealthMonitorCallback`` (in
 ``rollout_correction.monitor.callback``) needs ``transformers``; the plot needs ``matplotlib``;
 reading TensorBoard event files needs ``tensorboard``.
@@ -12,6 +15,7 @@ reading TensorBoard event files needs ``tensorboard``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 from .monitor import HEALTH_PREFIX, METRIC_PREFIX, HealthMonitor, canonical_metrics
@@ -33,31 +37,32 @@ def plot_metrics(*args, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------
-# The process's active monitor: adapters whose engine owns the training loop (verl's driver, slime)
-# call ``observe`` with each step's metrics; it is a no-op until a monitor is set.
+# Deprecated since 0.2.0 (removed in 0.3.0): the process-wide "active" monitor. Adapters take their
+# monitor explicitly now (``monitor=`` of verl's batch step, ``health_monitor`` of the verl trainer,
+# ``make_tis_function(monitor)`` for slime); during the deprecation they still feed an active
+# monitor set here when none was given explicitly.
 
 _ACTIVE: Optional[HealthMonitor] = None
+_DEPRECATED = ("is deprecated since rollout-correction 0.2.0 and will be removed in 0.3.0: give the adapter "
+               "its monitor explicitly (docs/monitoring.md)")
 
 
 def set_active_monitor(monitor: Optional[HealthMonitor]) -> Optional[HealthMonitor]:
-    """Make ``monitor`` the one :func:`observe` feeds (None: stop); returns it."""
+    """Deprecated: make ``monitor`` the process-wide one the adapters feed when they were given none
+    (None: stop); returns it."""
     global _ACTIVE
+    warnings.warn(f"set_active_monitor {_DEPRECATED}", DeprecationWarning, stacklevel=2)
     _ACTIVE = monitor
     return monitor
 
 
 def active_monitor() -> Optional[HealthMonitor]:
+    """Deprecated: the monitor :func:`set_active_monitor` set, or None (no warning: adapters read it
+    during the deprecation; setting it warns)."""
     return _ACTIVE
 
 
 def observe(metrics: dict[str, Any], step: Optional[int] = None) -> dict[str, float]:
-    """Feed one step's metrics to the active monitor and return its ``rollout_corr/health/*``
-    numbers to log with them ({} when no monitor is active). ``step`` defaults to one after the
-    monitor's last step."""
-    mon = _ACTIVE
-    if mon is None:
-        return {}
-    if step is None:
-        step = mon.history[-1]["step"] + 1 if mon.history else 0
-    mon.update(step, metrics)
-    return mon.health_metrics()
+    """Deprecated: :meth:`HealthMonitor.observe` of the active monitor ({} when none is set)."""
+    warnings.warn(f"observe {_DEPRECATED}", DeprecationWarning, stacklevel=2)
+    return {} if _ACTIVE is None else _ACTIVE.observe(metrics, step)

@@ -149,6 +149,15 @@ class HealthMonitor:
         self.alerts.extend(new)
         return new
 
+    def observe(self, metrics: dict[str, Any], step: Optional[int] = None) -> dict[str, float]:
+        """:meth:`update` for a loop that does not count steps (an adapter's per-step hook): the step
+        defaults to one after the last recorded; returns :meth:`health_metrics` to log with the
+        metrics."""
+        if step is None:
+            step = self.history[-1]["step"] + 1 if self.history else 0
+        self.update(step, metrics)
+        return self.health_metrics()
+
     def health_metrics(self) -> dict[str, float]:
         """Numbers for a tracker: ``rollout_corr/health/<rule>`` (1 firing, 0 clear),
         ``…/status`` (0 healthy, 1 warning, 2 critical), ``…/alerts`` (raised so far)."""

@@ -125,7 +125,7 @@ from rollout_correction import (
     compute_policy_loss,
     compute_rollout_correction,
 )
-from rollout_correction._src.constants import SAFETY_BOUND
+from rollout_correction import SAFETY_BOUND
 
 __all__ = [
     "OPENRLHF_CORRECTION_TYPES",

@@ -57,7 +57,7 @@ from rollout_correction import METRIC_PREFIX, RolloutCorrectionConfig, as_config
 from rollout_correction import config_value as _get
 from rollout_correction import settings_dict
 from rollout_correction.advantages import group_advantages
-from rollout_correction._src.metrics import metrics_to_floats
+from rollout_correction import metrics_to_floats
 
 __all__ = [
     "LOSS_NAME",
@@ -69,6 +69,8 @@ __all__ = [
     "wire_trainer_config",
     "register",
     "registered",
+    "require_registration",
+    "REGISTRATION_ERROR",
     "BACKEND_KEY",
     "BACKEND_NAME",
     "BACKEND_METRIC",
@@ -91,18 +93,22 @@ def config_from_verl(cfg: Any) -> Optional[RolloutCorrectionConfig]:
     return None if cfg is None else as_config(cfg)
 
 
-def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any) -> tuple[Any, dict[str, float]]:
+def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any, *,
+                                                monitor: Any = None) -> tuple[Any, dict[str, float]]:
     """Replacement for verl's function of this name (decoupled mode).
 
     The batch step is :func:`rollout_correction.compat.verl.compute_rollout_correction_and_add_to_batch`
-    (one implementation: strict about unknown keys, honours every setting of the block); this
-    adds the health monitor's ``rollout_corr/health/*`` metrics when a monitor is active.
+    (one implementation: strict about unknown keys, honours every setting of the block). Given a
+    ``monitor`` (:class:`rollout_correction.monitor.HealthMonitor`), it feeds it the step's metrics
+    and adds its ``rollout_corr/health/*`` numbers; without one it feeds the deprecated
+    process-wide monitor if ``set_active_monitor`` set one, else nothing.
     """
     from rollout_correction.compat.verl import compute_rollout_correction_and_add_to_batch as batch_step
-    from rollout_correction.monitor import observe  # both sit beside the adapters, not below
+    from rollout_correction.monitor import active_monitor  # both sit beside the adapters, not below
 
     batch, metrics = batch_step(batch, rollout_corr_config)
-    return batch, {**metrics, **observe(metrics)}
+    monitor = monitor if monitor is not None else active_monitor()
+    return batch, ({**metrics, **monitor.observe(metrics)} if monitor is not None else metrics)
 
 
 def policy_loss(
@@ -456,7 +462,56 @@ def _backend_value(rollout_corr_config: Any) -> Any:
         return None
 
 
-try:  # verl imports this module in each of its processes (the package's verl.plugins entry point)
-    register()
-except ImportError:  # verl is not installed: the functions are usable on their own
-    pass
+#: Why the two names are not in verl's registries although verl is installed: the ``ImportError``
+#: raised while registering them on import (None when they were registered, or verl is absent).
+REGISTRATION_ERROR: Optional[ImportError] = None
+
+
+def _selected(config: Any) -> list[str]:
+    """``loss_mode=rollout_correction`` / ``adv_estimator=grpo_accepted`` where a verl config selects them."""
+    out = []
+    for path, name in (("actor_rollout_ref.actor.policy_loss.loss_mode", LOSS_NAME),
+                       ("algorithm.adv_estimator", ADV_ESTIMATOR_NAME)):
+        node = config
+        for key in path.split("."):
+            node = _get(node, key, None) if node is not None else None
+        if node is not None and str(node) == name:
+            out.append(f"{path}={name}")
+    return out
+
+
+def require_registration(config: Any) -> None:
+    """Raise where a verl config selects this library's loss or estimator but registering them
+    failed when verl loaded this plugin (the cause chained): verl would otherwise fail later, in
+    its workers, with "Unsupported loss mode"."""
+    chosen = _selected(config)
+    if REGISTRATION_ERROR is not None and chosen:
+        raise RuntimeError(
+            f"{', '.join(chosen)} selects rollout-correction's names, but registering them in verl's registries "
+            f"failed when this plugin was imported: {type(REGISTRATION_ERROR).__name__}: {REGISTRATION_ERROR}. "
+            "verl is installed but part of it (or of what it imports) cannot be imported; fix that installation "
+            "(the cause is chained below)") from REGISTRATION_ERROR
+
+
+def _register_on_import() -> None:
+    """verl imports this module in each of its processes (the package's ``verl.plugins`` entry
+    point) and hides a plugin's exceptions at debug level: silent only when verl is not installed;
+    any other import failure is logged here, with its cause, and raised by
+    :func:`require_registration` where a config selects the loss."""
+    global REGISTRATION_ERROR
+    import importlib.util
+    import logging
+
+    if importlib.util.find_spec("verl") is None:
+        return  # verl is not installed: the functions are usable on their own
+    try:
+        register()
+    except ImportError as exc:
+        REGISTRATION_ERROR = exc
+        logging.getLogger(__name__).error(
+            "rollout_correction: verl is installed, but registering loss_mode=%r and adv_estimator=%r in its "
+            "registries failed (%s: %s); a config that selects them will fail", LOSS_NAME, ADV_ESTIMATOR_NAME,
+            type(exc).__name__, exc, exc_info=exc)
+
+
+_register_on_import()

@@ -30,7 +30,8 @@ import ray
 from omegaconf import OmegaConf, open_dict
 from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
 
-from . import BACKEND_KEY, ENTRY_POINT, backend_requested, check_trainer_config, refuse_keys_verls_step_ignores
+from . import (BACKEND_KEY, ENTRY_POINT, backend_requested, check_trainer_config, refuse_keys_verls_step_ignores,
+               require_registration)
 
 __all__ = ["CONFIG_DIR", "CONFIG_NAME", "RolloutCorrectionTaskRunner", "compose", "main", "task_runner_class"]
 
@@ -39,7 +40,15 @@ CONFIG_NAME = "rollout_correction_ppo_trainer"
 
 
 class RolloutCorrectionTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):
-    """verl's ``TaskRunnerV1`` whose trainer is :func:`~.trainer.trainer_class` of the configured mode."""
+    """verl's ``TaskRunnerV1`` whose trainer is :func:`~.trainer.trainer_class` of the configured mode.
+
+    To watch training health, subclass it and return a monitor from :meth:`health_monitor`; the
+    trainer's correction step feeds it once per step (docs/monitoring.md)."""
+
+    def health_monitor(self, config: Any) -> Any:
+        """The :class:`~rollout_correction.monitor.HealthMonitor` the trainer's correction step feeds
+        (None, the default: no monitor). Called once in the TaskRunner process, before training."""
+        return None
 
     def run(self, config: Any) -> None:
         # verl 0.9.1's TaskRunnerV1.run, with the trainer class this library's subclass
@@ -58,6 +67,7 @@ class RolloutCorrectionTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):
         succeeded = False
         try:
             self.trainer = trainer_cls(config=config)
+            self.trainer.health_monitor = self.health_monitor(config)
             self.trainer.init()
             self.init_agent_loop_manager()
             self.trainer.fit(self.agent_loop_manager)
@@ -87,7 +97,10 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 def task_runner_class(config: Any) -> Any:
     """Read and remove ``algorithm.rollout_correction.backend``, check the config, and return the
     TaskRunner actor class to hand to verl's ``run_ppo``: :data:`RolloutCorrectionTaskRunner`, or
-    verl's own (``backend=verl``, or the legacy trainer in bypass mode, where no step runs)."""
+    verl's own (``backend=verl``, or the legacy trainer in bypass mode, where no step runs). A config
+    selecting this library's loss or estimator when registering them failed raises here
+    (:func:`~rollout_correction.integrations.verl.require_registration`)."""
+    require_registration(config)
     block = config.algorithm.get("rollout_correction", None)
     ours = True
     if block is not None:

@@ -44,6 +44,9 @@ class RolloutCorrectionTrainerMixin:
     """Put before a verl V1 ``PPOTrainer`` subclass: its decoupled correction step is this library's."""
 
     config: Any
+    #: The :class:`~rollout_correction.monitor.HealthMonitor` the correction step feeds once per
+    #: training step (None: none). ``RolloutCorrectionTaskRunnerV1.health_monitor`` sets it.
+    health_monitor: Any = None
 
     def rollout_correction_step(self, data: Any) -> tuple[Any, dict[str, float]]:
         """This library's correction step on the trainer's ``DataProto`` (decoupled mode).
@@ -62,7 +65,7 @@ class RolloutCorrectionTrainerMixin:
                             rollout_log_probs=data.batch["rollout_log_probs"],
                             response_mask=data.batch["response_mask"], rank=None)
         block = _block_settings(self.config.algorithm.rollout_correction)
-        data, metrics = compute_rollout_correction_and_add_to_batch(data, block)
+        data, metrics = compute_rollout_correction_and_add_to_batch(data, block, monitor=self.health_monitor)
         _say_once("step", "rollout_correction: verl's rollout-correction step runs this library "
                   f"({type(self).__name__}._compute_advantage)")
         return data, {**metrics, BACKEND_METRIC: 1.0}

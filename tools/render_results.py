@@ -1,0 +1,187 @@
+"""Render the result tables of README.md and docs/*.md from the results files under docs/results/.
+
+    python tools/render_results.py           # rewrites every rendered block
+    python tools/render_results.py --check   # exit 1 (and name the block) where a page differs
+
+A rendered block sits between two comments in a page:
+
+    <!-- results: demo-stale -->
+    ...generated lines...
+    <!-- /results -->
+
+``BLOCKS`` maps each block name to its renderer and the results files it reads. Every results file
+is a demo ``summary.json`` (``rollout_correction/demo/report.py``): per-method means, 95 %
+intervals over seeds, the methods tied with the best, and the provenance of the invocation and of
+every run (commit, torch, Python, CPU, workers × threads, date, command). A block says under its
+table where and how the figures were measured, and says so when they come from more than one
+commit or machine. tests/test_results_tables.py checks that the pages equal this rendering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+sys.path.insert(0, str(ROOT / "src"))
+
+from rollout_correction.demo.report import _ci, _kl, _tie, provenance_line, table_rows  # noqa: E402
+
+BEGIN = re.compile(r"^<!-- results: ([\w.-]+) -->$")
+END = "<!-- /results -->"
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text(encoding="utf-8"))
+
+
+def _cpu_seconds(summary: dict, method: str) -> str:
+    xs = [r["cpu_seconds"] for r in summary["runs"] if r["method"] == method and r.get("cpu_seconds") is not None]
+    return f"{statistics.fmean(xs):.0f}" if xs else "—"
+
+
+_MACHINE = ("commit", "dirty", "torch", "python", "cpu", "threads")
+
+
+def measured_with(summaries: list[tuple[str, dict]]) -> list[str]:
+    """Lines under a table: one provenance sentence per results file (the invocation that wrote it),
+    and a warning where the runs behind the table differ in commit, machine or threads."""
+    lines = []
+    for name, s in summaries:
+        lines.append(f"`docs/results/{name}`: " + provenance_line(s["provenance"]))
+    kinds = {tuple(p.get(k) for k in _MACHINE) for _, s in summaries for p in s["run_provenance"]}
+    if len(kinds) > 1:
+        lines.append("**These rows come from more than one commit, machine or thread count** (see `run_provenance` "
+                     "in the results files); compare them only through their intervals.")
+    else:
+        lines.append("Every run of this table: one commit, one machine, one thread count.")
+    return lines
+
+
+def demo_table(name: str) -> list[str]:
+    """One scenario: the demo report's table, the trainer's final exact match per seed, provenance."""
+    s = load(name)
+    header = ["method", "preset", "trainer final [95 % CI]", "tied with best", "trainer best", "engine final",
+              "mismatch KL first → last", "collapsed", "CPU s / run"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for m, row in zip(s["methods"], table_rows(s)):
+        lines.append("| " + " | ".join(row[:-1] + [_cpu_seconds(s, m)]) + " |")
+    seeds = s["config"]["seeds"]
+    lines += ["", "| trainer final per seed | " + " | ".join(f"seed {x}" for x in seeds) + " |",
+              "|---|" + "---|" * len(seeds)]
+    for m, ms in s["methods"].items():
+        finals = {r["seed"]: r["final_reward"] for r in s["runs"] if r["method"] == m}
+        lines.append(f"| {ms['label']} | " + " | ".join(f"{finals[x]:.2f}" if x in finals else "—" for x in seeds) + " |")
+    return lines + [""] + measured_with([(name, s)])
+
+
+def demo_headline(*names: str) -> list[str]:
+    """README: the scenarios side by side (one results file each), one row per method."""
+    files = [(n, load(n)) for n in names]
+    per = ["final [95 % CI]", "tied with best", "best", "KL last", "collapsed"]
+    header = ["method", "preset"]
+    for _, s in files:
+        header += [f"{s['config']['scenario']}: {h}" if i == 0 else h for i, h in enumerate(per)]
+    header.append("CPU s / run" + (f" ({' / '.join(s['config']['scenario'] for _, s in files)})" if len(files) > 1 else ""))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    methods = list(dict.fromkeys(m for _, s in files for m in s["methods"]))
+
+    def cells(s: dict, m: str) -> list[str]:
+        if m not in s["methods"]:
+            return ["not run"] + ["—"] * (len(per) - 1)
+        x = s["methods"][m]
+        return [_ci(x["final_reward"]), _tie(s, m), f"{x['best_reward']['mean']:.2f}", f"{_kl(x['final_mismatch_kl'])}",
+                f"{x['collapsed']}/{x['runs']}"]
+
+    for m in methods:
+        x = next(s["methods"][m] for _, s in files if m in s["methods"])
+        preset = f"`{x['preset']}`" if x["preset"] else "—"
+        row = [x["label"], preset]
+        for _, s in files:
+            row += cells(s, m)
+        row.append(" / ".join(_cpu_seconds(s, m) for _, s in files))
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""] + measured_with(files)
+
+
+def diffusion_table(name: str) -> list[str]:
+    """docs/diffusion.md's tables of a ``diffusion-demo`` results file (variants, when it has runs,
+    then the precision × noise × CFG scan), with the file's provenance."""
+    from rollout_correction.diffusion.pipeline.report import render_table
+
+    s = load(name)
+    lines = render_table(s).split("\n")
+    if not s["summary"]:  # a scan-only file: no variant table
+        lines = lines[3:]
+    p = s["provenance"]
+    return lines + ["", f"`docs/results/{name}`: commit `{p['commit'][:7]}`, torch {p['torch']}, diffusers "
+                        f"{p['diffusers']}, {p['cpu_model']} ({p['cpu_count']} CPUs, {p['threads']} thread), "
+                        f"{p['date'][:10]}."]
+
+
+#: block name -> (renderer, its results files)
+BLOCKS = {
+    "demo-headline": (demo_headline, ("demo-stale.json",)),
+    "demo-stale": (demo_table, ("demo-stale.json",)),
+    "diffusion-pipeline": (diffusion_table, ("diffusion_pipeline.json",)),
+    "diffusion-all-low-precision": (diffusion_table, ("diffusion_pipeline_all_low_precision.json",)),
+}
+
+PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
+
+
+def render_block(name: str) -> list[str]:
+    fn, files = BLOCKS[name]
+    return fn(*files)
+
+
+def render_page(text: str) -> tuple[str, list[str]]:
+    """The page with every block re-rendered, and the names of its blocks."""
+    out, names, lines = [], [], text.split("\n")
+    i = 0
+    while i < len(lines):
+        m = BEGIN.match(lines[i])
+        if not m:
+            out.append(lines[i])
+            i += 1
+            continue
+        name = m.group(1)
+        if name not in BLOCKS:
+            raise SystemExit(f"unknown results block {name!r}; known: {sorted(BLOCKS)}")
+        try:
+            j = lines.index(END, i + 1)
+        except ValueError:
+            raise SystemExit(f"results block {name!r} has no closing {END}") from None
+        out += [lines[i], *render_block(name), END]
+        names.append(name)
+        i = j + 1
+    return "\n".join(out), names
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="report pages that differ; change nothing")
+    args = parser.parse_args(argv)
+    stale = []
+    for page in PAGES:
+        path = ROOT / page
+        text = path.read_text(encoding="utf-8")
+        new, names = render_page(text)
+        if new != text:
+            stale.append(f"{page} ({', '.join(names)})")
+            if not args.check:
+                path.write_text(new, encoding="utf-8")
+    if args.check and stale:
+        print("not rendered from docs/results/: " + "; ".join(stale) + " — run: python tools/render_results.py")
+        return 1
+    print(("rewrote: " + "; ".join(stale)) if stale else "every results block is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
