@@ -8,12 +8,18 @@
   ``trainer.algorithm.policy_loss_type`` after the docs' registration line; called as SkyRL's worker
   calls a loss, it equals SkyRL's own ``dual_clip`` loss with SkyRL's correction where the two
   judge alike (rejected tokens stay in SkyRL's denominator), and an independent computation.
+* SkyRL's call site: its ``PolicyWorkerBase``, built from the docs' config lines, resolves the loss and
+  calls it in ``forward_backward`` (``tests/skyrl_worker_call.py``, a child process); the training
+  step's loss, gradients and ``rollout_corr/…`` metrics equal an independent computation.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,3 +211,50 @@ def test_registering_twice_is_a_no_op_and_another_function_is_refused(registry):
     assert ours.register_policy_loss() == "rollout_correction"
     with pytest.raises(ValueError, match="already registered"):
         registry.PolicyLossRegistry.register("rollout_correction", lambda *a, **k: None)
+
+
+def test_skyrls_policy_worker_calls_the_registered_loss_in_its_training_step(tmp_path):
+    """SkyRL's ``PolicyWorkerBase`` (constructed from the docs' config lines, after the docs' registration
+    lines) runs ``forward_backward`` on a batch of four sequences in a child process
+    (``tests/skyrl_worker_call.py``, which names its stand-ins); the loss, KL term, gradients and metrics
+    it returns equal an independent computation from the model's saved parameters."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(ours.__file__).resolve().parents[2]), str(here), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "step.pt"
+    child = subprocess.run([sys.executable, str(here / "skyrl_worker_call.py"), str(out),
+                            _docs_block("python"), " ".join(LOSS_LINES)],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-4000:]
+    step = torch.load(out)
+    algo, metrics, batch, params = step["algorithm"], step["metrics"], step["batch"], step["params"]
+    assert step["resolved_to_ours"] and algo["policy_loss_type"] == ours.POLICY_LOSS_NAME
+    defaults = (algo["loss_reduction"], algo["use_kl_loss"], algo["kl_estimator_type"],
+                algo["use_entropy_loss"], step["micro_train_batch_size_per_gpu"])
+    assert defaults == ("token_mean", True, "k3", False, 1)  # SkyRL's, untouched by the docs' lines
+
+    params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    seq, old, rollout, mask = batch["sequences"], batch["old"], batch["rollout"], batch["loss_mask"]
+    T = mask.shape[1]
+    logits = params["embed.weight"][seq] @ params["head.weight"].T + params["head.bias"]
+    lp = logits.log_softmax(-1)[:, :-1].gather(-1, seq[:, 1:, None]).squeeze(-1)[:, -T:] / algo["temperature"]
+    policy = _independent(lp, old, rollout, mask, batch["raw_advantages"] / mask.sum(),
+                          eps=algo["eps_clip_low"], c=algo["clip_ratio_c"])
+    log_ratio = (batch["base"] - lp).clamp(-20, 20)
+    kl = ((log_ratio.exp() - log_ratio - 1) * mask).sum(-1) / mask.sum(-1)  # k3, mean over each row
+    total = policy + algo["kl_loss_coef"] * kl.mean()  # one row per micro-batch, each weighted 1/4
+    total.backward()
+    policy, total, kl = policy.detach(), total.detach(), kl.detach()
+
+    assert metrics["policy_loss"] == pytest.approx(float(policy), rel=1e-5, abs=1e-7)
+    assert metrics["final_loss"] == pytest.approx(float(total), rel=1e-5, abs=1e-7)
+    assert metrics["policy_kl"] == pytest.approx(float(kl.mean()), rel=1e-5, abs=1e-7)
+    for name, grad in step["grads"].items():
+        torch.testing.assert_close(grad, params[name].grad, rtol=1e-5, atol=1e-7)
+    rho = torch.exp(old - rollout)
+    vetoed = (((rho < 0.5) | (rho > 2.5)) & (mask > 0)).any(-1)
+    assert vetoed.tolist() == [True, False, False, False]
+    # our metrics, reduced by SkyRL over its four one-row micro-batches (mean; min for ``_min``)
+    assert metrics["loss_metrics/rollout_corr/rollout_is_veto_high_fraction"] == pytest.approx(0.25)
+    is_min = metrics["loss_metrics/rollout_corr/rollout_is_min"]
+    assert is_min == pytest.approx(float(rho[mask > 0].min()), rel=1e-6)
