@@ -56,7 +56,7 @@ class RolloutCorrectionTrainerMixin:
         ``rollout_corr/...`` metrics with :data:`~rollout_correction.integrations.verl.BACKEND_METRIC` = 1.
         """
         check_trainer_config(self.config)
-        dump_dir = self.config.trainer.get(DUMP_KEY, None)
+        dump_dir = (self.config.get("trainer") or {}).get(DUMP_KEY, None)  # the entry point's config has it
         if dump_dir:  # once per step, before the correction changes the mask
             from rollout_correction.integrations.dump import write_step_dump
 
