@@ -37,14 +37,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from typing import get_args
+
 import rollout_correction as rc
 from rollout_correction import CorrectionOutput, RolloutCorrectionConfig, metrics_to_floats
+from rollout_correction._src.config import _BYPASS_ONLY_LOSSES, RS_OPTIONS, IsLevel, LossType
 
 pytestmark = pytest.mark.cuda
 
 PRESETS = RolloutCorrectionConfig.preset_names()
-LOSS_TYPES = ["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr"]
-BYPASS_ONLY = {"reinforce", "topr"}
+LOSS_TYPES = list(get_args(LossType))
+BYPASS_ONLY = set(_BYPASS_ONLY_LOSSES) | {"reinforce"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 W_RTOL = 2e-5
 METRIC_REL, METRIC_ABS, STD_SCALE = 1e-4, 1e-5, 1e-3
@@ -336,3 +339,72 @@ def test_context_parallel_loss_matches_and_does_not_sync(case, nccl_group):
     torch.testing.assert_close(loss, loss_ref, rtol=LOSS_RTOL, atol=GRAD_ATOL)
     torch.testing.assert_close(grad, grad_ref, rtol=GRAD_RTOL, atol=GRAD_ATOL)
     assert_close_metrics(metrics_to_floats(metrics), metrics_to_floats(m_ref), f"cp loss {case}")
+
+
+# ------------------------------------------------ every rejection option, IS level and denominator
+
+#: Thresholds tried in turn for an option; the first one its configuration accepts is used (a bound,
+#: a ratio band, a signed band, a bound above 1 — each option reads one of them).
+_THRESHOLDS = (0.05, "0.5_2.0", "-0.2_0.2", 2.0)
+
+
+def _config_with(base: dict, key: str, value: str, threshold_key: str) -> RolloutCorrectionConfig:
+    errors = []
+    for threshold in _THRESHOLDS:
+        try:
+            return RolloutCorrectionConfig.from_dict({**base, key: value, threshold_key: threshold})
+        except ValueError as exc:  # ConfigError is a ValueError
+            errors.append(str(exc))
+    raise AssertionError(f"no threshold accepted for {value}: {errors}")
+
+
+def _segments(mask: torch.Tensor) -> dict:
+    """Segment ids 0, 1, … in runs of 40 positions (the last run of a row may be short); padding 0."""
+    T = mask.shape[1]
+    ids = (torch.arange(T) // 40).expand(mask.shape).clone()
+    ids[~mask.bool()] = 0
+    return {"segment_ids": ids, "max_segments": (T + 39) // 40}
+
+
+def _check_cuda_against_cpu(cfg, tag, *, segments: bool, process_group=None):
+    batch = make_batch(mask_dtype=torch.float32)
+    seg = _segments(batch[2]) if segments else {}
+    ref = rc.compute_rollout_correction(*batch, config=cfg, **seg)
+    dev = to_cuda(*batch)
+    dev_seg = {k: (v.to(cuda()) if isinstance(v, torch.Tensor) else v) for k, v in seg.items()}
+    got = rc.compute_rollout_correction(*dev, config=cfg, process_group=process_group, **dev_seg)
+    assert_same_as_cpu(got, ref, tag)
+    with sync_error():  # the first call agreed on the layout (and may have read the host); this one may not
+        again = rc.compute_rollout_correction(*dev, config=cfg, process_group=process_group, **dev_seg)
+        dict(again.metrics)
+    assert torch.equal(again.response_mask, got.response_mask)
+
+
+@pytest.mark.parametrize("option", sorted(RS_OPTIONS))
+def test_every_rejection_option_matches_cpu_and_does_not_sync(option):
+    cfg = _config_with({"rollout_is": "token", "rollout_is_threshold": 2.0}, "rollout_rs", option,
+                       "rollout_rs_threshold")
+    _check_cuda_against_cpu(cfg, f"rs {option}", segments=option.startswith("segment"))
+
+
+@pytest.mark.parametrize("level", list(get_args(IsLevel)))
+def test_every_is_level_matches_cpu_and_does_not_sync(level):
+    cfg = RolloutCorrectionConfig.from_dict({"rollout_is": level, "rollout_is_threshold": 2.0})
+    _check_cuda_against_cpu(cfg, f"is {level}", segments=level.startswith("segment"))
+
+
+@pytest.mark.parametrize("name", ["decoupled_seq_is_rs", "decoupled_token_is", "bypass_pg_geo_rs_seq_tis"])
+def test_data_parallel_group_agrees_once_then_does_not_sync(name, nccl_group):
+    """With a data-parallel group the first call of a layout agrees on it over the group (one
+    all-reduce and one host read); later calls add no collective that reads the host."""
+    _check_cuda_against_cpu(RolloutCorrectionConfig.from_preset(name), f"dp {name}", segments=False,
+                            process_group=nccl_group)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_valid_loss_denominator_matches_cpu(loss_type):
+    cfg = RolloutCorrectionConfig.from_dict({"rollout_is": "sequence" if loss_type in BYPASS_ONLY else "token",
+                                             "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01,
+                                             "loss_type": loss_type, "bypass_mode": loss_type in BYPASS_ONLY,
+                                             "loss_denominator": "valid"})
+    assert_loss_matches_cpu(cfg, f"{loss_type} valid", loss_inputs(), loss_agg_mode="token-mean")
