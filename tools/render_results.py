@@ -9,7 +9,7 @@ A rendered block sits between two comments in a page:
     ...generated lines...
     <!-- /results -->
 
-``BLOCKS`` maps each block name to its renderer and the results files it reads. Every results file
+``BLOCKS`` maps each block name to its renderer and the results files it reads. A demo results file
 is a demo ``summary.json`` (``rollout_correction/demo/report.py``): per-method means, 95 %
 intervals over seeds, the methods tied with the best, and the provenance of the invocation and of
 every run (commit, torch, Python, CPU, workers × threads, date, command). A block says under its
@@ -124,12 +124,29 @@ def diffusion_table(name: str) -> list[str]:
                         f"{p['date'][:10]}."]
 
 
+def gpu_tables(name: str) -> list[str]:
+    """docs/performance.md's GPU tables: the rows of a ``benchmarks/bench_gpu.py --json`` run, as that
+    script renders them, with the device, versions and command of the run, and its cuda-test count."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_gpu import markdown
+
+    s = load(name)
+    p, t = s["provenance"], s["cuda_tests"]
+    return markdown(s["rows"]).rstrip("\n").split("\n") + [
+        "", f"`docs/results/{name}`: {p['device']}, {p['cpus']} CPUs; torch {p['torch']}, CUDA {p['cuda']}, Python "
+            f"{p['python']}; verl {p['verl']}; commit `{p['commit'][:7]}` (library core of `{p['core_commit'][:7]}`), "
+            f"{p['date']}; `{p['command']}`.",
+        f"On the same machine `{t['command']}` passed {t['passed']} tests, failed {t['failed']} "
+        f"({t['seconds']:.0f} s, commit `{t['commit'][:7]}`)."]
+
+
 #: block name -> (renderer, its results files)
 BLOCKS = {
     "demo-headline": (demo_headline, ("demo-stale.json",)),
     "demo-stale": (demo_table, ("demo-stale.json",)),
     "diffusion-pipeline": (diffusion_table, ("diffusion_pipeline.json",)),
     "diffusion-all-low-precision": (diffusion_table, ("diffusion_pipeline_all_low_precision.json",)),
+    "gpu-h200": (gpu_tables, ("gpu-h200.json",)),
 }
 
 PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
