@@ -206,6 +206,11 @@ def test_async_quick_end_to_end(tmp_path):
     summary = json.loads((out / "async-summary.json").read_text())
     assert (out / "async-wallclock.png").stat().st_size > 0 and (out / "async-report.md").is_file()
     assert set(summary["modes"]) == {"sync_on_policy", "async_naive", "async_opsm"}
+    from rollout_correction.demo.results import PROVENANCE_FIELDS
+
+    prov = summary["provenance"]
+    assert set(PROVENANCE_FIELDS) <= set(prov) and prov["command"].startswith("rollout-correction demo")
+    assert prov["torch"] == torch.__version__ and prov["logical_cpus"] >= 1
     eta, steps = summary["async"]["max_staleness"], summary["config"]["steps"]
     for run in summary["runs"]:
         assert run["seconds"] > 0 and run["steps_per_second"] == pytest.approx(steps / run["seconds"])

@@ -109,6 +109,30 @@ def demo_headline(*names: str) -> list[str]:
     return lines + [""] + measured_with(files)
 
 
+def async_table(name: str) -> list[str]:
+    """docs/demo.md's ``--async`` table: the report's columns, per-seed finals, the load around the
+    run (the timings depend on it) and the invocation's provenance."""
+    from rollout_correction.demo.async_report import COLUMNS
+    from rollout_correction.demo.async_report import table_rows as async_rows
+
+    s = load(name)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in async_rows(s)]
+    seeds = s["config"]["seeds"]
+    lines += ["", "| final exact match per seed | " + " | ".join(f"seed {x}" for x in seeds) + " |",
+              "|---|" + "---|" * len(seeds)]
+    for m, ms in s["modes"].items():
+        finals = {r["seed"]: r["final_reward"] for r in s["runs"] if r["mode"] == m}
+        lines.append(f"| {ms['label']} | " + " | ".join(f"{finals[x]:.2f}" if x in finals else "—" for x in seeds) + " |")
+    load_avg = s["load_average"]
+    return lines + ["", f"Target {s['target']:.2f} exact match; load average (1 / 5 / 15 min) "
+                        f"{' / '.join(f'{x:.2f}' for x in load_avg['before'])} before, "
+                        f"{' / '.join(f'{x:.2f}' for x in load_avg['after'])} after, on {s['cpu_count']} cores.",
+                    f"`docs/results/{name}`: " + provenance_line(s["provenance"]).replace(
+                        "1 worker(s) × 1 thread(s)", "one run at a time, one torch thread per process "
+                                                     "(synchronous on-policy: 2)")]
+
+
 def diffusion_table(name: str) -> list[str]:
     """docs/diffusion.md's tables of a ``diffusion-demo`` results file (variants, when it has runs,
     then the precision × noise × CFG scan), with the file's provenance."""

@@ -263,10 +263,16 @@ def markdown(summary: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(cfg: DemoConfig, acfg: AsyncConfig, raw: dict, out: Path, command: str) -> dict:
+def write_report(cfg: DemoConfig, acfg: AsyncConfig, raw: dict, out: Path, command: str,
+                 prov: dict | None = None) -> dict:
+    """Write the report; ``prov`` is the invocation's :func:`~rollout_correction.demo.results.provenance`
+    (taken now when not given)."""
+    from rollout_correction.demo.results import provenance
+
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(cfg, acfg, raw)
     summary["command"] = command
+    summary["provenance"] = prov if prov is not None else provenance(command, 1, 1)
     (out / "async-runs.json").write_text(json.dumps(raw["results"]))
     (out / "async-summary.json").write_text(json.dumps(summary, indent=1))
     plot(cfg, acfg, raw, summary, out / "async-wallclock.png")

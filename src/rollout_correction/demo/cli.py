@@ -152,6 +152,7 @@ def run_async(args: argparse.Namespace, cfg: DemoConfig, console, command: str) 
     """``--async``: every async mode × seed, one run at a time on the whole machine; then the report."""
     from rollout_correction.demo.async_report import print_table, write_report
     from rollout_correction.demo.async_runner import QUICK_ASYNC_MODES, AsyncConfig, run_comparison
+    from rollout_correction.demo.results import provenance
 
     values = {"modes": QUICK_ASYNC_MODES} if args.quick else {}
     for name in ("async_modes", "max_staleness", "queue_size"):
@@ -165,8 +166,9 @@ def run_async(args: argparse.Namespace, cfg: DemoConfig, console, command: str) 
     console.print(f"[bold]rollout-correction demo --async[/bold] — {len(acfg.modes)} modes × {len(cfg.seeds)} "
                   f"seeds, {cfg.steps} GRPO steps each, η = {acfg.max_staleness}, queue {acfg.queue_size}")
     t0 = time.perf_counter()
+    prov = provenance(command, 1, 1)  # one run at a time; each process one torch thread (sync: its own count)
     raw = run_comparison(cfg, acfg, show_progress=not args.no_progress, console=console)
-    summary = write_report(cfg, acfg, raw, Path(cfg.out), command)
+    summary = write_report(cfg, acfg, raw, Path(cfg.out), command, prov)
     print_table(summary, console)
     console.print(f"report: {Path(cfg.out) / 'async-report.md'}  ({time.perf_counter() - t0:.0f} s)")
     return 0
