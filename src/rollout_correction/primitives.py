@@ -36,7 +36,7 @@ from ._src.alignment import (AlignmentReport, MisalignmentWarning, alignment_met
 from ._src.config import (RS_OPTIONS, DivergenceEstimator, ISSpec, IsLevel, IsMode, LossDenominator, LossType,
                           NonFinitePolicy, RsAggregation, RSOption)
 from ._src.correction import BatchHook, RowValues, correction_metrics, correction_pass, local_correction
-from ._src.logratio import NONFINITE_SENTINEL, LogRatioBatch, RowSums, float_mask, log_ratio_batch
+from ._src.logratio import NONFINITE_SENTINEL, LogRatioBatch, RowSums, float_mask, log_ratio_batch, nonfinite_positions
 from ._src.losses import LossAggMode
 from ._src.m2po import m2po_keep, second_moment
 from ._src.metrics import (Accumulator, Metrics, add_offpolicy_statistics, mismatch_metrics, nonfinite_metrics,
@@ -52,7 +52,7 @@ from ._src.weights import ISWeights, add_is_statistics, batch_norm_factor, bound
 
 __all__ = [
     # log ratios
-    "LogRatioBatch", "RowSums", "log_ratio_batch", "NONFINITE_SENTINEL", "float_mask",
+    "LogRatioBatch", "RowSums", "log_ratio_batch", "NONFINITE_SENTINEL", "float_mask", "nonfinite_positions",
     # importance weights
     "ISWeights", "importance_weights", "bound_weights", "batch_norm_factor", "add_is_statistics", "is_metrics",
     # rejection

@@ -17,7 +17,8 @@ library does (a routing-agreement rate, a per-step metric).
 Covered by the versioning policy (docs/api.md).
 """
 
-from ._src.sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite, reduce_owned,
+from ._src.sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite,
+                                  raise_nonfinite_on_any_rank, reduce_owned,
                                   stats_owner)
 from ._src.stats import (HostStats, LayoutMismatchError, SufficientStats, Value, check_layout, clamp, exp, maximum,
                          safe_div, seq_summary, sqrt0, where)
@@ -27,5 +28,6 @@ __all__ = [
     "SufficientStats", "HostStats", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum",
     "LayoutMismatchError", "check_layout",
     "RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
+    "raise_nonfinite_on_any_rank",
     "ShapeMismatchError", "check_pair", "check_same", "check_segment_ids", "first_nonfinite",
 ]

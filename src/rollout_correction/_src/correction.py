@@ -18,12 +18,13 @@ import torch
 
 from .alignment import MisalignmentWarning, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
-from .logratio import LogRatioBatch, log_ratio_batch
+from .logratio import LogRatioBatch, log_ratio_batch, nonfinite_positions
 from .m2po import m2po_keep, second_moment
 from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
                       offpolicy_metrics, prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
-from .sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite, reduce_owned,
+from .sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite,
+                             raise_nonfinite_on_any_rank, reduce_owned,
                              stats_owner)
 from .stats import SufficientStats, Value, maximum
 from .validation import check_pair, check_segment_ids
@@ -311,6 +312,10 @@ def compute_rollout_correction(
         :class:`CorrectionOutput`.
     """
     config = as_config(config)
+    if config.on_nonfinite == "raise" and (process_group is not None or sequence_group is not None):
+        check_pair(old_log_prob, rollout_log_prob, response_mask)
+        raise_nonfinite_on_any_rank(nonfinite_positions(old_log_prob, rollout_log_prob, response_mask), "log-prob",
+                                    process_group, sequence_group)
     if sequence_group is not None:
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)

@@ -31,7 +31,7 @@ from .validation import check_pair, check_same, check_segment_ids
 if TYPE_CHECKING:
     from .sequence_group import RowExchange
 
-__all__ = ["LogRatioBatch", "RowSums", "log_ratio_batch", "NONFINITE_SENTINEL", "float_mask"]
+__all__ = ["LogRatioBatch", "RowSums", "log_ratio_batch", "NONFINITE_SENTINEL", "float_mask", "nonfinite_positions"]
 
 #: Replacement for NaN / ±inf before masking; a valid |log-ratio| this large means "non-finite".
 NONFINITE_SENTINEL = 1e30
@@ -361,6 +361,14 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         means64.clamp_(-NONFINITE_SENTINEL, NONFINITE_SENTINEL)  # bounding the mean bounds the sum per token
     return LogRatioBatch(response_mask, input_mask, mask, lr, lrc, ratio, k3, bad, sums, counted[1], counted[0],
                          sums64[2], means64, old, rollout, rows)
+
+
+def nonfinite_positions(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                        response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: valid positions whose log-ratio is NaN or has |log-ratio| ≥ 1e30 (the positions
+    that drop a row, or raise with ``on_nonfinite="raise"``)."""
+    lr = old_log_prob.float() - rollout_log_prob.float()
+    return (response_mask != 0) & ~(lr.abs() < NONFINITE_SENTINEL)
 
 
 def _nonfinite_error(lr: torch.Tensor, input_mask: torch.Tensor, bad_rows: torch.Tensor, row_offset: int,

@@ -32,7 +32,8 @@ from .correction import RowValues, compute_rollout_correction, correction_pass
 from .metrics import Metrics, prefixed
 from .opsm import compute_opsm
 from .policy_losses import cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, topr_loss
-from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, stats_owner
+from .logratio import nonfinite_positions
+from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, raise_nonfinite_on_any_rank, stats_owner
 from .stats import SufficientStats, Value, maximum
 from .validation import check_same, first_nonfinite
 
@@ -323,6 +324,9 @@ def compute_policy_loss(
                 ("advantages", advantages), ("response_mask", response_mask),
                 ("rollout_log_prob", rollout_log_prob), ("rollout_is_weights", rollout_is_weights)],
                float_names=("log_prob", "old_log_prob", "rollout_log_prob", "advantages", "rollout_is_weights"))
+    if config.on_nonfinite == "raise" and (process_group is not None or sequence_group is not None):
+        raise_nonfinite_on_any_rank(_nonfinite_inputs(response_mask, log_prob, prox, rollout, advantages,
+                                                      rollout_is_weights), "loss input", process_group, sequence_group)
     owner = None
     if sequence_group is not None:
         if config.rollout_opsm_delta is not None or config.rollout_m2po_threshold is not None:
@@ -339,6 +343,17 @@ def compute_policy_loss(
         result = _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollout_is_weights, config,
                                    settings, process_group, rows, owner, segment_ids, max_segments)
     return result
+
+
+def _nonfinite_inputs(response_mask, log_prob, prox, rollout, advantages, rollout_is_weights) -> torch.Tensor:
+    """(B, T) bool: valid positions where an input the loss reads is not finite, or where the
+    log-ratio against the rollout log-probs is (the positions that raise with ``on_nonfinite="raise"``)."""
+    bad = ~torch.isfinite(log_prob.detach()) | ~torch.isfinite(prox) | ~torch.isfinite(advantages)
+    if rollout_is_weights is not None:
+        bad |= ~torch.isfinite(rollout_is_weights)
+    if rollout is not None and rollout is not prox:
+        bad |= nonfinite_positions(prox, rollout, response_mask)
+    return bad & (response_mask != 0)
 
 
 def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollout_is_weights,

@@ -39,8 +39,10 @@ from typing import Callable, Optional, Union
 import torch
 
 from .constants import METRIC_PREFIX, SAFETY_BOUND
-from .logratio import LogRatioBatch, log_ratio_batch
-from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, reduce_owned, stats_owner
+from .logratio import LogRatioBatch, log_ratio_batch, nonfinite_positions
+from .validation import check_pair
+from .sequence_group import (RowExchange, check_sequence_group, raise_nonfinite, raise_nonfinite_on_any_rank,
+                             reduce_owned, stats_owner)
 from .stats import HostStats, SufficientStats, Value, clamp, safe_div, sqrt0, where
 
 __all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics", "mismatch_metrics",
@@ -349,6 +351,10 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
     Returns:
         dict of 0-d float64 tensors (formulas in the module docstring).
     """
+    if on_nonfinite == "raise" and (process_group is not None or sequence_group is not None):
+        check_pair(old_log_prob, rollout_log_prob, response_mask)
+        raise_nonfinite_on_any_rank(nonfinite_positions(old_log_prob, rollout_log_prob, response_mask), "log-prob",
+                                    process_group, sequence_group)
     if sequence_group is not None:
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)

@@ -27,7 +27,8 @@ import torch
 
 from .stats import SufficientStats
 
-__all__ = ["RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite"]
+__all__ = ["RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
+           "raise_nonfinite_on_any_rank"]
 
 
 def _dist():
@@ -98,6 +99,45 @@ def raise_nonfinite(bad_rows: torch.Tensor, what: str = "log-prob") -> None:
         raise ValueError(f"non-finite {what} at a valid position of row {b} (on this rank or another rank of "
                          "sequence_group; |log-ratio| ≥ 1e30 counts as non-finite); fix the producer, or set "
                          "on_nonfinite='reject' to drop such rows")
+
+
+def _multi_rank(group: Optional[object]) -> bool:
+    return group is not None and _dist().get_world_size(group) > 1
+
+
+def raise_nonfinite_on_any_rank(bad: torch.Tensor, what: str, process_group: Optional[object],
+                                sequence_group: Optional[object]) -> None:
+    """``on_nonfinite="raise"`` over groups of several ranks: ``bad`` is this rank's (B, T) "non-finite
+    at a valid position". Every rank of ``sequence_group`` and ``process_group`` raises alike when
+    any of them has one, so that none is left waiting in a later collective; the rank that holds it
+    names the position. One all-reduce per group of more than one rank and one host read; nothing
+    without such a group (the call then raises, or not, on its own)."""
+    seq, dp = _multi_rank(sequence_group), _multi_rank(process_group)
+    if not (seq or dp):
+        return
+    dist = _dist()
+    none = torch.iinfo(torch.int64).max
+    rows = torch.arange(bad.shape[0], device=bad.device)
+    first = torch.where(bad.any(-1), rows, none).amin().reshape(1) if bad.numel() else rows.new_full((1,), none)
+    group_row = first.clone()  # the first bad row of the sequence group (its ranks hold the same rows)
+    if seq:
+        dist.all_reduce(group_row, op=dist.ReduceOp.MIN, group=sequence_group)
+    anywhere = (group_row < none).long()
+    if dp:
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=process_group)
+    here, group_row, anywhere = torch.cat([first, group_row, anywhere]).tolist()
+    if here != none:
+        b, t = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"non-finite {what} at valid position (row {b}, column {t}) on this rank "
+                         "(|log-ratio| ≥ 1e30 counts as non-finite); every rank of the group raises too. Fix the "
+                         "producer, or set on_nonfinite='reject' to drop such rows")
+    if group_row != none:
+        raise ValueError(f"non-finite {what} at a valid position of row {group_row} on another rank of "
+                         "sequence_group; fix the producer, or set on_nonfinite='reject' to drop such rows")
+    if anywhere:
+        raise ValueError(f"non-finite {what} at a valid position on another rank of the process or sequence "
+                         "group (that rank names it); fix the producer, or set on_nonfinite='reject' to drop such "
+                         "rows")
 
 
 class RowExchange:
