@@ -41,7 +41,23 @@ def test_a_hand_edit_of_a_rendered_figure_is_caught():
     assert R.render_page(edited)[0] == page
 
 
-@pytest.mark.parametrize("path", [p for p in FILES if p.name.startswith("demo")], ids=lambda p: p.name)
+def test_no_demo_or_gpu_table_outside_a_rendered_block():
+    """A table of demo or GPU figures in the README or docs is a rendered block, never typed by hand:
+    a header naming a final exact match, a trainer's figure or verl's milliseconds sits inside one."""
+    markers = ("final exact match", "trainer final", "| final [", "verl ms")
+    for page in R.PAGES:
+        inside = False
+        for n, line in enumerate((ROOT / page).read_text(encoding="utf-8").split("\n"), 1):
+            if R.BEGIN.match(line):
+                inside = True
+            elif line == R.END:
+                inside = False
+            elif line.startswith("|") and any(m in line for m in markers):
+                assert inside, f"{page}:{n}: a table of measured figures outside a results block: {line[:80]}"
+
+
+@pytest.mark.parametrize("path", [p for p in FILES if p.name.startswith("demo") and "async" not in p.name],
+                         ids=lambda p: p.name)
 def test_results_file_has_provenance_and_recomputable_intervals(path):
     s = json.loads(path.read_text(encoding="utf-8"))
     assert set(s["provenance"]) == set(PROVENANCE_FIELDS) and all(s["provenance"][k] is not None
@@ -76,3 +92,21 @@ def test_diffusion_results_file_has_provenance_and_recomputable_intervals(path):
         finals = [tail_mean(r["reward"]) for r in s["runs"] if r["variant"] == variant]
         assert len(finals) == len(s["config"]["seeds"])
         assert list(summary["final_reward"]) == pytest.approx(list(mean_ci(finals)))
+
+
+@pytest.mark.parametrize("path", [p for p in FILES if "async" in p.name], ids=lambda p: p.name)
+def test_async_results_file_has_provenance(path):
+    s = json.loads(path.read_text(encoding="utf-8"))
+    assert set(s["provenance"]) == set(PROVENANCE_FIELDS) and s["provenance"]["dirty"] is False
+    assert {r["mode"] for r in s["runs"]} == set(s["modes"])
+    for m, x in s["modes"].items():
+        finals = [r["final_reward"] for r in s["runs"] if r["mode"] == m]
+        assert x["final_reward"]["mean"] == pytest.approx(sum(finals) / len(finals))
+
+
+def test_gpu_results_file_names_its_device_commit_and_command():
+    s = json.loads((ROOT / "docs" / "results" / "gpu-h200.json").read_text(encoding="utf-8"))
+    p = s["provenance"]
+    assert all(p.get(k) for k in ("commit", "core_commit", "device", "torch", "cuda", "date", "command"))
+    assert len(s["rows"]) == 30 and {r["agreement"].split(",")[0] for r in s["rows"]} == {"mask equal"}
+    assert s["cuda_tests"]["failed"] == 0 and s["cuda_tests"]["passed"] > 0

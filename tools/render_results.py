@@ -109,6 +109,38 @@ def demo_headline(*names: str) -> list[str]:
     return lines + [""] + measured_with(files)
 
 
+def moe_table(name: str) -> list[str]:
+    """Scenario ``moe``: the demo table, then the routing table of its report (means over every GRPO
+    step and seed)."""
+    from rollout_correction.demo.report import routing_lines
+
+    routing = routing_lines(load(name).get("routing", {}))
+    header = next(i for i, line in enumerate(routing) if line.startswith("| method"))
+    return demo_table(name) + ["", "Routing agreement and what the other corrections would do with each step's "
+                                   "gap (means over every GRPO step and seed):", ""] + routing[header:]
+
+
+def time_table(*names: str) -> list[str]:
+    """Wall and CPU time of each demo invocation behind the tables (from its results file)."""
+    lines = ["| invocation | runs | wall time | CPU s per run (mean) | workers × threads |", "|---|---|---|---|---|"]
+    for name in names:
+        s, total = load(name), None
+        p = s["provenance"]
+        if "modes" in s:  # --async: one run at a time
+            runs = len(s["runs"])
+            total = s["seconds"] if isinstance(s["seconds"], (int, float)) else s["seconds"].get("total")
+            cpu = statistics.fmean(r["cpu_seconds"] for r in s["runs"])
+            shape = "1 × 1 (two processes)"
+        else:
+            runs = len(s["runs"])
+            total = s["seconds"]["total"]
+            cpu = statistics.fmean(r["cpu_seconds"] for r in s["runs"])
+            shape = f"{p['workers']} × {p['threads']}"
+        lines.append(f"| `{p['command']}` | {runs} | {int(total // 60)} min {int(total % 60):02d} s | {cpu:.0f} | {shape} |")
+    return lines + ["", "Measured on " + f"{load(names[0])['provenance']['cpu']} ({load(names[0])['provenance']['logical_cpus']} "
+                        "logical CPUs), the figures' own runs (see each results file's provenance)."]
+
+
 def async_table(name: str) -> list[str]:
     """docs/demo.md's ``--async`` table: the report's columns, per-seed finals, the load around the
     run (the timings depend on it) and the invocation's provenance."""
@@ -166,8 +198,9 @@ def gpu_tables(name: str) -> list[str]:
 
 #: block name -> (renderer, its results files)
 BLOCKS = {
-    "demo-headline": (demo_headline, ("demo-stale.json",)),
+    "demo-headline": (demo_headline, ("demo-stale.json", "demo-quantized.json")),
     "demo-stale": (demo_table, ("demo-stale.json",)),
+    "demo-quantized": (demo_table, ("demo-quantized.json",)),
     "diffusion-pipeline": (diffusion_table, ("diffusion_pipeline.json",)),
     "diffusion-all-low-precision": (diffusion_table, ("diffusion_pipeline_all_low_precision.json",)),
     "gpu-h200": (gpu_tables, ("gpu-h200.json",)),
