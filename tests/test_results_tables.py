@@ -109,4 +109,4 @@ def test_gpu_results_file_names_its_device_commit_and_command():
     p = s["provenance"]
     assert all(p.get(k) for k in ("commit", "core_commit", "device", "torch", "cuda", "date", "command"))
     assert len(s["rows"]) == 30 and {r["agreement"].split(",")[0] for r in s["rows"]} == {"mask equal"}
-    assert s["cuda_tests"]["failed"] == 0 and s["cuda_tests"]["passed"] > 0
+    assert s["cuda_tests"] and all(t["failed"] == 0 and t["passed"] > 0 and t["commit"] for t in s["cuda_tests"])

@@ -187,13 +187,14 @@ def gpu_tables(name: str) -> list[str]:
     from bench_gpu import markdown
 
     s = load(name)
-    p, t = s["provenance"], s["cuda_tests"]
+    p = s["provenance"]
+    tests = "; ".join(f"at commit `{t['commit'][:7]}` {t['passed']} passed, {t['failed']} failed ({t['seconds']:.0f} s, "
+                      f"{t['device']})" for t in s["cuda_tests"])
     return markdown(s["rows"]).rstrip("\n").split("\n") + [
         "", f"`docs/results/{name}`: {p['device']}, {p['cpus']} CPUs; torch {p['torch']}, CUDA {p['cuda']}, Python "
             f"{p['python']}; verl {p['verl']}; commit `{p['commit'][:7]}` (library core of `{p['core_commit'][:7]}`), "
             f"{p['date']}; `{p['command']}`.",
-        f"On the same machine `{t['command']}` passed {t['passed']} tests, failed {t['failed']} "
-        f"({t['seconds']:.0f} s, commit `{t['commit'][:7]}`)."]
+        f"`{s['cuda_tests'][0]['command']}`: {tests}."]
 
 
 #: block name -> (renderer, its results files)
