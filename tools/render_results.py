@@ -202,6 +202,7 @@ BLOCKS = {
     "demo-headline": (demo_headline, ("demo-stale.json", "demo-quantized.json")),
     "demo-stale": (demo_table, ("demo-stale.json",)),
     "demo-quantized": (demo_table, ("demo-quantized.json",)),
+    "demo-minibatches": (demo_table, ("demo-minibatches.json",)),
     "diffusion-pipeline": (diffusion_table, ("diffusion_pipeline.json",)),
     "diffusion-all-low-precision": (diffusion_table, ("diffusion_pipeline_all_low_precision.json",)),
     "gpu-h200": (gpu_tables, ("gpu-h200.json",)),
