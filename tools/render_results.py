@@ -203,6 +203,8 @@ BLOCKS = {
     "demo-stale": (demo_table, ("demo-stale.json",)),
     "demo-quantized": (demo_table, ("demo-quantized.json",)),
     "demo-minibatches": (demo_table, ("demo-minibatches.json",)),
+    "demo-time": (time_table, ("demo-stale.json", "demo-quantized.json", "demo-minibatches.json", "demo-async.json")),
+    "demo-async": (async_table, ("demo-async.json",)),
     "diffusion-pipeline": (diffusion_table, ("diffusion_pipeline.json",)),
     "diffusion-all-low-precision": (diffusion_table, ("diffusion_pipeline_all_low_precision.json",)),
     "gpu-h200": (gpu_tables, ("gpu-h200.json",)),
