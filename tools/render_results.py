@@ -207,6 +207,7 @@ BLOCKS = {
                                   "demo-async.json")),
     "demo-async": (async_table, ("demo-async.json",)),
     "demo-moe": (moe_table, ("demo-moe.json",)),
+    "demo-bf16-long": (demo_table, ("demo-bf16-long.json",)),
     "diffusion-pipeline": (diffusion_table, ("diffusion_pipeline.json",)),
     "diffusion-all-low-precision": (diffusion_table, ("diffusion_pipeline_all_low_precision.json",)),
     "gpu-h200": (gpu_tables, ("gpu-h200.json",)),
