@@ -63,6 +63,16 @@ def measured_with(summaries: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
+def per_seed(s: dict, group: str, key: str, title: str) -> list[str]:
+    """The final exact match of each run, one row per method (or mode), one column per seed."""
+    seeds = s["config"]["seeds"]
+    lines = ["| " + title + " | " + " | ".join(f"seed {x}" for x in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for m, ms in s[group].items():
+        finals = {r["seed"]: r["final_reward"] for r in s["runs"] if r[key] == m}
+        lines.append(f"| {ms['label']} | " + " | ".join(f"{finals[x]:.2f}" if x in finals else "—" for x in seeds) + " |")
+    return lines
+
+
 def demo_table(name: str) -> list[str]:
     """One scenario: the demo report's table, the trainer's final exact match per seed, provenance."""
     s = load(name)
@@ -71,12 +81,7 @@ def demo_table(name: str) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for m, row in zip(s["methods"], table_rows(s)):
         lines.append("| " + " | ".join(row[:-1] + [_cpu_seconds(s, m)]) + " |")
-    seeds = s["config"]["seeds"]
-    lines += ["", "| trainer final per seed | " + " | ".join(f"seed {x}" for x in seeds) + " |",
-              "|---|" + "---|" * len(seeds)]
-    for m, ms in s["methods"].items():
-        finals = {r["seed"]: r["final_reward"] for r in s["runs"] if r["method"] == m}
-        lines.append(f"| {ms['label']} | " + " | ".join(f"{finals[x]:.2f}" if x in finals else "—" for x in seeds) + " |")
+    lines += [""] + per_seed(s, "methods", "method", "trainer final per seed")
     return lines + [""] + measured_with([(name, s)])
 
 
@@ -150,12 +155,7 @@ def async_table(name: str) -> list[str]:
     s = load(name)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in async_rows(s)]
-    seeds = s["config"]["seeds"]
-    lines += ["", "| final exact match per seed | " + " | ".join(f"seed {x}" for x in seeds) + " |",
-              "|---|" + "---|" * len(seeds)]
-    for m, ms in s["modes"].items():
-        finals = {r["seed"]: r["final_reward"] for r in s["runs"] if r["mode"] == m}
-        lines.append(f"| {ms['label']} | " + " | ".join(f"{finals[x]:.2f}" if x in finals else "—" for x in seeds) + " |")
+    lines += [""] + per_seed(s, "modes", "mode", "final exact match per seed")
     load_avg = s["load_average"]
     return lines + ["", f"Target {s['target']:.2f} exact match; load average (1 / 5 / 15 min) "
                         f"{' / '.join(f'{x:.2f}' for x in load_avg['before'])} before, "
