@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from rollout_correction._src.alignment import (MisalignmentWarning, alignment_metrics, alignment_report,
+from rollout_correction_core._src.alignment import (MisalignmentWarning, alignment_metrics, alignment_report,
                                           alignment_statistics, check_alignment)
 
 

@@ -6,7 +6,7 @@
 * The core never imports a product surface (adapters depend on the core, not the reverse).
 * Only the package root and the public seam modules (``primitives``, ``reductions``,
   ``vocabulary``; ``tools/architecture.py`` ``SEAMS``) import the private package
-  ``rollout_correction._src``. Every other module — the surfaces and the public extension modules
+  ``rollout_correction_core._src``. Every other module — the surfaces and the public extension modules
   (``moe``, ``staleness``, ``supports``, ``advantages``) — imports only names listed in a public
   module's ``__all__``, never a name starting with ``_``.
 """
@@ -25,10 +25,10 @@ _spec.loader.exec_module(A)
 
 
 def test_scanner_sees_the_package():
-    assert "rollout_correction._src.correction" in A.MODULES and "rollout_correction.compat.verl" in A.MODULES
+    assert "rollout_correction_core._src.correction" in A.MODULES and "rollout_correction.compat.verl" in A.MODULES
     g = A.graph()
-    assert "rollout_correction._src.metrics" in g["rollout_correction._src.correction"]
-    assert "rollout_correction._src.config" in g["rollout_correction._src.weights"]
+    assert "rollout_correction_core._src.metrics" in g["rollout_correction_core._src.correction"]
+    assert "rollout_correction_core._src.config" in g["rollout_correction_core._src.weights"]
 
 
 def test_cycle_finder_finds_a_planted_cycle():
@@ -93,7 +93,7 @@ def test_only_the_seams_import_the_private_package():
     """The count the versioning policy rests on: no module but the root and the seams names ``_src``."""
     importers = sorted({m for m in A.MODULES if not A.is_private(m)
                         for target, _, _ in A.imports(m, top_level_only=False) if A.is_private(target)})
-    assert importers == sorted(A.SEAMS), f"modules importing rollout_correction._src: {importers}"
+    assert importers == sorted(A.SEAMS), f"modules importing rollout_correction_core._src: {importers}"
 
 
 def test_every_private_name_is_public_somewhere():
@@ -122,7 +122,7 @@ def test_surfaces_do_not_import_each_other():
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from rollout_correction._src.weights import _div\n", "private module _src.weights"),
+    ("from rollout_correction_core._src.weights import _div\n", "private module _src.weights"),
     ("from rollout_correction.primitives import ISWeights\nfrom .._src.stats import SufficientStats\n",
      "private module _src.stats"),
     ("from rollout_correction.reductions import _owner\n", "reductions._owner"),
@@ -175,8 +175,8 @@ def test_layer_check_catches_an_upward_import(monkeypatch):
     monkeypatch.setattr(A, "LAYERS", [("low", "", ["correction", "metrics"]), ("high", "", ["logratio"])]
                         + [(n, w, [x for x in mods if x not in ("correction", "metrics", "logratio")])
                            for n, w, mods in A.LAYERS])
-    assert A.layer_of("rollout_correction._src.metrics") == 0 and A.layer_of("rollout_correction._src.logratio") == 1
-    with pytest.raises(AssertionError, match="metrics.py:.*imports rollout_correction._src.logratio"):
+    assert A.layer_of("rollout_correction_core._src.metrics") == 0 and A.layer_of("rollout_correction_core._src.logratio") == 1
+    with pytest.raises(AssertionError, match="metrics.py:.*imports rollout_correction_core._src.logratio"):
         test_modules_import_only_from_lower_layers()
 
 

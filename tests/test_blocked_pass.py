@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import rollout_correction._src.correction as correction
+import rollout_correction_core._src.correction as correction
 from conftest import assert_same_correction
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout_correction import ConfigError, RolloutCorrectionConfig, as_config, compute_rollout_correction
-from rollout_correction._src.vocab import Band
+from rollout_correction_core._src.vocab import Band
 
 C = RolloutCorrectionConfig
 

@@ -41,7 +41,7 @@ from typing import get_args
 
 import rollout_correction as rc
 from rollout_correction import CorrectionOutput, RolloutCorrectionConfig, metrics_to_floats
-from rollout_correction._src.config import _BYPASS_ONLY_LOSSES, RS_OPTIONS, IsLevel, LossType
+from rollout_correction_core._src.config import _BYPASS_ONLY_LOSSES, RS_OPTIONS, IsLevel, LossType
 
 pytestmark = pytest.mark.cuda
 

@@ -51,8 +51,8 @@ from hypothesis import strategies as st
 
 from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, compute_policy_loss,
                                 compute_rollout_correction)
-from rollout_correction._src.config import _BYPASS_ONLY_LOSSES, RS_OPTIONS, IsLevel, IsMode, LossDenominator, LossType
-from rollout_correction._src.vocab import LEGACY_RS, ConfigError
+from rollout_correction_core._src.config import _BYPASS_ONLY_LOSSES, RS_OPTIONS, IsLevel, IsMode, LossDenominator, LossType
+from rollout_correction_core._src.vocab import LEGACY_RS, ConfigError
 from test_distributed import _free_port
 
 torch.set_num_threads(1)

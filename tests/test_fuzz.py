@@ -29,12 +29,12 @@ from hypothesis import strategies as st
 from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, compute_offpolicy_metrics,
                                 compute_policy_loss, compute_rollout_correction, metrics_to_floats)
 from rollout_correction.advantages import group_advantages
-from rollout_correction._src.alignment import alignment_metrics, alignment_statistics
+from rollout_correction_core._src.alignment import alignment_metrics, alignment_statistics
 from rollout_correction.staleness import compute_staleness_policy_loss
 from rollout_correction.supports import renormalized_log_probs
 
 try:  # log-ratios of magnitude ≥ this are treated as non-finite by the core
-    from rollout_correction._src.logratio import NONFINITE_SENTINEL
+    from rollout_correction_core._src.logratio import NONFINITE_SENTINEL
 except ImportError:
     NONFINITE_SENTINEL = math.inf
 

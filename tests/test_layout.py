@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
-from rollout_correction._src.stats import LayoutMismatchError, SufficientStats
+from rollout_correction_core._src.stats import LayoutMismatchError, SufficientStats
 from test_distributed import _free_port, init_gloo
 
 # ----------------------------------------------------------------------------------------- units

@@ -25,7 +25,7 @@ import torch
 
 import openrlhf_reference as ref
 from rollout_correction import ConfigError, RolloutCorrectionConfig, compute_policy_loss
-from rollout_correction._src.losses import LOSS_AGG_MODES, agg_loss
+from rollout_correction_core._src.losses import LOSS_AGG_MODES, agg_loss
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 7.0]])
 KEPT = torch.tensor([[1, 0, 1], [0, 0, 0]], dtype=torch.bool)

@@ -17,8 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout_correction as rc
-from rollout_correction._src import correction as correction_module
-from rollout_correction._src.metrics import Metrics, metrics_to_floats
+from rollout_correction_core._src import correction as correction_module
+from rollout_correction_core._src.metrics import Metrics, metrics_to_floats
 
 
 DYNAMIC = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",

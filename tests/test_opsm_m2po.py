@@ -14,8 +14,8 @@ import torch
 
 from trl.trainer.grpo_trainer import GRPOTrainer  # CI: pip install trl==1.16.0
 
-from rollout_correction._src.m2po import m2po_keep, second_moment
-from rollout_correction._src.opsm import compute_opsm, opsm_keep
+from rollout_correction_core._src.m2po import m2po_keep, second_moment
+from rollout_correction_core._src.opsm import compute_opsm, opsm_keep
 
 ln = math.log
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rollout_correction._src.policy_losses import (cispo_loss, dppo_loss, gspo_loss, sequence_advantage, topr_loss,
+from rollout_correction_core._src.policy_losses import (cispo_loss, dppo_loss, gspo_loss, sequence_advantage, topr_loss,
                                               topr_weights)
 
 ln = math.log

@@ -55,9 +55,9 @@ def test_prefix_min_is_reinforce_matches_its_formula(space_name, truncated):
 
 
 def test_prefix_min_refuses_split_sequences():
-    from rollout_correction._src.config import as_config
-    from rollout_correction._src.logratio import LogRatioBatch
-    from rollout_correction._src.weights import importance_weights
+    from rollout_correction_core._src.config import as_config
+    from rollout_correction_core._src.logratio import LogRatioBatch
+    from rollout_correction_core._src.weights import importance_weights
 
     batch = LogRatioBatch.from_log_ratio(torch.zeros(1, 3), torch.ones(1, 3))
     spec = as_config({"rollout_is": "prefix_min", "rollout_is_threshold": 2.0}).is_spec

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
-from rollout_correction._src.config import RS_OPTIONS
-from rollout_correction._src.correction import CorrectionAccumulator
-from rollout_correction._src.metrics import OffPolicyAccumulator, compute_offpolicy_metrics
+from rollout_correction_core._src.config import RS_OPTIONS
+from rollout_correction_core._src.correction import CorrectionAccumulator
+from rollout_correction_core._src.metrics import OffPolicyAccumulator, compute_offpolicy_metrics
 
 
 FAST = settings(max_examples=150, deadline=None)

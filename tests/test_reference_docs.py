@@ -45,7 +45,7 @@ def test_config_page_is_current():
 
 
 def test_config_page_lists_every_key_and_preset_with_its_call():
-    from rollout_correction._src.presets import PRESETS
+    from rollout_correction_core._src.presets import PRESETS
 
     text = CONFIG_PAGE.read_text(encoding="utf-8")
     for key in RolloutCorrectionConfig.keys():

@@ -350,8 +350,8 @@ def test_probability_space_options(name, thr, keep):
 
 
 def test_probability_space_options_need_the_log_probs():
-    from rollout_correction._src.logratio import LogRatioBatch
-    from rollout_correction._src.rejection import token_divergence
+    from rollout_correction_core._src.logratio import LogRatioBatch
+    from rollout_correction_core._src.rejection import token_divergence
 
     batch = LogRatioBatch.from_log_ratio(torch.zeros(2, 3), torch.ones(2, 3))
     with pytest.raises(ValueError, match="need the log-probs"):

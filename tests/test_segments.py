@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
-from rollout_correction._src import correction as correction_module
+from rollout_correction_core._src import correction as correction_module
 from test_distributed import _free_port, init_dp_cp
 
 LR = torch.tensor([[0.1, 0.2, -0.3, 0.5, 0.0],
@@ -443,7 +443,7 @@ def test_compiled_pass_equals_eager():
 
 
 def test_packed_inputs_equal_the_padded_form():
-    from rollout_correction._src.packed import compute_rollout_correction_packed
+    from rollout_correction_core._src.packed import compute_rollout_correction_packed
 
     gen = torch.Generator().manual_seed(13)
     lengths = torch.tensor([5, 0, 8, 3])

@@ -181,7 +181,7 @@ def _split_worker(rank, world_size, port, result_dir):
 
     import torch.distributed as dist
 
-    from rollout_correction._src.alignment import check_alignment
+    from rollout_correction_core._src.alignment import check_alignment
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -202,7 +202,7 @@ def test_metrics_split_across_ranks_equal_the_whole_batch(tmp_path):
 
     import torch.multiprocessing as mp
 
-    from rollout_correction._src.alignment import check_alignment
+    from rollout_correction_core._src.alignment import check_alignment
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

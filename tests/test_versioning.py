@@ -23,7 +23,7 @@ def test_pyproject_reads_the_version_from_the_package():
 
     project = PYPROJECT["project"]
     assert "version" not in project and "version" in project["dynamic"]
-    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "rollout_correction.__version__"}
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "rollout_correction_core.__version__"}
     # what setuptools writes into the built distribution's metadata
     expanded = read_configuration(ROOT / "pyproject.toml", expand=True)
     assert expanded["project"]["version"] == rollout_correction.__version__

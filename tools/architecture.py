@@ -21,7 +21,7 @@ SRC = ROOT / "src" / "rollout_correction"
 PKG = "rollout_correction"
 #: The product surfaces: packages that may use only the public names of the core.
 SURFACES = ("compat", "integrations", "diagnose", "demo", "diffusion", "monitor")
-#: The modules that may import the private package ``rollout_correction._src``: the package root and
+#: The modules that may import the private package ``rollout_correction_core._src``: the package root and
 #: the public seam modules that re-export its names. Every other module (the surfaces and the public
 #: extension modules) imports public names only.
 SEAMS = ("rollout_correction", "rollout_correction.primitives", "rollout_correction.reductions",
@@ -29,7 +29,7 @@ SEAMS = ("rollout_correction", "rollout_correction.primitives", "rollout_correct
 
 
 def is_private(module: str) -> bool:
-    """``rollout_correction._src`` or a module inside it."""
+    """``rollout_correction_core._src`` or a module inside it."""
     return module == f"{PKG}._src" or module.startswith(f"{PKG}._src.")
 
 

@@ -1,7 +1,7 @@
 """The configuration keys, presets and metrics, documented once and rendered into the docs.
 
 The keys are documented in the config's field metadata (read into :data:`CONFIG_KEYS`) and the
-presets by their definitions (:data:`rollout_correction._src.presets.PRESETS`); the metrics here.
+presets by their definitions (:data:`rollout_correction_core._src.presets.PRESETS`); the metrics here.
 ``python tools/reference.py --readme README.md`` regenerates the reference block of
 the README, ``python tools/reference.py --config-md docs/config.md`` the
 configuration page (``python tools/reference.py`` prints the reference as a page);
@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from rollout_correction._src.config import RolloutCorrectionConfig
-from rollout_correction._src.presets import PRESETS
-from rollout_correction._src.vocab import FIRST_GENERATION_KEYS
+from rollout_correction_core._src.config import RolloutCorrectionConfig
+from rollout_correction_core._src.presets import PRESETS
+from rollout_correction_core._src.vocab import FIRST_GENERATION_KEYS
 from rollout_correction.presets_cli import PRESET_HEADER, preset_rows
 
 __all__ = ["CONFIG_KEYS", "LEGACY_KEYS", "METRICS", "PRESET_HEADER", "preset_rows", "render_markdown",

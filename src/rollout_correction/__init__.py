@@ -1,44 +1,10 @@
-"""rollout-correction: keep LLM reinforcement learning correct when the tokens were sampled by a
-different engine than the one computing gradients. The public surface is the names below."""
+"""rollout-correction, the toolkit: the correction core (``rollout_correction_core``, a
+distribution of its own that depends on torch alone) and, beside it, the surfaces built on it —
+the demonstration, ``diagnose``, the monitor, diffusion, and the engine adapters.
 
-from ._src.config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
-from ._src.config_io import config_value, settings_dict
-from ._src.constants import METRIC_PREFIX, SAFETY_BOUND
-from ._src.correction import CorrectionAccumulator, CorrectionOutput, compute_rollout_correction
-from ._src.losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
-from ._src.metrics import (ENGINE_METRIC_NAMES, OffPolicyAccumulator, compute_offpolicy_metrics, engine_metrics,
-                           metrics_to_floats)
-from ._src.packed import compute_rollout_correction_packed
-from ._src.segments import max_runs, segment_ids_from_mask
-from ._src.validation import ShapeMismatchError
+The names below are the core's public API, re-exported unchanged; an engine that wants only the
+math depends on ``rollout-correction-core`` and imports ``rollout_correction_core`` (docs/api.md).
+"""
 
-#: The one source of the version: pyproject.toml reads it, CHANGELOG.md names it (docs/api.md).
-__version__ = "0.2.0"
-
-__all__ = [
-    "RolloutCorrectionConfig",
-    "ConfigError",
-    "MissingSettingError",
-    "ShapeMismatchError",
-    "as_config",
-    "config_value",
-    "settings_dict",
-    "compute_rollout_correction",
-    "compute_rollout_correction_packed",
-    "CorrectionOutput",
-    "segment_ids_from_mask",
-    "max_runs",
-    "compute_offpolicy_metrics",
-    "OffPolicyAccumulator",
-    "CorrectionAccumulator",
-    "compute_policy_loss",
-    "agg_loss",
-    "ppo_clip_loss",
-    "metrics_to_floats",
-    "engine_metrics",
-    "ENGINE_METRIC_NAMES",
-    "LOSS_AGG_MODES",
-    "SAFETY_BOUND",
-    "METRIC_PREFIX",
-    "__version__",
-]
+from rollout_correction_core import *  # noqa: F401,F403 — the core's curated public names
+from rollout_correction_core import __all__, __version__  # noqa: F401

@@ -60,7 +60,7 @@ RS_OPTIONS.update(seq_logprob_error=("seq_mean", "logprob_error"),
 
 @dataclass(frozen=True)
 class ISSpec:
-    """Resolved importance-sampling settings: ``mode`` as in :mod:`rollout_correction._src.weights`;
+    """Resolved importance-sampling settings: ``mode`` as in :mod:`rollout_correction_core._src.weights`;
     ``metric_lower``, the bound of the ``*_fraction_low`` metrics: ``lower``, or 1/upper without one."""
 
     level: IsLevel

@@ -39,7 +39,7 @@ class CorrectionOutput:
     """Result of :func:`compute_rollout_correction`: ``weights`` (B, T) float32 IS weights (detached,
     0 at padding and at rows dropped for non-finite input; None without ``rollout_is``);
     ``response_mask`` (B, T), the input mask (and dtype) with rejected tokens set to 0; ``metrics``
-    ``rollout_corr/<name>`` → 0-d tensor, a :class:`~rollout_correction._src.metrics.Metrics` mapping
+    ``rollout_corr/<name>`` → 0-d tensor, a :class:`~rollout_correction_core._src.metrics.Metrics` mapping
     that derives the tensors on first access (on the device, without a sync)."""
 
     weights: Optional[torch.Tensor]
@@ -136,7 +136,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
                     max_segments: Optional[int] = None) -> tuple[CorrectionOutput, RowValues]:
     """One pass of the correction over sequences split across ``rows.group``: placeholders in the
     collect pass, final in the replay pass (statistics reduced over ``process_group``, counted on
-    the ranks ``owner`` selects, see :func:`~rollout_correction._src.sequence_group.stats_owner`)."""
+    the ranks ``owner`` selects, see :func:`~rollout_correction_core._src.sequence_group.stats_owner`)."""
     if segment_ids is not None and max_segments is None:
         raise ValueError("segment_ids with sequence_group needs max_segments: each rank holds a different "
                          "number of columns, and the per-segment partials must have one shape on every rank")
@@ -245,7 +245,7 @@ def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
 
 def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Value]:
     """Every metric of ``config`` from reduced statistics (unprefixed names): 0-d tensors from a
-    :class:`SufficientStats`, Python floats from a :class:`~rollout_correction._src.stats.HostStats`."""
+    :class:`SufficientStats`, Python floats from a :class:`~rollout_correction_core._src.stats.HostStats`."""
     m: dict[str, Value] = {}
     if config.is_spec is not None:
         m.update(is_metrics(stats, config.is_spec))
@@ -275,9 +275,9 @@ def compute_rollout_correction(
     """IS weights, rejection-adjusted response mask and diagnostics for one batch.
 
     log ρ_t = old_log_prob − rollout_log_prob on valid tokens; weights as in
-    :mod:`~rollout_correction._src.weights`, rejection and veto as in
-    :mod:`~rollout_correction._src.rejection`, then M2PO among the tokens they keep
-    (:mod:`~rollout_correction._src.m2po`: batch-global over ``process_group``, 32 small all-reduces).
+    :mod:`~rollout_correction_core._src.weights`, rejection and veto as in
+    :mod:`~rollout_correction_core._src.rejection`, then M2PO among the tokens they keep
+    (:mod:`~rollout_correction_core._src.m2po`: batch-global over ``process_group``, 32 small all-reduces).
 
     Args:
         old_log_prob: (B, T) π_old log-probs (decoupled mode) or π_θ log-probs (bypass mode);
@@ -298,7 +298,7 @@ def compute_rollout_correction(
             makes weights, masks and metrics those of the unsplit sequences (up to rounding); the
             (B, T_local) outputs cover this rank's tokens. ``process_group`` is then the
             data-parallel group without or with context parallelism, or None when the sequence
-            group holds the whole batch (see :func:`~rollout_correction._src.sequence_group.stats_owner`;
+            group holds the whole batch (see :func:`~rollout_correction_core._src.sequence_group.stats_owner`;
             a partial overlap raises ValueError). ``check_alignment`` raises with a sequence group.
         segment_ids: optional (B, T) integer tensor, the segment (turn) of each token of a
             multi-turn row: the valid tokens of a row with equal id form one segment, for

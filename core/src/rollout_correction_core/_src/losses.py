@@ -10,8 +10,8 @@ c > 1 the dual-clip constant, w_t the (detached) IS weight.
 * bypass PPO-clip: π_prox = π_rollout; rejection masks apply; IS weights are diagnostics only
 * bypass REINFORCE (pure IS): ℓ_t = −sg(w_t) · A_t · log π_θ(y_t), w = π_θ/π_rollout bounded as
   configured; with untruncated sequence weights its gradient is the on-policy gradient E_π[A ∇log π]
-* the other ``loss_type`` values: :mod:`rollout_correction._src.policy_losses`, with the same
-  weights, masks and aggregation; OPSM (:mod:`rollout_correction._src.opsm`) drops whole sequences
+* the other ``loss_type`` values: :mod:`rollout_correction_core._src.policy_losses`, with the same
+  weights, masks and aggregation; OPSM (:mod:`rollout_correction_core._src.opsm`) drops whole sequences
   from the mask before aggregation (it needs the advantages, so it lives here)
 
 Values at masked or rejected positions never reach the loss (they are replaced with ``where``, so
@@ -78,7 +78,7 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: 
     ``loss_mask`` reach the numerator either way.
 
     ``sequence_group``: every sequence is split across this group (context parallelism; see
-    :func:`~rollout_correction.compute_rollout_correction`). The counts n_i are those of the whole
+    :func:`~rollout_correction_core.compute_rollout_correction`). The counts n_i are those of the whole
     sequences (one all-gather of B scalars) and the result is this rank's share: the shares add up
     over the group to the unsplit loss, and each rank's gradient is the unsplit gradient on its
     tokens. S must then be given (``loss_scale_factor``): T here is only this rank's slice.
@@ -295,13 +295,13 @@ def compute_policy_loss(
             ``config.loss_denominator`` is ``"valid"`` (then every valid token of ``response_mask`` is).
         process_group: reduce the correction statistics over this group.
         sequence_group: every sequence is split across this group (context parallelism; layout
-            and ``process_group`` as for :func:`~rollout_correction.compute_rollout_correction`).
+            and ``process_group`` as for :func:`~rollout_correction_core.compute_rollout_correction`).
             One all-gather of (B, k) per-row scalars serves the non-finite check, the correction,
             the denominators and the ``actor/*`` metrics; the loss is this rank's share (see
             :func:`agg_loss`).
         segment_ids, max_segments: the segment (turn) of each token and the static number of ids,
             for ``rollout_is="segment"`` and the ``segment_*`` rejection options, as for
-            :func:`~rollout_correction.compute_rollout_correction`.
+            :func:`~rollout_correction_core.compute_rollout_correction`.
     Returns:
         (loss, metrics): scalar loss; 0-d tensors ``actor/pg_clipfrac``, ``actor/ppo_kl``,
         ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` (over this data-parallel

@@ -10,7 +10,7 @@ row *bad*: the row is dropped (mask 0, every sum 0) or, with ``on_nonfinite="rai
 ValueError names it. Rows are dropped arithmetically, never by a data-dependent branch, so the pass
 does not wait for the device.
 
-Split rows. With ``rows`` (a :class:`~rollout_correction._src.sequence_group.RowExchange`) each rank
+Split rows. With ``rows`` (a :class:`~rollout_correction_core._src.sequence_group.RowExchange`) each rank
 holds part of every row; every per-row reduction then spans the group (the batch's ``reduce_*``
 helpers), which is what makes context-parallel results exact.
 """
@@ -272,7 +272,7 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         response_mask: (B, T) bool or 0/1 mask of valid tokens (non-zero is valid).
         on_nonfinite: ``"reject"`` drops a row with a NaN/±inf at a valid position (counted in
             ``nonfinite_seq_fraction``); ``"raise"`` raises ValueError naming the first one.
-        rows: a :class:`~rollout_correction._src.sequence_group.RowExchange` when every row is split
+        rows: a :class:`~rollout_correction_core._src.sequence_group.RowExchange` when every row is split
             across a group (context parallelism); None when the rows are whole.
         row_offset: index of this batch's first row in the caller's batch (for messages).
         segment_ids: optional (B, T) integer segment (turn) of each token: the tokens of a row with

@@ -1,7 +1,7 @@
 """Per-token policy losses that trainers pair with rollout-correction weights.
 
 Each function takes (B, T) log-probs and advantages already 0 at invalid positions and returns
-the per-token loss ℓ_t (weighted and aggregated by :mod:`rollout_correction._src.losses`) plus the
+the per-token loss ℓ_t (weighted and aggregated by :mod:`rollout_correction_core._src.losses`) plus the
 indicator ``actor/pg_clipfrac`` counts. log r_t = log π_θ(y_t) − log π_prox(y_t) (π_prox: π_old in
 decoupled mode, π_rollout in bypass mode), clamped to ±20 before ``exp``; A_t the advantage;
 ε_lo / ε_hi the clip range (for DPPO: the divergence bounds δ_lo / δ_hi); sg(·) stop-gradient.

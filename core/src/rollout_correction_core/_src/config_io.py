@@ -64,7 +64,7 @@ class Loading:
         e.g. ``"algorithm.rollout_correction"``."""
         import os
 
-        import yaml  # optional dependency: pip install 'rollout-correction[yaml]'
+        import yaml  # optional dependency: pip install pyyaml (or 'rollout-correction[yaml]')
 
         text = source
         if os.path.exists(source):

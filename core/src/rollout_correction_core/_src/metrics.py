@@ -221,7 +221,7 @@ class Metrics(MutableMapping):
     @classmethod
     def derived(cls, stats: SufficientStats, derive: Callable, prefix: str = METRIC_PREFIX) -> "Metrics":
         """Metrics ``prefix + name`` → ``derive(stats)[name]``; ``derive`` must work on
-        :class:`SufficientStats` and on :class:`HostStats` alike (see :mod:`rollout_correction._src.stats`)."""
+        :class:`SufficientStats` and on :class:`HostStats` alike (see :mod:`rollout_correction_core._src.stats`)."""
         out = cls()
         out.add_derived(stats, derive, prefix)
         return out
@@ -345,7 +345,7 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         response_mask: (B, T) bool or 0/1, non-zero on valid tokens.
         process_group: reduce the statistics over this group (metrics of the whole batch).
         sequence_group: every sequence is split across this group (context parallelism), as in
-            :func:`rollout_correction.compute_rollout_correction`.
+            :func:`rollout_correction_core.compute_rollout_correction`.
         mismatch_metrics: also the 10 mismatch metrics (|p_train − p_rollout|, Pearson, JS, |Δ log p|
             tails; module docstring), about 15 more per-token passes.
     Returns:

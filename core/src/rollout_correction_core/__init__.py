@@ -1,0 +1,44 @@
+"""rollout-correction: keep LLM reinforcement learning correct when the tokens were sampled by a
+different engine than the one computing gradients. The public surface is the names below."""
+
+from ._src.config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
+from ._src.config_io import config_value, settings_dict
+from ._src.constants import METRIC_PREFIX, SAFETY_BOUND
+from ._src.correction import CorrectionAccumulator, CorrectionOutput, compute_rollout_correction
+from ._src.losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
+from ._src.metrics import (ENGINE_METRIC_NAMES, OffPolicyAccumulator, compute_offpolicy_metrics, engine_metrics,
+                           metrics_to_floats)
+from ._src.packed import compute_rollout_correction_packed
+from ._src.segments import max_runs, segment_ids_from_mask
+from ._src.validation import ShapeMismatchError
+
+#: The one source of the version: pyproject.toml reads it, CHANGELOG.md names it (docs/api.md).
+__version__ = "0.2.0"
+
+__all__ = [
+    "RolloutCorrectionConfig",
+    "ConfigError",
+    "MissingSettingError",
+    "ShapeMismatchError",
+    "as_config",
+    "config_value",
+    "settings_dict",
+    "compute_rollout_correction",
+    "compute_rollout_correction_packed",
+    "CorrectionOutput",
+    "segment_ids_from_mask",
+    "max_runs",
+    "compute_offpolicy_metrics",
+    "OffPolicyAccumulator",
+    "CorrectionAccumulator",
+    "compute_policy_loss",
+    "agg_loss",
+    "ppo_clip_loss",
+    "metrics_to_floats",
+    "engine_metrics",
+    "ENGINE_METRIC_NAMES",
+    "LOSS_AGG_MODES",
+    "SAFETY_BOUND",
+    "METRIC_PREFIX",
+    "__version__",
+]

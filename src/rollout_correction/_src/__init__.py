@@ -1,1 +1,0 @@
-"""The library's internals; the names here may change between releases (import from ``rollout_correction``)."""
