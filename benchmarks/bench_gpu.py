@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "core" / "src")]  # the toolkit and the core, from this checkout
 
 import rollout_correction as rc  # noqa: E402
 from bench_vs_verl import CASES, Case, geometric_mean, make_inputs  # noqa: E402

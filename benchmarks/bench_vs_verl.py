@@ -47,7 +47,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "core" / "src")]  # the toolkit and the core, from this checkout
 
 from verl_reference import load_verl_rollout_corr_helper, verl_equivalent_rs_threshold  # noqa: E402
 

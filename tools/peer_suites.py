@@ -36,6 +36,7 @@ from typing import Optional
 __all__ = ["PeerSuite", "SUITES", "run_suite", "main"]
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+CORE_SRC = SRC.parent / "core" / "src"
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def run_suite(key: str, checkout: Path, python: str = sys.executable, commit: Op
         report = tmp_path / "report.json"
         spec = {"modules": dict(suite.modules), "preload": list(suite.preload), "report": str(report),
                 "roots": [str(checkout)]}
-        path = [str(tmp_path), *(str((checkout / p).resolve()) for p in suite.paths), str(SRC)]
+        path = [str(tmp_path), *(str((checkout / p).resolve()) for p in suite.paths), str(SRC), str(CORE_SRC)]
         inherited = os.environ.get("PYTHONPATH")
         env = {**os.environ, "ROLLOUT_CORRECTION_PEER_SPEC": json.dumps(spec),
                "PYTHONPATH": os.pathsep.join(path + ([inherited] if inherited else []))}

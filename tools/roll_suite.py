@@ -216,7 +216,7 @@ def _workdir(checkout: Path) -> Path:
 
 
 def _env(work: Path, checkout: Path) -> dict:
-    path = [str(work), str(ROOT / "src"), *[p for p in sys.path if p]]
+    path = [str(work), str(ROOT / "src"), str(ROOT / "core" / "src"), *[p for p in sys.path if p]]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "ROLL_CHECKOUT": str(checkout)}
 
 
