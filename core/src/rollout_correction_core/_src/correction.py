@@ -23,7 +23,7 @@ from .m2po import m2po_keep, second_moment
 from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
                       offpolicy_metrics, prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
-from .sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite,
+from .sequence_group import (RowExchange, check_sequence_group, describe, group_ranks, raise_nonfinite,
                              raise_nonfinite_on_any_rank, reduce_owned,
                              stats_owner)
 from .stats import SufficientStats, Value, maximum
@@ -158,6 +158,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         return CorrectionOutput(weights, keep), values
     if config.on_nonfinite == "raise":
         raise_nonfinite(batch.bad_rows)
+    reduced = reduce_owned(stats, process_group, owner)  # agreed over process_group before M2PO's collectives
     if config.rollout_m2po_threshold is not None:  # a batch-global token threshold: token sums over all ranks
         if process_group is None:
             groups = (rows.group,)
@@ -169,7 +170,6 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         m2 = second_moment(old_log_prob, rollout_log_prob, kept_tokens)
         kept_tokens, m2po = m2po_keep(m2, kept_tokens, float(config.rollout_m2po_threshold), groups)
         keep = kept_tokens.to(keep.dtype)
-    reduced = reduce_owned(stats, process_group, owner)
     metrics = Metrics.derived(reduced, functools.partial(correction_metrics, config=config))
     if config.rollout_m2po_threshold is not None:
         metrics.update(prefixed(m2po))
@@ -320,7 +320,7 @@ def compute_rollout_correction(
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
         check_pair(old_log_prob, rollout_log_prob, response_mask)
-        rows = RowExchange(sequence_group)
+        rows = RowExchange(sequence_group, describe("compute_rollout_correction", config, max_segments=max_segments))
         with torch.no_grad():
             for _ in rows.passes():
                 out, _values = correction_pass(old_log_prob, rollout_log_prob, response_mask, config,

@@ -41,7 +41,7 @@ import torch
 from .constants import METRIC_PREFIX, SAFETY_BOUND
 from .logratio import LogRatioBatch, log_ratio_batch, nonfinite_positions
 from .validation import check_pair
-from .sequence_group import (RowExchange, check_sequence_group, raise_nonfinite, raise_nonfinite_on_any_rank,
+from .sequence_group import (RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank,
                              reduce_owned, stats_owner)
 from .stats import HostStats, SufficientStats, Value, clamp, safe_div, sqrt0, where
 
@@ -358,7 +358,8 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
     if sequence_group is not None:
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
-        rows = RowExchange(sequence_group)
+        rows = RowExchange(sequence_group, describe("compute_offpolicy_metrics", on_nonfinite=on_nonfinite,
+                                                    mismatch_metrics=mismatch_metrics))
         for _ in rows.passes():
             batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=on_nonfinite, rows=rows)
             acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite, mismatch_metrics=mismatch_metrics)
