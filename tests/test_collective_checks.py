@@ -7,6 +7,7 @@ never a gloo transport error, a hang, or a number read from a short buffer:
 * context-parallel ranks holding different numbers of rows (4 and 3);
 * a context-parallel rank with no rows while its peer has some;
 * different configurations with the same number of partials (``seq_sum_k2`` / ``seq_sum_k3``);
+* ``on_nonfinite="raise"`` on one rank only (its check of the other ranks meets their exchange);
 * with ``verification("always")``, a configuration that changes on one rank after an agreed call;
 * and the cache of agreed groups keeps no process group alive.
 """
@@ -64,6 +65,10 @@ def rank_main(case: str, rank: int, port: int, out: str) -> None:
             loss, _ = compute_policy_loss(old + 0.1, old, torch.ones(4, 6), mask, config=k2 if rank == 0 else k3,
                                           rollout_log_prob=rollout, sequence_group=cp)
             result["ok"] = float(loss)
+        elif case in ("raise_dp", "raise_cp"):  # the raising rank checks its peers first; the other does not
+            cfg = RolloutCorrectionConfig(rollout_is="token", on_nonfinite="raise" if rank == 0 else "reject")
+            groups = dict(process_group=cp) if case == "raise_dp" else dict(sequence_group=cp)
+            result["ok"] = compute_rollout_correction(old, rollout, mask, config=cfg, **groups).metrics_as_floats()
         elif case == "always":
             from rollout_correction_core._src.stats import verification
 
@@ -138,6 +143,11 @@ def test_a_rank_without_rows_raises_with_its_peer(tmp_path):
 def test_different_configs_with_as_many_partials_raise(case, tmp_path):
     _same_error(run_case(case, tmp_path), "sequence_group [0, 1]", "seq_sum_k2", "on rank 0", "seq_sum_k3",
                 "on rank 1")
+
+
+@pytest.mark.parametrize("case, group", [("raise_dp", "process_group"), ("raise_cp", "sequence_group")])
+def test_a_check_only_some_ranks_make_raises(case, group, tmp_path):
+    _same_error(run_case(case, tmp_path), f"{group} [0, 1]", "on_nonfinite='raise'", "on rank 0", "on rank 1")
 
 
 def test_verify_always_repeats_the_agreement(tmp_path):

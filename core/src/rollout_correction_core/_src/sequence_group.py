@@ -118,11 +118,14 @@ def raise_nonfinite_on_any_rank(bad: torch.Tensor, what: str, process_group: Opt
     """``on_nonfinite="raise"`` over groups of several ranks: ``bad`` is this rank's (B, T) "non-finite
     at a valid position". Every rank of ``sequence_group`` and ``process_group`` raises alike when
     any of them has one, so that none is left waiting in a later collective; the rank that holds it
-    names the position. One all-reduce per group of more than one rank and one host read; nothing
-    without such a group (the call then raises, or not, on its own)."""
+    names the position. One all-reduce per group of more than one rank and one host read (and, the
+    first time, the ranks' agreement on it); nothing without such a group."""
     seq, dp = _multi_rank(sequence_group), _multi_rank(process_group)
     if not (seq or dp):
         return
+    for group, name in ((sequence_group, "sequence_group"), (process_group, "process_group")):
+        if _multi_rank(group):  # agreed first: a rank that skips this check is met by its own agreement
+            agree(group, [f"on_nonfinite='raise': the {what}"], name, bad.device)
     dist = _dist()
     none = torch.iinfo(torch.int64).max
     rows = torch.arange(bad.shape[0], device=bad.device)
