@@ -18,7 +18,9 @@ The collectives are counted by wrapping ``torch.distributed``'s functions in eac
 with ``sequence_group`` (compute_rollout_correction, compute_policy_loss, agg_loss and the packed
 entry point) makes exactly one ``all_gather_into_tensor`` over the sequence group, of a (B, k)
 tensor (k per-row scalars: the same k when the rows are four times as long), and no other
-collective over that group; only ``all_reduce`` over ``process_group`` besides.
+collective over that group; only ``all_reduce`` over ``process_group`` besides. The first call of
+an exchange layout (the call, the configuration, the row count, the partials) also agrees on it
+over the group: one all-reduce of a 2-element fingerprint before the gather.
 """
 
 from __future__ import annotations
@@ -158,38 +160,40 @@ def _worker(rank, world_size, cp, names, losses, thorough, port, result_dir):
                     continue  # keep the fast run short: the group semantics are covered by the other layout
                 results[(layout, pg_name)] = compute_all(old, rollout, mask, log_prob, adv, names, losses,
                                                          sequence_group=cp_group, process_group=pg)
-            # Collective count of single calls.
+            # Collective count of single calls, in the steady state (the first call of an exchange
+            # layout also agrees on it: one all_reduce of a 2-element fingerprint before the gather).
             cfg = config("decoupled_geo_rs_token_tis")
-            for pg_name, pg in (("dp", dp_group), ("dp_cp", dist.group.WORLD), ("none", None)):
-                del calls[:]
-                compute_rollout_correction(old, rollout, mask, config=cfg, process_group=pg, sequence_group=cp_group)
-                results[(layout, pg_name, "calls/correction")] = summarize(calls, cp_group, pg)
-                del calls[:]
-                lp = log_prob.clone().requires_grad_(True)
-                loss, _ = compute_policy_loss(lp, old, adv, mask, config=cfg, rollout_log_prob=rollout,
+
+            def steady(key, pg, fn):
+                for first in (True, False):
+                    del calls[:]
+                    fn()
+                    results[key + (("first",) if first else ())] = summarize(calls, cp_group, pg)
+
+            def loss_call(pg, *tensors, cfg=cfg):
+                lp, old_, adv_, mask_, rollout_ = tensors
+                lp = lp.clone().requires_grad_(True)
+                loss, _ = compute_policy_loss(lp, old_, adv_, mask_, config=cfg, rollout_log_prob=rollout_,
                                               loss_agg_mode="seq-mean-token-mean", process_group=pg,
                                               sequence_group=cp_group)
                 loss.backward()
-                results[(layout, pg_name, "calls/loss")] = summarize(calls, cp_group, pg)
-            del calls[:]
-            agg_loss(log_prob * mask, mask, loss_agg_mode="seq-mean-token-mean", sequence_group=cp_group)
-            results[(layout, "calls/agg")] = summarize(calls, cp_group, None)
+
+            for pg_name, pg in (("dp", dp_group), ("dp_cp", dist.group.WORLD), ("none", None)):
+                steady((layout, pg_name, "calls/correction"), pg, lambda: compute_rollout_correction(
+                    old, rollout, mask, config=cfg, process_group=pg, sequence_group=cp_group))
+                steady((layout, pg_name, "calls/loss"), pg, lambda: loss_call(pg, log_prob, old, adv, mask, rollout))
+            steady((layout, "calls/agg"), None, lambda: agg_loss(log_prob * mask, mask, loss_agg_mode="seq-mean-token-mean",
+                                                                 sequence_group=cp_group))
             # The same calls on rows four times as long (the extra columns are padding): the
             # sequence group's collective must send the same number of scalars.
             extra = 3 * LENGTH
             long = [torch.cat([t, torch.full((ROWS, extra), fill)], 1)
                     for t, fill in ((old, float("nan")), (rollout, -float("inf")), (mask, 0.0), (log_prob, 0.0),
                                     (adv, 0.0))]
-            del calls[:]
-            compute_rollout_correction(*long[:3], config=cfg, process_group=dp_group, sequence_group=cp_group)
-            results[(layout, "dp", "calls/correction_long")] = summarize(calls, cp_group, dp_group)
-            del calls[:]
-            lp = long[3].clone().requires_grad_(True)
-            loss, _ = compute_policy_loss(lp, long[0], long[4], long[2], config=cfg, rollout_log_prob=long[1],
-                                          loss_agg_mode="seq-mean-token-mean", process_group=dp_group,
-                                          sequence_group=cp_group)
-            loss.backward()
-            results[(layout, "dp", "calls/loss_long")] = summarize(calls, cp_group, dp_group)
+            steady((layout, "dp", "calls/correction_long"), dp_group, lambda: compute_rollout_correction(
+                *long[:3], config=cfg, process_group=dp_group, sequence_group=cp_group))
+            steady((layout, "dp", "calls/loss_long"), dp_group,
+                   lambda: loss_call(dp_group, long[3], long[0], long[4], long[2], long[1]))
             # packed: this rank's tokens of each row, flat
             keep = (cols >= 0)
             flat = [t[:, keep] for t in (old, rollout, mask)]
@@ -358,6 +362,11 @@ def run_grid(cp: int, dp: int, names: list[str], losses: list[str], tmp_path, th
     # are all_reduce over the data-parallel group.
     for rank in range(world):
         for key, calls in per_rank[rank].items():
+            if isinstance(key, tuple) and key[-1] == "first":  # an agreement, if any, precedes the gather
+                seq = [c for c in calls if c[1] == "sequence_group"]
+                assert seq[-1][0] in ("all_gather_single", "all_gather_into_tensor"), (key, calls)
+                assert all(c == ("all_reduce", "sequence_group", 2) for c in seq[:-1]) and len(seq) <= 2, (key, calls)
+                continue
             if key == "errors" or not (isinstance(key, tuple) and str(key[-1]).startswith("calls")):
                 continue
             counts = Counter((name, group) for name, group, _ in calls)

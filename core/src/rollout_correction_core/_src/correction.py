@@ -23,7 +23,7 @@ from .m2po import m2po_keep, second_moment
 from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
                       offpolicy_metrics, prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
-from .sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite,
+from .sequence_group import (RowExchange, check_sequence_group, describe, group_ranks, raise_nonfinite,
                              raise_nonfinite_on_any_rank, reduce_owned,
                              stats_owner)
 from .stats import SufficientStats, Value, maximum
@@ -158,24 +158,15 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         return CorrectionOutput(weights, keep), values
     if config.on_nonfinite == "raise":
         raise_nonfinite(batch.bad_rows)
-    if config.rollout_m2po_threshold is not None:  # a batch-global token threshold: token sums over all ranks
-        if process_group is None:
-            groups = (rows.group,)
-        elif set(group_ranks(rows.group)) <= set(group_ranks(process_group)):  # data-parallel group with CP
-            groups = (process_group,)
-        else:
-            groups = (process_group, rows.group)
-        kept_tokens = keep > 0
-        m2 = second_moment(old_log_prob, rollout_log_prob, kept_tokens)
-        kept_tokens, m2po = m2po_keep(m2, kept_tokens, float(config.rollout_m2po_threshold), groups)
-        keep = kept_tokens.to(keep.dtype)
-    reduced = reduce_owned(stats, process_group, owner)
-    metrics = Metrics.derived(reduced, functools.partial(correction_metrics, config=config))
-    if config.rollout_m2po_threshold is not None:
-        metrics.update(prefixed(m2po))
-    if weights is not None and config.is_spec.batch_normalize:
-        weights = weights / batch_norm_factor(reduced, config.is_spec).to(weights.dtype)
-    out = CorrectionOutput(weights, keep.to(response_mask.dtype), metrics)
+    if config.rollout_m2po_threshold is None or process_group is None:
+        groups = (rows.group,)
+    elif set(group_ranks(rows.group)) <= set(group_ranks(process_group)):  # data-parallel group with CP
+        groups = (process_group,)
+    else:
+        groups = (process_group, rows.group)
+    reduced = reduce_owned(stats, process_group, owner)  # agreed over process_group before M2PO's collectives
+    out = _finish(reduced, None if weights is None else weights.clone(), keep, old_log_prob, rollout_log_prob,
+                  config, groups, response_mask.dtype)
     return out, values
 
 
@@ -241,6 +232,22 @@ def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
     while len(_COMPILED) > COMPILE_CACHE_SIZE:
         _COMPILED.popitem(last=False)
     return fn
+
+
+def _finish(stats: SufficientStats, weights: Optional[torch.Tensor], keep: torch.Tensor, old_log_prob: torch.Tensor,
+            rollout_log_prob: torch.Tensor, config: RolloutCorrectionConfig, groups: tuple,
+            mask_dtype: torch.dtype) -> CorrectionOutput:
+    """Whole and split rows alike, from the reduced ``stats``: the metrics, batch normalisation (of
+    ``weights`` in place) and M2PO among the kept tokens (batch-global over ``groups``)."""
+    metrics = Metrics.derived(stats, functools.partial(correction_metrics, config=config))
+    if weights is not None and config.is_spec.batch_normalize:
+        weights = weights.div_(batch_norm_factor(stats, config.is_spec))
+    if config.rollout_m2po_threshold is not None:
+        kept = keep > 0
+        keep, m2po = m2po_keep(second_moment(old_log_prob, rollout_log_prob, kept), kept,
+                               float(config.rollout_m2po_threshold), groups)
+        metrics.update(prefixed(m2po))
+    return CorrectionOutput(weights, keep.to(mask_dtype), metrics)
 
 
 def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Value]:
@@ -320,7 +327,7 @@ def compute_rollout_correction(
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
         check_pair(old_log_prob, rollout_log_prob, response_mask)
-        rows = RowExchange(sequence_group)
+        rows = RowExchange(sequence_group, describe("compute_rollout_correction", config, max_segments=max_segments))
         with torch.no_grad():
             for _ in rows.passes():
                 out, _values = correction_pass(old_log_prob, rollout_log_prob, response_mask, config,
@@ -335,22 +342,13 @@ def compute_rollout_correction(
         else:
             weights, keep, stats = _blocked_local_pass(old_log_prob, rollout_log_prob, response_mask, config,
                                                        segment_ids, max_segments)
-        stats.all_reduce(process_group)
-        metrics = Metrics.derived(stats, functools.partial(correction_metrics, config=config))
-        if weights is not None and config.is_spec.batch_normalize:
-            weights = weights.div_(batch_norm_factor(stats, config.is_spec))
-        if config.rollout_m2po_threshold is not None:
-            kept = keep > 0
-            m2 = second_moment(old_log_prob, rollout_log_prob, kept)
-            kept, m2po = m2po_keep(m2, kept, float(config.rollout_m2po_threshold), (process_group,))
-            keep = kept
-            metrics.update(prefixed(m2po))
-        out_mask = keep.to(response_mask.dtype)
+        out = _finish(stats.all_reduce(process_group), weights, keep, old_log_prob, rollout_log_prob, config,
+                      (process_group,), response_mask.dtype)
         if config.check_alignment:  # the warning needs the values: one sync, only with this option
             report = alignment_report(torch.stack([stats.sum(k) for k in _ALIGN_KEYS]))
             if report.misaligned:
                 warnings.warn(report.message, MisalignmentWarning, stacklevel=2)
-    return CorrectionOutput(weights=weights, response_mask=out_mask, metrics=metrics)
+    return out
 
 
 #: ``on_batch(batch, weights, keep)``: called by :class:`CorrectionAccumulator` once per chunk.

@@ -28,10 +28,14 @@ from .segments import segment_sums
 from .stats import SufficientStats
 from .validation import check_pair, check_same, check_segment_ids
 
+#: The counts every statistics family divides by (sums, recorded by :meth:`LogRatioBatch.add_counts`):
+#: valid tokens used, rows with a token used, rows with a valid input token.
+N_TOK, N_ROWS, N_ROWS_INPUT = "n_tok", "n_rows", "n_rows_input"
+
 if TYPE_CHECKING:
     from .sequence_group import RowExchange
 
-__all__ = ["LogRatioBatch", "RowSums", "log_ratio_batch", "NONFINITE_SENTINEL", "float_mask", "nonfinite_positions"]
+__all__ = ["N_TOK", "N_ROWS", "N_ROWS_INPUT", "LogRatioBatch", "RowSums", "log_ratio_batch", "NONFINITE_SENTINEL", "float_mask", "nonfinite_positions"]
 
 #: Replacement for NaN / ±inf before masking; a valid |log-ratio| this large means "non-finite".
 NONFINITE_SENTINEL = 1e30
@@ -254,9 +258,9 @@ class LogRatioBatch:
 
     def add_counts(self, stats: SufficientStats) -> None:
         """The counts every statistic family divides by (recorded once per call)."""
-        stats.add_sum("n_tok", self.sums.n)
-        stats.add_sum("n_rows", self.row_valid)
-        stats.add_sum("n_rows_input", self.input_rows)
+        stats.add_sum(N_TOK, self.sums.n)
+        stats.add_sum(N_ROWS, self.row_valid)
+        stats.add_sum(N_ROWS_INPUT, self.input_rows)
 
 
 def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, *,

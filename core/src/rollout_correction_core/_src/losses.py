@@ -33,7 +33,7 @@ from .metrics import Metrics, prefixed
 from .opsm import compute_opsm
 from .policy_losses import cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, topr_loss
 from .logratio import nonfinite_positions
-from .sequence_group import RowExchange, check_sequence_group, raise_nonfinite, raise_nonfinite_on_any_rank, stats_owner
+from .sequence_group import RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank, stats_owner
 from .stats import SufficientStats, Value, maximum
 from .validation import check_same, first_nonfinite
 
@@ -94,7 +94,7 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: 
     if sequence_group is None and loss_agg_mode in ("token-mean", "token-sum"):
         n_row = None  # only the total is needed (token-mean), or nothing
     else:
-        rows = RowExchange(sequence_group)
+        rows = RowExchange(sequence_group, describe("agg_loss", loss_agg_mode=loss_agg_mode))
         for _ in rows.passes():
             n_row = rows.sum(counted.sum(-1, dtype=torch.float64))
     return _aggregate(loss_mat, valid, n_row, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
@@ -338,7 +338,8 @@ def compute_policy_loss(
         owner = stats_owner(sequence_group, process_group)
     settings = _Settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens,
                          global_num_seqs, dp_size, loss_scale_factor)
-    rows = RowExchange(sequence_group)
+    rows = RowExchange(sequence_group, describe("compute_policy_loss", config, loss_agg_mode=loss_agg_mode,
+                                                max_segments=max_segments))
     for _ in rows.passes():  # one pass for whole rows; collect and replay for split rows
         result = _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollout_is_weights, config,
                                    settings, process_group, rows, owner, segment_ids, max_segments)

@@ -39,9 +39,9 @@ from typing import Callable, Optional, Union
 import torch
 
 from .constants import METRIC_PREFIX, SAFETY_BOUND
-from .logratio import LogRatioBatch, log_ratio_batch, nonfinite_positions
+from .logratio import N_TOK, N_ROWS, N_ROWS_INPUT, LogRatioBatch, log_ratio_batch, nonfinite_positions
 from .validation import check_pair
-from .sequence_group import (RowExchange, check_sequence_group, raise_nonfinite, raise_nonfinite_on_any_rank,
+from .sequence_group import (RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank,
                              reduce_owned, stats_owner)
 from .stats import HostStats, SufficientStats, Value, clamp, safe_div, sqrt0, where
 
@@ -146,7 +146,7 @@ def _pearson(stats, x: str, y: str, n: Value) -> Value:
 
 def mismatch_metrics(stats) -> dict[str, Value]:
     """The mismatch metrics (module docstring) from reduced statistics; 0 when empty."""
-    n_tok, has = stats.sum("n_tok"), stats.sum("n_rows") > 0
+    n_tok, has = stats.sum(N_TOK), stats.sum(N_ROWS) > 0
     sum_d = stats.sum("mm.d")
     mean_d = safe_div(sum_d, n_tok)
     return {
@@ -156,7 +156,7 @@ def mismatch_metrics(stats) -> dict[str, Value]:
         "prob_pearson": _pearson(stats, "q", "p", n_tok),
         "log_prob_pearson": _pearson(stats, "lq", "lp", n_tok),
         "js_divergence": safe_div(stats.sum("mm.js"), n_tok),
-        "log_prob_abs_diff_seq_mean": safe_div(stats.sum("mm.a_seq"), stats.sum("n_rows")),
+        "log_prob_abs_diff_seq_mean": safe_div(stats.sum("mm.a_seq"), stats.sum(N_ROWS)),
         "log_prob_abs_diff_max": where(has, stats.max("mm.a_max"), 0.0),
         "log_prob_abs_diff_gt1": safe_div(stats.sum("mm.gt1"), n_tok),
         "log_prob_abs_diff_gt2": safe_div(stats.sum("mm.gt2"), n_tok),
@@ -166,7 +166,7 @@ def mismatch_metrics(stats) -> dict[str, Value]:
 def offpolicy_metrics(stats) -> dict[str, Value]:
     """The 13 off-policy metrics, and the 10 mismatch metrics when their statistics were recorded
     (module docstring), from reduced statistics of either kind; 0 when empty."""
-    n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
+    n_tok, n_rows = stats.sum(N_TOK), stats.sum(N_ROWS)
 
     def seq_mean(k: str) -> Value:
         return safe_div(stats.sum(k), n_rows)
@@ -193,8 +193,8 @@ def offpolicy_metrics(stats) -> dict[str, Value]:
 def nonfinite_metrics(stats) -> dict[str, Value]:
     """``nonfinite_seq_fraction``: share of the sequences with a valid input token (all used unless
     dropped, so the dropped are ``n_rows_input − n_rows``) dropped for a NaN/±inf log-prob."""
-    n_input = stats.sum("n_rows_input")
-    return {"nonfinite_seq_fraction": safe_div(n_input - stats.sum("n_rows"), n_input)}
+    n_input = stats.sum(N_ROWS_INPUT)
+    return {"nonfinite_seq_fraction": safe_div(n_input - stats.sum(N_ROWS), n_input)}
 
 
 def prefixed(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -358,7 +358,8 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
     if sequence_group is not None:
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
-        rows = RowExchange(sequence_group)
+        rows = RowExchange(sequence_group, describe("compute_offpolicy_metrics", on_nonfinite=on_nonfinite,
+                                                    mismatch_metrics=mismatch_metrics))
         for _ in rows.passes():
             batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=on_nonfinite, rows=rows)
             acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite, mismatch_metrics=mismatch_metrics)

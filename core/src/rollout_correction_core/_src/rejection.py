@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from .config import RSOption
-from .logratio import LogRatioBatch
+from .logratio import LogRatioBatch, N_ROWS, N_TOK
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
 __all__ = ["token_divergence", "PROB_CLAMP", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics",
@@ -286,8 +286,8 @@ def rs_option_metrics(stats, opt: RSOption) -> dict[str, Value]:
     segment statistic, seq_masked_fraction is the share of segments it rejects.
     """
     p, out = f"rs.{opt.name}.", f"rollout_rs_{opt.name}_"
-    n_tok = stats.sum("n_tok")
-    n_rows = stats.sum(p + "units") if opt.agg.startswith("segment_") else stats.sum("n_rows")
+    n_tok = stats.sum(N_TOK)
+    n_rows = stats.sum(p + "units") if opt.agg.startswith("segment_") else stats.sum(N_ROWS)
     m: dict[str, Value] = {}
     seq = seq_summary(stats, p + "seq", n_rows, center=0.0)
     m[out + "mean"] = safe_div(stats.sum(p + "sum"), n_tok)
@@ -318,7 +318,7 @@ def rs_metrics(stats, options: tuple[RSOption, ...]) -> dict[str, Value]:
     sequences with at least one rejected token), from statistics recorded by :func:`rejection_keep`."""
     if not options:
         return {}
-    n_tok, n_rows = stats.sum("n_tok"), stats.sum("n_rows")
+    n_tok, n_rows = stats.sum(N_TOK), stats.sum(N_ROWS)
     m: dict[str, Value] = {}
     for opt in options:
         m.update(rs_option_metrics(stats, opt))
@@ -338,7 +338,7 @@ def veto_metrics(stats, low: bool = True, high: bool = False) -> dict[str, Value
     m: dict[str, Value] = {}
     for side, key, infix in ((low, "veto", ""), (high, "veto_high", "_high")):
         if side:
-            m[f"rollout_is_veto{infix}_fraction"] = safe_div(stats.sum(key + ".rows"), stats.sum("n_rows"))
+            m[f"rollout_is_veto{infix}_fraction"] = safe_div(stats.sum(key + ".rows"), stats.sum(N_ROWS))
             m[f"rollout_is_catastrophic{infix}_token_fraction"] = safe_div(stats.sum(key + ".tok"),
-                                                                           stats.sum("n_tok"))
+                                                                           stats.sum(N_TOK))
     return m

@@ -21,13 +21,14 @@ and every rank holds the same B sequences in the same order.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+import dataclasses
+from typing import Iterator, Optional, Sequence
 
 import torch
 
-from .stats import SufficientStats
+from .stats import SufficientStats, agree
 
-__all__ = ["RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
+__all__ = ["RowExchange", "describe", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
            "raise_nonfinite_on_any_rank"]
 
 
@@ -40,6 +41,13 @@ def _dist():
 def group_ranks(group: object) -> list[int]:
     """Global ranks of ``group`` (no communication)."""
     return list(_dist().get_process_group_ranks(group))
+
+
+def describe(call: str, config: object = None, **settings: object) -> list[str]:
+    """What a call exchanges, as the lines its ranks agree on: the call, every field of its
+    configuration (a dataclass) and the other settings that decide the partials."""
+    fields = [f.name for f in dataclasses.fields(config) if f.init] if config is not None else []
+    return [call] + [f"{k}={getattr(config, k)!r}" for k in fields] + [f"{k}={v!r}" for k, v in settings.items()]
 
 
 def check_sequence_group(sequence_group: object) -> None:
@@ -110,11 +118,14 @@ def raise_nonfinite_on_any_rank(bad: torch.Tensor, what: str, process_group: Opt
     """``on_nonfinite="raise"`` over groups of several ranks: ``bad`` is this rank's (B, T) "non-finite
     at a valid position". Every rank of ``sequence_group`` and ``process_group`` raises alike when
     any of them has one, so that none is left waiting in a later collective; the rank that holds it
-    names the position. One all-reduce per group of more than one rank and one host read; nothing
-    without such a group (the call then raises, or not, on its own)."""
+    names the position. One all-reduce per group of more than one rank and one host read (and, the
+    first time, the ranks' agreement on it); nothing without such a group."""
     seq, dp = _multi_rank(sequence_group), _multi_rank(process_group)
     if not (seq or dp):
         return
+    for group, name in ((sequence_group, "sequence_group"), (process_group, "process_group")):
+        if _multi_rank(group):  # agreed first: a rank that skips this check is met by its own agreement
+            agree(group, [f"on_nonfinite='raise': the {what}"], name, bad.device)
     dist = _dist()
     none = torch.iinfo(torch.int64).max
     rows = torch.arange(bad.shape[0], device=bad.device)
@@ -147,11 +158,13 @@ class RowExchange:
         for _ in ex.passes():          # collect pass, one all_gather, replay pass
             n = ex.sum(mask.sum(-1))   # (B,) partial in, (B,) group value out (final in the replay pass)
 
-    ``group`` None makes every reduction the identity (a single pass, no communication).
+    ``group`` None makes every reduction the identity (a single pass, no communication). Before the
+    all_gather the ranks agree (:func:`~rollout_correction_core._src.stats.agree`) on ``what`` (the
+    call and its configuration), the row count and the partials; a rank without rows takes part too.
     """
 
-    def __init__(self, group: Optional[object]) -> None:
-        self.group = group
+    def __init__(self, group: Optional[object], what: Sequence[str] = ()) -> None:
+        self.group, self.what = group, list(what)
         self.mode = "local" if group is None else "collect"
         self._parts: list[tuple[str, torch.Tensor]] = []
         self._values: list[torch.Tensor] = []
@@ -213,16 +226,16 @@ class RowExchange:
 
     def _exchange(self) -> None:
         dist = _dist()
-        if not self._parts:
-            return
-        B = self._parts[0][1].shape[-1]
-        if B == 0:  # no rows (the same B on every rank of the group): every reduction is empty
-            self._values = [p.detach() for _, p in self._parts]
-            return
+        B = self._parts[0][1].shape[-1] if self._parts else 0
         for _, p in self._parts:
             if p.dim() not in (1, 2) or p.shape[-1] != B:
                 raise RuntimeError(f"per-row partials must be (B,) or (k, B) with B = {B}, got {tuple(p.shape)}")
-        device = self._parts[0][1].device
+        device = self._parts[0][1].device if self._parts else None
+        agree(self.group, self.what + [f"rows {B}", "partials " + " ".join(
+            f"{op}{'' if p.dim() == 1 else p.shape[0]}" for op, p in self._parts)], "sequence_group", device)
+        if B == 0 or not self._parts:  # agreed: no rank has rows (or partials), every reduction is empty
+            self._values = [p.detach() for _, p in self._parts]
+            return
         columns = [p.detach().reshape(-1, B) for _, p in self._parts]  # (k, B) each: k columns of the exchange
         packed = torch.cat([c.to(device=device, dtype=torch.float64) for c in columns]).T
         world = dist.get_world_size(self.group)

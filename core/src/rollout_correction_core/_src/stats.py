@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Optional, Union
+import weakref
+from contextlib import contextmanager
+from typing import Iterator, Optional, Union
 
 import torch
 
-__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
+__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "agree", "verification", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
 
 Value = Union[torch.Tensor, float]
 
@@ -131,66 +133,81 @@ def _arrange(reduced: list[tuple[list[str], Optional[torch.Tensor], list[str], O
 
 
 class LayoutMismatchError(ValueError):
-    """The ranks of a process group recorded different statistics (different configurations): a
-    positional reduction would add unlike quantities."""
+    """The ranks of a group are about to exchange different things (different configurations, row
+    counts or partials): a positional collective would mis-pair or add unlike quantities."""
 
 
-#: (process group, sum names, max names) whose layout every rank of the group has confirmed.
-_AGREED: set = set()
+#: Per process group (held weakly: a destroyed group is not kept alive), the fingerprints its ranks agreed on.
+_AGREED: "weakref.WeakKeyDictionary[object, set[int]]" = weakref.WeakKeyDictionary()
+_VERIFY = ["once"]
 
 
-def _slot_names(sum_names: list[str], max_names: list[str]) -> list[str]:
-    """The slots as words: ``sum <name>``, ``max <name>``, ``min <name>``."""
-    return [f"sum {n}" for n in sum_names] + [f"min {n[1:]}" if n.startswith("-") else f"max {n}" for n in max_names]
+@contextmanager
+def verification(mode: str) -> Iterator[None]:
+    """Within the block the ranks agree before every collective (``"always"``, for configurations
+    that change between calls) or once per group and exchange (``"once"``, the default); see
+    :class:`~rollout_correction_core._src.parallel.Parallel`'s ``verify``."""
+    if mode not in ("once", "always"):
+        raise ValueError(f"verify={mode!r}: expected 'once' or 'always'")
+    _VERIFY.append(mode)
+    try:
+        yield
+    finally:
+        _VERIFY.pop()
 
 
-def _fingerprint(slots: list[str]) -> int:
-    """A 62-bit hash of the slot names, the same in every process (its negation fits an int64)."""
-    digest = hashlib.blake2b("\n".join(slots).encode(), digest_size=8).digest()
+def _fingerprint(lines: list[str]) -> int:
+    """A 62-bit hash of the lines, the same in every process (its negation fits an int64)."""
+    digest = hashlib.blake2b("\n".join(lines).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
 
 
-def check_layout(sum_names: list[str], max_names: list[str], device: Optional[torch.device],
-                 process_group: object) -> None:
-    """Confirm that every rank of ``process_group`` packs the same slots, once per (layout, group):
-    one all-reduce (MAX of the fingerprint and of its negation) and one host read the first time,
-    nothing afterwards. On a mismatch every rank raises :class:`LayoutMismatchError` naming the
-    first differing slot and the ranks on each side (the name lists are then gathered)."""
+def agree(group: object, lines: list[str], name: str, device: Optional[torch.device] = None) -> None:
+    """Confirm that every rank of ``group`` (called ``name`` in errors) is about to exchange the same
+    thing, described by ``lines``: one all-reduce (MAX of a fingerprint and of its negation) and one
+    host read the first time a (group, description) is seen, nothing afterwards (every time inside
+    ``verification("always")``). On a mismatch every rank gathers the descriptions and raises
+    :class:`LayoutMismatchError` naming the group's ranks, the first differing line and who holds what."""
     import torch.distributed as dist
 
+    fp = _fingerprint(lines)
     try:
-        key = (process_group, tuple(sum_names), tuple(max_names))
-        hash(key)
-    except TypeError:  # an unhashable group object: key it by identity
-        key = (id(process_group), tuple(sum_names), tuple(max_names))
-    if key in _AGREED:
+        seen = _AGREED.setdefault(group, set())
+    except TypeError:  # not weakly referenceable: agreed every time
+        seen = set()
+    if fp in seen and _VERIFY[-1] == "once":
         return
-    slots = _slot_names(sum_names, max_names)
-    fp = _fingerprint(slots)
     if device is None or device.type == "meta":
-        nccl = "nccl" in str(dist.get_backend(process_group))
+        nccl = "nccl" in str(dist.get_backend(group))
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     both = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)  # (max, −min) of the fingerprints
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # (max, −min) of the fingerprints
     high, neg_low = both.tolist()
     if high == fp == -neg_low:
-        _AGREED.add(key)
+        seen.add(fp)
         return
-    ranks = list(dist.get_process_group_ranks(process_group))
+    ranks = list(dist.get_process_group_ranks(group))
     layouts: list = [None] * len(ranks)
-    dist.all_gather_object(layouts, slots, group=process_group)
+    dist.all_gather_object(layouts, lines, group=group)
     first = next(i for i in range(max(map(len, layouts)))
                  if len({lay[i] if i < len(lay) else None for lay in layouts}) > 1)
     holders: dict[str, list[int]] = {}
     for rank, lay in zip(ranks, layouts):
-        holders.setdefault(lay[first] if first < len(lay) else "no slot", []).append(rank)
-    sides = "; ".join(f"{slot!r} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
-                      for slot, rs in holders.items())
+        holders.setdefault(lay[first] if first < len(lay) else "nothing", []).append(rank)
+    sides = "; ".join(f"{line!r} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                      for line, rs in holders.items())
     raise LayoutMismatchError(
-        f"the ranks of process_group {ranks} recorded different statistics: slot {first} holds {sides} "
-        f"({len(slots)} slots on rank {dist.get_rank()}). A reduction over the group adds slot by slot, so "
-        "every rank must compute with the same configuration (and the same max_segments when segment_ids "
-        "are given): pass one config to every rank")
+        f"the ranks of {name} {ranks} are about to exchange different things: {sides}. A collective pairs the "
+        "ranks' values position by position, so every rank must call with the same configuration (and "
+        "max_segments), and every rank of a sequence_group with the same rows in the same order")
+
+
+def check_layout(sum_names: list[str], max_names: list[str], device: Optional[torch.device],
+                 process_group: object) -> None:
+    """Confirm that every rank of ``process_group`` packs the same slots (:func:`agree` on the slot
+    names ``sum <name>``, ``max <name>``, ``min <name>``)."""
+    slots = [f"sum {n}" for n in sum_names] + [f"min {n[1:]}" if n.startswith("-") else f"max {n}" for n in max_names]
+    agree(process_group, slots, "process_group", device)
 
 
 class _Reading:

@@ -36,7 +36,7 @@ import torch
 
 from .config import SEGMENT_IS_LEVELS, ISSpec
 from .constants import SAFETY_BOUND
-from .logratio import LogRatioBatch
+from .logratio import LogRatioBatch, N_ROWS, N_TOK
 from .stats import SufficientStats, Value, clamp, exp, safe_div, seq_summary, sqrt0, where
 
 __all__ = ["ISWeights", "importance_weights", "bound_weights", "add_is_statistics", "is_metrics",
@@ -170,7 +170,7 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
 def batch_norm_factor(stats, spec: ISSpec) -> Value:
     """Mean bounded weight (over tokens, valid sequences or valid segments); 1 when it is ≤ 1e-8."""
     if spec.level in TOKEN_WEIGHT_LEVELS:
-        mean = safe_div(stats.sum("is.sum_w"), stats.sum("n_tok"))
+        mean = safe_div(stats.sum("is.sum_w"), stats.sum(N_TOK))
     else:
         mean = safe_div(stats.sum("is.seq_sum"), _units(stats, spec))
     return where(mean > 1e-8, mean, 1.0)
@@ -178,7 +178,7 @@ def batch_norm_factor(stats, spec: ISSpec) -> Value:
 
 def _units(stats, spec: ISSpec) -> Value:
     """The count the per-unit statistics divide by: valid segments at segment level, else valid rows."""
-    return stats.sum("is.units") if spec.level in SEGMENT_IS_LEVELS else stats.sum("n_rows")
+    return stats.sum("is.units") if spec.level in SEGMENT_IS_LEVELS else stats.sum(N_ROWS)
 
 
 def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
@@ -196,7 +196,7 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     every seq_* metric, max / min and fraction_high / low are taken over segments (turns) with ≥ 1
     valid token instead of sequences.
     """
-    n_tok, n_rows = stats.sum("n_tok"), _units(stats, spec)
+    n_tok, n_rows = stats.sum(N_TOK), _units(stats, spec)
     mean = safe_div(stats.sum("is.sum_w"), n_tok)
     ew2 = safe_div(stats.sum("is.sum_w2"), n_tok)
     std = where(n_tok > 1, sqrt0(ew2 - mean * mean), 0.0)
