@@ -334,7 +334,8 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     input_mask = float_mask(response_mask, out=_slot(slots, 0))
     sentinel = None
     if floor is not None and old is not None:  # engine sentinels: made non-finite, counted per row
-        sentinel = ((old <= floor) | (rollout <= floor)) & (input_mask > 0)
+        sentinel = (((old <= floor) & (old != -torch.inf)) | ((rollout <= floor) & (rollout != -torch.inf))) \
+            & (input_mask > 0)  # a finite value at or below the floor (−inf is non-finite, not a sentinel)
         lr.masked_fill_(sentinel, NONFINITE_SENTINEL)
         sentinel = sentinel.sum(-1, dtype=torch.float32)
         sentinel = sentinel if rows is None else rows.sum(sentinel)
