@@ -9,12 +9,12 @@ Four gloo ranks (one thread each) are started once per test process and fed many
 * a configuration drawn from every option: IS level (segment included), mode, bound and batch
   normalisation; a chain of rejection options taken from the config's own registry
   (``RS_OPTIONS``, so options added there are drawn too) or a first-generation mode; both sides of
-  the veto; M2PO; ``mismatch_metrics``; ``on_nonfinite``; loss type, bypass mode, OPSM and the
-  aggregation mode of the policy loss;
+  the veto; M2PO; ``mismatch_metrics``; ``on_nonfinite``; expect-zero mode; loss type, bypass mode,
+  OPSM and the aggregation mode of the policy loss; advantages passed to the correction or not;
 * a layout: rows per data-parallel rank (0, 1 or more), its own width T per data-parallel rank
   (not padded to a common T), all-masked ranks, holes in the mask, segment ids on some rows only
-  (ids in any order, one segment on a whole rank), a NaN / ±inf at a valid position on one rank,
-  garbage (NaN, ±inf, huge values) in the padding; the columns of each row split contiguously at
+  (ids in any order, one segment on a whole rank), a NaN / ±inf or an engine's −9999 sentinel at a
+  valid position on one rank, garbage (NaN, ±inf, huge values) in the padding; the columns of each row split contiguously at
   drawn cuts (empty slices included) or zig-zag (2·CP chunks).
 
 Asserted on every rank against one process holding the whole batch (padded to the largest width):
@@ -182,7 +182,8 @@ def _calls(arrays: dict, config: dict, loss_config: dict, loss: dict, process_gr
     cfg = RolloutCorrectionConfig.from_dict(config)
     train = log_prob if cfg.bypass_mode else old  # the sides the loss's own correction compares
     res = compute_rollout_correction(train, rollout, mask, config=cfg, process_group=process_group,
-                                     sequence_group=sequence_group, **seg)
+                                     sequence_group=sequence_group, advantages=adv if arrays["with_adv"] else None,
+                                     **seg)
     out = {"weights": _np(res.weights), "mask": _np(res.response_mask), "metrics": res.metrics_as_floats()}
     lp = log_prob.clone().requires_grad_(True)
     value, metrics = compute_policy_loss(lp, old, adv, mask, config=RolloutCorrectionConfig.from_dict(loss_config),
@@ -224,6 +225,9 @@ def _option_threshold(draw, name: str):
 def configs(draw) -> dict:
     """A configuration dictionary drawn from every option (an invalid combination is redrawn)."""
     cfg: dict[str, Any] = {}
+    if draw(st.integers(0, 7)) == 0:  # expect-zero mode (warning, not raising: the rows hold real gaps)
+        return dict(expect_zero_atol=draw(st.floats(0.0, 1.0)), expect_zero_action="warn",
+                    mismatch_metrics=draw(st.booleans()), on_nonfinite=draw(st.sampled_from(["reject", "raise"])))
     level = draw(st.sampled_from([None] + IS_LEVELS))
     if level is not None:
         cfg["rollout_is"] = level
@@ -270,7 +274,7 @@ def loss_settings(draw, config: dict, split: bool) -> tuple[dict, dict]:
     if split:  # refused with a sequence group (a clear ValueError, tested in test_context_parallel)
         lc.pop("rollout_m2po_threshold", None)
         assume(lc.get("rollout_is") != "prefix_min")  # needs whole sequences (refusal: test_prefix_min)
-    elif draw(st.integers(0, 3)) == 0:
+    elif draw(st.integers(0, 3)) == 0 and "expect_zero_atol" not in config:
         lc["rollout_opsm_delta"] = draw(st.floats(-0.2, 0.5))
     agg = dict(loss_agg_mode=draw(st.sampled_from(LOSS_AGG_MODES)),
                clip_ratio_low=draw(st.sampled_from([0.2, 0.1, 0.5])),
@@ -297,7 +301,7 @@ def cases(draw) -> dict:
     one_segment_rank = draw(st.integers(-1, dp - 1)) if segments else -1
     nonfinite = draw(st.one_of(st.none(), st.tuples(st.integers(0, dp - 1),
                                                      st.sampled_from(["old", "rollout", "log_prob", "adv"]),
-                                                     st.sampled_from([math.nan, math.inf, -math.inf]))))
+                                                     st.sampled_from([math.nan, math.inf, -math.inf, -9999.0]))))
     if config["on_nonfinite"] == "raise":
         nonfinite = None  # raising is refused on every rank alike only for split rows; not compared here
     layouts = [draw(st.sampled_from(["contiguous", "zigzag"])) for _ in range(dp)]
@@ -306,7 +310,7 @@ def cases(draw) -> dict:
                 widths=widths, all_masked=all_masked, segments=segments, max_segments=max_segments,
                 one_segment_rank=one_segment_rank, nonfinite=nonfinite, layouts=layouts, cuts=cuts,
                 garbage=draw(st.sampled_from(GARBAGE)), seed=draw(st.integers(0, 2 ** 31 - 1)),
-                holes=draw(st.booleans()), per_token_adv=draw(st.booleans()))
+                holes=draw(st.booleans()), per_token_adv=draw(st.booleans()), with_adv=draw(st.booleans()))
 
 
 # ----------------------------------------------------------------------------- building a case
@@ -393,9 +397,9 @@ def take(arrays: dict, cols: torch.Tensor, garbage: float) -> dict:
     return out
 
 
-def to_numpy(arrays: dict, max_segments) -> dict:
+def to_numpy(arrays: dict, max_segments, with_adv: bool = False) -> dict:
     out = {k: (None if v is None else v.numpy()) for k, v in arrays.items()}
-    out["max_segments"] = max_segments
+    out["max_segments"], out["with_adv"] = max_segments, with_adv  # the correction gets the advantages too
     return out
 
 
@@ -427,11 +431,13 @@ def run_case(get_pool, case: dict) -> None:
         cols = columns(case["layouts"][d], widths[d], cp, c, case["cuts"][d])
         placement[rank] = (slice(int(starts[d]), int(starts[d + 1])), cols)
         pg, sg = GROUPS[name](rank, world)
-        tasks[rank] = dict(arrays=to_numpy(take(shards[d], cols, garbage), case["max_segments"]),
+        tasks[rank] = dict(arrays=to_numpy(take(shards[d], cols, garbage), case["max_segments"], case["with_adv"]),
                            config=case["config"], loss_config=case["loss_config"], loss=loss, pg=pg, sg=sg)
     results = get_pool().run(tasks)
-    expected = _calls(to_numpy(whole, case["max_segments"]), case["config"], case["loss_config"], loss, None, None)
-    per_rank_actor = [_calls(to_numpy(s, case["max_segments"]), case["config"], case["loss_config"], loss, None,
+    expected = _calls(to_numpy(whole, case["max_segments"], case["with_adv"]), case["config"], case["loss_config"],
+                      loss, None, None)
+    per_rank_actor = [_calls(to_numpy(s, case["max_segments"], case["with_adv"]), case["config"], case["loss_config"],
+                             loss, None,
                              None)["loss_metrics"] for s in shards]
     m2po = "rollout_m2po_threshold" in case["loss_config"]
     total = 0.0
@@ -485,7 +491,7 @@ ISSUE_LAYOUT = dict(topology=("dp", 3, 1), config=dict(rollout_is="segment", rol
                     agg=dict(loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0),
                     rows=[0, 9, 11], widths=[60, 60, 60], all_masked=[1, 1, 1], segments=True, max_segments=3,
                     one_segment_rank=-1, nonfinite=None, layouts=["contiguous"] * 3, cuts=[[], [], []],
-                    garbage=math.nan, seed=5, holes=False, per_token_adv=False)
+                    garbage=math.nan, seed=5, holes=False, per_token_adv=False, with_adv=True)
 
 
 @FAST

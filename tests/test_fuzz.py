@@ -50,9 +50,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 MASK_DTYPES = [torch.bool, torch.int64, torch.int32, torch.float32]
 NONFINITE = [math.nan, math.inf, -math.inf]
 # Log-probabilities: the ordinary range, the edges of every float format, impossible positive
-# values and huge magnitudes (they overflow when cast to float16 / bfloat16).
-LOGP_SPECIAL = [0.0, -0.0, -1e-12, -1e-3, 1e-3, 3.0, -20.0, -20.5, -88.7, -103.9, -1e4, -6.5e4,
-                -1e30, 1e30, -3e38, 1e-45, -1e-45]
+# values and huge magnitudes (they overflow when cast to float16 / bfloat16); engine sentinels (−9999,
+# the default floor −1000) and a value just above the floor.
+LOGP_SPECIAL = [0.0, -0.0, -1e-12, -1e-3, 1e-3, 3.0, -20.0, -20.5, -88.7, -103.9, -999.0, -1000.0, -9999.0,
+                -1e4, -6.5e4, -1e30, 1e30, -3e38, 1e-45, -1e-45]
 ADV_SPECIAL = [0.0, -0.0, 1e-30, -1e-30, 1e6, -1e6, 1e-3, -1e-3]
 WEIGHT_SPECIAL = [0.0, 1e-30, 1.0, 2.0, 4.85e8, 1e-9]
 
@@ -105,7 +106,8 @@ def configs(draw):
     cfg = RolloutCorrectionConfig.from_preset(name)
     if draw(st.booleans()):
         cfg = cfg.replace(rollout_is_batch_normalize=True) if cfg.rollout_is else cfg
-    return cfg.replace(on_nonfinite=draw(st.sampled_from(["reject", "reject", "raise"])))
+    return cfg.replace(on_nonfinite=draw(st.sampled_from(["reject", "reject", "raise"])),
+                       log_prob_floor=draw(st.sampled_from([-1000.0, -1000.0, None, -50.0])))
 
 
 def _finite(name, t):
@@ -125,14 +127,20 @@ def _nonfinite(x):
     return ~torch.isfinite(x) | (x.abs() >= NONFINITE_SENTINEL)
 
 
-def _bad_rows(old, roll, mask):
-    """Rows with a non-finite input (or an overflowing difference) at a valid position."""
-    return ((mask != 0) & _nonfinite(old.float() - roll.float())).any(-1)
+def _sentinel(x, floor):
+    """Log-probs at or below ``floor``: an engine's sentinel, handled like a non-finite value."""
+    return torch.zeros(x.shape, dtype=torch.bool) if floor is None else x <= floor
+
+
+def _bad_rows(old, roll, mask, floor=-1000.0):
+    """Rows with a non-finite input (or an overflowing difference) or a sentinel at a valid position."""
+    bad = _nonfinite(old.float() - roll.float()) | _sentinel(old, floor) | _sentinel(roll, floor)
+    return ((mask != 0) & bad).any(-1)
 
 
 def _correct_or_raise(old, roll, mask, cfg):
     """The correction, or None after checking that ``on_nonfinite="raise"`` raised as it must."""
-    if cfg.on_nonfinite == "raise" and bool(_bad_rows(old, roll, mask).any()):
+    if cfg.on_nonfinite == "raise" and bool(_bad_rows(old, roll, mask, cfg.log_prob_floor).any()):
         with pytest.raises(ValueError, match="non-finite"):
             compute_rollout_correction(old, roll, mask, config=cfg)
         return None
@@ -142,7 +150,7 @@ def _correct_or_raise(old, roll, mask, cfg):
 def check_correction(data):
     old, roll, mask = data.draw(batches())
     cfg = data.draw(configs())
-    bad = _bad_rows(old, roll, mask)
+    bad = _bad_rows(old, roll, mask, cfg.log_prob_floor)
     out = _correct_or_raise(old, roll, mask, cfg)
     if out is None:
         return
@@ -189,8 +197,10 @@ def check_policy_loss(data):
     bad = valid & ~(torch.isfinite(train) & torch.isfinite(adv.float()) & torch.isfinite(prox.float()))
     if weights is not None:
         bad |= valid & ~torch.isfinite(weights.float())
+    if use_rollout:  # engine sentinels in π_prox or π_rollout drop the row
+        bad |= valid & (_sentinel(prox, cfg.log_prob_floor) | _sentinel(roll, cfg.log_prob_floor))
     if cfg.bypass_mode:  # the correction compares π_θ with π_rollout
-        bad |= valid & _nonfinite(train - roll.float())
+        bad |= valid & (_nonfinite(train - roll.float()) | _sentinel(log_prob.detach(), cfg.log_prob_floor))
     elif use_rollout and weights is None:  # the correction compares π_old with π_rollout
         bad |= valid & _nonfinite(old.float() - roll.float())
     bad_rows = bad.any(-1)
@@ -235,6 +245,8 @@ RANDOM_CONFIG_VALUES = {
     "bypass_mode": [False, True, "false"],
     "loss_type": ["ppo_clip", "reinforce", "pg"],
     "on_nonfinite": ["reject", "raise", "ignore"],
+    "log_prob_floor": [-1000.0, None, -1.0, 0.0, 5.0, math.nan, "x"],
+    "expect_zero_atol": [None, 1e-6, 0.0, 10.0, -1.0, math.nan],
 }
 # ROLL's criteria: the mean-per-segment level and the signed Δp bands (whose bounds may be negative).
 RANDOM_CONFIG_VALUES["rollout_is"] += ["segment_geometric"]
@@ -250,6 +262,8 @@ def check_random_config(data):
         assert str(exc), "an error without a message"
         return
     assert RolloutCorrectionConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+    if cfg.expect_zero_atol is not None:  # a random batch exceeds any tolerance: warn, do not raise
+        cfg = cfg.replace(expect_zero_action="warn")
     old, roll, mask = data.draw(batches(nonfinite=False))  # huge values can still overflow
     out = _correct_or_raise(old, roll, mask, cfg)
     if out is None:
@@ -458,7 +472,7 @@ def test_every_preset_on_degenerate_batches(name):
 
 def test_regression_sequence_is_min_is_safety_bounded():
     """Sequence-level ``rollout_is_min`` must be bounded like ``rollout_is_max`` (e^±20), never inf."""
-    cfg = RolloutCorrectionConfig.from_preset("pure_is")
+    cfg = RolloutCorrectionConfig.from_preset("pure_is").replace(log_prob_floor=None)  # taken as log-probs
     mask = torch.tensor([[True]])
     for old in (0.0, -9979.0):  # log ρ = 10000 (exp overflows) and 21 (just past the bound)
         m = compute_rollout_correction(torch.tensor([[old]]), torch.tensor([[-10000.0]]), mask, config=cfg).metrics

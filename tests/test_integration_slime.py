@@ -590,3 +590,24 @@ def test_bad_loss_denominator_is_refused():
     args = slime_args("use_tis: true\nloss_denominator: all\n", "--use-tis")
     with pytest.raises(ValueError, match="loss_denominator"):
         config_from_slime_args(args)
+
+
+def test_expect_zero_mode_through_slimes_arguments():
+    """slime's true on-policy mode: ``--expect-zero-atol`` on slime's arguments switches the
+    correction off (loss unchanged) and turns a disagreement into a MismatchError."""
+    from rollout_correction import MismatchError
+
+    pg_loss, train, _, masks = _samples(scale=0.3)
+    args = argparse.Namespace(use_tis=False, expect_zero_atol=1e-6)
+    assert config_from_slime_args(args).expect_zero_atol == 1e-6
+    same = [t.clone() for t in train]
+    out_loss, out_masks, metrics = tis_function(args, pg_loss=pg_loss, train_log_probs=train,
+                                                rollout_log_probs=same, loss_masks=masks)
+    torch.testing.assert_close(out_loss, pg_loss)
+    assert all(torch.equal(a, b) for a, b in zip(out_masks, masks))
+    assert "rollout_corr/max_abs_log_ratio" in metrics
+    same[1] = same[1] + 4.5e-4  # slime#830's regression, on every token of sample 1
+    with pytest.raises(MismatchError, match="row 1, column"):
+        tis_function(args, pg_loss=pg_loss, train_log_probs=train, rollout_log_probs=same, loss_masks=masks)
+    floor = _args(log_prob_floor=-50.0, expect_zero_atol=None)
+    assert config_from_slime_args(floor).log_prob_floor == -50.0

@@ -277,3 +277,19 @@ def test_loss_denominator_in_verls_loss_call():
                                                 "loss_denominator": "valid"})
     with pytest.raises(ValueError, match="loss_denominator='valid' is not available in verl's decoupled mode"):
         _loss_and_grad(fn, log_prob, adv, mask, "token-mean", cfg, torch.ones_like(mask), old=old)
+
+
+def test_expect_zero_and_the_floor_pass_through_verls_block():
+    """``algorithm.rollout_correction.expect_zero_atol`` (verl#7688's zero-mismatch runs) reaches the
+    correction step: weights 1, the mask unchanged, a MismatchError when the engines disagree."""
+    from rollout_correction import MismatchError
+
+    _, old, rollout, _, mask = _tensors()
+    block = OmegaConf.create({"rollout_is": None, "rollout_rs": None, "expect_zero_atol": 1e-6,
+                              "log_prob_floor": -500.0})
+    assert rc_verl.config_from_verl(block).log_prob_floor == -500.0
+    ours, metrics = rc_verl.compute_rollout_correction_and_add_to_batch(_proto(old, old.clone(), mask), block)
+    torch.testing.assert_close(ours.batch["response_mask"], mask)
+    assert metrics["rollout_corr/max_abs_log_ratio"] == 0.0
+    with pytest.raises(MismatchError, match="row 0, column"):
+        rc_verl.compute_rollout_correction_and_add_to_batch(_proto(old, rollout, mask), block)

@@ -30,10 +30,13 @@ def test_pre_truncation_sequence_weight_statistics_hand_computed():
     # Geometric level: row log weights ln 2, ln(0.05)/2, 0 (means over the rows' tokens).
     g = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(rollout_is="geometric")
                                    ).metrics_as_floats()
-    assert g["rollout_corr/rollout_is_seq_raw_mean"] == pytest.approx((2 + math.sqrt(0.05) + 1) / 3, rel=1e-6)
+    # rollout_is_seq_raw_mean is the mean of ∏_t ρ_t at every level (the raw statistics)
+    assert g["rollout_corr/rollout_is_seq_raw_mean"] == pytest.approx(sum(raw) / 3, rel=1e-6)
+    assert g["rollout_corr/rollout_is_seq_raw_ess"] == pytest.approx(
+        (2 + math.sqrt(0.05) + 1) ** 2 / (3 * (4 + 0.05 + 1)), rel=1e-6)
     assert g["rollout_corr/rollout_is_seq_collapsed_fraction"] == 0.0
     token = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.decoupled_token_is()).metrics
-    assert not any("seq_raw" in k for k in token)
+    assert not any("seq_raw_ess" in k or "seq_log_mean" in k for k in token)
 
 
 def _long(length, sigma, rows=96, seed=0):

@@ -7,14 +7,14 @@ import statistics
 import pytest
 import torch
 
-from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metrics,
+from rollout_correction import (OffPolicyAccumulator, RolloutCorrectionConfig, compute_offpolicy_metrics,
                                 compute_rollout_correction, metrics_to_floats)
 
 
 P = "rollout_corr/"
 NAMES = ["training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
          "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
-         "prob_abs_diff_mean", "prob_abs_diff_max", "prob_abs_diff_std", "prob_pearson", "log_prob_pearson",
+         "rollout_is_raw_mean", "rollout_is_seq_raw_mean", "chi2_token_sn", "chi2_seq_sn", "prob_abs_diff_mean", "prob_abs_diff_max", "prob_abs_diff_std", "prob_pearson", "log_prob_pearson",
          "js_divergence", "log_prob_abs_diff_seq_mean", "log_prob_abs_diff_max", "log_prob_abs_diff_gt1",
          "log_prob_abs_diff_gt2"]
 
@@ -49,7 +49,14 @@ def _expected():
         "ppl_ratio": (math.exp(d[0]) + math.exp(d[1])) / 2,
         "chi2_token": sum(math.exp(2 * x) for x in lr) / 5 - 1,
         "chi2_seq": (math.exp(2 * 0.0) + math.exp(2 * 0.25)) / 2 - 1,  # row sums of log ρ: 0 and 0.25
+        # the raw statistics: ρ and ∏ρ (row sums of log ρ: 0 and 0.25) before any bound, and the
+        # self-normalised χ² n·Σx²/(Σx)² − 1 of each
+        "rollout_is_raw_mean": sum(math.exp(x) for x in lr) / 5,
+        "rollout_is_seq_raw_mean": (1.0 + math.exp(0.25)) / 2,
+        "chi2_token_sn": 5 * sum(math.exp(2 * x) for x in lr) / sum(math.exp(x) for x in lr) ** 2 - 1,
+        "chi2_seq_sn": 2 * (1.0 + math.exp(0.5)) / (1.0 + math.exp(0.25)) ** 2 - 1,
         "nonfinite_seq_fraction": 0.0,
+        "sentinel_token_fraction": 0.0,
         **_expected_mismatch(),
     }
 
@@ -95,7 +102,7 @@ def _check(got, expected):
 
 def test_all_offpolicy_metrics_by_hand():
     m = compute_offpolicy_metrics(*_inputs(), mismatch_metrics=True)
-    assert sorted(m) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction"])
+    assert sorted(m) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction", "sentinel_token_fraction"])
     assert all(v.dim() == 0 for v in m.values())
     _check(metrics_to_floats(m), _expected())
 
@@ -110,7 +117,7 @@ def test_mismatch_metrics_are_opt_in():
     """Without ``mismatch_metrics`` neither entry point computes them; the 13 others are unchanged."""
     mismatch = set(NAMES[NAMES.index("prob_abs_diff_mean"):])
     plain = metrics_to_floats(compute_offpolicy_metrics(*_inputs()))
-    assert sorted(plain) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction"] if k not in mismatch)
+    assert sorted(plain) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction", "sentinel_token_fraction"] if k not in mismatch)
     _check(plain, {k: v for k, v in _expected().items() if k not in mismatch})
     out = compute_rollout_correction(*_inputs(), config=RolloutCorrectionConfig.decoupled_token_is())
     assert not {P + k for k in mismatch} & set(out.metrics)
@@ -131,7 +138,7 @@ def test_float_mask_and_bool_mask_agree():
     assert a == b
 
 
-@pytest.mark.parametrize("old_v,roll_v", [(0.0, -1000.0), (-1000.0, 0.0), (-80.0, -1.0)])
+@pytest.mark.parametrize("old_v,roll_v", [(0.0, -999.0), (-999.0, 0.0), (-80.0, -1.0)])  # above the floor
 def test_extreme_inputs_give_finite_clamped_metrics(old_v, roll_v):
     old = torch.tensor([[old_v, -1.0], [-1.0, -1.0]])
     roll = torch.tensor([[roll_v, -1.0], [-1.0, -1.0]])
@@ -172,7 +179,12 @@ def test_mismatch_metrics_stay_finite_on_log_probs_that_are_no_probabilities():
     log-probs bounded to [−1e4, 0] (0 and 1 as probabilities)."""
     old = torch.tensor([[100.0, -1.0, -1e20], [50.0, -2.0, -3.0]])
     roll = torch.tensor([[100.0, -1.5, -1e20], [49.0, -2.0, -3.0]])
-    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.ones(2, 3), mismatch_metrics=True))
+    acc = OffPolicyAccumulator(mismatch_metrics=True, log_prob_floor=None)  # −1e20 taken as a log-prob
+    acc.update(old, roll, torch.ones(2, 3))
+    got = metrics_to_floats(acc.compute())
     assert all(math.isfinite(v) for v in got.values()), got
     assert got[P + "prob_abs_diff_max"] == pytest.approx(math.exp(-1.0) - math.exp(-1.5), rel=1e-6)
     assert got[P + "log_prob_abs_diff_max"] == pytest.approx(1.0)
+    # with the default floor, −1e20 is an engine's sentinel: its row is dropped and counted
+    floored = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.ones(2, 3), mismatch_metrics=True))
+    assert floored[P + "nonfinite_seq_fraction"] == 0.5 and floored[P + "sentinel_token_fraction"] == pytest.approx(1 / 6)

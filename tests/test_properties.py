@@ -395,7 +395,14 @@ def test_offpolicy_metrics_match_a_direct_evaluation(batch):
         "ppl_ratio": sum(math.exp(c20(x)) for x in d) / m,
         "chi2_token": sum(math.exp(2 * c20(x)) for x in toks) / n - 1,
         "chi2_seq": sum(math.exp(2 * c20(sum(o - r for o, r in row))) for row in rows) / m - 1,
+        "rollout_is_raw_mean": sum(math.exp(c20(x)) for x in toks) / n,
+        "rollout_is_seq_raw_mean": sum(math.exp(c20(sum(o - r for o, r in row))) for row in rows) / m,
+        "chi2_token_sn": max(0.0, n * sum(math.exp(2 * c20(x)) for x in toks)
+                             / sum(math.exp(c20(x)) for x in toks) ** 2 - 1),
+        "chi2_seq_sn": max(0.0, m * sum(math.exp(2 * c20(sum(o - r for o, r in row))) for row in rows)
+                           / sum(math.exp(c20(sum(o - r for o, r in row))) for row in rows) ** 2 - 1),
         "nonfinite_seq_fraction": 0.0,
+        "sentinel_token_fraction": 0.0,
         **_direct_mismatch(rows),
     }
     assert got.keys() == expected.keys()

@@ -56,7 +56,9 @@ METRICS: dict[str, str] = {
     "rollout_is_seq_max_deviation": "max over sequences of |mean weight − 1|",
     "rollout_is_seq_fraction_high": "share of sequences whose raw mean weight exceeds the upper bound",
     "rollout_is_seq_fraction_low": "share of sequences whose raw mean weight is below the lower bound",
-    "rollout_is_seq_raw_mean": "sequence / geometric level: mean over sequences of the weight before truncation",
+    "rollout_is_raw_mean": "mean over valid tokens of ρ_t before truncation, masking and rejection (only the ±20 "
+                           "bound on log ρ applies)",
+    "rollout_is_seq_raw_mean": "mean over sequences of ∏_t ρ_t, likewise before truncation, masking and rejection",
     "rollout_is_seq_raw_ess": "Kish ESS (Σw)²/(n·Σw²) of the per-sequence weights before truncation",
     "rollout_is_seq_log_mean": "mean over sequences of the log weight (Σ log ρ_t or mean log ρ_t), unclamped",
     "rollout_is_seq_collapsed_fraction": "share of sequences whose weight before truncation is below 0.1",
@@ -93,7 +95,15 @@ METRICS: dict[str, str] = {
     "ppl_ratio": "mean over sequences of exp(d) = training PPL / rollout PPL",
     "chi2_token": "E_tok[ρ²] − 1: χ² divergence at token level (IS variance)",
     "chi2_seq": "E_seq[(∏ρ_t)²] − 1: χ² divergence at sequence level",
-    "nonfinite_seq_fraction": "share of sequences dropped for a NaN/±inf log-prob at a valid position",
+    "chi2_token_sn / chi2_seq_sn": "self-normalised χ²: E[ρ²]/E[ρ]² − 1 over tokens, and of ∏_t ρ_t over "
+        "sequences; ≥ 0 on every sample (E[ρ²] − 1 is not)",
+    "nonfinite_seq_fraction": "share of sequences dropped for a NaN/±inf log-prob or an engine sentinel at a "
+                              "valid position",
+    "sentinel_token_fraction": "share of valid tokens holding a log-prob ≤ log_prob_floor (an engine's sentinel, "
+                               "e.g. vLLM's −9999); their sequences are dropped (or raise)",
+    "rollout_rs_rejected_positive_fraction": "with advantages: share of the fully rejected sequences whose "
+        "advantage (mean over valid tokens) is > 0 (0 when none is rejected)",
+    "max_abs_log_ratio": "expect-zero mode: max |old − rollout| over valid tokens (non-finite as 1e30)",
     "prob_abs_diff_mean / _max / _std": "mean, max and std (n − 1) over tokens of |p_train − p_rollout|, "
         "p = π(y_t) of the sampled token (verl's training/rollout_probs_diff_*)",
     "prob_pearson / log_prob_pearson": "Pearson correlation over tokens of p_train and p_rollout, and of their "

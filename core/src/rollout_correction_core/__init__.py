@@ -4,7 +4,8 @@ different engine than the one computing gradients. The public surface is the nam
 from ._src.config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
 from ._src.config_io import config_value, settings_dict
 from ._src.constants import METRIC_PREFIX, SAFETY_BOUND
-from ._src.correction import CorrectionAccumulator, CorrectionOutput, compute_rollout_correction
+from ._src.correction import (CorrectionAccumulator, CorrectionOutput, MismatchError, MismatchWarning,
+                              compute_rollout_correction)
 from ._src.losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
 from ._src.metrics import (ENGINE_METRIC_NAMES, OffPolicyAccumulator, compute_offpolicy_metrics, engine_metrics,
                            metrics_to_floats)
@@ -20,6 +21,8 @@ __all__ = [
     "ConfigError",
     "MissingSettingError",
     "ShapeMismatchError",
+    "MismatchError",
+    "MismatchWarning",
     "as_config",
     "config_value",
     "settings_dict",

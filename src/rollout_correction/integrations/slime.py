@@ -106,11 +106,13 @@ class SlimeOptions:
     def __init__(self, *, use_tis: bool, tis_mode: str, tis_level: str, tis_lower_bound: Optional[float],
                  tis_upper_bound: float, tis_batch_normalize: bool, use_rs: bool, rs_level: str,
                  rs_lower_bound: Optional[float], rs_upper_bound: Optional[float],
-                 rs_veto_threshold: Optional[float], loss_denominator: Optional[str] = None):
+                 rs_veto_threshold: Optional[float], loss_denominator: Optional[str] = None,
+                 extra: Optional[dict] = None):
         if loss_denominator not in (None, "kept", "valid"):
             raise ValueError(f"loss_denominator={loss_denominator!r}: allowed values are 'kept', 'valid' "
                              "(null: 'valid', slime's own reduction)")
         self.loss_denominator = loss_denominator or "valid"
+        self.extra = {k: v for k, v in (extra or {}).items() if v is not None}  # this library's keys, as given
         if tis_mode not in _MODES:
             raise ValueError(f"tis_mode={tis_mode!r}: allowed values are {list(_MODES)}")
         for key, level in (("tis_level", tis_level), ("rs_level", rs_level)):
@@ -163,16 +165,22 @@ def options_from_args(args: Any) -> SlimeOptions:
         rs_upper_bound=_get(args, "rs_upper_bound", None, None),
         rs_veto_threshold=_get(args, "rs_veto_threshold", "mis_veto_threshold", None),
         loss_denominator=_get(args, "loss_denominator", None, None),
+        extra={k: _get(args, k, None, None) for k in PASSED_KEYS},
     )
+
+
+#: This library's keys read from slime's arguments under their own names (``--expect-zero-atol 1e-6``
+#: for slime's true on-policy mode: no correction, an error when the engines disagree).
+PASSED_KEYS = ("log_prob_floor", "expect_zero_atol", "expect_zero_action")
 
 
 def config_from_slime_args(args: Any) -> RolloutCorrectionConfig:
     """Our config equivalent to slime's options (see the module docstring)."""
     opts = args if isinstance(args, SlimeOptions) else options_from_args(args)
     if not opts.use_tis:
-        return RolloutCorrectionConfig.disabled()
+        return RolloutCorrectionConfig.from_dict(opts.extra) if opts.extra else RolloutCorrectionConfig.disabled()
     data: dict[str, Any] = {"rollout_is": opts.tis_level, "loss_denominator": opts.loss_denominator,
-                            "rollout_is_batch_normalize": opts.tis_batch_normalize}
+                            "rollout_is_batch_normalize": opts.tis_batch_normalize, **opts.extra}
     if opts.tis_mode == "truncate":
         data["rollout_is_threshold"] = opts.tis_upper
     elif opts.tis_mode == "clip":

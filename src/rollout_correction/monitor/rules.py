@@ -70,6 +70,7 @@ STATIC_THRESHOLDS: dict[str, float] = {
     "kl_high": 0.1,            # |kl| > 0.1
     "chi2_token_high": 1.0,    # chi2_token > 1.0
     "rejected_high": 0.5,      # rollout_rs_masked_fraction > 0.5 (ours, not seed 001's)
+    "rejected_positive_high": 0.75,  # rollout_rs_rejected_positive_fraction > 0.75 (with advantages)
     "routing_match_low": 0.9,  # routing_match < 0.9 (MoE: share of (token, layer) top-k sets that agree)
 }
 
@@ -81,6 +82,8 @@ _VETO = ("Too many sequences vetoed: relax rollout_token_veto_threshold (e.g. 1e
          "log-prob computation for numerical issues, and check that the policies are not completely different.")
 _REJECTED = ("Rejection sampling removes most tokens from the loss: widen the RS band (rollout_rs_threshold / "
              "_lower), use a token- instead of a sequence-level criterion, or reduce the gap itself.")
+_REJECTED_POSITIVE = ("Rejection drops mostly sequences with a positive advantage (correct answers): the filter "
+                      "biases the outcome; widen the RS band or reduce the gap rather than filter it.")
 _GAP = ("Large training-inference gap: enable a rollout correction (token TIS, geometric RS or a bypass "
         "preset) and check the rollout engine's numerics (precision, quantisation, stale weights).")
 
@@ -145,6 +148,7 @@ def static_rules(thresholds: Optional[dict[str, Optional[float]]] = None, window
         ("kl_high", "kl", True, _GAP, True),
         ("chi2_token_high", "chi2_token", True, "Severe distribution shift (token χ²). " + _GAP, False),
         ("rejected_high", "rollout_rs_masked_fraction", True, _REJECTED, False),
+        ("rejected_positive_high", "rollout_rs_rejected_positive_fraction", True, _REJECTED_POSITIVE, False),
         ("routing_match_low", "routing_match", False, _ROUTING, False),
     ]
     return [ThresholdRule(name, metric, float(t[name]), above, msg, absolute=ab, window=window)

@@ -18,7 +18,7 @@ from .vocab import (LEGACY_RS, Band, ConfigError, MissingSettingError, as_float,
 
 __all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISSpec", "RSOption", "RS_OPTIONS",
            "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
-           "LossDenominator"]
+           "LossDenominator", "WarnOrRaise"]
 
 IsLevel = Literal["token", "sequence", "geometric", "segment", "segment_geometric", "prefix_min"]
 IsMode = Literal["truncate", "clip", "mask"]
@@ -29,6 +29,7 @@ DivergenceEstimator = Literal["k1", "k2", "k3", "tv", "binary_kl"]
 #: IS levels whose unit is a segment (turn) of a row: the product, or the geometric mean, of its ratios.
 SEGMENT_IS_LEVELS = ("segment", "segment_geometric")
 LossDenominator = Literal["kept", "valid"]
+WarnOrRaise = Literal["warn", "raise"]
 
 _IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
 #: Losses defined on the ratio π_θ/π_rollout only (no π_old): they need ``bypass_mode=True``.
@@ -160,6 +161,20 @@ class RolloutCorrectionConfig(Presets, Loading):
         "kept; the slime adapter: valid")
     on_nonfinite: NonFinitePolicy = _key(
         "reject", "reject, raise", "NaN/±inf log-probs at valid positions: drop the sequence and count it, or raise.")
+    log_prob_floor: Optional[float] = _key(
+        -1000.0, "number < 0 or null", "a log-prob (old or rollout) at or below it at a valid position is an "
+        "engine's sentinel (vLLM's −9999), not a log-prob: handled as non-finite under on_nonfinite and counted "
+        "in sentinel_token_fraction. null: no floor.")
+    rollout_rs_all_rejected: WarnOrRaise = _key(
+        "warn", "warn, raise", "when rejection drops every sequence of the batch: warn (when the metrics are read "
+        "as floats; no extra host read) or raise ValueError (one host read per call).")
+    expect_zero_atol: Optional[float] = _key(
+        None, "number ≥ 0 or null", "expect-zero mode, for engines meant to agree exactly: no correction (weights "
+        "1, mask unchanged), max |old − rollout| over valid tokens reported as max_abs_log_ratio and checked "
+        "against this tolerance; above it MismatchError names the first row and column (one host read per call).")
+    expect_zero_action: WarnOrRaise = _key(
+        "raise", "raise, warn", "what expect-zero mode does above its tolerance: raise MismatchError, or warn "
+        "(MismatchWarning).")
     check_alignment: bool = _key(
         False, "true, false", "also test whether the rollout log-probs look shifted by one token against the "
         "trainer's (alignment_* metrics, a MisalignmentWarning when they do; one extra sync).")
@@ -179,12 +194,18 @@ class RolloutCorrectionConfig(Presets, Loading):
             if not isinstance(getattr(self, key), bool):
                 raise invalid(key, getattr(self, key), "expected true or false")
         for key, allowed in (("loss_type", get_args(LossType)), ("on_nonfinite", get_args(NonFinitePolicy)),
-                             ("loss_denominator", (None,) + get_args(LossDenominator))):
+                             ("loss_denominator", (None,) + get_args(LossDenominator)),
+                             ("rollout_rs_all_rejected", get_args(WarnOrRaise)),
+                             ("expect_zero_action", get_args(WarnOrRaise))):
             if getattr(self, key) not in allowed:
                 raise invalid(key, getattr(self, key), f"allowed values are {list(allowed)}")
         if self.loss_type in _BYPASS_ONLY_LOSSES and not self.bypass_mode:
             raise invalid("loss_type", self.loss_type, "it is a bypass-mode loss (ratio π_θ/π_rollout); set "
                           "bypass_mode=True, or use gspo / cispo / dppo_tv / dppo_kl / ppo_clip in decoupled mode")
+        floor = self.log_prob_floor
+        if floor is not None and not as_float("log_prob_floor", floor) < 0:
+            raise invalid("log_prob_floor", floor, "expected a number < 0 (a log-prob at or below it is a "
+                          "sentinel), e.g. -1000, or null to disable")
         delta, tau = self.rollout_opsm_delta, self.rollout_m2po_threshold
         if delta is not None and not math.isfinite(as_float("rollout_opsm_delta", delta)):
             raise invalid("rollout_opsm_delta", delta, "expected a finite number, e.g. 0.05")
@@ -201,6 +222,13 @@ class RolloutCorrectionConfig(Presets, Loading):
         if high is not None and veto is not None and not float(veto) < float(high):
             raise invalid("rollout_token_veto_threshold_high", high,
                           f"must exceed rollout_token_veto_threshold={veto}")
+        atol = self.expect_zero_atol
+        if atol is not None and not 0 <= as_float("expect_zero_atol", atol) < math.inf:
+            raise invalid("expect_zero_atol", atol, "expected a finite tolerance ≥ 0, e.g. 1e-6, or null")
+        on = [k for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold", "rollout_token_veto_threshold_high",
+                          "rollout_m2po_threshold", "rollout_opsm_delta") if getattr(self, k) is not None]
+        if atol is not None and on:
+            raise invalid("expect_zero_atol", atol, f"expect-zero mode applies no correction; unset {', '.join(on)}")
         for name, value in (("rollout_is_threshold", is_threshold), ("rollout_rs_threshold", rs_threshold),
                             ("is_spec", is_spec), ("rs_options", rs_options)):
             object.__setattr__(self, name, value)

@@ -18,7 +18,8 @@ import torch
 
 from .alignment import MisalignmentWarning, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
-from .logratio import LogRatioBatch, log_ratio_batch, nonfinite_positions
+from .constants import METRIC_PREFIX
+from .logratio import N_ROWS, LogRatioBatch, float_mask, log_ratio_batch, nonfinite_positions
 from .m2po import m2po_keep, second_moment
 from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
                       offpolicy_metrics, prefixed)
@@ -26,12 +27,20 @@ from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
 from .sequence_group import (RowExchange, check_sequence_group, describe, group_ranks, raise_nonfinite,
                              raise_nonfinite_on_any_rank, reduce_owned,
                              stats_owner)
-from .stats import SufficientStats, Value, maximum
-from .validation import check_pair, check_segment_ids
+from .stats import SufficientStats, Value, maximum, safe_div
+from .validation import check_pair, check_segment_ids, first_nonfinite
 from .weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
 
 __all__ = ["CorrectionOutput", "compute_rollout_correction", "CorrectionAccumulator", "BatchHook", "local_correction",
-           "correction_metrics", "correction_pass", "RowValues"]
+           "correction_metrics", "correction_pass", "RowValues", "MismatchError", "MismatchWarning"]
+
+
+class MismatchError(ValueError):
+    """Expect-zero mode: old and rollout log-probs differ by more than ``expect_zero_atol``."""
+
+
+class MismatchWarning(UserWarning):
+    """Expect-zero mode with ``expect_zero_action="warn"``: the tolerance was exceeded."""
 
 
 @dataclass
@@ -51,9 +60,10 @@ class CorrectionOutput:
         return metrics_to_floats(self.metrics)
 
 
-def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig,
-                     stats: SufficientStats) -> tuple[Optional[ISWeights], RejectionResult]:
-    """Weights (before batch normalisation), keep masks, and every local statistic for ``config``."""
+def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig, stats: SufficientStats,
+                     advantages: Optional[torch.Tensor] = None) -> tuple[Optional[ISWeights], RejectionResult]:
+    """Weights (before batch normalisation), keep masks, and every local statistic for ``config``
+    (``advantages`` (B, T) or (B,): for ``rollout_rs_rejected_positive_fraction``)."""
     isw = None
     if config.is_spec is not None:
         isw = importance_weights(batch, config.is_spec)
@@ -61,6 +71,17 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig,
     rej = rejection_keep(batch, config.rs_options, config.rollout_token_veto_threshold, stats,
                          config.rollout_token_veto_threshold_high)
     add_offpolicy_statistics(stats, batch, mismatch=config.mismatch_metrics)
+    if config.rs_enabled or advantages is not None:  # rows every criterion rejects in full, and their outcome
+        full = (rej.kept_per_row(batch) == 0) & batch.row_valid
+        stats.add_sum("rs.rejected_rows", full)
+        if advantages is not None:
+            adv = advantages if advantages.dim() == 1 else batch.row_total(
+                torch.where(batch.valid, advantages.float(), 0.0)) / batch.n_row.clamp_min(1.0)
+            stats.add_sum("rs.rejected_positive", full & (adv > 0))
+    if config.expect_zero_atol is not None:  # max |old − rollout| over valid input tokens, non-finite as 1e30
+        gap = torch.sub(batch.old_log_prob.float(), batch.rollout_log_prob.float()).abs_()
+        gap = gap.nan_to_num_(nan=1e30, posinf=1e30).mul_(batch.input_mask)
+        stats.add_max("ez.max_abs", batch.reduce_max(gap.amax(-1) if gap.shape[-1] else gap.sum(-1)))
     if config.check_alignment:
         sums = alignment_statistics(batch.old_log_prob, batch.rollout_log_prob, batch.response_mask)
         for name, value in zip(_ALIGN_KEYS, sums.unbind()):
@@ -81,22 +102,24 @@ def _alignment_metrics(stats) -> dict[str, Value]:
 
 def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                 config: RolloutCorrectionConfig, row_offset: int = 0, segment_ids: Optional[torch.Tensor] = None,
-                max_segments: Optional[int] = None):
+                max_segments: Optional[int] = None, advantages: Optional[torch.Tensor] = None):
     """Everything that touches (B, T) data: weights before normalisation, keep mask, local statistics."""
     batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite,
-                            row_offset=row_offset, segment_ids=segment_ids, max_segments=max_segments)
+                            row_offset=row_offset, segment_ids=segment_ids, max_segments=max_segments,
+                            log_prob_floor=config.log_prob_floor)
     stats = SufficientStats()
     batch.add_counts(stats)
-    isw, rej = local_correction(batch, config, stats)
+    isw, rej = local_correction(batch, config, stats, advantages)
     return (isw.weights if isw is not None else None), rej.keep_mask(batch), stats
 
 
 def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                segment_ids: Optional[torch.Tensor], max_segments: Optional[int], config: RolloutCorrectionConfig):
+                segment_ids: Optional[torch.Tensor], max_segments: Optional[int], config: RolloutCorrectionConfig,
+                advantages: Optional[torch.Tensor] = None):
     """:func:`_block_pass` on the whole batch with the statistics settled: pure tensor code in and
     out, so torch.compile can fuse it."""
     weights, keep, stats = _block_pass(old_log_prob, rollout_log_prob, response_mask, config,
-                                       segment_ids=segment_ids, max_segments=max_segments)
+                                       segment_ids=segment_ids, max_segments=max_segments, advantages=advantages)
     return weights, keep, stats.sums, stats.maxes
 
 
@@ -133,7 +156,8 @@ class RowValues:
 def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                     config: RolloutCorrectionConfig, process_group: Optional[object], rows: RowExchange,
                     owner: Optional[bool], segment_ids: Optional[torch.Tensor] = None,
-                    max_segments: Optional[int] = None) -> tuple[CorrectionOutput, RowValues]:
+                    max_segments: Optional[int] = None,
+                    advantages: Optional[torch.Tensor] = None) -> tuple[CorrectionOutput, RowValues]:
     """One pass of the correction over sequences split across ``rows.group``: placeholders in the
     collect pass, final in the replay pass (statistics reduced over ``process_group``, counted on
     the ranks ``owner`` selects, see :func:`~rollout_correction_core._src.sequence_group.stats_owner`)."""
@@ -145,10 +169,10 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
                          "sequence_group; run the alignment check on whole sequences (rollout-correction "
                          "diagnose, or a call without sequence_group) and set check_alignment=False here")
     batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite, rows=rows,
-                            segment_ids=segment_ids, max_segments=max_segments)
+                            segment_ids=segment_ids, max_segments=max_segments, log_prob_floor=config.log_prob_floor)
     stats = SufficientStats()
     batch.add_counts(stats)
-    isw, rej = local_correction(batch, config, stats)
+    isw, rej = local_correction(batch, config, stats, advantages)
     weights = isw.weights if isw is not None else None
     keep = rej.keep_mask(batch)
     token_keep = batch.mask if rej.token_keep is None else batch.mask * rej.token_keep
@@ -167,6 +191,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     reduced = reduce_owned(stats, process_group, owner)  # agreed over process_group before M2PO's collectives
     out = _finish(reduced, None if weights is None else weights.clone(), keep, old_log_prob, rollout_log_prob,
                   config, groups, response_mask.dtype)
+    out = _checked(out, config, reduced, old_log_prob, rollout_log_prob, response_mask)
     return out, values
 
 
@@ -187,14 +212,14 @@ def block_tokens(device: torch.device) -> int:
 
 def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                         config: RolloutCorrectionConfig, segment_ids: Optional[torch.Tensor] = None,
-                        max_segments: Optional[int] = None):
+                        max_segments: Optional[int] = None, advantages: Optional[torch.Tensor] = None):
     """:func:`_local_pass` over blocks of whole rows, writing into the outputs."""
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     B, T = old_log_prob.shape
     rows = max(1, block_tokens(old_log_prob.device) // max(T, 1))
     if B <= rows:
         return _block_pass(old_log_prob, rollout_log_prob, response_mask, config, segment_ids=segment_ids,
-                           max_segments=max_segments)
+                           max_segments=max_segments, advantages=advantages)
     device = old_log_prob.device
     weights = torch.empty((B, T), device=device) if config.is_spec is not None else None
     keep = torch.empty((B, T), dtype=response_mask.dtype, device=device)
@@ -204,7 +229,8 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
         seg = segment_ids[block] if segment_ids is not None else None
         seg_count = T if seg is not None and max_segments is None else max_segments  # the whole batch's S
         w, keep[block], local = _block_pass(old_log_prob[block], rollout_log_prob[block], response_mask[block],
-                                            config, row_offset=start, segment_ids=seg, max_segments=seg_count)
+                                            config, row_offset=start, segment_ids=seg, max_segments=seg_count,
+                                            advantages=None if advantages is None else advantages[block])
         if weights is not None:
             weights[block] = w
         stats.merge(local)  # one packed vector per block, added into the running one
@@ -224,8 +250,9 @@ def _compiled_local_pass(config: RolloutCorrectionConfig) -> Callable:
     """The compiled per-token pass for ``config`` (:data:`COMPILE_CACHE_SIZE`)."""
     fn = _COMPILED.pop(config, None)
     if fn is None:
-        def local(old_log_prob, rollout_log_prob, response_mask, segment_ids, max_segments):
-            return _local_pass(old_log_prob, rollout_log_prob, response_mask, segment_ids, max_segments, config)
+        def local(old_log_prob, rollout_log_prob, response_mask, segment_ids, max_segments, advantages):
+            return _local_pass(old_log_prob, rollout_log_prob, response_mask, segment_ids, max_segments, config,
+                               advantages)
 
         fn = torch.compile(local)
     _COMPILED[config] = fn
@@ -262,9 +289,55 @@ def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Valu
         m.update(veto_metrics(stats, low, high))
     m.update(offpolicy_metrics(stats))
     m.update(nonfinite_metrics(stats))
+    m.update(_outcome_metrics(stats, config))
+    if config.expect_zero_atol is not None:
+        m["max_abs_log_ratio"] = maximum(stats.max("ez.max_abs"), 0.0)
     if config.check_alignment:
         m.update(_alignment_metrics(stats))
     return m
+
+
+def _outcome_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Value]:
+    """``rollout_rs_rejected_positive_fraction``: share of the fully rejected rows whose advantage is
+    > 0 (0 when none is). Read on the host, warns when every row is rejected (``rollout_rs_all_rejected``)."""
+    if "rs.rejected_rows" not in stats.sums:
+        return {}
+    rejected, n = stats.sum("rs.rejected_rows"), stats.sum(N_ROWS)
+    if isinstance(n, float) and 0 < n <= rejected and config.rollout_rs_all_rejected == "warn":
+        warnings.warn(_ALL_REJECTED.format(int(n)) + " (rollout_rs_all_rejected='raise' makes it an error)",
+                      RuntimeWarning, stacklevel=2)
+    if "rs.rejected_positive" not in stats.sums:
+        return {}
+    return {"rollout_rs_rejected_positive_fraction": safe_div(stats.sum("rs.rejected_positive"), rejected)}
+
+
+_ALL_REJECTED = ("rejection dropped all {} sequences of the batch: nothing is learned from it; loosen rollout_rs / "
+                 "the veto, or check the engines")
+
+
+def _checked(out: CorrectionOutput, config: RolloutCorrectionConfig, stats, old: torch.Tensor, rollout: torch.Tensor,
+             response_mask: torch.Tensor) -> CorrectionOutput:
+    """The host-side checks the config asks for (one host read each): every row rejected with
+    ``rollout_rs_all_rejected="raise"``; expect-zero mode's tolerance, and its output (weights 1)."""
+    if config.rs_enabled and config.rollout_rs_all_rejected == "raise":
+        n = float(stats.sum(N_ROWS))
+        if 0 < n <= float(stats.sum("rs.rejected_rows")):
+            raise ValueError(_ALL_REJECTED.format(int(n)) + " (rollout_rs_all_rejected='warn' only warns)")
+    atol = config.expect_zero_atol
+    if atol is None:
+        return out
+    worst = float(stats.max("ez.max_abs"))
+    if worst > atol:
+        diff = (old.float() - rollout.float()).abs()
+        pos = first_nonfinite((response_mask != 0) & ~(diff <= atol))
+        at = "on another rank" if pos is None else (f"first at row {pos[0]}, column {pos[1]} (old_log_prob="
+                                                   f"{old[pos].item()}, rollout_log_prob={rollout[pos].item()})")
+        msg = (f"expect_zero_atol={atol}: max |old_log_prob − rollout_log_prob| over the valid tokens is {worst:.6g}, "
+               f"{at}; the engines were expected to agree")
+        if config.expect_zero_action == "raise":
+            raise MismatchError(msg)
+        warnings.warn(msg, MismatchWarning, stacklevel=3)
+    return CorrectionOutput(float_mask(response_mask), response_mask, out.metrics)
 
 
 def compute_rollout_correction(
@@ -278,6 +351,7 @@ def compute_rollout_correction(
     sequence_group: Optional[object] = None,
     segment_ids: Optional[torch.Tensor] = None,
     max_segments: Optional[int] = None,
+    advantages: Optional[torch.Tensor] = None,
 ) -> CorrectionOutput:
     """IS weights, rejection-adjusted response mask and diagnostics for one batch.
 
@@ -315,14 +389,19 @@ def compute_rollout_correction(
             same id on every rank for one turn) and ``max_segments`` is required.
         max_segments: the static number S of segment ids (default T): per-segment values are (B, S)
             tensors, so no shape depends on the data.
+        advantages: optional (B, T) or (B,) advantages (a row's is its mean over valid tokens): with
+            them ``rollout_rs_rejected_positive_fraction``, the share of fully rejected rows with A > 0.
     Returns:
         :class:`CorrectionOutput`.
     """
     config = as_config(config)
+    if advantages is not None and advantages.shape not in (response_mask.shape, response_mask.shape[:1]):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected (B, T) = "
+                         f"{tuple(response_mask.shape)} like response_mask, or (B,) = ({response_mask.shape[0]},)")
     if config.on_nonfinite == "raise" and (process_group is not None or sequence_group is not None):
         check_pair(old_log_prob, rollout_log_prob, response_mask)
-        raise_nonfinite_on_any_rank(nonfinite_positions(old_log_prob, rollout_log_prob, response_mask), "log-prob",
-                                    process_group, sequence_group)
+        raise_nonfinite_on_any_rank(nonfinite_positions(old_log_prob, rollout_log_prob, response_mask,
+                                                        config.log_prob_floor), "log-prob", process_group, sequence_group)
     if sequence_group is not None:
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
@@ -331,24 +410,25 @@ def compute_rollout_correction(
         with torch.no_grad():
             for _ in rows.passes():
                 out, _values = correction_pass(old_log_prob, rollout_log_prob, response_mask, config,
-                                               process_group, rows, owner, segment_ids, max_segments)
+                                               process_group, rows, owner, segment_ids, max_segments, advantages)
         return out
     with torch.no_grad():
         if compile:
             check_segment_ids(segment_ids, response_mask, max_segments)  # eagerly: the compiled pass skips reads
             weights, keep, sums, maxes = _compiled_local_pass(config)(old_log_prob, rollout_log_prob, response_mask,
-                                                                      segment_ids, max_segments)
+                                                                      segment_ids, max_segments, advantages)
             stats = SufficientStats.from_values(sums, maxes)
         else:
             weights, keep, stats = _blocked_local_pass(old_log_prob, rollout_log_prob, response_mask, config,
-                                                       segment_ids, max_segments)
-        out = _finish(stats.all_reduce(process_group), weights, keep, old_log_prob, rollout_log_prob, config,
-                      (process_group,), response_mask.dtype)
+                                                       segment_ids, max_segments, advantages)
+        stats = stats.all_reduce(process_group)
+        out = _finish(stats, weights, keep, old_log_prob, rollout_log_prob, config, (process_group,),
+                      response_mask.dtype)
         if config.check_alignment:  # the warning needs the values: one sync, only with this option
             report = alignment_report(torch.stack([stats.sum(k) for k in _ALIGN_KEYS]))
             if report.misaligned:
                 warnings.warn(report.message, MisalignmentWarning, stacklevel=2)
-    return out
+    return _checked(out, config, stats, old_log_prob, rollout_log_prob, response_mask)
 
 
 #: ``on_batch(batch, weights, keep)``: called by :class:`CorrectionAccumulator` once per chunk.
@@ -367,7 +447,7 @@ class CorrectionAccumulator(Accumulator):
                  on_batch: Optional[BatchHook] = None) -> None:
         self.config = as_config(config)
         self.on_batch = on_batch
-        super().__init__(self.config.on_nonfinite)
+        super().__init__(self.config.on_nonfinite, self.config.log_prob_floor)
 
     def record(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
         isw, rej = local_correction(batch, self.config, stats)

@@ -7,8 +7,9 @@ used, and per row (B,) sums taken with one reduction.
 Non-finite input. NaN / ±inf are replaced by ±1e30 and multiplied by the 0/1 mask, so nothing in
 padding reaches a sum; a valid position holding a non-finite value (or |log ρ| ≥ 1e30) makes its
 row *bad*: the row is dropped (mask 0, every sum 0) or, with ``on_nonfinite="raise"``, a
-ValueError names it. Rows are dropped arithmetically, never by a data-dependent branch, so the pass
-does not wait for the device.
+ValueError names it. A log-prob ≤ ``log_prob_floor`` (old or rollout) is an engine's sentinel
+and counts as non-finite. Rows are dropped arithmetically, never by a data-dependent branch, so
+the pass does not wait for the device.
 
 Split rows. With ``rows`` (a :class:`~rollout_correction_core._src.sequence_group.RowExchange`) each rank
 holds part of every row; every per-row reduction then spans the group (the batch's ``reduce_*``
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
-from .constants import SAFETY_BOUND
+from .constants import LOG_PROB_FLOOR, SAFETY_BOUND
 from .segments import segment_sums
 from .stats import SufficientStats
 from .validation import check_pair, check_same, check_segment_ids
@@ -31,6 +32,8 @@ from .validation import check_pair, check_same, check_segment_ids
 #: The counts every statistics family divides by (sums, recorded by :meth:`LogRatioBatch.add_counts`):
 #: valid tokens used, rows with a token used, rows with a valid input token.
 N_TOK, N_ROWS, N_ROWS_INPUT = "n_tok", "n_rows", "n_rows_input"
+#: Valid input tokens holding an engine sentinel, and all valid input tokens (``sentinel_token_fraction``).
+N_SENTINEL, N_TOK_INPUT = "n_sentinel", "n_tok_input"
 
 if TYPE_CHECKING:
     from .sequence_group import RowExchange
@@ -101,6 +104,8 @@ class LogRatioBatch:
         rows: the row exchange when the rows are split across a group, else None.
         segment_ids, num_segments: (B, T) int64 segment (turn) of each token, 0 at unused positions,
             ids in [0, num_segments); None: every row is one segment (``num_segments`` 1).
+        sentinel_row: (B,) float32 count of valid positions holding a log-prob ≤ the floor; None
+            without log-probs or floor.
     """
 
     response_mask: torch.Tensor
@@ -121,6 +126,7 @@ class LogRatioBatch:
     rows: Optional["RowExchange"] = None
     segment_ids: Optional[torch.Tensor] = None
     num_segments: int = 1
+    sentinel_row: Optional[torch.Tensor] = None
 
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str = "reject",
@@ -261,12 +267,16 @@ class LogRatioBatch:
         stats.add_sum(N_TOK, self.sums.n)
         stats.add_sum(N_ROWS, self.row_valid)
         stats.add_sum(N_ROWS_INPUT, self.input_rows)
+        if self.sentinel_row is not None:
+            stats.add_sum(N_SENTINEL, self.sentinel_row)
+            stats.add_sum(N_TOK_INPUT, self.sums.n_input)
 
 
 def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, *,
                     on_nonfinite: str = "reject", rows: Optional["RowExchange"] = None,
                     row_offset: int = 0, segment_ids: Optional[torch.Tensor] = None,
-                    max_segments: Optional[int] = None) -> LogRatioBatch:
+                    max_segments: Optional[int] = None,
+                    log_prob_floor: Optional[float] = LOG_PROB_FLOOR) -> LogRatioBatch:
     """log ρ_t = log π_train(y_t) − log π_rollout(y_t) on the valid tokens, and the per-row sums.
 
     Args:
@@ -282,6 +292,8 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         segment_ids: optional (B, T) integer segment (turn) of each token: the tokens of a row with
             equal id form one segment; ids at valid positions in [0, S), S = ``max_segments`` (default
             T); ignored at masked positions. None: every row is one segment.
+        log_prob_floor: a log-prob ≤ this at a valid position is an engine sentinel, handled as
+            non-finite and counted (``sentinel_token_fraction``); None: no floor.
     """
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     segments = check_segment_ids(segment_ids, response_mask, max_segments, row_offset)
@@ -293,7 +305,8 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         lr = old_log_prob.to(torch.float32, copy=True).sub_(rollout_log_prob)
     else:
         lr = slots[2].copy_(old_log_prob).sub_(rollout_log_prob)
-    batch = _build(lr, response_mask, on_nonfinite, row_offset, old_log_prob, rollout_log_prob, rows, slots=slots)
+    batch = _build(lr, response_mask, on_nonfinite, row_offset, old_log_prob, rollout_log_prob, rows, slots=slots,
+                   floor=log_prob_floor)
     if segments is None:
         return batch
     ids, S = segments
@@ -318,13 +331,20 @@ def _sanitised(x: torch.Tensor, nan: float = NONFINITE_SENTINEL) -> torch.Tensor
 def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row_offset: int,
            old: Optional[torch.Tensor] = None, rollout: Optional[torch.Tensor] = None,
            rows: Optional["RowExchange"] = None, source: Optional[torch.Tensor] = None,
-           slots: Optional[torch.Tensor] = None) -> LogRatioBatch:
+           slots: Optional[torch.Tensor] = None, floor: Optional[float] = None) -> LogRatioBatch:
     """The batch from a float32 log-ratio ``lr`` that this function may overwrite (``source``: the
     caller's log-ratio, for messages), held in slot 2 of ``slots`` (:func:`_slots`) when given:
     input mask, mask, log ρ, [masked log π_train,] k3, ρ, the order of :class:`RowSums`."""
     B, T = response_mask.shape
     last = 0 if slots is None else slots.shape[0]  # k3 and ρ in the last two slots
     input_mask = float_mask(response_mask, out=_slot(slots, 0))
+    sentinel = None
+    if floor is not None and old is not None:  # engine sentinels: made non-finite, counted per row
+        sentinel = (((old <= floor) & (old != -torch.inf)) | ((rollout <= floor) & (rollout != -torch.inf))) \
+            & (input_mask > 0)  # a finite value at or below the floor (−inf is non-finite, not a sentinel)
+        lr.masked_fill_(sentinel, NONFINITE_SENTINEL)
+        sentinel = sentinel.sum(-1, dtype=torch.float32)
+        sentinel = sentinel if rows is None else rows.sum(sentinel)
     lr = _sanitised(lr).mul_(input_mask)
     if T > 0:  # (abs + amax: on CPU ~20x faster than aminmax or an inf-norm)
         bad = lr.abs().amax(-1) >= NONFINITE_SENTINEL
@@ -364,15 +384,18 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         means64 = (sums64[2:4] / sums64[1].clamp_min(1.0)).nan_to_num_(nan=0.0)
         means64.clamp_(-NONFINITE_SENTINEL, NONFINITE_SENTINEL)  # bounding the mean bounds the sum per token
     return LogRatioBatch(response_mask, input_mask, mask, lr, lrc, ratio, k3, bad, sums, counted[1], counted[0],
-                         sums64[2], means64, old, rollout, rows)
+                         sums64[2], means64, old, rollout, rows, sentinel_row=sentinel)
 
 
 def nonfinite_positions(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                        response_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool: valid positions whose log-ratio is NaN or has |log-ratio| ≥ 1e30 (the positions
-    that drop a row, or raise with ``on_nonfinite="raise"``)."""
+                        response_mask: torch.Tensor, log_prob_floor: Optional[float] = LOG_PROB_FLOOR) -> torch.Tensor:
+    """(B, T) bool: valid positions whose log-ratio is NaN or has |log-ratio| ≥ 1e30, or holding a
+    log-prob ≤ ``log_prob_floor`` (the positions that drop a row, or raise with ``on_nonfinite="raise"``)."""
     lr = old_log_prob.float() - rollout_log_prob.float()
-    return (response_mask != 0) & ~(lr.abs() < NONFINITE_SENTINEL)
+    bad = ~(lr.abs() < NONFINITE_SENTINEL)
+    if log_prob_floor is not None:
+        bad |= (old_log_prob <= log_prob_floor) | (rollout_log_prob <= log_prob_floor)
+    return (response_mask != 0) & bad
 
 
 def _nonfinite_error(lr: torch.Tensor, input_mask: torch.Tensor, bad_rows: torch.Tensor, row_offset: int,
@@ -385,5 +408,6 @@ def _nonfinite_error(lr: torch.Tensor, input_mask: torch.Tensor, bad_rows: torch
     else:
         values = f"log_ratio={source[b, t].item()}"
     return ValueError(f"non-finite log-prob at valid position (row {b + row_offset}, column {t}; "
-                      f"|log-ratio| ≥ 1e30 counts as non-finite): {values}; "
+                      f"|log-ratio| ≥ 1e30 and a log-prob ≤ log_prob_floor, an engine's sentinel, count as "
+                      f"non-finite): {values}; "
                       "fix the producer, or set on_nonfinite='reject' to drop such sequences")

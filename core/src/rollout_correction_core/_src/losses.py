@@ -326,7 +326,8 @@ def compute_policy_loss(
                float_names=("log_prob", "old_log_prob", "rollout_log_prob", "advantages", "rollout_is_weights"))
     if config.on_nonfinite == "raise" and (process_group is not None or sequence_group is not None):
         raise_nonfinite_on_any_rank(_nonfinite_inputs(response_mask, log_prob, prox, rollout, advantages,
-                                                      rollout_is_weights), "loss input", process_group, sequence_group)
+                                                      rollout_is_weights, config.log_prob_floor), "loss input",
+                                    process_group, sequence_group)
     owner = None
     if sequence_group is not None:
         if config.rollout_opsm_delta is not None or config.rollout_m2po_threshold is not None:
@@ -346,14 +347,14 @@ def compute_policy_loss(
     return result
 
 
-def _nonfinite_inputs(response_mask, log_prob, prox, rollout, advantages, rollout_is_weights) -> torch.Tensor:
+def _nonfinite_inputs(response_mask, log_prob, prox, rollout, advantages, rollout_is_weights, floor) -> torch.Tensor:
     """(B, T) bool: valid positions where an input the loss reads is not finite, or where the
     log-ratio against the rollout log-probs is (the positions that raise with ``on_nonfinite="raise"``)."""
     bad = ~torch.isfinite(log_prob.detach()) | ~torch.isfinite(prox) | ~torch.isfinite(advantages)
     if rollout_is_weights is not None:
         bad |= ~torch.isfinite(rollout_is_weights)
-    if rollout is not None and rollout is not prox:
-        bad |= nonfinite_positions(prox, rollout, response_mask)
+    if rollout is not None:
+        bad |= nonfinite_positions(prox, rollout, response_mask, floor)
     return bad & (response_mask != 0)
 
 
@@ -378,7 +379,9 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
         bad_rows = ~(masked.abs().amax(dim=(0, 2)) < math.inf)  # NaN compares False
     else:
         bad_rows = torch.zeros(B, dtype=torch.bool, device=log_prob.device)
-    bad_rows = rows.max(bad_rows)
+    floor = config.log_prob_floor if rollout is not None else None
+    sentinel = input_valid & ((prox <= floor) | (rollout <= floor)) if floor is not None else input_valid & False
+    bad_rows = rows.max(bad_rows | sentinel.any(-1))  # an engine sentinel drops its row, as in the correction
     input_rows = rows.max(input_valid.any(-1))
     rows.drop(bad_rows)
     if config.on_nonfinite == "raise" and rows.final:
@@ -386,10 +389,11 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
                 f"{' / rollout_is_weights' if rollout_is_weights is not None else ''}")
         if rows.group is not None:  # raised on every rank of the group alike
             raise_nonfinite(bad_rows, what)
-        pos = first_nonfinite(input_valid & ~torch.isfinite(masked).all(0))
+        pos = first_nonfinite(input_valid & ~torch.isfinite(masked).all(0) | sentinel)
         if pos is not None:
-            raise ValueError(f"non-finite {what} at valid position (row {pos[0]}, column {pos[1]}); set "
-                             "on_nonfinite='reject' to drop such rows")
+            raise ValueError(f"non-finite {what} (or a log-prob ≤ log_prob_floor={floor}, an engine's sentinel) "
+                             f"at valid position (row {pos[0]}, column {pos[1]}); set on_nonfinite='reject' to "
+                             "drop such rows")
     valid = input_valid.masked_fill(bad_rows.unsqueeze(-1), False)
     clean = torch.where(valid, masked, zero)
     prox_s, adv = clean[1], clean[2]
@@ -401,11 +405,11 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
         train_side = lp.detach() if bypass else prox_s
         if rows.group is None:
             corr = compute_rollout_correction(train_side, rollout, valid, config=config, process_group=process_group,
-                                              segment_ids=segment_ids, max_segments=max_segments)
+                                              segment_ids=segment_ids, max_segments=max_segments, advantages=adv)
         else:
             with torch.no_grad():
                 corr, values = correction_pass(train_side, rollout, valid, config, process_group, rows, owner,
-                                               segment_ids, max_segments)
+                                               segment_ids, max_segments, adv)
         mask, weights = corr.response_mask.bool(), corr.weights
         metrics.update(corr.metrics)
     if rollout_is_weights is not None and not bypass:

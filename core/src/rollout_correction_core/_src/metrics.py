@@ -11,6 +11,10 @@ sequence statistics over sequences with ≥ 1 valid token; exponents clamped to 
   ``log_ppl_abs_diff`` = mean_seq |d|; ``log_ppl_diff_max`` / ``_min`` over sequences
 * ``ppl_ratio`` = mean_seq exp(d)                               — training PPL / rollout PPL per sequence
 * ``chi2_token`` = mean_tok(ρ_t²) − 1,  ``chi2_seq`` = mean_seq((∏_t ρ_t)²) − 1
+* ``rollout_is_raw_mean`` = mean_tok ρ_t,  ``rollout_is_seq_raw_mean`` = mean_seq ∏_t ρ_t: before any
+  truncation, masking or rejection
+* ``chi2_token_sn`` = mean_tok(ρ²) / (mean_tok ρ)² − 1 and ``chi2_seq_sn``, the same of ∏_t ρ_t over
+  sequences: the self-normalised χ², ≥ 0 (E[ρ²] − 1 is not, on a sample)
 
 Mismatch metrics (with ``mismatch_metrics=True``: the numbers other engines log; Δ_t = log ρ_t unclamped, q_t = π_train(y_t),
 p_t = π_rollout(y_t), the log-probs bounded to [−1e4, 0] first: a value above 0 is no probability
@@ -38,8 +42,9 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .constants import METRIC_PREFIX, SAFETY_BOUND
-from .logratio import N_TOK, N_ROWS, N_ROWS_INPUT, LogRatioBatch, log_ratio_batch, nonfinite_positions
+from .constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
+from .logratio import (N_ROWS, N_ROWS_INPUT, N_SENTINEL, N_TOK, N_TOK_INPUT, LogRatioBatch, log_ratio_batch,
+                       nonfinite_positions)
 from .validation import check_pair
 from .sequence_group import (RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank,
                              reduce_owned, stats_owner)
@@ -63,11 +68,11 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, misma
     neg = means.neg()  # d = mean log π_rollout − mean log π_train, −mean log π_train
     d, train_nll = neg[0], neg[1]
     rollout_nll = means[0] - means[1]
-    e = torch.stack([train_nll, rollout_nll, d, batch.row_sum64])
+    e = torch.stack([train_nll, rollout_nll, d, batch.row_sum64, batch.row_sum64])
     e[:2].clamp_(max=_PPL_EXP_MAX)
     e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     e[3].mul_(2.0)
-    e.exp_()  # training PPL, rollout PPL, ppl ratio, (∏ρ)² per row
+    e.exp_()  # training PPL, rollout PPL, ppl ratio, (∏ρ)², ∏ρ per row
     stats.add_sum("op.train_log_ppl", train_nll, rows=rows)
     stats.add_sum("op.train_ppl", e[0], rows=rows)
     stats.add_sum("op.roll_log_ppl", rollout_nll, rows=rows)
@@ -78,6 +83,8 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, misma
     stats.add_max("op.neg_d_max", means[0], rows=rows)  # −d: min d = −max(−d), no negation
     stats.add_sum("op.ppl_ratio", e[2], rows=rows)
     stats.add_sum("op.rho2_seq", e[3], rows=rows)
+    stats.add_sum("op.sum_rho", batch.sums.ratio)
+    stats.add_sum("op.rho_seq", e[4], rows=rows)
     if mismatch:
         _add_mismatch_statistics(stats, batch)
 
@@ -163,6 +170,11 @@ def mismatch_metrics(stats) -> dict[str, Value]:
     }
 
 
+def _chi2_sn(s1: Value, s2: Value, n: Value) -> Value:
+    """n·Σx² / (Σx)² − 1, at least 0 (0 when Σx is 0)."""
+    return clamp(safe_div(n * s2, s1 * s1) - 1.0, 0.0)
+
+
 def offpolicy_metrics(stats) -> dict[str, Value]:
     """The 13 off-policy metrics, and the 10 mismatch metrics when their statistics were recorded
     (module docstring), from reduced statistics of either kind; 0 when empty."""
@@ -186,15 +198,23 @@ def offpolicy_metrics(stats) -> dict[str, Value]:
         "ppl_ratio": seq_mean("op.ppl_ratio"),
         "chi2_token": where(n_tok > 0, safe_div(stats.sum("op.sum_rho2"), n_tok) - 1.0, 0.0),
         "chi2_seq": where(has_rows, seq_mean("op.rho2_seq") - 1.0, 0.0),
+        "rollout_is_raw_mean": safe_div(stats.sum("op.sum_rho"), n_tok),
+        "rollout_is_seq_raw_mean": seq_mean("op.rho_seq"),
+        "chi2_token_sn": _chi2_sn(stats.sum("op.sum_rho"), stats.sum("op.sum_rho2"), n_tok),
+        "chi2_seq_sn": _chi2_sn(stats.sum("op.rho_seq"), stats.sum("op.rho2_seq"), n_rows),
         **(mismatch_metrics(stats) if "mm.q" in stats.sums else {}),
     }
 
 
 def nonfinite_metrics(stats) -> dict[str, Value]:
     """``nonfinite_seq_fraction``: share of the sequences with a valid input token (all used unless
-    dropped, so the dropped are ``n_rows_input − n_rows``) dropped for a NaN/±inf log-prob."""
+    dropped, so the dropped are ``n_rows_input − n_rows``) dropped for a NaN/±inf log-prob or a
+    sentinel; ``sentinel_token_fraction``: share of the valid input tokens holding a sentinel."""
     n_input = stats.sum(N_ROWS_INPUT)
-    return {"nonfinite_seq_fraction": safe_div(n_input - stats.sum(N_ROWS), n_input)}
+    m = {"nonfinite_seq_fraction": safe_div(n_input - stats.sum(N_ROWS), n_input)}
+    if N_SENTINEL in stats.sums:  # valid positions holding an engine sentinel (log-prob ≤ log_prob_floor)
+        m["sentinel_token_fraction"] = safe_div(stats.sum(N_SENTINEL), stats.sum(N_TOK_INPUT))
+    return m
 
 
 def prefixed(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -377,14 +397,15 @@ class Accumulator:
     gives exactly what one call on the concatenated batch would give. A subclass defines
     ``record(stats, batch)`` (a chunk's statistics) and ``finalize(stats)`` (unprefixed metrics)."""
 
-    def __init__(self, on_nonfinite: str = "reject") -> None:
+    def __init__(self, on_nonfinite: str = "reject", log_prob_floor: Optional[float] = LOG_PROB_FLOOR) -> None:
         self.stats = SufficientStats()
-        self.on_nonfinite = on_nonfinite
+        self.on_nonfinite, self.log_prob_floor = on_nonfinite, log_prob_floor
 
     def update(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                response_mask: torch.Tensor) -> None:
         """Add a chunk of whole rows."""
-        self.update_batch(log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=self.on_nonfinite))
+        self.update_batch(log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=self.on_nonfinite,
+                                          log_prob_floor=self.log_prob_floor))
 
     def update_batch(self, batch: LogRatioBatch) -> None:
         """Add a chunk already wrapped in a :class:`LogRatioBatch` (several accumulators may share one)."""
@@ -413,8 +434,9 @@ class Accumulator:
 class OffPolicyAccumulator(Accumulator):
     """Streaming :func:`compute_offpolicy_metrics` (with the mismatch metrics if ``mismatch_metrics``)."""
 
-    def __init__(self, on_nonfinite: str = "reject", mismatch_metrics: bool = False) -> None:
-        super().__init__(on_nonfinite)
+    def __init__(self, on_nonfinite: str = "reject", mismatch_metrics: bool = False,
+                 log_prob_floor: Optional[float] = LOG_PROB_FLOOR) -> None:
+        super().__init__(on_nonfinite, log_prob_floor)
         self.mismatch_metrics = mismatch_metrics
 
     def record(self, stats: SufficientStats, batch: LogRatioBatch) -> None:

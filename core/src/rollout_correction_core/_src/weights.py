@@ -191,7 +191,7 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     (tokens or sequences). seq_*: statistics of the per-row mean weight over sequences with ≥ 1 valid
     token; seq_fraction_* use the raw per-row mean. Sequence / geometric levels also report the row
     weights before truncation, where a long response drives log ∏ρ_t far from 0 even at a small
-    per-token gap: seq_raw_mean, seq_raw_ess = (Σw)² / (n·Σw²) (Kish), seq_log_mean (mean log weight,
+    per-token gap: seq_raw_ess = (Σw)² / (n·Σw²) (Kish), seq_log_mean (mean log weight,
     unclamped) and seq_collapsed_fraction (share of rows with raw weight < 0.1). At the segment levels
     every seq_* metric, max / min and fraction_high / low are taken over segments (turns) with ≥ 1
     valid token instead of sequences.
@@ -222,7 +222,6 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     m["rollout_is_seq_fraction_low"] = safe_div(stats.sum("is.seq_low"), n_rows)
     if spec.level not in TOKEN_WEIGHT_LEVELS:
         raw_sum, raw_sum2 = stats.sum("is.raw_sum"), stats.sum("is.raw_sum2")
-        m["rollout_is_seq_raw_mean"] = safe_div(raw_sum, n_rows)
         m["rollout_is_seq_raw_ess"] = safe_div(raw_sum * raw_sum, n_rows * raw_sum2)
         m["rollout_is_seq_log_mean"] = safe_div(stats.sum("is.log_sum"), n_rows)
         m["rollout_is_seq_collapsed_fraction"] = safe_div(stats.sum("is.collapsed"), n_rows)
