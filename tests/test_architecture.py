@@ -1,19 +1,25 @@
-"""The package's layering, read from the source with ``ast`` (nothing is imported).
+"""The two packages' layering, read from the source with ``ast`` (nothing is imported).
 
-* No import cycle among the package's modules (module-level imports; an import inside a
-  function runs later and cannot deadlock the loader, but the core has none of those either
-  towards the surfaces).
-* The core never imports a product surface (adapters depend on the core, not the reverse).
-* Only the package root and the public seam modules (``primitives``, ``reductions``,
-  ``vocabulary``; ``tools/architecture.py`` ``SEAMS``) import the private package
-  ``rollout_correction_core._src``. Every other module — the surfaces and the public extension modules
-  (``moe``, ``staleness``, ``supports``, ``advantages``) — imports only names listed in a public
-  module's ``__all__``, never a name starting with ``_``.
+* No import cycle among the modules of the core and the toolkit, counting every import (an import
+  inside a function runs later and cannot deadlock the loader, but two modules that need each
+  other are one concept split in two).
+* The core (``rollout_correction_core``) ships on its own: it never imports the toolkit
+  (``rollout_correction``), imports only torch and the standard library at module level (the
+  optional readers inside functions are listed in ``tools/architecture.py``), holds nothing of the
+  product surfaces, and stays within its line budget.
+* The toolkit's modules other than its surfaces never import a surface (adapters depend on the
+  core, not the reverse).
+* Only the core's root and seams (``primitives``, ``reductions``, ``vocabulary``) and the toolkit's
+  modules that re-export them may import the private package ``rollout_correction_core._src``
+  (``tools/architecture.py`` ``SEAMS``). Every other module — the surfaces and the public extension
+  modules (``moe``, ``staleness``, ``supports``, ``advantages``) — imports only names listed in a
+  public module's ``__all__``, never a name starting with ``_``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,11 +30,14 @@ A = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(A)
 
 
-def test_scanner_sees_the_package():
+def test_scanner_sees_both_packages():
     assert "rollout_correction_core._src.correction" in A.MODULES and "rollout_correction.compat.verl" in A.MODULES
+    assert A.MODULES["rollout_correction_core"].parent == A.CORE_SRC
+    assert A.MODULES["rollout_correction"].parent == A.SRC
     g = A.graph()
     assert "rollout_correction_core._src.metrics" in g["rollout_correction_core._src.correction"]
     assert "rollout_correction_core._src.config" in g["rollout_correction_core._src.weights"]
+    assert "rollout_correction_core.primitives" in g["rollout_correction.primitives"]  # across the packages
 
 
 def test_cycle_finder_finds_a_planted_cycle():
@@ -37,20 +46,88 @@ def test_cycle_finder_finds_a_planted_cycle():
     assert A.find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_no_import_cycle():
-    cycle = A.find_cycle(A.graph())
+def test_no_import_cycle_at_import_time():
+    cycle = A.find_cycle(A.graph(top_level_only=True))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_core_never_imports_a_surface():
+def test_no_import_cycle_anywhere():
+    """Imports inside functions included: two modules that import each other are one concept."""
+    cycle = A.find_cycle(A.graph(top_level_only=False))
+    assert cycle is None, "modules that import each other: " + " -> ".join(cycle)
+
+
+def _core_modules() -> list[str]:
+    return [m for m in A.MODULES if A.in_core(m)]
+
+
+def test_the_core_never_imports_the_toolkit():
+    bad = [f"{A.where(m)}:{line} imports {target}" for m in _core_modules()
+           for target, _, line in A.imports(m, top_level_only=False) if target.split(".")[0] == A.PKG]
+    assert not bad, "the core imports the toolkit (rollout_correction):\n" + "\n".join(bad)
+
+
+def _foreign_imports(*, top_level_only: bool) -> list[tuple[str, str, int]]:
+    """(core module, top-level package, line) for each import of the core that is neither the core,
+    torch nor the standard library."""
+    allowed = set(sys.stdlib_module_names) | {"torch", A.CORE}
+    return [(m, target.split(".")[0], line) for m in _core_modules()
+            for target, _, line in A.all_imports(m, top_level_only=top_level_only)
+            if target.split(".")[0] not in allowed]
+
+
+def test_the_core_imports_torch_and_the_standard_library_only():
+    at_import = [f"{A.where(m)}:{line} imports {pkg}" for m, pkg, line in _foreign_imports(top_level_only=True)]
+    assert not at_import, ("the core imports more than torch and the standard library at module level "
+                           "(rollout-correction-core depends on torch alone):\n" + "\n".join(at_import))
+    optional = sorted({pkg for _, pkg, _ in _foreign_imports(top_level_only=False)})
+    assert optional == sorted(A.CORE_OPTIONAL_IMPORTS), (
+        f"imports of the core inside functions: {optional}; tools/architecture.py lists "
+        f"{list(A.CORE_OPTIONAL_IMPORTS)} (each must be optional, with an error naming the extra)")
+
+
+def test_the_scanner_sees_a_planted_foreign_import(tmp_path, monkeypatch):
+    monkeypatch.setitem(A.MODULES, "rollout_correction_core._src.planted", tmp_path / "planted.py")
+    (tmp_path / "planted.py").write_text("import numpy as np\nfrom ..seams import x\n"
+                                         "def f():\n    import rollout_correction.demo\n", encoding="utf-8")
+    A.all_imports.cache_clear()
+    A.imports.cache_clear()
+    try:
+        foreign = [(pkg, line) for m, pkg, line in _foreign_imports(top_level_only=True) if m.endswith("planted")]
+        with pytest.raises(AssertionError, match=r"planted.py:4 imports rollout_correction.demo"):
+            test_the_core_never_imports_the_toolkit()
+    finally:
+        A.all_imports.cache_clear()
+        A.imports.cache_clear()
+    assert foreign == [("numpy", 1)]
+
+
+def test_the_core_holds_no_surface():
+    """Nothing of the demo, diagnose, diffusion, the adapters, compat or the monitor is in the core:
+    no module of it bears such a name, and no file under core/ (the sdist's too) is one of theirs."""
+    words = A.SURFACES + ("cli", "presets_cli")
+    bad = [m for m in _core_modules() if any(part in words for part in m.split("."))]
+    bad += [str(p.relative_to(A.ROOT)) for p in (A.ROOT / "core").rglob("*")
+            if any(part in words or part.removesuffix(".py") in words for part in p.relative_to(A.ROOT / "core").parts)]
+    assert not bad, f"the core holds parts of the toolkit's surfaces: {bad}"
+
+
+def test_the_core_is_within_its_line_budget():
+    lines = A.core_lines()
+    assert lines <= A.CORE_LINE_BUDGET, (f"the core (every .py under core/) has {lines} lines, over its budget of "
+                                         f"{A.CORE_LINE_BUDGET}: move conveniences to the toolkit, remove duplication")
+
+
+def test_the_toolkit_core_never_imports_a_surface():
+    """The toolkit's root, re-export and extension modules build on the core, never on a surface."""
     bad = []
     for m in A.MODULES:
-        if A.surface(m) is not None or m == A.PKG:
+        if A.in_core(m) or A.surface(m) is not None or m == A.PKG:
             continue
         for target, _, line in A.imports(m, top_level_only=False):
             if A.surface(target) is not None:
-                bad.append(f"{A.MODULES[m].name}:{line} imports {target}")
-    assert not bad, "the core imports a surface:\n" + "\n".join(bad)
+                bad.append(f"{A.where(m)}:{line} imports {target}")
+    assert not bad, "a module below the surfaces imports a surface:\n" + "\n".join(bad)
 
 
 def _surface_imports():
@@ -90,10 +167,12 @@ def _private_name(name: str) -> bool:
 
 
 def test_only_the_seams_import_the_private_package():
-    """The count the versioning policy rests on: no module but the root and the seams names ``_src``."""
-    importers = sorted({m for m in A.MODULES if not A.is_private(m)
-                        for target, _, _ in A.imports(m, top_level_only=False) if A.is_private(target)})
-    assert importers == sorted(A.SEAMS), f"modules importing rollout_correction_core._src: {importers}"
+    """The count the versioning policy rests on: no module but the core's root and seams (and the
+    toolkit's modules that re-export them) names ``_src``."""
+    importers = {m for m in A.MODULES if not A.is_private(m)
+                 for target, _, _ in A.imports(m, top_level_only=False) if A.is_private(target)}
+    assert set(A.CORE_SEAMS) <= importers <= set(A.SEAMS), \
+        f"modules importing rollout_correction_core._src: {sorted(importers)}"
 
 
 def test_every_private_name_is_public_somewhere():
@@ -122,7 +201,8 @@ def test_surfaces_do_not_import_each_other():
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from rollout_correction_core._src.weights import _div\n", "private module _src.weights"),
+    ("from rollout_correction_core._src.weights import _div\n", "private module rollout_correction_core._src.weights"),
+    ("from rollout_correction_core.primitives import _slots\n", "primitives._slots"),
     ("from rollout_correction.primitives import ISWeights\nfrom .._src.stats import SufficientStats\n",
      "private module _src.stats"),
     ("from rollout_correction.reductions import _owner\n", "reductions._owner"),
@@ -131,10 +211,12 @@ def test_private_import_check_catches_a_planted_violation(tmp_path, monkeypatch,
     # a module of the compat surface (relative imports resolve as for compat/verl.py)
     monkeypatch.setitem(A.MODULES, "rollout_correction.compat.planted", tmp_path / "planted.py")
     (tmp_path / "planted.py").write_text(source, encoding="utf-8")
-    A.imports.cache_clear()  # the scanner caches what it read; this file is new each time
+    A.all_imports.cache_clear()  # the scanner caches what it read; this file is new each time
+    A.imports.cache_clear()
     try:
         bad = [b for b in _private_core_imports() if "planted" in b]
     finally:
+        A.all_imports.cache_clear()
         A.imports.cache_clear()
     assert len(bad) == 1 and expected in bad[0].replace("rollout_correction.", ""), bad
 
@@ -181,19 +263,21 @@ def test_layer_check_catches_an_upward_import(monkeypatch):
 
 
 def test_architecture_page_names_every_module():
-    """docs/architecture.md gives every module its own mention: a core module as `name.py`, a
-    surface module by its path (`diagnose/readers.py`), or — inside a sub-folder laid out like
-    another (`diffusion/example/`) — the folder and the file name."""
+    """docs/architecture.md gives every module of both packages its own mention: a module of the
+    core as `_src/name.py` or `name.py`, a toolkit module by its path (`diagnose/readers.py`), or —
+    inside a sub-folder laid out like another (`diffusion/example/`) — the folder and the file name;
+    the two roots as `rollout_correction_core/__init__.py` and `rollout_correction/__init__.py`."""
     page = (A.ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     missing = []
-    for path in A.MODULES.values():
-        rel = path.relative_to(A.SRC)
+    for module, path in A.MODULES.items():
+        base = A.CORE_SRC if A.in_core(module) else A.SRC
+        rel = path.relative_to(base)
         if rel.name == "__init__.py" and len(rel.parts) > 1:
             continue  # a package is described by its folder's paragraph
         named = f"`{rel.as_posix()}`" in page or (
             len(rel.parts) > 2 and f"`{rel.parent.as_posix()}/`" in page and f"`{rel.name}`" in page)
         if rel.as_posix() == "__init__.py":
-            named = "`rollout_correction/__init__.py`" in page
+            named = f"`{base.name}/__init__.py`" in page
         if not named:
-            missing.append(rel.as_posix())
+            missing.append(f"{base.name}/{rel.as_posix()}")
     assert not missing, f"docs/architecture.md does not describe: {missing}"

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metrics, compute_policy_loss,
-                                compute_rollout_correction)
+from rollout_correction_core import (RolloutCorrectionConfig, compute_offpolicy_metrics, compute_policy_loss,
+                                     compute_rollout_correction)
 
 
 NAN, INF = float("nan"), float("inf")

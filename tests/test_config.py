@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rollout_correction import ConfigError, RolloutCorrectionConfig, as_config, compute_rollout_correction
+from rollout_correction_core import ConfigError, RolloutCorrectionConfig, as_config, compute_rollout_correction
 from rollout_correction_core._src.vocab import Band
 
 C = RolloutCorrectionConfig

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, agg_loss, compute_policy_loss,
-                                ppo_clip_loss)
+from rollout_correction_core import (LOSS_AGG_MODES, RolloutCorrectionConfig, agg_loss, compute_policy_loss,
+                                     ppo_clip_loss)
 
 NAN = float("nan")
 

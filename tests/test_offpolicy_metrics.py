@@ -7,8 +7,8 @@ import statistics
 import pytest
 import torch
 
-from rollout_correction import (OffPolicyAccumulator, RolloutCorrectionConfig, compute_offpolicy_metrics,
-                                compute_rollout_correction, metrics_to_floats)
+from rollout_correction_core import (OffPolicyAccumulator, RolloutCorrectionConfig, compute_offpolicy_metrics,
+                                     compute_rollout_correction, metrics_to_floats)
 
 
 P = "rollout_corr/"

@@ -14,7 +14,7 @@ import statistics
 import pytest
 import torch
 
-from rollout_correction import ConfigError, RolloutCorrectionConfig, compute_rollout_correction
+from rollout_correction_core import ConfigError, RolloutCorrectionConfig, compute_rollout_correction
 
 
 P = "rollout_corr/"

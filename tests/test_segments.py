@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
+from rollout_correction_core import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
 from rollout_correction_core._src import correction as correction_module
-from test_distributed import _free_port, init_dp_cp
+from gloo import _free_port, init_dp_cp
 
 LR = torch.tensor([[0.1, 0.2, -0.3, 0.5, 0.0],
                    [0.4, 0.4, 9.9, -1.0, 7.0]], dtype=torch.float64)

@@ -11,7 +11,7 @@ import statistics
 import pytest
 import torch
 
-from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+from rollout_correction_core import RolloutCorrectionConfig, compute_rollout_correction
 
 
 P = "rollout_corr/"

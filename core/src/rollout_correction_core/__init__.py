@@ -14,7 +14,7 @@ from ._src.segments import max_runs, segment_ids_from_mask
 from ._src.validation import ShapeMismatchError
 
 #: The one source of the version: pyproject.toml reads it, CHANGELOG.md names it (docs/api.md).
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "RolloutCorrectionConfig",

@@ -11,12 +11,14 @@ library does (a routing-agreement rate, a per-step metric).
   per-row partials exchanged once, reduced by the rank that owns the row
   (:func:`group_ranks`, :func:`stats_owner`, :func:`check_sequence_group`, :func:`reduce_owned`,
   :func:`raise_nonfinite`).
+* :class:`Parallel` — the data- and context-parallel groups a call reduces over, as one object.
 * Checks at the door — :func:`check_pair`, :func:`check_same`, :func:`check_segment_ids`,
   :func:`first_nonfinite`; a bad shape raises :class:`ShapeMismatchError`.
 
 Covered by the versioning policy (docs/api.md).
 """
 
+from ._src.parallel import Parallel, Verify
 from ._src.sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite,
                                   raise_nonfinite_on_any_rank, reduce_owned,
                                   stats_owner)
@@ -26,7 +28,7 @@ from ._src.validation import ShapeMismatchError, check_pair, check_same, check_s
 
 __all__ = [
     "SufficientStats", "HostStats", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum",
-    "LayoutMismatchError", "check_layout",
+    "LayoutMismatchError", "check_layout", "Parallel", "Verify",
     "RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
     "raise_nonfinite_on_any_rank",
     "ShapeMismatchError", "check_pair", "check_same", "check_segment_ids", "first_nonfinite",

@@ -33,7 +33,7 @@ WarnOrRaise = Literal["warn", "raise"]
 
 _IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
 #: Losses defined on the ratio π_θ/π_rollout only (no π_old): they need ``bypass_mode=True``.
-_BYPASS_ONLY_LOSSES = ("topr", "rollout_is")
+_BYPASS_ONLY_LOSSES = ("reinforce", "topr", "rollout_is")
 
 #: Divergence-based rejection options: name -> (aggregation, estimator), ``token_k1`` … ``seq_max_k3``
 #: (no ``seq_max_k1``: the largest −log ρ of a sequence is not a ratio band), the
@@ -200,8 +200,13 @@ class RolloutCorrectionConfig(Presets, Loading):
             if getattr(self, key) not in allowed:
                 raise invalid(key, getattr(self, key), f"allowed values are {list(allowed)}")
         if self.loss_type in _BYPASS_ONLY_LOSSES and not self.bypass_mode:
-            raise invalid("loss_type", self.loss_type, "it is a bypass-mode loss (ratio π_θ/π_rollout); set "
-                          "bypass_mode=True, or use gspo / cispo / dppo_tv / dppo_kl / ppo_clip in decoupled mode")
+            raise invalid("loss_type", self.loss_type, "it is a bypass-mode loss (ratio π_θ/π_rollout, no π_old); "
+                          "set bypass_mode=True, or use ppo_clip / gspo / cispo / dppo_tv / dppo_kl in decoupled mode")
+        for key, value in (("rollout_is_batch_normalize", self.rollout_is_batch_normalize or None),
+                           ("rollout_is_threshold_lower", self.rollout_is_threshold_lower)):
+            if value is not None and self.rollout_is is None:
+                raise invalid(key, getattr(self, key), "it bounds or normalises IS weights and rollout_is is null; "
+                              "set rollout_is (e.g. 'token'), or drop it")
         floor = self.log_prob_floor
         if floor is not None and not as_float("log_prob_floor", floor) < 0:
             raise invalid("log_prob_floor", floor, "expected a number < 0 (a log-prob at or below it is a "
@@ -343,8 +348,8 @@ class RolloutCorrectionConfig(Presets, Loading):
     # ------------------------------------------------------------------ derived flags
     @property
     def uses_pure_is(self) -> bool:
-        """Bypass mode with the REINFORCE loss (first-generation ``use_pure_rollout_correction``)."""
-        return self.bypass_mode and self.loss_type == "reinforce"
+        """The REINFORCE loss, bypass mode's (first-generation ``use_pure_rollout_correction``)."""
+        return self.loss_type == "reinforce"
 
     @property
     def is_enabled(self) -> bool:

@@ -162,7 +162,7 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
     """(ℓ (B, T), clipped, clipped_lower) for ``loss_type`` (indicators None for REINFORCE; for TOPR
     (B,) the tapered sequences, and None); ``seq_values``: GSPO / TOPR per-sequence values given."""
     seq_values = seq_values or {}
-    if loss_type == "reinforce" and bypass:
+    if loss_type == "reinforce":  # bypass mode only (the config refuses it in decoupled mode)
         return -adv * lp, None, None
     if loss_type == "topr":
         return (*topr_loss(lp, prox, adv, valid, **seq_values), None)
