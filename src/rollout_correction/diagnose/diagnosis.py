@@ -11,7 +11,8 @@ import torch
 
 from .health import Check, health_checks, routing_checks
 from .profile import MismatchProfile, ProfileResult
-from .readers import Chunk, Columns, detect_format, expand_inputs, iter_file_chunks
+from .readers import Chunk, Columns, detect_format, expand_inputs
+from .sources import iter_file_chunks
 from .recommend import Recommendation, recommend
 
 
