@@ -104,8 +104,9 @@ def diagnose_tensors(old_log_prob, rollout_log_prob, response_mask, presets: lis
 
     ``routing``: for a mixture-of-experts model, ``(engine_record, trainer_record[, mask])`` —
     :class:`rollout_correction.moe.RoutingRecord` s of the same tokens (and the mask of the recorded
-    positions to compare); their :func:`~rollout_correction.moe.routing_agreement` joins the metrics
-    and its check the health checks. ``config``: as for :func:`diagnose_file`.
+    positions to compare); their :func:`~rollout_correction.moe.routing_agreement` (and, when both
+    carry router probabilities, :func:`~rollout_correction.moe.routing_confidence`) joins the
+    metrics and its check the health checks. ``config``: as for :func:`diagnose_file`.
     """
     old, roll = _as_numpy(old_log_prob, np.float32), _as_numpy(rollout_log_prob, np.float32)
     mask = _as_numpy(response_mask, np.float32) != 0
@@ -126,9 +127,11 @@ def diagnose_tensors(old_log_prob, rollout_log_prob, response_mask, presets: lis
 def add_routing(diag: Diagnosis, engine_record, trainer_record, mask=None) -> Diagnosis:
     """Add the routing agreement of two records to a diagnosis (metrics and health check)."""
     from rollout_correction import metrics_to_floats
-    from rollout_correction.moe import routing_agreement
+    from rollout_correction.moe import routing_agreement, routing_confidence
 
     values = metrics_to_floats(routing_agreement(engine_record, trainer_record, mask))
+    if engine_record.topk_mass is not None and trainer_record.topk_mass is not None:
+        values.update(metrics_to_floats(routing_confidence(engine_record, trainer_record, mask)))
     diag.profile.metrics.update(values)
     diag.health.extend(routing_checks(values))
     return diag

@@ -46,6 +46,9 @@ METRIC_HELP = {
     "routing_overlap": "mean share of the top-k experts the two routings have in common",
     "routing_token_differs": "share of tokens routed to a different expert set in at least one layer",
     "routing_tokens": "tokens compared for the routing agreement",
+    "routing_confidence_engine": "mean top-k router probability mass of the engine's own choice",
+    "routing_confidence_trainer": "mean top-k router probability mass of the trainer's own choice",
+    "routing_confidence_diff": "trainer − engine routing confidence",
     # mismatch metrics (p = π of the sampled token, Δ = log π_train − log π_rollout)
     "prob_abs_diff_mean": "mean over tokens of |p_train − p_rollout| (verl's rollout_probs_diff_mean)",
     "prob_abs_diff_max": "largest |p_train − p_rollout|",
