@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout_correction.diagnose import diagnose_file, diagnose_tensors, print_summary, summary_dict, write_report
 from rollout_correction.diagnose.sentinels import DEFAULT_LOG_PROB_FLOOR, log_prob_floor
@@ -96,3 +98,21 @@ def test_per_file_counts_in_a_folder(tmp_path):
     diag = diagnose_file(str(tmp_path), presets=[])
     assert [f["sentinel_tokens"] for f in diag.source["files"]] == [0, 1]
     assert diag.profile.sentinels["rollout"]["positions"] == [[6 + 3, 4]]
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), chunk_rows=st.integers(1, 7))
+def test_counts_and_positions_equal_a_direct_scan_whatever_the_chunks(seed, chunk_rows):
+    rng = np.random.default_rng(seed)
+    old, roll, mask = _batch(seed, rows=9, width=6)
+    mask &= rng.random(mask.shape) < 0.8
+    for col in (old, roll):
+        col[rng.random(col.shape) < 0.08] = rng.choice([-9999.0, -1000.0, -2e4])
+    diag = diagnose_tensors(old, roll, mask, presets=[], chunk_rows=chunk_rows)
+    if not diag.profile.counters.tokens:
+        return
+    for key, col in (("rollout", roll), ("trainer", old)):
+        hit = mask & (col <= -1000.0)
+        side = diag.profile.sentinels[key]
+        assert side["tokens"] == int(hit.sum()) and side["rows"] == int(hit.any(1).sum())
+        assert side["positions"] == [[int(r), int(c)] for r, c in zip(*np.nonzero(hit))][:20]
