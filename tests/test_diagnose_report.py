@@ -62,6 +62,27 @@ def test_recommendation_rule(case, kwargs, preset):
     assert rec.reason
 
 
+def test_agreement_within_the_exact_tolerance_recommends_asserting_it():
+    _, roll, mask = synthetic(noise=0.0)
+    old = roll.clone()
+    old[3, 7] += 5e-7  # one token off by float32 rounding of 5e-7: within slime's CI tolerance 1e-6
+    rec = diagnose_tensors(old, roll, mask, presets=[]).recommendation
+    assert (rec.case, rec.preset) == ("exact", "disabled") and "expect_zero_atol=1e-06" in rec.reason
+    assert 0 < rec.inputs["log_prob_abs_diff_max"] <= 1e-6
+    # slime #830's regression: mean |Δ| 4.5e-4 is negligible for the correction but not exact
+    old = roll + 4.5e-4 * torch.sign(torch.randn(roll.shape, generator=torch.Generator().manual_seed(1)))
+    rec = diagnose_tensors(old, roll, mask, presets=[]).recommendation
+    assert rec.case == "tiny"
+
+
+def test_k3_above_published_healthy_runs_warns():
+    checks = {h.name: h for h in diagnose_tensors(*synthetic(noise=0.2), presets=[]).health}
+    k3 = checks["k3 per token vs published healthy runs"]
+    assert k3.value == pytest.approx(0.02, rel=0.1) and k3.verdict == "warn"  # k3 ≈ σ²/2 = 0.02 > 0.01
+    checks = {h.name: h for h in diagnose_tensors(*synthetic(noise=0.1), presets=[]).health}
+    assert checks["k3 per token vs published healthy runs"].verdict == "ok"  # k3 ≈ 0.005, DeepSeek-V4's level
+
+
 def test_identical_log_probs_recommend_disabled_and_warn():
     _, roll, mask = synthetic(noise=0.0)
     diag = diagnose_tensors(roll.clone(), roll, mask, presets=[])

@@ -25,6 +25,7 @@ from rollout_correction.moe import (
     record_routing,
     replay_routing,
     routing_agreement,
+    routing_confidence,
     routing_mask_from_response,
 )
 
@@ -421,6 +422,146 @@ def test_agreement_matches_hand_computed_values():
         routing_agreement(a, b, torch.ones(3, 2))
 
 
+def test_routing_confidence_by_hand():
+    # 2 rows × 2 positions × 2 layers; row 1 position 1 is masked out, row 0 position 1 not recorded by the trainer.
+    experts = torch.zeros(2, 2, 2, 2, dtype=torch.long)
+    experts[..., 1] = 1
+    engine = RoutingRecord(experts, torch.ones(2, 2, dtype=torch.bool),
+                           torch.tensor([[[0.9, 0.5], [0.1, 0.1]], [[0.7, 0.3], [0.2, 0.2]]]))
+    trainer = RoutingRecord(experts, torch.tensor([[True, False], [True, True]]),
+                            torch.tensor([[[0.8, 0.6], [0.9, 0.9]], [[0.5, 0.7], [0.4, 0.4]]]))
+    m = routing_confidence(engine, trainer, torch.tensor([[1, 1], [1, 0]]))
+    P = METRIC_PREFIX
+    # kept tokens: (0, 0) and (1, 0), two layers each
+    assert m[P + "routing_confidence_engine"].item() == pytest.approx((0.9 + 0.5 + 0.7 + 0.3) / 4)
+    assert m[P + "routing_confidence_trainer"].item() == pytest.approx((0.8 + 0.6 + 0.5 + 0.7) / 4)
+    assert m[P + "routing_confidence_diff"].item() == pytest.approx(0.05, abs=1e-6)
+    empty = routing_confidence(engine, trainer, torch.zeros(2, 2))
+    assert all(v.item() == 0.0 for v in empty.values())
+    with pytest.raises(RoutingMismatchError, match="the engine record has no topk_mass"):
+        routing_confidence(RoutingRecord.from_experts(experts), trainer)
+    with pytest.raises(RoutingMismatchError, match="differ in shape"):
+        routing_confidence(engine, trainer[:1])
+    with pytest.raises(RoutingMismatchError, match="topk_mass must be"):
+        RoutingRecord(experts, torch.ones(2, 2, dtype=torch.bool), torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
+def test_recorded_topk_mass_is_the_routers_probability_of_its_choice(arch):
+    model = build(arch)
+    x = tokens()
+    with record_routing(model) as rec, Probe(model) as probe:
+        model(x)
+    record = rec.record
+    for call in probe.calls:
+        l = call["layer"]
+        probs = torch.softmax(call["router_input"].reshape(-1, HIDDEN) @ model.model.layers[l].mlp.gate.weight.T, -1)
+        want = probs.topk(TOP_K, -1).values.sum(-1).reshape(x.shape)
+        torch.testing.assert_close(record.topk_mass[:, :, l], want, rtol=1e-5, atol=1e-6)
+    assert bool((record.topk_mass > TOP_K / EXPERTS).all()) and bool((record.topk_mass <= 1 + 1e-6).all())
+    # slicing, packing and stacking carry the mass along with the experts
+    assert torch.equal(record[1:3].topk_mass, record.topk_mass[1:3])
+    both = RoutingRecord.cat([record[:2], record[2:]])
+    assert torch.equal(both.topk_mass, record.topk_mass)
+    mask = torch.ones(x.shape, dtype=torch.bool)
+    mask[0, -3:] = False
+    assert torch.equal(record.pack(mask).unpack(mask).topk_mass[mask], record.topk_mass[mask])
+
+
+def test_padded_positions_are_never_replayed():
+    """A record whose padded positions hold verl's zero fill (expert 0 twice) and say valid: under
+    the forward's attention mask, or an explicit mask, those positions keep the router's own choice."""
+    model = build("mixtral")
+    x = tokens(rows=3, length=8)
+    attention = torch.ones(3, 8, dtype=torch.long)
+    attention[1, 5:] = 0  # right padding
+    attention[2, :2] = 0  # left padding
+    experts = random_record(3, 8, seed=4)
+    experts[attention == 0] = 0
+    record = RoutingRecord.from_experts(experts)  # every position claims to be valid
+    assert bool(record.valid.all())
+    with record_routing(model) as own:
+        model(x, attention_mask=attention)
+    pads = attention == 0
+    assert torch.equal(own.record.valid, ~pads)  # the record of a padded forward marks its padding
+    with replay_routing(model, record), Probe(model) as probe:
+        model(x, attention_mask=attention)
+    used = probe.calls[0]["index"].reshape(3, 8, TOP_K).long()
+    assert torch.equal(used[~pads], experts[~pads][:, 0])
+    assert torch.equal(used[pads], own.record.experts[pads][:, 0])  # the router's own choice
+    assert not bool((used[pads] == 0).all(-1).any())  # no padded route went to expert 0 twice
+    # an explicit mask leaves those positions out too, also without an attention mask
+    keep = torch.ones(3, 8, dtype=torch.bool)
+    keep[0, :3] = False
+    with record_routing(model) as unpadded:
+        model(x)
+    with replay_routing(model, record, mask=keep), Probe(model) as probe:
+        model(x)
+    used = probe.calls[0]["index"].reshape(3, 8, TOP_K).long()
+    assert torch.equal(used[0, :3], unpadded.record.experts[0, :3, 0])
+    assert torch.equal(used[keep], experts[keep][:, 0])
+
+
+def test_diagnose_reports_the_routing_confidence_when_both_records_carry_it():
+    from rollout_correction.diagnose.diagnosis import diagnose_tensors
+
+    model = build("mixtral")
+    x = tokens(rows=4, length=5)
+    with record_routing(model) as a:
+        model(x)
+    with record_routing(model, router_fp32=True) as b:
+        model(x)
+    old = -torch.rand(4, 5, generator=torch.Generator().manual_seed(0))
+    diag = diagnose_tensors(old, old - 0.01, torch.ones(4, 5), presets=[], routing=(a.record, b.record))
+    want = routing_confidence(a.record, b.record)
+    for k, v in want.items():
+        assert diag.profile.metrics[k] == pytest.approx(v.item())
+
+
+def test_verl_top1_records_need_the_attention_mask():
+    experts = torch.zeros(2, 4, LAYERS, 1, dtype=torch.int16)
+    with pytest.raises(RoutingMismatchError, match="top_k = 1 need the attention_mask"):
+        RoutingRecord.from_verl(experts)
+    record = RoutingRecord.from_verl(experts, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]]))
+    assert record.valid.tolist() == [[False, True, True, True], [True, True, False, False]]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+def test_fp32_router_logits_make_a_bf16_engine_agree_with_an_fp32_router(arch):
+    """prime-rl #2952: a trainer routing from fp32 logits (as Megatron's moe_router_dtype=fp32 does)
+    on the same bf16 activations as the engine. The engine's bf16 router logits round near-ties the
+    other way on some tokens; with router_fp32 the two route every token alike."""
+    engine = build(arch, dtype=torch.bfloat16).eval()
+    trainer = build(arch, dtype=torch.bfloat16).eval()  # the same weights, a separate stack
+    x = tokens(rows=16, length=64, seed=3)
+    with torch.no_grad():
+        with record_routing(trainer, router_fp32=True) as fp32_trainer:
+            trainer(x)
+        with record_routing(engine) as bf16_engine:
+            engine(x)
+        with record_routing(engine, router_fp32=True) as fp32_engine:
+            engine(x)
+    P = METRIC_PREFIX
+    before = routing_agreement(bf16_engine.record, fp32_trainer.record)
+    after = routing_agreement(fp32_engine.record, fp32_trainer.record)
+    assert before[P + "routing_match"].item() < after[P + "routing_match"].item() == 1.0
+    # the recorded probabilities are of the fp32 logits, and so are the replayed gates
+    conf = routing_confidence(fp32_engine.record, fp32_trainer.record)
+    assert conf[P + "routing_confidence_diff"].item() == 0.0
+    with replay_routing(engine, fp32_trainer.record, router_fp32=True), Probe(engine) as probe:
+        engine(x)
+    call = probe.calls[0]
+    w = engine.model.layers[0].mlp.gate.weight
+    probs = torch.softmax(call["router_input"].reshape(-1, HIDDEN).float() @ w.float().T, -1)
+    want = probs.gather(-1, call["index"].long())
+    if RENORMALISES[arch]:
+        want = want / want.sum(-1, keepdim=True)
+    torch.testing.assert_close(call["weights"].float(), want.to(torch.bfloat16).float(), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="router_fp32 must be True or False"):
+        with record_routing(engine, router_fp32="yes"):
+            pass
+
+
 def test_response_mask_maps_to_the_positions_that_produced_each_token():
     # prompt of 3 tokens, 4 response tokens; the record covers the 6 fed positions
     m = routing_mask_from_response(torch.tensor([[1, 1, 1, 0]]), prompt_len=3, positions=6)
@@ -439,6 +580,11 @@ def _dp_worker(rank: int, world: int, port: int, queue) -> None:
         got = routing_agreement(a[rows[0]:rows[1]], b[rows[0]:rows[1]], mask[rows[0]:rows[1]],
                                 process_group=dist.group.WORLD)
         want = routing_agreement(a, b, mask)
+        ra = RoutingRecord(a, torch.ones(7, 6, dtype=torch.bool), torch.rand(7, 6, 3, generator=g))
+        rb = RoutingRecord(b, torch.rand(7, 6, generator=g) > 0.2, torch.rand(7, 6, 3, generator=g))
+        got.update(routing_confidence(ra[rows[0]:rows[1]], rb[rows[0]:rows[1]], mask[rows[0]:rows[1]],
+                                      process_group=dist.group.WORLD))
+        want.update(routing_confidence(ra, rb, mask))
         queue.put((rank, {k: (got[k].item(), want[k].item()) for k in want}))
     finally:
         dist.destroy_process_group()

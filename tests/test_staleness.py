@@ -4,10 +4,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
 from rollout_correction.staleness import (compute_staleness_policy_loss, max_staleness_mask,
-                                          proximal_log_prob_from_versions, staleness_lag, staleness_metrics)
+                                          proximal_log_prob_from_versions, staleness_lag, staleness_metrics,
+                                          staleness_split)
 
 P = "rollout_corr/staleness/"
 
@@ -76,6 +79,53 @@ def test_metrics_per_token_versions_and_empty_batch():
     assert m[P + "lag_2plus/kl"].item() == pytest.approx(-0.3, abs=1e-6)
     empty = staleness_metrics(torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, dtype=torch.long), 0)
     assert all(v.item() == 0 for v in empty.values())
+
+
+def test_in_flight_and_in_queue_lag_by_hand():
+    # Per token: a partial rollout generated at versions 1..3, trained at 3: in flight 2, queued 0.
+    fl, q = staleness_split(torch.tensor([[3, 2, 1, 1]]), 3, torch.ones(1, 4))
+    assert fl.tolist() == [2] and q.tolist() == [0]
+    # Per sample, one version each: never in flight; the lag is all queue. The masked-out row counts nowhere.
+    versions, mask = torch.tensor([7, 5, 2, 0]), torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]])
+    fl, q = staleness_split(versions, 7, mask)
+    assert fl.tolist() == [0, 0, 0, 0] and q.tolist() == [0, 2, 5, 0]
+    # With the version in force when each row finished (prime-rl's policy span end).
+    finish = torch.tensor([7, 6, 4, 3])
+    fl, q = staleness_split(versions, 7, mask, finish_versions=finish)
+    assert fl.tolist() == [0, 1, 2, 0] and q.tolist() == [0, 1, 3, 0]
+    old = torch.zeros(4, 2)
+    m = staleness_metrics(old, old, mask, versions, 7, finish_versions=finish)
+    assert m[P + "in_flight_mean"].item() == pytest.approx(3 / 3) and m[P + "in_flight_max"].item() == 2
+    assert m[P + "in_queue_mean"].item() == pytest.approx(4 / 3) and m[P + "in_queue_max"].item() == 3
+    assert m[P + "lag_max"].item() == 5  # the existing names are unchanged
+    m = staleness_metrics(old, old, mask, versions, 7)
+    assert m[P + "in_flight_max"].item() == 0 and m[P + "in_queue_mean"].item() == pytest.approx(7 / 3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), per_token=st.booleans())
+def test_in_flight_plus_in_queue_is_each_rows_lag(seed, per_token):
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = 5, 4, 9
+    mask = (torch.rand(B, T, generator=g) < 0.7).long()
+    versions = torch.randint(0, V + 1, (B, T) if per_token else (B,), generator=g)
+    fl, q = staleness_split(versions, V, mask)
+    row_lag = staleness_lag(versions, V, mask).amax(-1)
+    assert torch.equal(fl + q, row_lag) and bool((fl >= 0).all() and (q >= 0).all())
+    m = staleness_metrics(torch.zeros(B, T), torch.zeros(B, T), mask, versions, V)
+    assert m[P + "lag_max"].item() == row_lag.max().item()
+    assert max(m[P + "in_flight_max"].item(), m[P + "in_queue_max"].item()) <= row_lag.max().item()
+
+
+def test_in_flight_split_bad_input_names_finish_versions():
+    versions, mask = torch.tensor([[3, 2]]), torch.ones(1, 2)
+    with pytest.raises(ValueError, match=r"finish_versions\[0\] = 2 is older than a version of its tokens"):
+        staleness_split(versions, 4, mask, finish_versions=torch.tensor([2]))
+    with pytest.raises(ValueError, match=r"finish_versions\[0\] = 5 is newer than the trainer's current_version 4"):
+        staleness_split(versions, 4, mask, finish_versions=torch.tensor([5]))
+    for bad in (torch.tensor([3.0]), torch.tensor([3, 3]), [3]):
+        with pytest.raises(TypeError, match="finish_versions must be a \\(1,\\) integer tensor"):
+            staleness_split(versions, 4, mask, finish_versions=bad)
 
 
 def test_proximal_approximation_per_token():

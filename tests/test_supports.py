@@ -5,6 +5,10 @@ import math
 import pytest
 import torch
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from rollout_correction.supports import renormalized_log_probs, sampling_support_mask, support_metrics
 
 torch.set_num_threads(1)
@@ -148,7 +152,7 @@ def test_bad_arguments_are_named():
         sampling_support_mask(logits, top_p=0.0)
     with pytest.raises(ValueError, match="min_p must be in"):
         sampling_support_mask(logits, min_p=1.5)
-    with pytest.raises(ValueError, match="either kept_mask"):
+    with pytest.raises(ValueError, match="pass one of kept_mask, kept_ids .* got kept_mask, top_k"):
         renormalized_log_probs(logits, tokens, kept_mask=torch.ones(1, 2, 5, dtype=torch.bool), top_k=2)
     with pytest.raises(ValueError, match=r"kept_mask has shape \(1, 2, 4\) but logits have shape \(1, 2, 5\)"):
         renormalized_log_probs(logits, tokens, kept_mask=torch.ones(1, 2, 4, dtype=torch.bool))
@@ -198,6 +202,126 @@ def test_gradient_is_finite_with_minus_inf_logits_and_matches_a_direct_formula()
     torch.where(valid, ref, 0.0).sum().backward()
     torch.testing.assert_close(out.log_prob[valid], ref[valid].detach())
     torch.testing.assert_close(logits.grad, torch.nan_to_num(ref_logits.grad, nan=0.0))
+
+
+# --- kept ids (slime's replay format) ------------------------------------------------------------
+
+def _dense(kept_ids, vocab):
+    """The kept mask a (B, T, k) id tensor padded with -1 stands for (the reference path)."""
+    mask = torch.zeros(*kept_ids.shape[:2], vocab + 1, dtype=torch.bool)
+    mask.scatter_(-1, torch.where(kept_ids < 0, vocab, kept_ids), True)
+    return mask[..., :vocab]
+
+
+def test_kept_ids_by_hand_padding_and_repeats_count_once():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().reshape(1, 1, 4)
+    for ids in ([[[0, 1, -1, -1]]], [[[1, -1, 0, 1]]]):
+        out = renormalized_log_probs(logits, torch.tensor([[1]]), kept_ids=torch.tensor(ids))
+        assert out.log_prob.item() == pytest.approx(math.log(0.3 / 0.8), abs=1e-6)
+        assert out.kept_log_mass.item() == pytest.approx(math.log(0.8), abs=1e-6)
+        assert out.full_log_prob.item() == pytest.approx(math.log(0.3), abs=1e-6)
+        assert bool(out.in_support.item())
+    # The sampled token 2 is not among the kept ids: added (S = {0, 1, 2}) or refused.
+    ids = torch.tensor([[[0, 1, -1]]])
+    out = renormalized_log_probs(logits, torch.tensor([[2]]), kept_ids=ids)
+    assert out.log_prob.item() == pytest.approx(math.log(0.15 / 0.95), abs=1e-6)
+    assert not bool(out.in_support.item())
+    with pytest.raises(ValueError, match=r"sampled token 2 at position \(0, 0\) is outside the kept support"):
+        renormalized_log_probs(logits, torch.tensor([[2]]), kept_ids=ids, outside_support="raise")
+    # Only padding: S is the sampled token alone.
+    out = renormalized_log_probs(logits, torch.tensor([[3]]), kept_ids=torch.full((1, 1, 2), -1))
+    assert out.log_prob.item() == pytest.approx(0.0, abs=1e-6)
+    assert out.kept_log_mass.item() == pytest.approx(math.log(0.05), abs=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), k=st.integers(1, 7), vocab=st.integers(2, 9),
+       temperature=st.sampled_from([1.0, 0.7]), outside=st.sampled_from(["include", "raise"]))
+def test_kept_ids_equal_the_dense_kept_mask_path(seed, k, vocab, temperature, outside):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 2, 3
+    base = torch.randn(B, T, vocab, generator=g) * 3
+    specials = torch.rand(B, T, vocab, generator=g)
+    base[specials < 0.1] = float("-inf")
+    base[0, 2, 0] = float("nan") if seed % 3 == 0 else base[0, 2, 0]
+    kept_ids = torch.randint(-1, vocab, (B, T, k), generator=g)
+    tokens = torch.randint(0, vocab, (B, T), generator=g)
+    if outside == "raise":  # every sampled token among the kept ids
+        kept_ids[..., 0] = tokens
+    mask = (torch.rand(B, T, generator=g) < 0.8).long()
+    a_logits = base.clone().requires_grad_(True)
+    b_logits = base.clone().requires_grad_(True)
+
+    def call(logits, **kept):
+        try:
+            return renormalized_log_probs(logits, tokens, temperature=temperature, response_mask=mask,
+                                          outside_support=outside, **kept)
+        except ValueError as e:  # "raise": a sampled token with a −inf logit is outside both ways
+            return str(e)
+
+    a = call(a_logits, kept_ids=kept_ids)
+    b = call(b_logits, kept_mask=_dense(kept_ids, vocab))
+    if isinstance(b, str):
+        assert a == b and outside == "raise"
+        return
+    for x, y in zip(a[:3], b[:3]):
+        torch.testing.assert_close(x, y, equal_nan=True, atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.in_support, b.in_support)
+    finite = torch.isfinite(a.log_prob) & torch.isfinite(a.kept_log_mass)
+    torch.where(finite, a.log_prob + a.kept_log_mass, 0.0).sum().backward()
+    torch.where(finite, b.log_prob + b.kept_log_mass, 0.0).sum().backward()
+    assert torch.isfinite(a_logits.grad).all()
+    torch.testing.assert_close(a_logits.grad, b_logits.grad, atol=1e-5, rtol=1e-5)
+
+
+class _Allocations(TorchDispatchMode):
+    """The dtype and size of every tensor an ATen call returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in (result if isinstance(result, (tuple, list)) else (result,)):
+            if isinstance(t, torch.Tensor):
+                self.out.append((str(func), t.dtype, t.numel()))
+        return result
+
+
+def test_kept_ids_build_no_vocabulary_sized_mask():
+    B, T, V, k = 2, 3, 1000, 4
+    logits = torch.randn(B, T, V)
+    kept_ids = torch.randint(-1, V, (B, T, k))
+    tokens = kept_ids[..., 0].clamp(min=0)
+    with _Allocations() as sparse:
+        renormalized_log_probs(logits, tokens, kept_ids=kept_ids)
+    with _Allocations() as dense:
+        renormalized_log_probs(logits, tokens, kept_mask=_dense(kept_ids, V))
+    big = lambda allocations: [(f, d) for f, d, n in allocations.out if n >= B * T * V]  # noqa: E731
+    assert any(d == torch.bool for _, d in big(dense))  # the check sees the dense path's masks
+    assert all(d.is_floating_point for _, d in big(sparse)), big(sparse)
+    # one (B, T, V) allocation: the scaled float32 copy of the logits (then zeroed in place where broken)
+    assert [f for f, _ in big(sparse)] == ["aten.div.Tensor", "aten.masked_fill_.Scalar"], big(sparse)
+
+
+def test_kept_ids_bad_input_names_kept_ids():
+    logits = torch.zeros(1, 2, 5)
+    tokens = torch.zeros(1, 2, dtype=torch.long)
+    for ids, err in [(torch.zeros(1, 2, 3), TypeError), (torch.zeros(1, 2, 3, dtype=torch.bool), TypeError),
+                     ([[[0]]], TypeError), (torch.zeros(1, 2, dtype=torch.long), ValueError),
+                     (torch.zeros(2, 2, 3, dtype=torch.long), ValueError),
+                     (torch.tensor([[[0, 5]], [[0, 1]]]).reshape(1, 2, 2), ValueError),
+                     (torch.tensor([[[0, -2], [0, 1]]]), ValueError)]:
+        with pytest.raises(err, match="kept_ids"):
+            renormalized_log_probs(logits, tokens, kept_ids=ids)
+    with pytest.raises(ValueError, match=r"kept_ids holds id 5 at \(0, 0, 1\), outside the vocabulary \[0, 5\)"):
+        renormalized_log_probs(logits, tokens, kept_ids=torch.tensor([[[0, 5], [0, 1]]]))
+    ids = torch.zeros(1, 2, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="got kept_mask, kept_ids"):
+        renormalized_log_probs(logits, tokens, kept_ids=ids, kept_mask=torch.ones(1, 2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="got kept_ids, top_p"):
+        renormalized_log_probs(logits, tokens, kept_ids=ids, top_p=0.9)
 
 
 # --- a real sampling loop --------------------------------------------------------------------------

@@ -28,8 +28,15 @@ remove them on exit.
 
 Under replay the router still computes its own probabilities p, so the gate values of the recorded
 experts R are sᵢ = p_i (/ Σ_{j∈R} p_j), a differentiable function of the router weights: the router
-keeps learning. :func:`routing_agreement` measures two records against each other with the
-library's exact, data-parallel reductions.
+keeps learning. Positions the record does not hold, and padding (the forward's ``attention_mask``
+is 0 there), are never replayed. :func:`routing_agreement` measures two records against each other
+with the library's exact, data-parallel reductions, and :func:`routing_confidence` the top-k
+probability mass Σ_{i∈I} p_i each side's routers put on their choice (prime-rl #2545).
+
+``router_fp32=True`` (prime-rl #2952) makes every router compute its logits in fp32 from its own
+input and weights, z = x W^T in float32, and select and gate from them, whatever the model's
+dtype: a bf16 engine then rounds no router logit, and the near-ties that decide its top-k fall
+the same way as in an fp32 trainer.
 """
 
 from __future__ import annotations
@@ -45,8 +52,8 @@ from rollout_correction import METRIC_PREFIX, ShapeMismatchError
 from rollout_correction.reductions import SufficientStats, safe_div
 
 __all__ = ["RoutingRecord", "RecordingHandle", "Router", "find_routers", "record_routing", "replay_routing",
-           "gate_weights", "routing_agreement", "routing_mask_from_response", "UnsupportedModelError",
-           "RoutingMismatchError", "ROUTING_METRICS"]
+           "gate_weights", "routing_agreement", "routing_confidence", "routing_mask_from_response",
+           "UnsupportedModelError", "RoutingMismatchError", "ROUTING_METRICS"]
 
 #: The metrics :func:`routing_agreement` returns (besides the per-layer ones), unprefixed.
 ROUTING_METRICS = ("routing_match", "routing_overlap", "routing_token_differs", "routing_tokens")
@@ -74,10 +81,13 @@ class RoutingRecord:
       experts: (B, T, L, K) int64 expert indices.
       valid: (B, T) bool, True where the position was routed (recorded); replay leaves the other
         positions to the router's own choice and agreement skips them.
+      topk_mass: (B, T, L) float32 Σ_{i∈I} p_i, the router probability of the selected experts
+        (:func:`record_routing` records it; engines' formats carry none: None).
     """
 
     experts: torch.Tensor
     valid: torch.Tensor
+    topk_mass: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.experts.dim() != 4:
@@ -88,6 +98,13 @@ class RoutingRecord:
         if tuple(self.valid.shape) != tuple(self.experts.shape[:2]):
             raise RoutingMismatchError(f"valid must be (rows, positions) = {tuple(self.experts.shape[:2])}, "
                                        f"got {tuple(self.valid.shape)}")
+        if self.topk_mass is not None and tuple(self.topk_mass.shape) != tuple(self.experts.shape[:3]):
+            raise RoutingMismatchError(f"topk_mass must be (rows, positions, layers) = {tuple(self.experts.shape[:3])}, "
+                                       f"got {tuple(self.topk_mass.shape)}")
+
+    def _with(self, experts: torch.Tensor, valid: torch.Tensor, select) -> "RoutingRecord":
+        """A record of ``experts`` / ``valid`` whose ``topk_mass`` is ``select`` of this one's."""
+        return RoutingRecord(experts, valid, None if self.topk_mass is None else select(self.topk_mass))
 
     @classmethod
     def from_experts(cls, experts: torch.Tensor, valid: Optional[torch.Tensor] = None) -> "RoutingRecord":
@@ -122,23 +139,23 @@ class RoutingRecord:
         """The record of some rows (a slice, an index tensor or a bool row mask): one micro-batch."""
         if isinstance(rows, int):
             rows = slice(rows, rows + 1)
-        return RoutingRecord(self.experts[rows], self.valid[rows])
+        return self._with(self.experts[rows], self.valid[rows], lambda m: m[rows])
 
     def __len__(self) -> int:
         return self.rows
 
     def to(self, device) -> "RoutingRecord":
-        return RoutingRecord(self.experts.to(device), self.valid.to(device))
+        return self._with(self.experts.to(device), self.valid.to(device), lambda m: m.to(device))
 
     def positions_slice(self, start: int, stop: Optional[int] = None) -> "RoutingRecord":
         """The record of positions [start, stop) of every row (e.g. the response part)."""
-        return RoutingRecord(self.experts[:, start:stop], self.valid[:, start:stop])
+        return self._with(self.experts[:, start:stop], self.valid[:, start:stop], lambda m: m[:, start:stop])
 
     def pack(self, attention_mask: torch.Tensor) -> "RoutingRecord":
         """The packed (varlen) layout: the positions where ``attention_mask`` (B, T) is non-zero,
         row after row, as one row (1, N, L, K) — the order a packed forward feeds them in."""
         m = _layout_mask(attention_mask, self)
-        return RoutingRecord(self.experts[m].unsqueeze(0), self.valid[m].unsqueeze(0))
+        return self._with(self.experts[m].unsqueeze(0), self.valid[m].unsqueeze(0), lambda t: t[m].unsqueeze(0))
 
     def unpack(self, attention_mask: torch.Tensor) -> "RoutingRecord":
         """Inverse of :meth:`pack`: scatter a (1, N, L, K) record back to the (B, T) layout of
@@ -151,7 +168,13 @@ class RoutingRecord:
         experts = self.experts.new_zeros((*m.shape, self.num_layers, self.top_k))
         valid = torch.zeros(m.shape, dtype=torch.bool, device=m.device)
         experts[m], valid[m] = self.experts[0], self.valid[0]
-        return RoutingRecord(experts, valid)
+
+        def scatter(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros((*m.shape, self.num_layers))
+            out[m] = t[0]
+            return out
+
+        return self._with(experts, valid, scatter)
 
     @staticmethod
     def cat(records: Sequence["RoutingRecord"]) -> "RoutingRecord":
@@ -161,7 +184,9 @@ class RoutingRecord:
         shapes = {tuple(r.experts.shape[1:]) for r in records}
         if len(shapes) > 1:
             raise RoutingMismatchError(f"records to stack differ in (positions, layers, top_k): {sorted(shapes)}")
-        return RoutingRecord(torch.cat([r.experts for r in records]), torch.cat([r.valid for r in records]))
+        masses = [r.topk_mass for r in records]
+        mass = torch.cat(masses) if all(m is not None for m in masses) else None
+        return RoutingRecord(torch.cat([r.experts for r in records]), torch.cat([r.valid for r in records]), mass)
 
     # -- engines' formats ----------------------------------------------------------------
     @classmethod
@@ -176,6 +201,8 @@ class RoutingRecord:
         Valid positions: ``attention_mask`` non-zero and, for K > 1, a top-k set of K distinct
         experts (verl's zero fill repeats expert 0, which no router selects, so unrecorded rows —
         the last token, turns after the last generation — are left to the trainer's own router).
+        With K = 1 the zero fill cannot be told from expert 0: the ``attention_mask`` is then
+        required, so that no padded position replays to expert 0.
         """
         batch = getattr(data, "batch", data)
         if isinstance(batch, torch.Tensor):
@@ -194,6 +221,10 @@ class RoutingRecord:
             raise RoutingMismatchError(f"verl's routed_experts is (batch, seq_len, layers, top_k); got shape "
                                        f"{tuple(experts.shape)}")
         valid = _distinct(experts)
+        if attention_mask is None and experts.shape[-1] == 1:
+            raise RoutingMismatchError("verl's routed_experts with top_k = 1 need the attention_mask: verl fills "
+                                       "unrecorded positions with expert 0, which a top-1 record cannot tell from "
+                                       "a real choice of expert 0")
         if attention_mask is not None:
             valid = valid & _layout_mask(attention_mask, RoutingRecord.from_experts(experts))
         return cls.from_experts(experts, valid)
@@ -353,6 +384,7 @@ class _Calls:
         self.model = model
         self.shape: Optional[tuple[int, int]] = None
         self.start = 0
+        self.padding: Optional[torch.Tensor] = None  # (B, S) True at this forward's padded positions
 
     def pre_hook(self, module, args, kwargs):
         x = kwargs.get("input_ids")
@@ -366,6 +398,7 @@ class _Calls:
         self.shape = (int(x.shape[0]), int(x.shape[1]))
         cache = next((kwargs[k] for k in _CACHE_ARGS if kwargs.get(k) is not None), None)
         self.start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+        self.padding = _padding(kwargs.get("attention_mask", args[1] if len(args) > 1 else None), self.shape)
         self.on_call()
 
     def on_call(self) -> None:
@@ -381,13 +414,44 @@ class _Calls:
         return b, s
 
 
+def _padding(attention_mask, shape: tuple[int, int]) -> Optional[torch.Tensor]:
+    """(B, S) True where a forward's 2-D ``attention_mask`` is 0 (its last S columns: with a KV
+    cache the mask also covers the cached positions); None without such a mask."""
+    b, s = shape
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[0] == b \
+            and attention_mask.shape[1] >= s:
+        return attention_mask[:, attention_mask.shape[1] - s:] == 0
+    return None
+
+
+def _fp32_route(router: Router, inputs: tuple, out):
+    """The router's output recomputed from fp32 logits z = x W^T (+ b): p = softmax(z), I = top-k(p),
+    sᵢ = pᵢ (/ Σ_{j∈I} pⱼ where the architecture renormalises); logits stay fp32, gates and indices
+    keep the router's dtypes."""
+    _, scores, idx = out
+    w = router.module.weight
+    bias = getattr(router.module, "bias", None)
+    logits = torch.nn.functional.linear(inputs[0].reshape(-1, w.shape[1]).float(), w.float(),
+                                        bias.float() if isinstance(bias, torch.Tensor) else None)
+    top, chosen = torch.softmax(logits, dim=-1).topk(router.top_k, dim=-1)
+    gates = top / top.sum(-1, keepdim=True) if router.renormalize else top
+    return logits, gates.to(scores.dtype), chosen.to(idx.dtype)
+
+
 @contextlib.contextmanager
-def _hooked(model: torch.nn.Module, calls: _Calls, routers: list[Router], router_hook, prepend: bool):
+def _hooked(model: torch.nn.Module, calls: _Calls, routers: list[Router], router_hook, prepend: bool,
+            router_fp32: bool = False):
+    if not isinstance(router_fp32, bool):
+        raise TypeError(f"router_fp32 must be True or False, got {router_fp32!r}")
     handles = [model.register_forward_pre_hook(calls.pre_hook, with_kwargs=True, prepend=True)]
+
+    def hook(r: Router, inputs, out):
+        return router_hook(r, _fp32_route(r, inputs, out) if router_fp32 else out)
+
     try:
         for r in routers:
             handles.append(r.module.register_forward_hook(
-                lambda mod, inp, out, r=r: router_hook(r, out), prepend=prepend))
+                lambda mod, inp, out, r=r: hook(r, inp, out), prepend=prepend))
         yield
     finally:
         for h in handles:
@@ -402,12 +466,15 @@ class _Recorder(_Calls):
     def __init__(self, model: torch.nn.Module, routers: list[Router]):
         super().__init__(model)
         self.routers = routers
-        self.segments: list[list[torch.Tensor]] = []   # per fresh forward: (B, S_i, L, K) pieces
+        self.segments: list[list[RoutingRecord]] = []   # per fresh forward: (B, S_i) pieces
         self._layers: list[torch.Tensor] = []
+        self._masses: list[torch.Tensor] = []
+        self._padding: Optional[torch.Tensor] = None  # of the forward whose layers are being collected
         self._length = 0
 
     def on_call(self) -> None:
         self._flush()
+        self._padding = self.padding
         b, s = self.shape
         if self.start == 0:
             self.segments.append([])
@@ -418,27 +485,36 @@ class _Recorder(_Calls):
                 f"{self._length if self.segments else 0} positions; record the whole generation, prompt included")
         self._length += s
 
-    def hook(self, router: Router, out) -> None:
-        idx = out[2]
+    def hook(self, router: Router, out):
+        logits, _, idx = out
         b, s = self.tokens(idx.shape[0], router)
         if router.layer != len(self._layers):
             raise RoutingMismatchError(f"router {router.name} ran out of order (layer {router.layer} after "
                                        f"{len(self._layers)} layers of this forward)")
-        self._layers.append(idx.detach().reshape(b, s, -1).long())
+        idx = idx.detach().long()
+        self._layers.append(idx.reshape(b, s, -1))
+        p = torch.softmax(logits.detach().float(), dim=-1)
+        self._masses.append(p.gather(-1, idx).sum(-1).reshape(b, s))
+        return out
 
     def _flush(self) -> None:
         if self._layers:
             if len(self._layers) != len(self.routers):
                 raise RoutingMismatchError(f"a forward ran {len(self._layers)} of the {len(self.routers)} routers")
-            self.segments[-1].append(torch.stack(self._layers, dim=2))
-            self._layers = []
+            experts = torch.stack(self._layers, dim=2)
+            valid = torch.ones(experts.shape[:2], dtype=torch.bool, device=experts.device)
+            if self._padding is not None:
+                valid = ~self._padding.to(experts.device)
+            self.segments[-1].append(RoutingRecord(experts, valid, torch.stack(self._masses, dim=2)))
+            self._layers, self._masses = [], []
 
     def record(self) -> RoutingRecord:
         self._flush()
         if not self.segments:
             raise RoutingMismatchError("nothing was recorded: no forward of the model ran inside record_routing")
-        parts = [torch.cat(seg, dim=1) for seg in self.segments]
-        return RoutingRecord.cat([RoutingRecord.from_experts(p) for p in parts])
+        parts = [RoutingRecord(torch.cat([p.experts for p in seg], dim=1), torch.cat([p.valid for p in seg], dim=1),
+                               torch.cat([p.topk_mass for p in seg], dim=1)) for seg in self.segments]
+        return RoutingRecord.cat(parts)
 
 
 class RecordingHandle:
@@ -455,7 +531,7 @@ class RecordingHandle:
 
 
 @contextlib.contextmanager
-def record_routing(model: torch.nn.Module) -> Iterator[RecordingHandle]:
+def record_routing(model: torch.nn.Module, *, router_fp32: bool = False) -> Iterator[RecordingHandle]:
     """Record the experts every router of ``model`` selects in the forwards run inside the block.
 
     Each fresh forward (no KV cache, or an empty one) adds its rows; a forward continuing a KV
@@ -466,9 +542,16 @@ def record_routing(model: torch.nn.Module) -> Iterator[RecordingHandle]:
 
     The record holds the router's *own* choice, also inside :func:`replay_routing` (the recording
     hook runs first), which is how the trainer's agreement with a replayed record is measured.
-    Padded batches are recorded as laid out (pad positions included; mask them in the
-    agreement); a packed forward (one row of concatenated sequences) gives a (1, N, L, K)
-    record (:meth:`RoutingRecord.unpack` restores the rows).
+    Padded batches are recorded as laid out; positions where the forward's 2-D ``attention_mask``
+    is 0 are marked not valid (never replayed, skipped by the agreement). A packed forward (one row
+    of concatenated sequences) gives a (1, N, L, K) record (:meth:`RoutingRecord.unpack` restores
+    the rows). The record's ``topk_mass`` is each router's probability of its own top-k set, for
+    :func:`routing_confidence`.
+
+    Args:
+      model: the model whose routers to record.
+      router_fp32: route from fp32 router logits (module docstring) in the forwards inside the
+        block; the record is then of that routing.
 
     Yields:
       a handle whose ``.record`` is the :class:`RoutingRecord`.
@@ -476,7 +559,7 @@ def record_routing(model: torch.nn.Module) -> Iterator[RecordingHandle]:
     routers = find_routers(model)
     recorder = _Recorder(model, routers)
     handle = RecordingHandle(recorder)
-    with _hooked(model, recorder, routers, recorder.hook, prepend=True):
+    with _hooked(model, recorder, routers, recorder.hook, prepend=True, router_fp32=router_fp32):
         yield handle
     if recorder.segments:
         handle._final = recorder.record()
@@ -508,7 +591,10 @@ class _Replayer(_Calls):
         b, s = self.tokens(idx.shape[0], router)
         sl = slice(self.start, self.start + s)
         rec = self.record.experts[:, sl, router.layer].reshape(b * s, -1).to(idx.device)
-        valid = self.record.valid[:, sl].reshape(b * s, 1).to(idx.device)
+        valid = self.record.valid[:, sl]
+        if self.padding is not None:  # padding is never replayed, whatever the record holds there
+            valid = valid & ~self.padding.to(valid.device)
+        valid = valid.reshape(b * s, 1).to(idx.device)
         chosen = torch.where(valid, rec, idx.long())
         return logits, gate_weights(logits, chosen, router.renormalize).to(scores.dtype), chosen.to(idx.dtype)
 
@@ -529,15 +615,19 @@ def gate_weights(router_logits: torch.Tensor, experts: torch.Tensor, renormalize
 
 
 @contextlib.contextmanager
-def replay_routing(model: torch.nn.Module, record: RoutingRecord) -> Iterator[None]:
+def replay_routing(model: torch.nn.Module, record: RoutingRecord, mask: Optional[torch.Tensor] = None, *,
+                   router_fp32: bool = False) -> Iterator[None]:
     """Make every router of ``model`` select the experts in ``record`` for the forwards run inside
     the block; the gate values are :func:`gate_weights` of the router's own logits over those
     experts (renormalised where the architecture renormalises), so gradients reach the router.
 
     A forward of (B, S) tokens replays rows 0..B−1 of the record at positions [c, c + S), where c
     is the KV cache's length (0 for a teacher-forced forward): slice the record by rows for
-    micro-batches (``record[i:j]``). Positions the record marks not valid keep the router's own
-    choice. R3 passes the engine's record, R2 the trainer's own first-pass record.
+    micro-batches (``record[i:j]``). Positions the record marks not valid, positions ``mask``
+    (B, T) at the record's positions leaves out, and the forward's padding (its 2-D
+    ``attention_mask`` is 0 there) keep the router's own choice: a padded route is never replayed.
+    R3 passes the engine's record, R2 the trainer's own first-pass record. ``router_fp32``: the
+    routers compute their logits (and so the positions not replayed, and every gate value) in fp32.
 
     Raises:
       RoutingMismatchError: rows, positions, layers or top-k of the record do not fit.
@@ -545,6 +635,8 @@ def replay_routing(model: torch.nn.Module, record: RoutingRecord) -> Iterator[No
     """
     if not isinstance(record, RoutingRecord):
         raise TypeError(f"record must be a RoutingRecord, got {type(record).__name__}")
+    if mask is not None:
+        record = RoutingRecord(record.experts, record.valid & _layout_mask(mask, record), record.topk_mass)
     routers = find_routers(model)
     if record.num_layers != len(routers):
         raise RoutingMismatchError(f"the routing record has {record.num_layers} layers, {_model_name(model)} has "
@@ -557,12 +649,21 @@ def replay_routing(model: torch.nn.Module, record: RoutingRecord) -> Iterator[No
     if record.experts.numel() and (int(record.experts.min()) < 0 or int(record.experts.max()) >= e):
         raise RoutingMismatchError(f"the routing record names experts outside [0, {e})")
     replayer = _Replayer(model, routers, record)
-    with _hooked(model, replayer, routers, replayer.hook, prepend=False):
+    with _hooked(model, replayer, routers, replayer.hook, prepend=False, router_fp32=router_fp32):
         yield
 
 
 # ---------------------------------------------------------------------------------------------
 # Agreement
+
+
+def _compared(a: RoutingRecord, b: RoutingRecord, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """(B, T) bool: the positions two records of the same shape both hold and ``mask`` keeps."""
+    if tuple(a.experts.shape) != tuple(b.experts.shape):
+        raise RoutingMismatchError(f"the records differ in shape (rows, positions, layers, top_k): "
+                                   f"{tuple(a.experts.shape)} vs {tuple(b.experts.shape)}")
+    keep = a.valid & b.valid.to(a.valid.device)
+    return keep if mask is None else keep & _layout_mask(mask, a)
 
 
 def routing_agreement(record_a: RoutingRecord | torch.Tensor, record_b: RoutingRecord | torch.Tensor,
@@ -590,12 +691,7 @@ def routing_agreement(record_a: RoutingRecord | torch.Tensor, record_b: RoutingR
     """
     a = record_a if isinstance(record_a, RoutingRecord) else RoutingRecord.from_experts(record_a)
     b = record_b if isinstance(record_b, RoutingRecord) else RoutingRecord.from_experts(record_b)
-    if tuple(a.experts.shape) != tuple(b.experts.shape):
-        raise RoutingMismatchError(f"the records differ in shape (rows, positions, layers, top_k): "
-                                   f"{tuple(a.experts.shape)} vs {tuple(b.experts.shape)}")
-    keep = a.valid & b.valid.to(a.valid.device)
-    if mask is not None:
-        keep = keep & _layout_mask(mask, a)
+    keep = _compared(a, b, mask)
     ea, eb = a.experts, b.experts.to(a.experts.device)
     k = a.top_k
     same_set = (ea.sort(-1).values == eb.sort(-1).values).all(-1)                     # (B, T, L)
@@ -616,6 +712,43 @@ def routing_agreement(record_a: RoutingRecord | torch.Tensor, record_b: RoutingR
     for l in range(layers):
         out[f"routing_match_layer{l}"] = match[l]
         out[f"routing_overlap_layer{l}"] = over[l]
+    return {METRIC_PREFIX + name: torch.as_tensor(v, dtype=torch.float64) for name, v in out.items()}
+
+
+def routing_confidence(engine: RoutingRecord, trainer: RoutingRecord, mask: Optional[torch.Tensor] = None, *,
+                       process_group: Optional[object] = None) -> dict[str, torch.Tensor]:
+    """The routers' confidence in their own choice, engine vs trainer (prime-rl #2545): the mean
+    top-k probability mass.
+
+    Over the tokens n = 1..N that ``mask`` keeps and both records hold, and layers l = 1..L, with
+    mₙₗ = Σ_{i∈Iₙₗ} pₙₗᵢ the router probability of its own top-k set Iₙₗ (``topk_mass``):
+
+      routing_confidence_engine  = Σₙₗ m^engine_nl / (N·L)
+      routing_confidence_trainer = Σₙₗ m^trainer_nl / (N·L)
+      routing_confidence_diff    = routing_confidence_trainer − routing_confidence_engine
+
+    A mass near K/E (uniform router) means near-ties, where the two stacks' rounding flips the
+    selection; near 1, a decided router. One all-reduce over ``process_group``; 0 over an empty set.
+
+    Args:
+      engine, trainer: :class:`RoutingRecord` s of the same tokens, each with ``topk_mass``
+        (:func:`record_routing` records it).
+      mask: (B, T) bool or 0/1 at the recorded positions.
+    Returns:
+      dict ``rollout_corr/<name>`` → 0-d float64 tensor.
+    """
+    for name, r in (("engine", engine), ("trainer", trainer)):
+        if not isinstance(r, RoutingRecord):
+            raise TypeError(f"{name} must be a RoutingRecord, got {type(r).__name__}")
+        if r.topk_mass is None:
+            raise RoutingMismatchError(f"the {name} record has no topk_mass (the router probabilities of its "
+                                       "choice); record it with record_routing")
+    w = _compared(engine, trainer, mask).double().unsqueeze(-1)
+    me, mt = engine.topk_mass.double(), trainer.topk_mass.to(engine.topk_mass.device).double()
+    vec = torch.stack([(w.expand_as(me)).sum(), (me * w).sum(), (mt * w).sum()])
+    s = SufficientStats.from_vector(["n", "engine", "trainer"], vec).all_reduce(process_group).sums
+    eng, tr = safe_div(s["engine"], s["n"]), safe_div(s["trainer"], s["n"])
+    out = {"routing_confidence_engine": eng, "routing_confidence_trainer": tr, "routing_confidence_diff": tr - eng}
     return {METRIC_PREFIX + name: torch.as_tensor(v, dtype=torch.float64) for name, v in out.items()}
 
 

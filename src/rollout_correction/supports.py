@@ -174,10 +174,29 @@ def sampling_support_mask(logits: torch.Tensor, *, temperature: Setting = 1.0, t
     return keep
 
 
+def _kept_ids(kept_ids: torch.Tensor, lead: torch.Size, vocab: int, device: torch.device) -> torch.Tensor:
+    """``kept_ids`` checked (integer, (B, T, k), ids in [0, V) or the padding −1), sorted along k."""
+    if not isinstance(kept_ids, torch.Tensor) or kept_ids.is_floating_point() or kept_ids.is_complex() \
+            or kept_ids.dtype == torch.bool:
+        got = f"dtype {kept_ids.dtype}" if isinstance(kept_ids, torch.Tensor) else type(kept_ids).__name__
+        raise TypeError(f"kept_ids must be an integer tensor (B, T, k) of kept token ids padded with -1; got {got}")
+    if kept_ids.dim() != 3 or kept_ids.shape[:2] != lead:
+        raise ValueError(f"kept_ids must be (B, T, k) with (B, T) = {tuple(lead)}, the logits' leading shape, "
+                         f"padded with -1; got shape {tuple(kept_ids.shape)}")
+    ids = kept_ids.to(device=device, dtype=torch.long)
+    bad = (ids < -1) | (ids >= vocab)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"kept_ids holds id {int(ids[where])} at {where}, outside the vocabulary [0, {vocab}) "
+                         "of the logits (-1 is the only padding value)")
+    return ids.sort(dim=-1).values
+
+
 def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
-                           kept_mask: Optional[torch.Tensor] = None, temperature: Setting = 1.0,
-                           top_k: Setting = None, top_p: Setting = None, min_p: Setting = None,
-                           order: SamplingOrder = "vllm", response_mask: Optional[torch.Tensor] = None,
+                           kept_mask: Optional[torch.Tensor] = None, kept_ids: Optional[torch.Tensor] = None,
+                           temperature: Setting = 1.0, top_k: Setting = None, top_p: Setting = None,
+                           min_p: Setting = None, order: SamplingOrder = "vllm",
+                           response_mask: Optional[torch.Tensor] = None,
                            outside_support: OutsideSupport = "include") -> SupportLogProbs:
     """Trainer log-probs of the sampled tokens, renormalised over the sampler's kept support S.
 
@@ -189,9 +208,13 @@ def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
     Args:
       logits: (B, T, V) trainer logits at the positions that predicted ``tokens``.
       tokens: (B, T) sampled token ids; ignored (any value) where ``response_mask`` is 0.
-      kept_mask: (B, T, V) bool, the engine's kept tokens (exact). Give this or the settings.
+      kept_mask: (B, T, V) bool, the engine's kept tokens (exact).
+      kept_ids: (B, T, k) integer, the engine's kept token ids at each position padded with −1
+        (slime's replay of the sampler's top-p set); a repeated id counts once. The same S as
+        ``kept_mask`` without a (B, T, V) mask: memory O(B·T·k) beyond the logits. Give one of
+        ``kept_mask``, ``kept_ids`` or the settings.
       temperature, top_k, top_p, min_p, order: the sampler's settings, see
-        :func:`sampling_support_mask`. ``temperature`` is applied in both cases.
+        :func:`sampling_support_mask`. ``temperature`` is applied in every case.
       response_mask: (B, T) 0/1 or bool; outputs are 0 outside it. Default: all valid.
       outside_support: "include" adds a sampled token the kept set misses to S at that
         position; "raise" raises ValueError naming the first such (row, column).
@@ -222,40 +245,28 @@ def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
         where = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(f"token id {int(tokens[where])} at position {where} is outside the vocabulary "
                          f"[0, {vocab}) of the logits")
-
-    if kept_mask is not None:
-        if any(s is not None for s in (top_k, top_p, min_p)):
-            raise ValueError("pass either kept_mask (the engine's kept tokens) or top_k/top_p/min_p, not both")
-        if kept_mask.shape != z.shape:
-            raise ValueError(f"kept_mask has shape {tuple(kept_mask.shape)} but logits have shape {tuple(z.shape)}")
-        keep = kept_mask.to(device=z.device, dtype=torch.bool) & (z > float("-inf"))
-    else:
-        keep = sampling_support_mask(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     min_p=min_p, order=order)
+    given = [name for name, value in (("kept_mask", kept_mask), ("kept_ids", kept_ids), ("top_k", top_k),
+                                      ("top_p", top_p), ("min_p", min_p)) if value is not None]
+    if len(given) > 1 and given[0] in ("kept_mask", "kept_ids"):
+        raise ValueError("pass one of kept_mask, kept_ids (the engine's kept tokens) or the settings "
+                         f"top_k/top_p/min_p; got {', '.join(given)}")
 
     index = torch.where(valid, tokens.to(z.device), torch.zeros_like(tokens, device=z.device)).long()
     index = index.unsqueeze(-1)
-    in_support = keep.gather(-1, index).squeeze(-1) | ~valid
-    if outside_support == "raise" and not bool(in_support.all()):
-        where = tuple(int(i) for i in (~in_support).nonzero()[0])
-        raise ValueError(f"sampled token {int(tokens[where])} at position {where} is outside the kept "
-                         "support (kept_mask or top_k/top_p/min_p disagree with the sampled tokens)")
-    keep = keep.scatter(-1, index, True) if outside_support == "include" else keep
-
-    bad_logit = torch.isnan(z) | (z == float("inf"))
-    finite = ~bad_logit & (z > float("-inf"))
-    # No distribution at all: a NaN / +inf logit, or every logit −inf.
-    broken = bad_logit.any(dim=-1) | ~finite.any(dim=-1)
-    z_safe = torch.where(finite | (z == float("-inf")), z, float("-inf"))
-    z_safe = torch.where(broken.unsqueeze(-1), torch.zeros_like(z_safe), z_safe)
-    keep = keep & (finite | broken.unsqueeze(-1))
-    kept_any = keep.any(dim=-1)
-    # Keep logsumexp's gradient finite where the kept set is empty (the sampled token itself has a
-    # −inf logit): its log-prob is −inf whichever finite normaliser is used.
-    keep = keep | (~kept_any.unsqueeze(-1) & finite)
+    # No distribution at all: a NaN / +inf logit, or every logit −inf (the row's max is then not finite).
+    broken = ~torch.isfinite(z.amax(dim=-1))
+    if kept_ids is not None:
+        in_support, log_kept, kept_any, z_safe = _kept_set_from_ids(z, index, broken, valid, kept_ids,
+                                                                    outside_support, tokens)
+    else:
+        keep = _dense_kept_set(logits, z, kept_mask, temperature, top_k, top_p, min_p, order)
+        in_support, log_kept, kept_any, z_safe = _kept_set_from_mask(z, index, broken, valid, keep,
+                                                                     outside_support, tokens)
     z_y = z_safe.gather(-1, index).squeeze(-1)
     log_total = torch.logsumexp(z_safe, dim=-1)
-    log_kept = torch.logsumexp(torch.where(keep, z_safe, float("-inf")), dim=-1)
+    # An empty kept set (the sampled token itself has a −inf logit): log p_S(y) is −inf whichever
+    # finite normaliser is used; the full one keeps the gradient finite.
+    log_kept = torch.where(kept_any, log_kept, log_total)
     log_kept_mass = torch.where(kept_any, log_kept - log_total, torch.full_like(log_kept, float("-inf")))
     nan = torch.full_like(z_y, float("nan"))
     zero = torch.zeros_like(z_y)
@@ -269,6 +280,61 @@ def renormalized_log_probs(logits: torch.Tensor, tokens: torch.Tensor, *,
         kept_log_mass=finish(log_kept_mass),
         in_support=in_support,
     )
+
+
+def _dense_kept_set(logits, z, kept_mask, temperature, top_k, top_p, min_p, order) -> torch.Tensor:
+    """The dense (B, T, V) kept set: the engine's ``kept_mask`` (−inf logits left out) or the
+    reconstruction from the settings."""
+    if kept_mask is None:
+        return sampling_support_mask(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                     order=order)
+    if kept_mask.shape != z.shape:
+        raise ValueError(f"kept_mask has shape {tuple(kept_mask.shape)} but logits have shape {tuple(z.shape)}")
+    return kept_mask.to(device=z.device, dtype=torch.bool) & (z > float("-inf"))
+
+
+def _check_in_support(in_support: torch.Tensor, tokens: torch.Tensor) -> None:
+    if not bool(in_support.all()):
+        where = tuple(int(i) for i in (~in_support).nonzero()[0])
+        raise ValueError(f"sampled token {int(tokens[where])} at position {where} is outside the kept "
+                         "support (kept_mask, kept_ids or top_k/top_p/min_p disagree with the sampled tokens)")
+
+
+def _kept_set_from_mask(z, index, broken, valid, keep, outside_support, tokens):
+    """(in_support, logsumexp_{v∈S} z_v, S non-empty, z with the broken rows zeroed) from a dense S."""
+    in_support = keep.gather(-1, index).squeeze(-1) | ~valid
+    if outside_support == "raise":
+        _check_in_support(in_support, tokens)
+    else:
+        keep = keep.scatter(-1, index, True)
+    z_safe = torch.where(broken.unsqueeze(-1), torch.zeros_like(z), z)
+    keep = keep & ((z > float("-inf")) | broken.unsqueeze(-1))
+    kept_any = keep.any(dim=-1)
+    masked = torch.where(keep | ~kept_any.unsqueeze(-1), z_safe, float("-inf"))
+    return in_support, torch.logsumexp(masked, dim=-1), kept_any, z_safe
+
+
+def _kept_set_from_ids(z, index, broken, valid, kept_ids, outside_support, tokens):
+    """The same from (B, T, k) kept ids: gathers and a logsumexp over k + 1 entries, no (B, T, V) mask."""
+    ids = _kept_ids(kept_ids, z.shape[:-1], z.shape[-1], z.device)
+    first = torch.ones_like(ids[..., :1], dtype=torch.bool)
+    distinct = torch.cat([first, ids[..., 1:] != ids[..., :-1]], dim=-1) & (ids >= 0)
+    keep = distinct & (z.gather(-1, ids.clamp(min=0)) > float("-inf"))   # NaN and −inf never kept
+    hit = (keep & (ids == index)).any(dim=-1)
+    in_support = hit | ~valid
+    if outside_support == "raise":
+        _check_in_support(in_support, tokens)
+    # z is this call's own scaled copy of the logits: zeroing the broken rows in place keeps it the
+    # only (B, T, V) float tensor (their outputs are NaN; their gradients stay finite).
+    z_safe = z.masked_fill_(broken.unsqueeze(-1), 0.0)
+    z_tok = z_safe.gather(-1, index)
+    add = ~hit.unsqueeze(-1) & (z_tok > float("-inf")) & (outside_support == "include")
+    z_set = torch.cat([z_safe.gather(-1, ids.clamp(min=0)), z_tok], dim=-1)
+    keep = torch.cat([keep, add], dim=-1)
+    kept_any = keep.any(dim=-1)
+    masked = torch.where(keep, z_set, float("-inf"))
+    masked = torch.where(kept_any.unsqueeze(-1), masked, torch.zeros_like(masked))
+    return in_support, torch.logsumexp(masked, dim=-1), kept_any, z_safe
 
 
 def support_metrics(result: SupportLogProbs, response_mask: Optional[torch.Tensor] = None,

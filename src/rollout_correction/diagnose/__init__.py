@@ -11,7 +11,8 @@ against the published health thresholds, recommend a preset, and write a report:
 """
 
 from .diagnosis import Diagnosis, diagnose_file, diagnose_tensors
-from .readers import Chunk, Columns, iter_chunks
+from .readers import Chunk, Columns
+from .sources import iter_chunks
 from .report import print_summary, summary_dict, write_report
 
 __all__ = ["Chunk", "Columns", "Diagnosis", "diagnose_file", "diagnose_tensors", "iter_chunks", "print_summary",

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .readers import Columns, iter_chunks
+from .readers import Columns
+from .sources import iter_chunks
 
 __all__ = ["Certificate", "certify_file", "write_certificate", "print_certificate"]
 
@@ -79,7 +80,7 @@ def _abs_diff(old: np.ndarray, roll: np.ndarray) -> np.ndarray:
 def certify_file(path: str, columns: Columns | None = None, chunk_rows: int = 2048,
                  fmt: str | None = None, engine: str | None = None, atol: float | None = None) -> Certificate:
     """Compare the two log-prob columns of ``path`` (a file, folder or glob; an engine's dump is read
-    as :func:`~.readers.iter_chunks` reads it) on every valid token: bit for bit, or with ``atol``
+    as :func:`~.sources.iter_chunks` reads it) on every valid token: bit for bit, or with ``atol``
     within |Δ| ≤ atol (a token whose bits agree passes either way, even a non-finite one)."""
     if atol is not None and not 0.0 <= atol < np.inf:
         raise ValueError(f"atol={atol!r}: expected a finite number ≥ 0, e.g. 1e-6")

@@ -8,7 +8,8 @@ weights of the configured correction; before any correction is chosen we apply t
 importance-sampling estimator would face.
 
 The input checks catch dumps that cannot be right: positive log-probabilities, log-probs shifted
-by one position (ms-swift #8196), identical columns, non-finite values, and rollout log-probs
+by one position (ms-swift #8196), identical columns, non-finite values, engine sentinels (log-probs
+at or below the floor, :mod:`.sentinels`), and rollout log-probs
 renormalised over a top-k / top-p support (TRL #6789: the rollout side is then higher on almost
 every token).
 
@@ -22,6 +23,8 @@ from dataclasses import asdict, dataclass
 from rollout_correction import METRIC_PREFIX
 
 from .profile import HEALTHY_BAND, VETO_THRESHOLD, ProfileResult
+from .recommend import ELEVATED_K3
+from .sentinels import describe
 
 P = METRIC_PREFIX
 
@@ -53,6 +56,13 @@ def health_checks(res: ProfileResult) -> list[Check]:
         "large per-token KL: the engines disagree strongly; check precision, quantisation, "
         "sampling parameters and weight sync before relying on correction",
         "per-token KL within the range seen in healthy runs"))
+    k3 = m[f"{P}k3_kl"]
+    checks.append(_check(
+        "k3 per token vs published healthy runs", k3, k3 > ELEVATED_K3, f"≤ {ELEVATED_K3:g}",
+        f"the gap is above every published healthy run (NeMo-RL KL ≈ 1e-3, Nemotron gen_kl 0.0027, DeepSeek-V4 "
+        f"k3 0.0052; docs/metrics.md): look for its cause (precision, quantisation, kernels, sampling "
+        "parameters, weight sync) before relying on correction",
+        "within the range published healthy runs report"))
     chi2 = m[f"{P}chi2_token"]
     checks.append(_check(
         "χ² token", chi2, chi2 > 1.0, "≤ 1",
@@ -114,6 +124,15 @@ def health_checks(res: ProfileResult) -> list[Check]:
         f"{c.rows_nonfinite} row(s) hold a NaN or ±inf log-prob at a response position and were left out "
         "of every statistic (top-k/top-p sampling returns −inf outside the kept set)",
         "all log-probs finite"))
+    sentinels = res.sentinels
+    if sentinels.get("floor") is not None:
+        checks.append(_check(
+            f"engine sentinels (log-prob ≤ {sentinels['floor']:g})", sentinels["tokens"], sentinels["tokens"] > 0,
+            "= 0",
+            f"{describe(sentinels)}: engines write such values where they have no log-prob (vLLM returns −9999, "
+            "AReaL #1554), so these are not log-probabilities; the correction drops their rows like non-finite "
+            "ones (config log_prob_floor); find why the engine returned them",
+            "no log-prob at or below the floor", fail=True))
     return checks
 
 

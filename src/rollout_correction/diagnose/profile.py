@@ -27,6 +27,7 @@ from rollout_correction.primitives import AlignmentReport, alignment_report, ali
 
 from .histograms import AdaptiveLinearHistogram, Histogram, KeyedSums, symlog_edges
 from .readers import Chunk
+from .sentinels import DEFAULT_LOG_PROB_FLOOR, SentinelScan
 
 LOG_CLAMP = SAFETY_BOUND  # the core's safety bound on log-ratios before every exp
 VETO_THRESHOLD = 1e-4  # a token with ρ below this is "catastrophic" (seed 001's veto default)
@@ -125,6 +126,7 @@ class ProfileResult:
     token: KeyedSums | None  # keyed by token id
     counters: Counters
     extras: dict[str, float] = field(default_factory=dict)
+    sentinels: dict = field(default_factory=dict)  # SentinelScan.as_dict(): engine sentinels per side
 
 
 class FinalWeightMoments:
@@ -190,10 +192,12 @@ class MismatchProfile:
     presets: names for the what-if table (default: every preset of the core); ``[]`` skips it.
     track_tokens: keep per-token-id sums when the file has token ids.
     max_block_elements: largest (rows × width) block processed at once (bounds memory).
+    log_prob_floor: log-probs at or below it at valid positions are counted as engine sentinels
+      (:mod:`.sentinels`; None: not counted).
     """
 
     def __init__(self, presets: list[str] | None = None, track_tokens: bool = True,
-                 max_block_elements: int = 4_000_000):
+                 max_block_elements: int = 4_000_000, log_prob_floor: float | None = DEFAULT_LOG_PROB_FLOOR):
         self._offpolicy = OffPolicyAccumulator(mismatch_metrics=True)
         names = list(RolloutCorrectionConfig.preset_names()) if presets is None else list(presets)
         # Presets that differ only in the loss (bypass vs decoupled, PPO vs REINFORCE) have the same
@@ -214,6 +218,7 @@ class MismatchProfile:
         self.version: dict[int, dict[str, float]] = {}
         self.token = KeyedSums(("log_ratio", "abs_log_ratio", "k3")) if track_tokens else None
         self.counters = Counters()
+        self.sentinels = SentinelScan(log_prob_floor)
         self.max_block_elements = max_block_elements
         self.alignment = torch.zeros(4, dtype=torch.float64)
         self.linear = {lvl: AdaptiveLinearHistogram() for lvl in LEVELS}
@@ -240,6 +245,7 @@ class MismatchProfile:
         ``max_block_elements`` (rows × width) is cut further, which bounds the memory of the
         intermediate (rows, width) tensors. No statistic depends on the order or grouping of rows.
         """
+        self.sentinels.update(chunk, self.counters.rows)  # before the rows are counted: the chunk's first row
         lengths = chunk.response_mask.sum(axis=1)
         n = chunk.num_rows
         width = chunk.response_mask.shape[1]
@@ -383,4 +389,5 @@ class MismatchProfile:
             token=self.token if (self.token is not None and self.token.count.size) else None,
             counters=c,
             extras=extras,
+            sentinels=self.sentinels.as_dict(),
         )

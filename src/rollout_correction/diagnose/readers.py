@@ -23,9 +23,9 @@ A position is valid iff  mask ≠ 0 (when a mask column exists) ∧ position < l
 lengths column exists) ∧ position < the row's own length. Ragged rows read without a mask whose
 other columns show that they hold the prompt too are refused (:func:`check_response_only`).
 
-:func:`iter_chunks` reads a file, a folder of files or a glob pattern (:func:`expand_inputs`) as one
-dump; a file an RL engine wrote (slime, NeMo-RL, prime-rl, SkyRL) is read by that engine's reader
-(:mod:`.engines`), recognised by its keys or named.
+:func:`.sources.iter_chunks` reads a file, a folder of files or a glob pattern (:func:`expand_inputs`)
+as one dump, with these readers or, for a file an RL engine wrote (slime, NeMo-RL, prime-rl, SkyRL),
+that engine's reader (:mod:`.engines`, which builds on this module).
 """
 
 from __future__ import annotations
@@ -753,51 +753,5 @@ def expand_inputs(path: str) -> list[str]:
     raise FileNotFoundError(f"{path}: no such file")
 
 
-def resolve_engine(path: str, fmt: str, columns: Columns, engine: str | None) -> str | None:
-    """The engine whose reader reads ``path``: ``engine`` when given (``plain``: none), else the one
-    recognised by the file's keys (only when the log-prob columns are not named explicitly); a pickle
-    is read only as SkyRL's."""
-    from .engines import ENGINES, detect_engine
-
-    if engine is not None and engine != "auto":
-        if engine == "plain":
-            if fmt == "pickle":
-                raise ValueError(f"{path}: a pickle is read only as SkyRL's TrainingInputBatch (--engine skyrl)")
-            return None
-        if engine not in ENGINES:
-            raise ValueError(f"unknown engine {engine!r}; choose one of {('auto', 'plain', *ENGINES)}")
-        return engine
-    default = Columns()
-    if fmt != "pickle" and (columns.rollout_log_probs, columns.old_log_probs) != (default.rollout_log_probs,
-                                                                                 default.old_log_probs):
-        return None
-    return detect_engine(path, fmt)
-
-
-def iter_file_chunks(path: str, columns: Columns, chunk_rows: int, fmt: str | None,
-                     engine: str | None) -> tuple[str | None, Iterator[Chunk]]:
-    """(the engine read, the chunks) of one file."""
-    from .engines import READERS
-
-    fmt = detect_format(path, fmt)
-    name = resolve_engine(path, fmt, columns, engine)
-    if name is not None:
-        return name, READERS[name](path, columns, chunk_rows)
-    reader = {"parquet": iter_parquet, "jsonl": iter_jsonl, "pt": iter_pt, "npz": iter_npz}[fmt]
-    return None, reader(path, columns, chunk_rows)
-
-
-def iter_chunks(path: str, columns: Columns | None = None, chunk_rows: int = 2048,
-                fmt: str | None = None, engine: str | None = None) -> Iterator[Chunk]:
-    """Yields the rows of ``path`` (a file, a folder of files or a glob pattern) in blocks of at most
-    ``chunk_rows`` rows. ``engine``: read as that engine's dump (see :mod:`.engines`); ``None`` /
-    ``"auto"`` recognises it by its keys, ``"plain"`` reads the columns as named."""
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    columns = columns or Columns()
-    for file in expand_inputs(path):
-        yield from iter_file_chunks(file, columns, chunk_rows, fmt, engine)[1]
-
-
 __all__ = ["FORMATS", "Chunk", "Columns", "assemble_chunk", "check_response_only", "detect_format", "expand_inputs",
-           "iter_chunks", "iter_file_chunks"]
+           "iter_json_records", "torch_load"]

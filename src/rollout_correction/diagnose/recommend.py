@@ -6,6 +6,7 @@ The rule reads five numbers of the profile and stops at the first case that appl
 case    condition                                              preset
 ======  =====================================================  ==============================
 none    every rollout log-prob equals the trainer's            ``disabled``
+exact   max |log π_train − log π_rollout| ≤ 1e-6              ``disabled`` (assert it instead)
 severe  KL > 0.1 (k1 or k3 estimate) or χ²_token > 1          ``decoupled_k3_rs_token_tis``
 tails   ≥ 1 % of tokens with ρ ∉ [0.5, 2], or ≥ 1 % of rows    ``decoupled_token_icepop``
         with a token ρ < 1e-4
@@ -40,13 +41,30 @@ from .profile import ProfileResult
 
 P = METRIC_PREFIX
 
-#: Thresholds of the rule above (documented in docs/diagnose.md).
+#: Thresholds of the rule above (documented in docs/diagnose.md), set against the published figures
+#: of docs/metrics.md. Healthy production runs publish per-token gaps of 1e-3 (NeMo-RL, vLLM vs its
+#: trainer, KL), 2.7e-3 (Nemotron, gen_kl) and 5.2e-3 (DeepSeek-V4 on verl, k3; verl #7242); engines
+#: built to agree exactly hold |Δ log p| to 1e-6 (slime's true on-policy CI, slime #2262).
+#:
+#: EXACT_ATOL: slime's CI tolerance. Within it the engines agree as exactly as the engines that try to
+#: agree do: no correction, and an assertion (``expect_zero_atol``) so that a regression like
+#: slime #830 (mean |Δ log p| 4.5e-4, max 0.023) raises instead of passing for "tiny".
+EXACT_ATOL = 1e-6
+#: SEVERE_KL: verl's alert level, 19× DeepSeek-V4's k3, 37× Nemotron's gen_kl, 100× NeMo-RL's KL: no
+#: published healthy run comes near it (NeMo-RL #2260 reports gen_kl_error 0.15–1.75 as a bug).
 SEVERE_KL = 0.1
 SEVERE_CHI2 = 1.0
 TAIL_TOKENS = 0.01
 TAIL_ROWS = 0.01
+#: TINY_K3: 100× below NeMo-RL's 1e-3 and 500× below DeepSeek-V4's k3, so below every published
+#: production gap, where bypass mode's clipping against π_rollout costs nothing measurable; above
+#: what exact engines reach (|Δ| ≤ 1e-6 gives k3 ≈ Δ²/2 ≤ 5e-13).
 TINY_K3 = 1e-5
 TINY_SEQ_ESS = 0.99
+#: ELEVATED_K3 (a health check, not a case of the rule): twice the largest published healthy
+#: figure (DeepSeek-V4's k3 0.0052), so a run above it is outside every published healthy run
+#: although below the severe level.
+ELEVATED_K3 = 0.01
 SEQ_ESS = 0.8
 SEQ_RS_ESS = 0.5
 LONG_RESPONSE = 512
@@ -76,6 +94,15 @@ def recommend(res: ProfileResult) -> Recommendation:
         return Recommendation("disabled", "none",
                               "rollout and trainer log-probs are identical, there is nothing to correct "
                               "(check that the rollout column really comes from the inference engine)", inputs)
+    max_abs = m.get(f"{P}log_prob_abs_diff_max")
+    if max_abs is not None:
+        inputs["log_prob_abs_diff_max"] = max_abs
+    if max_abs is not None and c.tokens and max_abs <= EXACT_ATOL:
+        return Recommendation(
+            "disabled", "exact",
+            f"the engines agree to max |Δ log p| = {max_abs:.2g}, within slime's true on-policy tolerance "
+            f"{EXACT_ATOL:g}: switch the correction off and assert the agreement (expect_zero_atol={EXACT_ATOL:g}), "
+            "so that a regression (slime #830: mean |Δ log p| 4.5e-4) raises instead of passing unnoticed", inputs)
     if max(abs(kl), k3) > SEVERE_KL or chi2 > SEVERE_CHI2:
         return Recommendation(
             "decoupled_k3_rs_token_tis", "severe",

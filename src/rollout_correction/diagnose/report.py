@@ -20,6 +20,7 @@ from rollout_correction import METRIC_PREFIX
 
 from .diagnosis import Diagnosis
 from .profile import HEALTHY_BAND, VETO_THRESHOLD
+from .sentinels import describe
 
 P = METRIC_PREFIX
 
@@ -45,6 +46,9 @@ METRIC_HELP = {
     "routing_overlap": "mean share of the top-k experts the two routings have in common",
     "routing_token_differs": "share of tokens routed to a different expert set in at least one layer",
     "routing_tokens": "tokens compared for the routing agreement",
+    "routing_confidence_engine": "mean top-k router probability mass of the engine's own choice",
+    "routing_confidence_trainer": "mean top-k router probability mass of the trainer's own choice",
+    "routing_confidence_diff": "trainer − engine routing confidence",
     # mismatch metrics (p = π of the sampled token, Δ = log π_train − log π_rollout)
     "prob_abs_diff_mean": "mean over tokens of |p_train − p_rollout| (verl's rollout_probs_diff_mean)",
     "prob_abs_diff_max": "largest |p_train − p_rollout|",
@@ -100,8 +104,9 @@ def summary_dict(diag: Diagnosis) -> dict:
     Top level: every ``rollout_corr/...`` off-policy metric (same keys and values as
     ``compute_offpolicy_metrics`` on the whole file), ``recommended_preset``, ``health`` (one
     entry per check: name, value, threshold, verdict, detail) and ``health_verdict`` (the worst),
-    plus the recommendation's reason, the raw weights per level, the what-if table and the input
-    counters.
+    plus the recommendation's reason, the raw weights per level, the what-if table, the input
+    counters and ``sentinels`` (engine sentinels per side: counts, lowest value, first (row, column)
+    positions; :mod:`.sentinels`).
     """
     res, rec = diag.profile, diag.recommendation
     c = res.counters
@@ -113,6 +118,7 @@ def summary_dict(diag: Diagnosis) -> dict:
     out["weights"] = res.levels
     out["what_if"] = res.what_if
     out["input"] = {**diag.source, **asdict(c)}
+    out["sentinels"] = res.sentinels
     if res.version:
         out["by_policy_version"] = {str(v): {"rows": e["rows"], "tokens": e["tokens"],
                                              "k3_kl": e["k3"] / max(e["tokens"], 1),
@@ -162,6 +168,17 @@ def build_blocks(diag: Diagnosis, figures: list[str]) -> list[tuple]:
     blocks.append(("h2", "Health checks"))
     blocks.append(("table", ["check", "value", "healthy", "verdict", "meaning"],
                    [[ch.name, ch.value, ch.threshold, ch.verdict, ch.detail] for ch in diag.health]))
+
+    sentinels = res.sentinels
+    if sentinels.get("tokens"):
+        blocks.append(("h2", "Engine sentinels"))
+        blocks.append(("p", f"Log-probs at or below {sentinels['floor']:g} at response positions: values an engine "
+                            "writes where it has no log-prob (vLLM returns −9999), not log-probabilities. Rows are "
+                            "counted from 0 in the order of the dump, columns from the first response token."))
+        blocks.append(("table", ["log-probs from", "sentinels", "rows", "lowest", "first positions (row, column)"],
+                       [[s["source"], s["tokens"], s["rows"], s["lowest"],
+                         " ".join(f"({r}, {c})" for r, c in s["positions"])]
+                        for s in (sentinels["rollout"], sentinels["trainer"]) if s["tokens"]]))
 
     captions = {
         "diagnose_log_ratio.png": "Per-token log-ratio log ρ = log π_train − log π_rollout: the bulk on a linear "
@@ -222,11 +239,12 @@ def build_blocks(diag: Diagnosis, figures: list[str]) -> list[tuple]:
     if files:
         blocks.append(("h2", "By file"))
         blocks.append(("p", "The files were diagnosed as one dump (every statistic above is over their concatenation); "
-                            "per file: rows, rows left out for a non-finite log-prob, valid tokens, and the mean per "
-                            "token of kl (log π_rollout − log π_train) and k3."))
-        blocks.append(("table", ["file", "step", "rows", "non-finite rows", "tokens", "kl per token", "k3 per token"],
-                       [[f["file"], "" if f["step"] is None else f["step"], f["rows"], f["rows_nonfinite"], f["tokens"],
-                         f["kl"], f["k3_kl"]] for f in files]))
+                            "per file: rows, rows left out for a non-finite log-prob, engine sentinels, valid tokens, "
+                            "and the mean per token of kl (log π_rollout − log π_train) and k3."))
+        blocks.append(("table", ["file", "step", "rows", "non-finite rows", "engine sentinels", "tokens", "kl per token",
+                                 "k3 per token"],
+                       [[f["file"], "" if f["step"] is None else f["step"], f["rows"], f["rows_nonfinite"],
+                         f["sentinel_tokens"], f["tokens"], f["kl"], f["k3_kl"]] for f in files]))
     top = _top_tokens(diag)
     if top:
         blocks.append(("h2", "Tokens contributing most to the KL"))
@@ -385,6 +403,8 @@ def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> Non
             print(f"  {k:<20} {_fmt(v)}", file=file)
         for ch in diag.health:
             print(f"  [{ch.verdict:>4}] {ch.name}: {_fmt(ch.value)} (healthy {ch.threshold})", file=file)
+        if res.sentinels.get("tokens"):
+            print(f"engine sentinels (log-prob ≤ {res.sentinels['floor']:g}): {describe(res.sentinels)}", file=file)
         print(f"recommended preset: {rec.preset} — {rec.reason}", file=file)
         return
     console = Console(file=file, width=110)
@@ -408,6 +428,9 @@ def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> Non
     for ch in diag.health:
         h.add_row(ch.name, _fmt(ch.value), ch.threshold, f"[{style[ch.verdict]}]{ch.verdict}[/]")
     console.print(h)
+    if res.sentinels.get("tokens"):
+        console.print(f"[bold red]Engine sentinels[/] (log-prob ≤ {res.sentinels['floor']:g}): "
+                      f"{describe(res.sentinels)}")
     w = Table(title="What-if (one row per distinct correction; full table in the report)")
     for col in ("preset", "truncated", "rejected tokens", "rejected rows", "ESS"):
         w.add_column(col, justify="left" if col == "preset" else "right")
