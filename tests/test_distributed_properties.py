@@ -54,6 +54,7 @@ from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, compute
 from rollout_correction_core._src.config import _BYPASS_ONLY_LOSSES, RS_OPTIONS, IsLevel, IsMode, LossDenominator, LossType
 from rollout_correction_core._src.vocab import LEGACY_RS, ConfigError
 from test_distributed import _free_port
+from rollout_correction import Parallel
 
 torch.set_num_threads(1)
 
@@ -181,13 +182,14 @@ def _calls(arrays: dict, config: dict, loss_config: dict, loss: dict, process_gr
     seg = dict(segment_ids=_t(arrays["segment_ids"]), max_segments=arrays["max_segments"])
     cfg = RolloutCorrectionConfig.from_dict(config)
     train = log_prob if cfg.bypass_mode else old  # the sides the loss's own correction compares
-    res = compute_rollout_correction(train, rollout, mask, config=cfg, process_group=process_group,
-                                     sequence_group=sequence_group, **seg)
+    res = compute_rollout_correction(
+        train, rollout, mask, config=cfg, **seg,
+        parallel=Parallel(dp_group=process_group, cp_group=sequence_group))
     out = {"weights": _np(res.weights), "mask": _np(res.response_mask), "metrics": res.metrics_as_floats()}
     lp = log_prob.clone().requires_grad_(True)
-    value, metrics = compute_policy_loss(lp, old, adv, mask, config=RolloutCorrectionConfig.from_dict(loss_config),
-                                         rollout_log_prob=rollout, process_group=process_group,
-                                         sequence_group=sequence_group, **loss, **seg)
+    value, metrics = compute_policy_loss(
+        lp, old, adv, mask, config=RolloutCorrectionConfig.from_dict(loss_config), rollout_log_prob=rollout,
+        **loss, **seg, parallel=Parallel(dp_group=process_group, cp_group=sequence_group))
     value.backward()
     out["loss"] = float(value.detach())
     out["grad"] = _np(lp.grad)

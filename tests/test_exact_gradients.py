@@ -22,6 +22,7 @@ from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
 from toy import (SequenceSpace, enumerate_sequences, exact_policy_gradient, perturb,
                                     random_logits, scaled_advantages, sequence_log_probs, token_log_probs,
                                     token_scores)
+from rollout_correction import Aggregation, PolicyLoss
 
 RTOL = 1e-5
 INF = float("inf")
@@ -86,8 +87,9 @@ def library_gradient(toy: Toy, cfg, log_prob_logits=None, old_logits=None, rollo
     theta = (toy.theta if log_prob_logits is None else log_prob_logits).clone().requires_grad_(True)
     rollout = toy.mu if rollout_logits == "mu" else rollout_logits
     loss, _ = compute_policy_loss(
-        toy.lp(theta), None if old_logits is None else toy.lp(old_logits), toy.scaled_adv, toy.mask, config=cfg,
-        rollout_log_prob=None if rollout is None else toy.lp(rollout), loss_agg_mode=loss_agg_mode, **kwargs)
+        toy.lp(theta), None if old_logits is None else toy.lp(old_logits), toy.scaled_adv, toy.mask,
+        config=cfg, rollout_log_prob=None if rollout is None else toy.lp(rollout), **kwargs,
+        loss=PolicyLoss(aggregation=Aggregation(loss_agg_mode)))
     (grad,) = torch.autograd.grad(loss, theta)
     assert torch.isfinite(grad).all()
     return -grad

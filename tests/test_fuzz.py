@@ -32,6 +32,7 @@ from rollout_correction.advantages import group_advantages
 from rollout_correction_core._src.alignment import alignment_metrics, alignment_statistics
 from rollout_correction.staleness import compute_staleness_policy_loss
 from rollout_correction.supports import renormalized_log_probs
+from rollout_correction import Segments
 
 try:  # log-ratios of magnitude ≥ this are treated as non-finite by the core
     from rollout_correction_core._src.logratio import NONFINITE_SENTINEL
@@ -375,7 +376,7 @@ def check_segments(data):
         bad_ids = ids.clone()
         bad_ids[b, t] = data.draw(st.sampled_from([-1, top, top + 7]))
         with pytest.raises(ValueError, match="segment id"):
-            compute_rollout_correction(old, roll, mask, config=cfg, segment_ids=bad_ids, max_segments=S)
+            compute_rollout_correction(old, roll, mask, config=cfg, segments=Segments(bad_ids, count=S))
     bad = _bad_rows(old, roll, mask)
     if cfg.on_nonfinite == "raise" and bool(bad.any()):
         with pytest.raises(ValueError, match="non-finite"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-__all__ = ["Parallel", "Verify"]
+__all__ = ["Parallel", "Verify", "as_parallel"]
 
 #: When the ranks of a group agree on what a collective will exchange: at the first call for a
 #: (group, layout) pair (``"once"``, then cached), or before every call (``"always"``, for configs
@@ -39,3 +39,13 @@ class Parallel:
 
 #: One process, whole rows.
 LOCAL = Parallel()
+
+
+def as_parallel(parallel: Optional[Parallel]) -> Parallel:
+    """``parallel``, or :data:`LOCAL` for None; anything else (a bare process group) raises TypeError."""
+    if parallel is None:
+        return LOCAL
+    if not isinstance(parallel, Parallel):
+        raise TypeError(f"parallel={parallel!r} is not a Parallel: wrap a data-parallel group as "
+                        "Parallel(dp_group=group), a context-parallel one as Parallel(cp_group=group)")
+    return parallel
