@@ -154,13 +154,16 @@ def loss_inputs(dtype=torch.float32, seed=1):
     return log_prob, old, rollout, adv, mask, weights
 
 
-def run_loss(inputs, device, cfg, *, given_weights=False, with_rollout=True, **kwargs):
+def run_loss(inputs, device, cfg, *, given_weights=False, with_rollout=True, loss_agg_mode="token-mean",
+             sequence_group=None, **counts):
     log_prob, old, rollout, adv, mask, weights = (t.to(device) for t in inputs)
     log_prob = log_prob.detach().requires_grad_(True)
     extra = {"rollout_is_weights": weights} if given_weights else {}
     if with_rollout:
         extra["rollout_log_prob"] = rollout
-    loss, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, config=cfg, **extra, **kwargs)
+    loss, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, config=cfg, **extra,
+                                           loss=rc.PolicyLoss(aggregation=rc.Aggregation(loss_agg_mode, **counts)),
+                                           parallel=rc.Parallel(cp_group=sequence_group))
     loss.backward()
     return loss, log_prob.grad, metrics
 

@@ -82,7 +82,7 @@ def test_decoupled_loss_equals_verls_vanilla_with_weights(agg, info):
     r = torch.exp(log_prob.detach() - old)
     clipped = torch.maximum(-adv * r, -adv * r.clamp(1 - 0.2, 1 + 0.28))
     per_token = torch.where(adv < 0, torch.minimum(clipped, -adv * 3.0), clipped) * weights
-    torch.testing.assert_close(ours[0], CORE.agg_loss(per_token, mask, **info, aggregation=Aggregation(agg)), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ours[0], CORE.agg_loss(per_token, mask, loss_agg_mode=agg, **info), rtol=1e-5, atol=1e-7)
 
 
 def test_bypass_loss_refuses_the_segment_level():

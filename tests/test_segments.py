@@ -352,10 +352,10 @@ def _worker(rank, world_size, cp, port, result_dir):
         cols = _columns(cp, cp_rank)
         whole_rows = make_rows(dp_rank)
         old, rollout, mask, ids = (x[:, cols] for x in whole_rows)
-        results = {"dp": _compute(old, rollout, mask, ids, sequence_group=cp_group, process_group=dp_group)}
+        results = {"dp": _compute(old, rollout, mask, ids, parallel=Parallel(dp_group=dp_group, cp_group=cp_group))}
         # the loss on split rows: random inputs drawn for the whole rows, this rank's columns taken
         results["loss"] = {k: (v[0], v[1][:, cols], v[2]) for k, v in _losses(*whole_rows).items()}
-        split = _losses(old, rollout, mask, ids, cols, sequence_group=cp_group)
+        split = _losses(old, rollout, mask, ids, cols, parallel=Parallel(cp_group=cp_group))
         results["loss_split"] = split
         gathers = []
         real = dist.all_gather_into_tensor

@@ -472,8 +472,8 @@ def test_agg_loss_matches_verl(mode, use_global, dp_size):
     if use_global:
         kwargs = dict(dp_size=dp_size, batch_num_tokens=int(mask.sum()) * 3, global_batch_size=6 * 3)
         ours_kwargs = dict(global_num_tokens=int(mask.sum()) * 3, global_num_seqs=6 * 3, dp_size=dp_size)
-    expected = VERL_ALGOS.agg_loss(loss_mat, mask, **kwargs, aggregation=Aggregation(mode))
-    got = rc.agg_loss(loss_mat, mask, **ours_kwargs, aggregation=Aggregation(mode))
+    expected = VERL_ALGOS.agg_loss(loss_mat, mask, loss_agg_mode=mode, **kwargs)
+    got = rc.agg_loss(loss_mat, mask, Aggregation(mode, **ours_kwargs))
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 

@@ -26,6 +26,7 @@ from rollout_correction_core import Aggregation, ClipRange, Parallel, PolicyLoss
 __all__ = ["compute_rollout_correction", "compute_rollout_correction_packed", "compute_offpolicy_metrics",
            "compute_policy_loss", "agg_loss", "ppo_clip_loss", "OffPolicyAccumulator", "CorrectionAccumulator"]
 
+_UNSET = object()
 _TOPOLOGY = {"process_group": "dp_group", "sequence_group": "cp_group"}
 _SEGMENTS = {"segment_ids": "ids", "max_segments": "count"}
 _CLIP = {"clip_ratio_low": "low", "clip_ratio_high": "high", "clip_ratio_c": "dual"}
@@ -132,11 +133,11 @@ def ppo_clip_loss(log_prob, prox_log_prob, advantages, clip=None, **deprecated):
 class _Compute:
     """``compute(parallel)``, and for 0.3.x ``compute(process_group)`` / ``compute(process_group=g)``."""
 
-    def compute(self, parallel=None, *, process_group=None):
+    def compute(self, parallel=None, *, process_group=_UNSET):
         if parallel is not None and not isinstance(parallel, Parallel):  # 0.2: a bare group, positionally
             process_group, parallel = parallel, None
         kw = _migrate(f"{type(self).__name__}.compute",
-                      {} if process_group is None else {"process_group": process_group},
+                      {} if process_group is _UNSET else {"process_group": process_group},
                       {"parallel": parallel}, {"parallel": {"process_group": "dp_group"}})
         return super().compute(kw["parallel"])
 

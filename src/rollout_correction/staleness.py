@@ -213,7 +213,7 @@ def compute_staleness_policy_loss(
       max_staleness, staleness_level: see :func:`max_staleness_mask`.
       num_buckets: buckets of :func:`staleness_metrics`.
       process_group: reduce statistics over this group.
-      loss_kwargs: passed to :func:`compute_policy_loss` (clip ratios, loss_agg_mode, …).
+      loss_kwargs: passed to :func:`compute_policy_loss` (``loss=PolicyLoss(...)``, ``segments``).
 
     Returns:
       (loss, metrics): the core's loss metrics, ``rollout_corr/*`` of π_prox vs π_behav, staleness.

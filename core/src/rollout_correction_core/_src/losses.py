@@ -221,18 +221,11 @@ def policy_loss_term(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advant
                      clip: ClipRange = ClipRange()) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The per-token loss ℓ_t of ``loss_type`` times sg(w_t), 0 outside ``mask``: PPO clip (module
     docstring), ``"reinforce"`` −A_t log π_θ(y_t), and GSPO / CISPO / DPPO / TOPR / rollout-IS
-    (:mod:`~rollout_correction_core._src.policy_losses`); aggregate it with :func:`agg_loss`.
-
-    Args:
-        log_prob: (B, T) log π_θ, with gradient.
-        prox_log_prob: (B, T) the ratio's denominator π_prox (π_old, or π_rollout in bypass mode).
-        advantages: (B, T) advantages.
-        mask: (B, T) bool or 0/1, the tokens in the loss (the response mask after rejection).
-        weights: (B, T) IS weights w_t (None: 1), detached here.
-        loss_type, clip: the term and its ε_lo / ε_hi / c.
-    Returns:
-        (ℓ (B, T), clipped, clipped_lower): the indicators behind ``actor/pg_clipfrac`` /
-        ``actor/pg_clipfrac_lower`` ((B, T) bool; None for REINFORCE; TOPR: (B,) tapered, None).
+    (:mod:`~rollout_correction_core._src.policy_losses`); aggregate it with :func:`agg_loss`. All
+    (B, T): ``log_prob`` log π_θ (with gradient), ``prox_log_prob`` π_prox (π_old, or π_rollout in
+    bypass mode), ``advantages``, ``mask`` the tokens in the loss (after rejection), ``weights`` w_t
+    (None: 1). Returns (ℓ, clipped, clipped_lower): the indicators of ``actor/pg_clipfrac`` /
+    ``actor/pg_clipfrac_lower`` ((B, T) bool; None for REINFORCE; TOPR: (B,) tapered, None).
     """
     check_same([("log_prob", log_prob), ("prox_log_prob", prox_log_prob), ("advantages", advantages),
                 ("mask", mask), ("weights", weights)],
