@@ -146,7 +146,7 @@ def test_policy_loss_types_and_aggregations(loss_type, agg, denominators):
     loss, metrics = rc.compute_policy_loss(
         log_prob, meta(torch.bfloat16), meta(), meta(torch.float32),
         config=RolloutCorrectionConfig.from_dict(settings), rollout_log_prob=meta(torch.bfloat16),
-        **GLOBALS[denominators], loss=PolicyLoss(aggregation=Aggregation(agg)))
+        loss=PolicyLoss(aggregation=Aggregation(agg, **GLOBALS[denominators])))
     _check_loss(loss, metrics, log_prob)
 
 
