@@ -35,6 +35,7 @@ from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the enumerable toy lives with its tests
 from toy import (enumerate_sequences, exact_policy_gradient, perturb, random_logits,
                                     scaled_advantages, sequence_log_probs, token_log_probs)
+from rollout_correction import Aggregation, ClipRange, PolicyLoss
 
 N_BATCH = 256
 
@@ -81,9 +82,9 @@ def gradients(cfg, space, theta, old, mu, adv, rows=None):
         mode = "token-sum"
     nan = math.nan
     loss, _ = compute_policy_loss(
-        token_log_probs(th, space, fill=nan), token_log_probs(old, space, fill=nan), scaled, space.mask, config=cfg,
-        rollout_log_prob=None if cfg is None else token_log_probs(mu, space, fill=nan),
-        clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode=mode)
+        token_log_probs(th, space, fill=nan), token_log_probs(old, space, fill=nan), scaled, space.mask,
+        config=cfg, rollout_log_prob=None if cfg is None else token_log_probs(mu, space, fill=nan),
+        loss=PolicyLoss(clip=ClipRange(low=0.2, high=0.2, dual=3.0), aggregation=Aggregation(mode)))
     (g,) = torch.autograd.grad(loss, th)
     return -g
 

@@ -20,6 +20,7 @@ from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the enumerable toy lives with its tests
 from toy import (enumerate_sequences, exact_policy_gradient, perturb, random_logits,
                                     scaled_advantages, sequence_log_probs, token_log_probs)
+from rollout_correction import Aggregation, ClipRange, PolicyLoss
 
 
 def bias_table(seeds: int = 5, mismatch: float = 0.3) -> None:
@@ -48,7 +49,9 @@ def bias_table(seeds: int = 5, mismatch: float = 0.3) -> None:
                 token_log_probs(theta, space), token_log_probs(old, space),
                 scaled_advantages(adv, sequence_log_probs(mu, space), space), space.mask, config=cfg,
                 rollout_log_prob=None if cfg is None else token_log_probs(mu, space),
-                clip_ratio_low=1e6, clip_ratio_high=1e6, clip_ratio_c=1e9, loss_agg_mode="seq-mean-token-sum")
+                loss=PolicyLoss(
+                    clip=ClipRange(low=1e6, high=1e6, dual=1e9),
+                    aggregation=Aggregation("seq-mean-token-sum")))
             (grad,) = torch.autograd.grad(-loss, theta)
             errors[name].append(float((grad - exact).norm() / exact.norm()))
     print(f"V=3, T=3 (B={space.batch_size}), μ = π_old + N(0, {mismatch}²) logits, {seeds} seeds; "

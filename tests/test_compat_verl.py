@@ -26,6 +26,7 @@ require_verl()
 
 import rollout_correction.compat.verl as compat  # noqa: E402
 from test_verl_parity import make_batch  # noqa: E402
+from rollout_correction import Segments
 
 VERL = load_verl_rollout_corr_helper()
 VerlConfig = load_verl_algorithm_config().RolloutCorrectionConfig
@@ -280,7 +281,8 @@ def test_add_to_batch_reads_segment_ids_from_the_batch():
     batch = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
                                          "segment_ids": ids})
     ours, metrics = compat.compute_rollout_correction_and_add_to_batch(batch, cfg)
-    direct = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**cfg), segment_ids=ids)
+    direct = compute_rollout_correction(
+        old, rollout, mask, config=RolloutCorrectionConfig(**cfg), segments=Segments(ids))
     assert torch.equal(ours.batch["response_mask"], direct.response_mask)
     torch.testing.assert_close(ours.batch["rollout_is_weights"], direct.weights)
     key = "rollout_corr/rollout_is_seq_mean"

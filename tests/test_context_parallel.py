@@ -39,6 +39,7 @@ from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metri
 from rollout_correction_core._src.losses import LOSS_AGG_MODES, agg_loss
 from rollout_correction_core._src.packed import compute_rollout_correction_packed
 from test_distributed import CONFIGS, _free_port, init_dp_cp
+from rollout_correction import Aggregation, Parallel, PolicyLoss
 
 ROWS = 7  # per data-parallel rank
 LENGTH = 19
@@ -105,22 +106,27 @@ def compute_all(old, rollout, mask, log_prob, adv, names, losses, *, sequence_gr
     """Everything compared, for one call site."""
     out = {}
     for name in names:
-        res = compute_rollout_correction(old, rollout, mask, config=config(name), process_group=process_group,
-                                         sequence_group=sequence_group)
+        res = compute_rollout_correction(
+            old, rollout, mask, config=config(name),
+            parallel=Parallel(dp_group=process_group, cp_group=sequence_group))
         out[name] = (res.weights, res.response_mask, res.metrics_as_floats())
-    offpolicy = compute_offpolicy_metrics(old, rollout, mask, process_group=process_group, sequence_group=sequence_group)
+    offpolicy = compute_offpolicy_metrics(
+        old, rollout, mask, parallel=Parallel(dp_group=process_group, cp_group=sequence_group))
     out["offpolicy"] = (None, mask, {k: float(v) for k, v in offpolicy.items()})
     for mode in LOSS_AGG_MODES:
         for name in losses:
             lp = log_prob.clone().requires_grad_(True)
             loss, metrics = compute_policy_loss(
-                lp, old, adv, mask, config=config(name), rollout_log_prob=rollout, loss_agg_mode=mode,
-                loss_scale_factor=LENGTH, process_group=process_group, sequence_group=sequence_group)
+                lp, old, adv, mask, config=config(name), rollout_log_prob=rollout,
+                parallel=Parallel(dp_group=process_group, cp_group=sequence_group),
+                loss=PolicyLoss(aggregation=Aggregation(mode, scale_factor=LENGTH)))
             loss.backward()
             out[f"loss/{name}/{mode}"] = (float(loss.detach()), lp.grad.clone(),
                                           {k: float(v) for k, v in metrics.items()})
         lm = (log_prob - old.nan_to_num(0.0)) * adv
-        out[f"agg/{mode}"] = float(agg_loss(lm, mask, loss_agg_mode=mode, loss_scale_factor=LENGTH, sequence_group=sequence_group))
+        out[f"agg/{mode}"] = float(agg_loss(
+            lm, mask, parallel=Parallel(cp_group=sequence_group),
+            aggregation=Aggregation(mode, scale_factor=LENGTH)))
     return out
 
 
@@ -174,16 +180,16 @@ def _worker(rank, world_size, cp, names, losses, thorough, port, result_dir):
                 lp, old_, adv_, mask_, rollout_ = tensors
                 lp = lp.clone().requires_grad_(True)
                 loss, _ = compute_policy_loss(lp, old_, adv_, mask_, config=cfg, rollout_log_prob=rollout_,
-                                              loss_agg_mode="seq-mean-token-mean", process_group=pg,
-                                              sequence_group=cp_group)
+                                              parallel=Parallel(dp_group=pg, cp_group=cp_group),
+                                              loss=PolicyLoss(aggregation=Aggregation("seq-mean-token-mean")))
                 loss.backward()
 
             for pg_name, pg in (("dp", dp_group), ("dp_cp", dist.group.WORLD), ("none", None)):
                 steady((layout, pg_name, "calls/correction"), pg, lambda: compute_rollout_correction(
-                    old, rollout, mask, config=cfg, process_group=pg, sequence_group=cp_group))
+                    old, rollout, mask, config=cfg, parallel=Parallel(dp_group=pg, cp_group=cp_group)))
                 steady((layout, pg_name, "calls/loss"), pg, lambda: loss_call(pg, log_prob, old, adv, mask, rollout))
-            steady((layout, "calls/agg"), None, lambda: agg_loss(log_prob * mask, mask, loss_agg_mode="seq-mean-token-mean",
-                                                                 sequence_group=cp_group))
+            steady((layout, "calls/agg"), None, lambda: agg_loss(
+                log_prob * mask, mask, parallel=Parallel(cp_group=cp_group), aggregation=Aggregation("seq-mean-token-mean")))
             # The same calls on rows four times as long (the extra columns are padding): the
             # sequence group's collective must send the same number of scalars.
             extra = 3 * LENGTH
@@ -191,7 +197,7 @@ def _worker(rank, world_size, cp, names, losses, thorough, port, result_dir):
                     for t, fill in ((old, float("nan")), (rollout, -float("inf")), (mask, 0.0), (log_prob, 0.0),
                                     (adv, 0.0))]
             steady((layout, "dp", "calls/correction_long"), dp_group, lambda: compute_rollout_correction(
-                *long[:3], config=cfg, process_group=dp_group, sequence_group=cp_group))
+                *long[:3], config=cfg, parallel=Parallel(dp_group=dp_group, cp_group=cp_group)))
             steady((layout, "dp", "calls/loss_long"), dp_group,
                    lambda: loss_call(dp_group, long[3], long[0], long[4], long[2], long[1]))
             # packed: this rank's tokens of each row, flat
@@ -202,8 +208,8 @@ def _worker(rank, world_size, cp, names, losses, thorough, port, result_dir):
                 del calls[:]
                 res = compute_rollout_correction_packed(
                     flat[0].reshape(-1), flat[1].reshape(-1), config=config("decoupled_k3_rs_seq_tis"),
-                    lengths=lengths, response_mask=flat[2].reshape(-1), process_group=dp_group,
-                    sequence_group=cp_group)
+                    lengths=lengths, response_mask=flat[2].reshape(-1),
+                    parallel=Parallel(dp_group=dp_group, cp_group=cp_group))
             results[(layout, "dp", "calls/packed")] = summarize(calls, cp_group, dp_group)
             results[(layout, "packed")] = (res.weights.reshape(ROWS, -1), res.response_mask.reshape(ROWS, -1),
                                            res.metrics_as_floats())
@@ -228,19 +234,23 @@ def setup_errors(rank, cp, cp_group, rows):
     old, rollout, mask = take(rows[0], cols, float("nan")), take(rows[1], cols, 0.0), take(rows[2], cols, 0.0)
     out = {
         "alignment": _error(lambda: compute_rollout_correction(
-            old, rollout, mask, config=dict(rollout_is="token", check_alignment=True), sequence_group=cp_group)),
-        "sum_norm": _error(lambda: agg_loss(old.nan_to_num(0.0), mask, loss_agg_mode="seq-mean-token-sum-norm",
-                                            sequence_group=cp_group)),
+            old, rollout, mask, config=dict(rollout_is="token", check_alignment=True),
+            parallel=Parallel(cp_group=cp_group))),
+        "sum_norm": _error(lambda: agg_loss(
+            old.nan_to_num(0.0), mask, parallel=Parallel(cp_group=cp_group),
+            aggregation=Aggregation("seq-mean-token-sum-norm"))),
         # data-parallel rank 0 holds a NaN at a valid position (column LENGTH − 3)
-        "opsm": _error(lambda: compute_policy_loss(old.nan_to_num(0.0), old, mask, mask, config=config("decoupled_token_is_opsm"),
-                                                   rollout_log_prob=rollout, sequence_group=cp_group)),
+        "opsm": _error(lambda: compute_policy_loss(
+            old.nan_to_num(0.0), old, mask, mask, config=config("decoupled_token_is_opsm"),
+            rollout_log_prob=rollout, parallel=Parallel(cp_group=cp_group))),
         "raise": _error(lambda: compute_rollout_correction(
-            old, rollout, mask, config=dict(rollout_is="token", on_nonfinite="raise"), sequence_group=cp_group)),
+            old, rollout, mask, config=dict(rollout_is="token", on_nonfinite="raise"),
+            parallel=Parallel(cp_group=cp_group))),
     }
     partial = dist.new_group([0, 1, 3, 4]) if cp == 3 else None  # holds ranks 0, 1 of CP group {0, 1, 2}
     if rank == 0 and partial is not None:
-        out["partial"] = _error(lambda: compute_rollout_correction(old, rollout, mask, process_group=partial,
-                                                                   sequence_group=cp_group))
+        out["partial"] = _error(lambda: compute_rollout_correction(
+            old, rollout, mask, parallel=Parallel(dp_group=partial, cp_group=cp_group)))
     return out
 
 

@@ -42,6 +42,7 @@ from typing import get_args
 import rollout_correction as rc
 from rollout_correction import CorrectionOutput, RolloutCorrectionConfig, metrics_to_floats
 from rollout_correction_core._src.config import _BYPASS_ONLY_LOSSES, RS_OPTIONS, IsLevel, LossType
+from rollout_correction import Parallel
 
 pytestmark = pytest.mark.cuda
 
@@ -153,13 +154,16 @@ def loss_inputs(dtype=torch.float32, seed=1):
     return log_prob, old, rollout, adv, mask, weights
 
 
-def run_loss(inputs, device, cfg, *, given_weights=False, with_rollout=True, **kwargs):
+def run_loss(inputs, device, cfg, *, given_weights=False, with_rollout=True, loss_agg_mode="token-mean",
+             sequence_group=None, **counts):
     log_prob, old, rollout, adv, mask, weights = (t.to(device) for t in inputs)
     log_prob = log_prob.detach().requires_grad_(True)
     extra = {"rollout_is_weights": weights} if given_weights else {}
     if with_rollout:
         extra["rollout_log_prob"] = rollout
-    loss, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, config=cfg, **extra, **kwargs)
+    loss, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, config=cfg, **extra,
+                                           loss=rc.PolicyLoss(aggregation=rc.Aggregation(loss_agg_mode, **counts)),
+                                           parallel=rc.Parallel(cp_group=sequence_group))
     loss.backward()
     return loss, log_prob.grad, metrics
 
@@ -315,9 +319,9 @@ def test_context_parallel_matches_and_does_not_sync(name, nccl_group):
     cfg = RolloutCorrectionConfig.from_preset(name)
     batch = to_cuda(*make_batch(mask_dtype=torch.float32))
     ref = rc.compute_rollout_correction(*batch, config=cfg)
-    rc.compute_rollout_correction(*batch, config=cfg, sequence_group=nccl_group).metrics_as_floats()  # communicator
+    rc.compute_rollout_correction(*batch, config=cfg, parallel=Parallel(cp_group=nccl_group)).metrics_as_floats()  # communicator
     with sync_error():
-        got = rc.compute_rollout_correction(*batch, config=cfg, sequence_group=nccl_group)
+        got = rc.compute_rollout_correction(*batch, config=cfg, parallel=Parallel(cp_group=nccl_group))
         dict(got.metrics)
     assert torch.equal(got.response_mask, ref.response_mask)
     if ref.weights is not None:
@@ -372,10 +376,12 @@ def _check_cuda_against_cpu(cfg, tag, *, segments: bool, process_group=None):
     ref = rc.compute_rollout_correction(*batch, config=cfg, **seg)
     dev = to_cuda(*batch)
     dev_seg = {k: (v.to(cuda()) if isinstance(v, torch.Tensor) else v) for k, v in seg.items()}
-    got = rc.compute_rollout_correction(*dev, config=cfg, process_group=process_group, **dev_seg)
+    got = rc.compute_rollout_correction(
+        *dev, config=cfg, **dev_seg, parallel=Parallel(dp_group=process_group))
     assert_same_as_cpu(got, ref, tag)
     with sync_error():  # the first call agreed on the layout (and may have read the host); this one may not
-        again = rc.compute_rollout_correction(*dev, config=cfg, process_group=process_group, **dev_seg)
+        again = rc.compute_rollout_correction(
+            *dev, config=cfg, **dev_seg, parallel=Parallel(dp_group=process_group))
         dict(again.metrics)
     assert torch.equal(again.response_mask, got.response_mask)
 

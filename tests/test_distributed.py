@@ -26,6 +26,7 @@ from rollout_correction import (
     compute_policy_loss,
     compute_rollout_correction,
 )
+from rollout_correction import Aggregation, Parallel, PolicyLoss
 
 ROWS = 13
 LENGTH = 17
@@ -91,24 +92,31 @@ def compute_all(old, rollout, mask, log_prob, adv, group, global_tokens=None, gl
     out = {}
     for name, settings in CONFIGS.items():
         cfg = RolloutCorrectionConfig.from_dict(settings)
-        res = compute_rollout_correction(old, rollout, mask, config=cfg, process_group=group)
+        res = compute_rollout_correction(old, rollout, mask, config=cfg, parallel=Parallel(dp_group=group))
         out[f"{name}/metrics"] = {k: float(v) for k, v in res.metrics_as_floats().items()}
         out[f"{name}/weights"] = None if res.weights is None else res.weights.clone()
         out[f"{name}/mask"] = res.response_mask.clone()
-    out["offpolicy"] = {k: float(v) for k, v in compute_offpolicy_metrics(old, rollout, mask, process_group=group).items()}
+    out["offpolicy"] = {k: float(v) for k, v in compute_offpolicy_metrics(
+        old, rollout, mask, parallel=Parallel(dp_group=group)).items()}
     cfg = RolloutCorrectionConfig.decoupled_token_is()
-    weights = compute_rollout_correction(old, rollout, mask, config=cfg, process_group=group).weights
+    weights = compute_rollout_correction(old, rollout, mask, config=cfg, parallel=Parallel(dp_group=group)).weights
     for mode in AGG_MODES:
         lp = log_prob.clone().requires_grad_(True)
-        loss, _ = compute_policy_loss(lp, old, adv, mask, config=cfg, rollout_is_weights=weights, loss_agg_mode=mode,
-                                      global_num_tokens=global_tokens, global_num_seqs=global_seqs)
+        loss, _ = compute_policy_loss(
+            lp, old, adv, mask, config=cfg, rollout_is_weights=weights,
+            loss=PolicyLoss(
+                aggregation=Aggregation(mode, global_num_tokens=global_tokens, global_num_seqs=global_seqs)))
         loss.backward()
         out[f"loss/{mode}"] = float(loss.detach())
         out[f"grad/{mode}"] = lp.grad.clone()
         lp = log_prob.clone().requires_grad_(True)  # rejected tokens stay in the denominators
-        loss, _ = compute_policy_loss(lp, old, adv, mask, config=RolloutCorrectionConfig.from_dict(
-            CONFIGS["rs_valid_denominator"]), rollout_log_prob=rollout, loss_agg_mode=mode, process_group=group,
-            global_num_tokens=global_tokens, global_num_seqs=global_seqs)
+        loss, _ = compute_policy_loss(
+            lp, old, adv, mask,
+            config=RolloutCorrectionConfig.from_dict(
+            CONFIGS["rs_valid_denominator"]),
+            rollout_log_prob=rollout, parallel=Parallel(dp_group=group),
+            loss=PolicyLoss(
+                aggregation=Aggregation(mode, global_num_tokens=global_tokens, global_num_seqs=global_seqs)))
         loss.backward()
         out[f"loss_valid/{mode}"] = float(loss.detach())
         out[f"grad_valid/{mode}"] = lp.grad.clone()

@@ -54,6 +54,7 @@ from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, compute
 from rollout_correction_core._src.config import _BYPASS_ONLY_LOSSES, RS_OPTIONS, IsLevel, IsMode, LossDenominator, LossType
 from rollout_correction_core._src.vocab import LEGACY_RS, ConfigError
 from test_distributed import _free_port
+from rollout_correction import Aggregation, ClipRange, Parallel, PolicyLoss, Segments
 
 torch.set_num_threads(1)
 
@@ -178,17 +179,21 @@ def _t(a) -> Optional[torch.Tensor]:
 def _calls(arrays: dict, config: dict, loss_config: dict, loss: dict, process_group, sequence_group) -> dict:
     """The correction and the policy loss (with its gradient) for one batch or shard."""
     old, rollout, mask, log_prob, adv = (_t(arrays[k]) for k in ("old", "rollout", "mask", "log_prob", "adv"))
-    seg = dict(segment_ids=_t(arrays["segment_ids"]), max_segments=arrays["max_segments"])
+    ids = _t(arrays["segment_ids"])
+    seg = dict(segments=None if ids is None else Segments(ids, count=arrays["max_segments"]))
+    settings = PolicyLoss(ClipRange(loss["clip_ratio_low"], loss["clip_ratio_high"], loss["clip_ratio_c"]),
+                          Aggregation(loss["loss_agg_mode"], loss.get("global_num_tokens"), loss.get("global_num_seqs"),
+                                      scale_factor=loss.get("loss_scale_factor")))
     cfg = RolloutCorrectionConfig.from_dict(config)
     train = log_prob if cfg.bypass_mode else old  # the sides the loss's own correction compares
-    res = compute_rollout_correction(train, rollout, mask, config=cfg, process_group=process_group,
-                                     sequence_group=sequence_group, advantages=adv if arrays["with_adv"] else None,
-                                     **seg)
+    res = compute_rollout_correction(
+        train, rollout, mask, config=cfg, **seg, advantages=adv if arrays["with_adv"] else None,
+        parallel=Parallel(dp_group=process_group, cp_group=sequence_group))
     out = {"weights": _np(res.weights), "mask": _np(res.response_mask), "metrics": res.metrics_as_floats()}
     lp = log_prob.clone().requires_grad_(True)
-    value, metrics = compute_policy_loss(lp, old, adv, mask, config=RolloutCorrectionConfig.from_dict(loss_config),
-                                         rollout_log_prob=rollout, process_group=process_group,
-                                         sequence_group=sequence_group, **loss, **seg)
+    value, metrics = compute_policy_loss(
+        lp, old, adv, mask, config=RolloutCorrectionConfig.from_dict(loss_config), rollout_log_prob=rollout,
+        loss=settings, **seg, parallel=Parallel(dp_group=process_group, cp_group=sequence_group))
     value.backward()
     out["loss"] = float(value.detach())
     out["grad"] = _np(lp.grad)

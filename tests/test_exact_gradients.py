@@ -22,6 +22,7 @@ from rollout_correction import RolloutCorrectionConfig, compute_policy_loss
 from toy import (SequenceSpace, enumerate_sequences, exact_policy_gradient, perturb,
                                     random_logits, scaled_advantages, sequence_log_probs, token_log_probs,
                                     token_scores)
+from rollout_correction import Aggregation, ClipRange, PolicyLoss, Segments
 
 RTOL = 1e-5
 INF = float("inf")
@@ -81,13 +82,15 @@ def toy(request) -> Toy:
 
 
 def library_gradient(toy: Toy, cfg, log_prob_logits=None, old_logits=None, rollout_logits="mu",
-                     loss_agg_mode="seq-mean-token-sum", **kwargs) -> torch.Tensor:
+                     loss_agg_mode="seq-mean-token-sum", clip=ClipRange(), segments=None, rollout_is_weights=None,
+                     **counts) -> torch.Tensor:
     """−∇_θ of the library's loss, with advantages A(y)·μ(y)·B."""
     theta = (toy.theta if log_prob_logits is None else log_prob_logits).clone().requires_grad_(True)
     rollout = toy.mu if rollout_logits == "mu" else rollout_logits
     loss, _ = compute_policy_loss(
-        toy.lp(theta), None if old_logits is None else toy.lp(old_logits), toy.scaled_adv, toy.mask, config=cfg,
-        rollout_log_prob=None if rollout is None else toy.lp(rollout), loss_agg_mode=loss_agg_mode, **kwargs)
+        toy.lp(theta), None if old_logits is None else toy.lp(old_logits), toy.scaled_adv, toy.mask,
+        config=cfg, rollout_log_prob=None if rollout is None else toy.lp(rollout), rollout_is_weights=rollout_is_weights,
+        loss=PolicyLoss(clip, Aggregation(loss_agg_mode, **counts)), segments=segments)
     (grad,) = torch.autograd.grad(loss, theta)
     assert torch.isfinite(grad).all()
     return -grad
@@ -379,9 +382,9 @@ def test_segment_is_with_one_segment_per_row_is_the_on_policy_gradient(toy):
     exact = exact_policy_gradient(toy.theta, toy.space, toy.adv)
     assert_grad(library_gradient(toy, cfg), exact)  # no segment ids: a row is one segment
     one = torch.full_like(turns(toy), 3)
-    assert_grad(library_gradient(toy, cfg, segment_ids=one, max_segments=4), exact)
+    assert_grad(library_gradient(toy, cfg, segments=Segments(one, count=4)), exact)
     # One segment per token: the token-level estimator, not the on-policy gradient.
-    per_token = library_gradient(toy, cfg, segment_ids=torch.arange(toy.space.horizon).expand_as(one))
+    per_token = library_gradient(toy, cfg, segments=Segments(torch.arange(toy.space.horizon).expand_as(one)))
     expected = from_coefficients(toy, per_row(toy.seq_prob(toy.mu) * toy.adv, toy) * _is_quantities(toy)[0])
     assert_grad(per_token, expected)
     assert rel_err(per_token, exact) > 1e-2
@@ -464,7 +467,7 @@ def test_bypass_reinforce_segment_variant_matches_its_formula(toy, name):
         # some rows lose a turn but keep another: the decision is per segment, not per row
         assert (keep_tok.any(-1) & (valid & ~keep_tok).any(-1)).any()
     expected = from_coefficients(toy, torch.where(keep_tok, coef * B / K, 0.0))
-    assert_grad(library_gradient(toy, cfg, segment_ids=turns(toy)), expected)
+    assert_grad(library_gradient(toy, cfg, segments=Segments(turns(toy))), expected)
     assert rel_err(expected, exact_policy_gradient(toy.theta, toy.space, toy.adv)) > 1e-2
 
 
@@ -514,7 +517,7 @@ def test_ppo_clip_gradient_matches_the_clipped_surrogate(toy, name):
     rho_t = (old_tok - mu_tok).exp()
     valid = toy.mask
     ones = torch.ones_like(rho_t)
-    kwargs = dict(clip_ratio_low=EPS_LO, clip_ratio_high=EPS_HI, clip_ratio_c=CLIP_C)
+    kwargs = dict(clip=ClipRange(EPS_LO, EPS_HI, CLIP_C))
     keep = valid
     if name == "decoupled-token-TIS":
         C = between(rho_t, 0.6, valid)
@@ -551,7 +554,7 @@ def test_ppo_clip_gradient_matches_the_clipped_surrogate(toy, name):
 # ---------------------------------------------------------------------------------------------
 # 4. The motivating claim: naive PPO is biased; decoupled sequence IS is exact (at θ = π_old)
 
-NO_CLIP = dict(clip_ratio_low=1e6, clip_ratio_high=1e6, clip_ratio_c=1e9)
+NO_CLIP = dict(clip=ClipRange(1e6, 1e6, 1e9))
 
 
 @pytest.mark.parametrize("space_name", list(SPACES))

@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_correction import RolloutCorrectionConfig
+from rollout_correction import ClipRange, RolloutCorrectionConfig
 from toy import exact_policy_gradient
 from test_exact_gradients import (CLIP_C, EPS_HI, EPS_LO, SPACES, assert_grad, between, from_coefficients,
                                   library_gradient, make_toy, per_row, rel_err)
 
-CLIP = dict(clip_ratio_low=EPS_LO, clip_ratio_high=EPS_HI, clip_ratio_c=CLIP_C)
+CLIP = dict(clip=ClipRange(EPS_LO, EPS_HI, CLIP_C))
 
 
 @pytest.fixture(params=list(SPACES))
@@ -76,8 +76,7 @@ def test_dppo_decoupled_token_tis(toy, divergence):
     assert (valid & ~inside).any() and inside.any() and truncated.any()
     coef = per_row(d["mu_y"], toy) * d["w_tok"] * d["r"].clamp(max=CLIP_C) * A * inside
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=d["C"], loss_type=f"dppo_{divergence}")
-    actual = library_gradient(toy, cfg, old_logits=toy.old, clip_ratio_low=eps, clip_ratio_high=eps,
-                              clip_ratio_c=CLIP_C)
+    actual = library_gradient(toy, cfg, old_logits=toy.old, clip=ClipRange(eps, eps, CLIP_C))
     assert_grad(actual, from_coefficients(toy, coef))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_correction import RolloutCorrectionConfig
+from rollout_correction import ClipRange, RolloutCorrectionConfig
 from test_exact_gradients import (SPACES, assert_grad, between, from_coefficients, library_gradient, make_toy,
                                   per_row, rel_err)
 from toy import exact_policy_gradient
@@ -38,7 +38,7 @@ def test_rollout_is(toy):
     assert (inside & valid).any() and (~inside & valid).any()
     expected = from_coefficients(toy, muA * r * inside)
     actual = library_gradient(toy, RolloutCorrectionConfig.bypass_rollout_is(), rollout_logits="mu",
-                              clip_ratio_low=1 - lo, clip_ratio_high=hi - 1)
+                              clip=ClipRange(1 - lo, hi - 1))
     assert_grad(actual, expected)
     assert rel_err(expected, exact_policy_gradient(toy.theta, toy.space, toy.adv)) > 1e-2
 
@@ -49,8 +49,7 @@ def test_cispo_anchored_on_the_rollout_policy(toy):
     lo, hi = between(r, 0.2, valid), between(r, 0.8, valid)
     clipped = r.clamp(lo, hi)
     assert ((clipped != r) & valid).any()
-    actual = library_gradient(toy, RolloutCorrectionConfig.bypass_cispo(), clip_ratio_low=1 - lo,
-                              clip_ratio_high=hi - 1)
+    actual = library_gradient(toy, RolloutCorrectionConfig.bypass_cispo(), clip=ClipRange(1 - lo, hi - 1))
     assert_grad(actual, from_coefficients(toy, muA * clipped))
 
 

@@ -32,6 +32,7 @@ from rollout_correction.advantages import group_advantages
 from rollout_correction_core._src.alignment import alignment_metrics, alignment_statistics
 from rollout_correction.staleness import compute_staleness_policy_loss
 from rollout_correction.supports import renormalized_log_probs
+from rollout_correction import Aggregation, PolicyLoss, Segments
 
 try:  # log-ratios of magnitude ≥ this are treated as non-finite by the core
     from rollout_correction_core._src.logratio import NONFINITE_SENTINEL
@@ -205,7 +206,7 @@ def check_policy_loss(data):
         bad |= valid & _nonfinite(old.float() - roll.float())
     bad_rows = bad.any(-1)
     kwargs = dict(rollout_log_prob=roll if use_rollout else None, rollout_is_weights=weights,
-                  loss_agg_mode=agg)
+                  loss=PolicyLoss(aggregation=Aggregation(agg)))
     if cfg.on_nonfinite == "raise" and bool(bad_rows.any()):
         with pytest.raises(ValueError, match="non-finite"):
             compute_policy_loss(log_prob, old, adv, mask, config=cfg, **kwargs)
@@ -383,13 +384,13 @@ def check_segments(data):
         ids = torch.where(mask != 0, ids, 0)  # (the garbage does not fit a narrower type)
     cfg = RolloutCorrectionConfig.from_dict(data.draw(st.sampled_from(SEGMENT_CONFIGS)))
     cfg = cfg.replace(on_nonfinite=data.draw(st.sampled_from(["reject", "raise"])))
-    kw = dict(segment_ids=ids, max_segments=S)
+    kw = dict(segments=Segments(ids, count=S))
     if B * T and (mask != 0).any() and data.draw(st.booleans()):  # one bad id at a valid position
         b, t = (mask != 0).nonzero()[data.draw(st.integers(0, int((mask != 0).sum()) - 1))].tolist()
         bad_ids = ids.clone()
         bad_ids[b, t] = data.draw(st.sampled_from([-1, top, top + 7]))
         with pytest.raises(ValueError, match="segment id"):
-            compute_rollout_correction(old, roll, mask, config=cfg, segment_ids=bad_ids, max_segments=S)
+            compute_rollout_correction(old, roll, mask, config=cfg, segments=Segments(bad_ids, count=S))
     bad = _bad_rows(old, roll, mask)
     if cfg.on_nonfinite == "raise" and bool(bad.any()):
         with pytest.raises(ValueError, match="non-finite"):

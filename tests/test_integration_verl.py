@@ -18,6 +18,7 @@ from verl_reference import _import, load_verl_core_algos, load_verl_rollout_corr
 
 from rollout_correction import RolloutCorrectionConfig
 from rollout_correction.integrations import verl as rc_verl
+from rollout_correction import Aggregation, ClipRange, PolicyLoss
 
 torch.set_num_threads(1)
 
@@ -268,9 +269,10 @@ def test_loss_denominator_in_verls_loss_call():
     for denominator in ("kept", "valid"):
         cfg = _actor_config({}, rollout_correction={**rc, "loss_denominator": denominator})
         out[denominator] = _loss_and_grad(fn, log_prob, adv, mask, "seq-mean-token-mean", cfg, old=rollout)[0]
-        direct, _ = compute_policy_loss(log_prob.detach(), None, adv, mask, rollout_log_prob=rollout,
-                                        loss_agg_mode="seq-mean-token-mean", clip_ratio_high=0.28,
-                                        config=RolloutCorrectionConfig(**rc, loss_denominator=denominator))
+        direct, _ = compute_policy_loss(
+            log_prob.detach(), None, adv, mask, rollout_log_prob=rollout,
+            config=RolloutCorrectionConfig(**rc, loss_denominator=denominator),
+            loss=PolicyLoss(clip=ClipRange(high=0.28), aggregation=Aggregation("seq-mean-token-mean")))
         torch.testing.assert_close(out[denominator], direct, rtol=1e-5, atol=1e-7)
     assert not torch.allclose(out["kept"], out["valid"])
     cfg = _actor_config({}, rollout_correction={"rollout_is": "token", "rollout_is_threshold": 2.0,

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from rollout_correction_core._src.stats import LayoutMismatchError, SufficientStats
 from test_distributed import _free_port, init_gloo
+from rollout_correction import Parallel, Segments
 
 # ----------------------------------------------------------------------------------------- units
 
@@ -159,9 +160,10 @@ def _layout_rows(layout):
 
 def _run(name, rows, ids_given=True, group=None):
     old, rollout, mask, ids = (x[rows] for x in make_batch())
-    res = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**CONFIGS[name]),
-                                     process_group=group, segment_ids=ids if ids_given else None,
-                                     max_segments=MAXSEG if ids_given else None)
+    res = compute_rollout_correction(
+        old, rollout, mask, config=RolloutCorrectionConfig(**CONFIGS[name]),
+        parallel=Parallel(dp_group=group),
+        segments=Segments(ids, count=MAXSEG) if ids_given else None)
     return {"weights": res.weights, "mask": res.response_mask, "floats": res.metrics_as_floats(),
             "tensors": {k: float(v) for k, v in dict(res.metrics).items()}}
 
@@ -175,8 +177,9 @@ def _worker(rank, world, port, out_dir):
         mine = dict(CONFIGS["segment_is"], rollout_is_mode="mask") if rank == 2 else CONFIGS["segment_is"]
         old, rollout, mask, ids = make_batch()
         try:
-            compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**mine),
-                                       process_group=dist.group.WORLD, segment_ids=ids, max_segments=MAXSEG)
+            compute_rollout_correction(
+                old, rollout, mask, config=RolloutCorrectionConfig(**mine),
+                parallel=Parallel(dp_group=dist.group.WORLD), segments=Segments(ids, count=MAXSEG))
             results["error"] = None
         except LayoutMismatchError as e:
             results["error"] = str(e)

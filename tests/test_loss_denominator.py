@@ -26,6 +26,7 @@ import torch
 import openrlhf_reference as ref
 from rollout_correction import ConfigError, RolloutCorrectionConfig, compute_policy_loss
 from rollout_correction_core._src.losses import LOSS_AGG_MODES, agg_loss
+from rollout_correction import Aggregation, PolicyLoss
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 7.0]])
 KEPT = torch.tensor([[1, 0, 1], [0, 0, 0]], dtype=torch.bool)
@@ -37,8 +38,8 @@ BY_HAND = {"token-mean": (2.0, 0.8), "token-sum": (4.0, 4.0), "seq-mean-token-su
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_agg_loss_by_hand(mode):
     kept, valid = BY_HAND[mode]
-    assert agg_loss(LOSS, KEPT, loss_agg_mode=mode).item() == pytest.approx(kept)
-    assert agg_loss(LOSS, KEPT, loss_agg_mode=mode, count_mask=VALID).item() == pytest.approx(valid)
+    assert agg_loss(LOSS, KEPT, aggregation=Aggregation(mode)).item() == pytest.approx(kept)
+    assert agg_loss(LOSS, KEPT, count_mask=VALID, aggregation=Aggregation(mode)).item() == pytest.approx(valid)
 
 
 def _batch(B=6, T=7, seed=0, scale=0.6):
@@ -58,8 +59,8 @@ def _ours(batch, denominator, mode, rs="token_k1", thr="0.6_1.6", **kw):
     lp = lp.detach().clone().requires_grad_(True)
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1e9, rollout_rs=rs,
                                   rollout_rs_threshold=thr, loss_denominator=denominator)
-    loss, metrics = compute_policy_loss(lp, old, adv, mask, config=cfg, rollout_log_prob=rollout,
-                                        loss_agg_mode=mode, **kw)
+    loss, metrics = compute_policy_loss(
+        lp, old, adv, mask, config=cfg, rollout_log_prob=rollout, loss=PolicyLoss(aggregation=Aggregation(mode, **kw)))
     loss.backward()
     return loss, lp.grad, metrics
 

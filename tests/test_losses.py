@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from rollout_correction_core import (LOSS_AGG_MODES, RolloutCorrectionConfig, agg_loss, compute_policy_loss,
-                                     ppo_clip_loss)
+from rollout_correction_core import (LOSS_AGG_MODES, Aggregation, ClipRange, PolicyLoss, RolloutCorrectionConfig, agg_loss,
+                                     compute_policy_loss, ppo_clip_loss)
 
 NAN = float("nan")
 
@@ -38,8 +38,7 @@ def test_ppo_clip_asymmetric_range_and_dual_constant():
     prox = torch.zeros(1, 3)
     log_prob = torch.tensor([[math.log(1.25), math.log(0.5), math.log(10.0)]])
     adv = torch.tensor([[1.0, -1.0, -1.0]])
-    loss, _, dual = ppo_clip_loss(log_prob, prox, adv, clip_ratio_low=0.1, clip_ratio_high=0.3,
-                                  clip_ratio_c=5.0)
+    loss, _, dual = ppo_clip_loss(log_prob, prox, adv, clip=ClipRange(low=0.1, high=0.3, dual=5.0))
     # 1.25 lies inside [0.9, 1.3]; 0.5 → max(0.5, 0.9) = 0.9; 10 → min(5, max(10, 1.3)) = 5.
     torch.testing.assert_close(loss, torch.tensor([[-1.25, 0.9, 5.0]]))
     assert dual.tolist() == [[False, False, True]]
@@ -48,9 +47,9 @@ def test_ppo_clip_asymmetric_range_and_dual_constant():
 def test_ppo_clip_rejects_invalid_constants():
     x = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        ppo_clip_loss(x, x, x, clip_ratio_c=1.0)
+        ppo_clip_loss(x, x, x, clip=ClipRange(dual=1.0))
     with pytest.raises(ValueError, match="clip ratios"):
-        ppo_clip_loss(x, x, x, clip_ratio_low=-0.1)
+        ppo_clip_loss(x, x, x, clip=ClipRange(low=-0.1))
 
 
 # ---------------------------------------------------------------------------- agg_loss
@@ -64,7 +63,7 @@ LOSS_MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
     ("seq-mean-token-sum", {}, (6 + 9) / 2),  # the empty third row is not a sequence
     ("seq-mean-token-mean", {}, (6 / 3 + 9 / 2) / 2),
     ("seq-mean-token-sum-norm", {}, (6 + 9) / 2 / 4),  # divided by T = 4 by default
-    ("seq-mean-token-sum-norm", {"loss_scale_factor": 10.0}, (6 + 9) / 2 / 10),
+    ("seq-mean-token-sum-norm", {"scale_factor": 10.0}, (6 + 9) / 2 / 10),
     ("token-mean", {"global_num_tokens": 10}, 15 / 10),
     ("token-mean", {"global_num_tokens": torch.tensor(10.0), "dp_size": 2}, 15 / 10 * 2),
     ("token-sum", {"global_num_tokens": 10, "dp_size": 2}, 30.0),
@@ -74,7 +73,7 @@ LOSS_MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
 ])
 def test_agg_loss_modes_and_denominators(mode, kwargs, expected):
     loss_mat = torch.tensor(LOSS_MAT, requires_grad=True)
-    loss = agg_loss(loss_mat, torch.tensor(LOSS_MASK), loss_agg_mode=mode, **kwargs)
+    loss = agg_loss(loss_mat, torch.tensor(LOSS_MASK), Aggregation(mode, **kwargs))
     assert loss.item() == pytest.approx(expected)
     loss.backward()
     assert torch.isfinite(loss_mat.grad).all()  # NaN at masked positions never reaches the gradient
@@ -83,13 +82,13 @@ def test_agg_loss_modes_and_denominators(mode, kwargs, expected):
 
 def test_agg_loss_rejects_unknown_mode():
     with pytest.raises(ValueError, match="loss_agg_mode='mean'.*token-mean"):
-        agg_loss(torch.zeros(1, 1), torch.ones(1, 1), loss_agg_mode="mean")
+        agg_loss(torch.zeros(1, 1), torch.ones(1, 1), aggregation=Aggregation("mean"))
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_agg_loss_all_masked_is_zero_and_attached(mode):
     loss_mat = torch.tensor(LOSS_MAT, requires_grad=True)
-    loss = agg_loss(loss_mat, torch.zeros(3, 4), loss_agg_mode=mode)
+    loss = agg_loss(loss_mat, torch.zeros(3, 4), aggregation=Aggregation(mode))
     assert loss.item() == 0.0 and loss.requires_grad
     loss.backward()
     assert torch.equal(loss_mat.grad, torch.zeros(3, 4))
@@ -166,8 +165,9 @@ def test_bypass_reinforce_value_and_exact_gradient(mode, den):
     log_prob, rollout, adv = _reinforce_batch()
     w = [min(0.75, 2.0), min(6.0, 2.0)]  # sequence TIS at C = 2
     cfg = RolloutCorrectionConfig.bypass_pg_is()
-    loss, _ = compute_policy_loss(log_prob, None, adv, torch.ones(2, 3), config=cfg, rollout_log_prob=rollout,
-                                  loss_agg_mode=mode)
+    loss, _ = compute_policy_loss(
+        log_prob, None, adv, torch.ones(2, 3), config=cfg, rollout_log_prob=rollout,
+        loss=PolicyLoss(aggregation=Aggregation(mode)))
     lp = log_prob.tolist()
     expected = sum(-w[i] * adv[i, t].item() * lp[i][t] / den[i] for i in range(2) for t in range(3))
     assert loss.item() == pytest.approx(expected, rel=1e-5)
@@ -202,7 +202,8 @@ def _call(name, log_prob, other, adv, mask, mode):
         kw["rollout_is_weights"] = torch.full_like(other, 1.5)
     if extra.get("rollout_log_prob"):
         kw["rollout_log_prob"] = other - 0.1
-    return compute_policy_loss(log_prob, other, adv, mask, config=cfg, loss_agg_mode=mode, **kw)
+    return compute_policy_loss(
+        log_prob, other, adv, mask, config=cfg, **kw, loss=PolicyLoss(aggregation=Aggregation(mode)))
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -298,5 +299,5 @@ def test_no_config_is_plain_ppo_and_dict_config_is_accepted():
 def test_agg_loss_with_dp_size_requires_the_global_denominator(mode, missing):
     loss_mat, mask = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=missing):
-        agg_loss(loss_mat, mask, loss_agg_mode=mode, dp_size=2)
-    assert agg_loss(loss_mat, mask, loss_agg_mode="token-sum", dp_size=2).item() == 12.0  # needs no denominator
+        agg_loss(loss_mat, mask, aggregation=Aggregation(mode, dp_size=2))
+    assert agg_loss(loss_mat, mask, aggregation=Aggregation("token-sum", dp_size=2)).item() == 12.0  # needs no denominator

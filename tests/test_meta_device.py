@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 import rollout_correction as rc
 from rollout_correction import RolloutCorrectionConfig
+from rollout_correction import Aggregation, Parallel, PolicyLoss, Segments
 
 META = torch.device("meta")
 B, T = 5, 12
@@ -97,7 +98,8 @@ def test_correction_every_preset(name, dtype, mask_dtype):
 @pytest.mark.parametrize("name", ["decoupled_seq_is_rs", "decoupled_token_is_m2po", "bypass_pg_geo_rs_token_tis"])
 def test_correction_with_process_group(name, fake_world):
     cfg = preset(name, rollout_is_batch_normalize=True) if preset(name).rollout_is else preset(name)
-    out = rc.compute_rollout_correction(meta(), meta(), meta(torch.bool), config=cfg, process_group=fake_world)
+    out = rc.compute_rollout_correction(
+        meta(), meta(), meta(torch.bool), config=cfg, parallel=Parallel(dp_group=fake_world))
     assert_meta(out.response_mask, (B, T), torch.bool)
     assert_meta_metrics(out.metrics)
 
@@ -142,8 +144,9 @@ def test_policy_loss_types_and_aggregations(loss_type, agg, denominators):
                 "loss_type": loss_type, "bypass_mode": loss_type in BYPASS_ONLY}
     log_prob = meta(torch.bfloat16, requires_grad=True)
     loss, metrics = rc.compute_policy_loss(
-        log_prob, meta(torch.bfloat16), meta(), meta(torch.float32), config=RolloutCorrectionConfig.from_dict(settings),
-        rollout_log_prob=meta(torch.bfloat16), loss_agg_mode=agg, **GLOBALS[denominators])
+        log_prob, meta(torch.bfloat16), meta(), meta(torch.float32),
+        config=RolloutCorrectionConfig.from_dict(settings), rollout_log_prob=meta(torch.bfloat16),
+        loss=PolicyLoss(aggregation=Aggregation(agg, **GLOBALS[denominators])))
     _check_loss(loss, metrics, log_prob)
 
 
@@ -163,7 +166,7 @@ def test_policy_loss_other_inputs(case):
 @pytest.mark.parametrize("agg", rc.LOSS_AGG_MODES)
 def test_agg_loss(agg):
     loss_mat = meta(requires_grad=True)
-    loss = rc.agg_loss(loss_mat, meta(torch.bool), loss_agg_mode=agg)
+    loss = rc.agg_loss(loss_mat, meta(torch.bool), aggregation=Aggregation(agg))
     assert_meta(loss, (), torch.float32)
     loss.backward()
     assert_meta(loss_mat.grad, (B, T), torch.float32)
@@ -195,9 +198,9 @@ T_LOCAL = 7  # this rank's slice of every sequence
 @pytest.mark.parametrize("name", PRESETS)
 def test_context_parallel_correction(name, with_dp, fake_world):
     cfg = preset(name)
-    out = rc.compute_rollout_correction(meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)),
-                                        meta(torch.float32, (B, T_LOCAL)), config=cfg,
-                                        process_group=fake_world if with_dp else None, sequence_group=fake_world)
+    out = rc.compute_rollout_correction(
+        meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.float32, (B, T_LOCAL)), config=cfg,
+        parallel=Parallel(dp_group=fake_world if with_dp else None, cp_group=fake_world))
     if cfg.rollout_is is not None:
         assert_meta(out.weights, (B, T_LOCAL), torch.float32)
     assert_meta(out.response_mask, (B, T_LOCAL), torch.float32)
@@ -208,8 +211,9 @@ def test_context_parallel_correction(name, with_dp, fake_world):
 def test_context_parallel_loss_every_preset(name, fake_world):
     log_prob = meta(shape=(B, T_LOCAL), requires_grad=True)
     loss, metrics = rc.compute_policy_loss(
-        log_prob, meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.bool, (B, T_LOCAL)), config=preset(name),
-        rollout_log_prob=meta(shape=(B, T_LOCAL)), sequence_group=fake_world)
+        log_prob, meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.bool, (B, T_LOCAL)),
+        config=preset(name), rollout_log_prob=meta(shape=(B, T_LOCAL)),
+        parallel=Parallel(cp_group=fake_world))
     _check_loss(loss, metrics, log_prob)
 
 
@@ -221,9 +225,11 @@ def test_context_parallel_loss_types_and_aggregations(loss_type, agg, fake_world
     log_prob = meta(shape=(B, T_LOCAL), requires_grad=True)
     loss, metrics = rc.compute_policy_loss(
         log_prob, meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.bool, (B, T_LOCAL)),
-        config=RolloutCorrectionConfig.from_dict(settings), rollout_log_prob=meta(shape=(B, T_LOCAL)), loss_agg_mode=agg,
-        global_num_tokens=1000, global_num_seqs=40, dp_size=2, loss_scale_factor=float(T),
-        process_group=fake_world, sequence_group=fake_world)
+        config=RolloutCorrectionConfig.from_dict(settings), rollout_log_prob=meta(shape=(B, T_LOCAL)),
+        parallel=Parallel(dp_group=fake_world, cp_group=fake_world),
+        loss=PolicyLoss(
+            aggregation=Aggregation(
+                agg, global_num_tokens=1000, global_num_seqs=40, dp_size=2, scale_factor=float(T))))
     _check_loss(loss, metrics, log_prob)
 
 
@@ -231,23 +237,26 @@ def test_context_parallel_loss_given_weights(fake_world):
     log_prob = meta(shape=(B, T_LOCAL), requires_grad=True)
     loss, metrics = rc.compute_policy_loss(
         log_prob, meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.bool, (B, T_LOCAL)),
-        config=preset("decoupled_token_is"), rollout_is_weights=meta(shape=(B, T_LOCAL)), sequence_group=fake_world)
+        config=preset("decoupled_token_is"), rollout_is_weights=meta(shape=(B, T_LOCAL)),
+        parallel=Parallel(cp_group=fake_world))
     _check_loss(loss, metrics, log_prob)
 
 
 @pytest.mark.parametrize("agg", rc.LOSS_AGG_MODES)
 def test_context_parallel_agg_loss(agg, fake_world):
     loss_mat = meta(shape=(B, T_LOCAL), requires_grad=True)
-    loss = rc.agg_loss(loss_mat, meta(torch.bool, (B, T_LOCAL)), loss_agg_mode=agg, loss_scale_factor=float(T),
-                       sequence_group=fake_world)
+    loss = rc.agg_loss(
+        loss_mat, meta(torch.bool, (B, T_LOCAL)), parallel=Parallel(cp_group=fake_world),
+        aggregation=Aggregation(agg, scale_factor=float(T)))
     assert_meta(loss, (), torch.float32)
     loss.backward()
     assert_meta(loss_mat.grad, (B, T_LOCAL), torch.float32)
 
 
 def test_context_parallel_offpolicy_metrics(fake_world):
-    metrics = rc.compute_offpolicy_metrics(meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)),
-                                           meta(torch.bool, (B, T_LOCAL)), sequence_group=fake_world)
+    metrics = rc.compute_offpolicy_metrics(
+        meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.bool, (B, T_LOCAL)),
+        parallel=Parallel(cp_group=fake_world))
     assert_meta_metrics(metrics)
 
 
@@ -264,18 +273,19 @@ def test_segments_correction_and_loss(ids_dtype, fake_world):
     of the ids runs on CPU tensors only); whole rows, with a process group, and split rows."""
     cfg = RolloutCorrectionConfig.from_dict(SEGMENT_SETTINGS)
     ids = meta(ids_dtype)
-    out = rc.compute_rollout_correction(meta(), meta(), meta(torch.bool), config=cfg, segment_ids=ids,
-                                        max_segments=4, process_group=fake_world)
+    out = rc.compute_rollout_correction(
+        meta(), meta(), meta(torch.bool), config=cfg, parallel=Parallel(dp_group=fake_world),
+        segments=Segments(ids, count=4))
     assert_meta(out.weights, (B, T), torch.float32)
     names = assert_meta_metrics(out.metrics).keys()
     old, rollout, mask = cpu_batch()
     cpu_ids = torch.arange(T).div(3, rounding_mode="floor").expand(B, T)
-    cpu = rc.compute_rollout_correction(old, rollout, mask, config=cfg, segment_ids=cpu_ids)
+    cpu = rc.compute_rollout_correction(old, rollout, mask, config=cfg, segments=Segments(cpu_ids))
     assert names == dict(cpu.metrics).keys()
-    split = rc.compute_rollout_correction(meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)),
-                                          meta(torch.float32, (B, T_LOCAL)), config=cfg,
-                                          segment_ids=meta(ids_dtype, (B, T_LOCAL)), max_segments=4,
-                                          process_group=fake_world, sequence_group=fake_world)
+    split = rc.compute_rollout_correction(
+        meta(shape=(B, T_LOCAL)), meta(shape=(B, T_LOCAL)), meta(torch.float32, (B, T_LOCAL)), config=cfg,
+        parallel=Parallel(dp_group=fake_world, cp_group=fake_world),
+        segments=Segments(meta(ids_dtype, (B, T_LOCAL)), count=4))
     assert_meta(split.response_mask, (B, T_LOCAL), torch.float32)
     assert_meta_metrics(split.metrics)
     bypass = RolloutCorrectionConfig.from_dict(SEGMENT_SETTINGS | {"bypass_mode": True, "loss_type": "reinforce"})
@@ -283,6 +293,7 @@ def test_segments_correction_and_loss(ids_dtype, fake_world):
         log_prob = meta(shape=shape, requires_grad=True)
         loss, metrics = rc.compute_policy_loss(
             log_prob, None, meta(shape=shape), meta(torch.bool, shape), config=bypass,
-            rollout_log_prob=meta(shape=shape), loss_agg_mode="seq-mean-token-mean",
-            segment_ids=meta(ids_dtype, shape), max_segments=4, sequence_group=group)
+            rollout_log_prob=meta(shape=shape), parallel=Parallel(cp_group=group),
+            segments=Segments(meta(ids_dtype, shape), count=4),
+            loss=PolicyLoss(aggregation=Aggregation("seq-mean-token-mean")))
         _check_loss(loss, metrics, log_prob)

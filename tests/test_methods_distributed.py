@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
 from test_distributed import _free_port, init_gloo
+from rollout_correction import Aggregation, Parallel, PolicyLoss
 
 ROWS, LENGTH = 11, 9
 LAYOUTS = [[(0, 4), (4, 11)], [(0, 10), (10, 11)]]
@@ -35,9 +36,10 @@ def make_batch():
 
 
 def compute(old, rollout, lp, mask, adv, group, n_tok):
-    out = compute_rollout_correction(old, rollout, mask, config=M2PO, process_group=group)
-    _, metrics = compute_policy_loss(lp, old, adv, mask, config=OPSM, rollout_log_prob=rollout, process_group=group,
-                                     global_num_tokens=n_tok)
+    out = compute_rollout_correction(old, rollout, mask, config=M2PO, parallel=Parallel(dp_group=group))
+    _, metrics = compute_policy_loss(
+        lp, old, adv, mask, config=OPSM, rollout_log_prob=rollout, parallel=Parallel(dp_group=group),
+        loss=PolicyLoss(aggregation=Aggregation(global_num_tokens=n_tok)))
     opsm = {k: float(v) for k, v in metrics.items() if "opsm" in k}
     return out.response_mask.clone(), out.metrics_as_floats(), opsm
 

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import rollout_correction as rc
 from rollout_correction_core._src import correction as correction_module
 from rollout_correction_core._src.metrics import Metrics, metrics_to_floats
+from rollout_correction import ClipRange, PolicyLoss
 
 
 DYNAMIC = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
@@ -196,8 +197,9 @@ def test_actor_metrics_by_hand():
     gen = torch.Generator().manual_seed(10)
     log_prob = old + 0.5 * torch.randn(old.shape, generator=gen)
     adv = torch.randn(old.shape, generator=gen)
-    _, metrics = rc.compute_policy_loss(log_prob, old, adv, mask, config=rc.RolloutCorrectionConfig.disabled(),
-                                        clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+    _, metrics = rc.compute_policy_loss(
+        log_prob, old, adv, mask, config=rc.RolloutCorrectionConfig.disabled(),
+        loss=PolicyLoss(clip=ClipRange(low=0.2, high=0.2, dual=3.0)))
     floats = metrics_to_floats(metrics)
     ratio = (log_prob - old).exp()
     clipped = (-adv * ratio.clamp(0.8, 1.2)) > (-adv * ratio)

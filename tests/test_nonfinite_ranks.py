@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metrics, compute_policy_loss,
                                 compute_rollout_correction)
 from test_distributed import _free_port, init_gloo
+from rollout_correction import Parallel
 
 B, T = 6, 10
 CONFIG = RolloutCorrectionConfig.from_dict({"rollout_is": "sequence", "rollout_is_threshold": 2.0,
@@ -39,12 +40,13 @@ def _batch(rank: int, bad: tuple | None):
 
 
 def _calls(old, rollout, mask, log_prob, adv, pg, sg):
-    yield "correction", lambda: compute_rollout_correction(old, rollout, mask, config=CONFIG, process_group=pg,
-                                                           sequence_group=sg).metrics_as_floats()
+    yield "correction", lambda: compute_rollout_correction(
+        old, rollout, mask, config=CONFIG, parallel=Parallel(dp_group=pg, cp_group=sg)).metrics_as_floats()
     yield "offpolicy", lambda: {k: float(v) for k, v in compute_offpolicy_metrics(
-        old, rollout, mask, process_group=pg, sequence_group=sg, on_nonfinite="raise").items()}
-    yield "loss", lambda: float(compute_policy_loss(log_prob, old, adv, mask, config=CONFIG, rollout_log_prob=rollout,
-                                                    process_group=pg, sequence_group=sg)[0])
+        old, rollout, mask, on_nonfinite="raise", parallel=Parallel(dp_group=pg, cp_group=sg)).items()}
+    yield "loss", lambda: float(compute_policy_loss(
+        log_prob, old, adv, mask, config=CONFIG, rollout_log_prob=rollout,
+        parallel=Parallel(dp_group=pg, cp_group=sg))[0])
 
 
 def _worker(rank, world, port, out, bad, topology):

@@ -16,6 +16,7 @@ from trl.trainer.grpo_trainer import GRPOTrainer  # CI: pip install trl==1.16.0
 
 from rollout_correction_core._src.m2po import m2po_keep, second_moment
 from rollout_correction_core._src.opsm import compute_opsm, opsm_keep
+from rollout_correction import Aggregation, PolicyLoss
 
 ln = math.log
 
@@ -189,11 +190,14 @@ def test_opsm_in_the_loss_equals_the_loss_on_the_reduced_mask(mode):
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_opsm_delta=delta)
     weights = compute_rollout_correction(old, rollout, mask, config=cfg).weights
     lp1 = lp.clone().requires_grad_(True)
-    loss, metrics = compute_policy_loss(lp1, old, adv, mask, config=cfg, rollout_log_prob=rollout, loss_agg_mode=mode)
+    loss, metrics = compute_policy_loss(
+        lp1, old, adv, mask, config=cfg, rollout_log_prob=rollout,
+        loss=PolicyLoss(aggregation=Aggregation(mode)))
     loss.backward()
     lp2 = lp.clone().requires_grad_(True)
-    ref, _ = compute_policy_loss(lp2, old, adv, mask * keep[:, None], config=cfg.replace(rollout_opsm_delta=None),
-                                 rollout_is_weights=weights, loss_agg_mode=mode)
+    ref, _ = compute_policy_loss(
+        lp2, old, adv, mask * keep[:, None], config=cfg.replace(rollout_opsm_delta=None),
+        rollout_is_weights=weights, loss=PolicyLoss(aggregation=Aggregation(mode)))
     ref.backward()
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(lp1.grad, lp2.grad)
@@ -236,7 +240,9 @@ def test_topr_through_compute_policy_loss():
     _, rollout, lp, mask, adv = _batch(9)
     cfg = RolloutCorrectionConfig.bypass_topr()
     lp1 = lp.clone().requires_grad_(True)
-    loss, metrics = compute_policy_loss(lp1, None, adv, mask, config=cfg, rollout_log_prob=rollout, loss_agg_mode="token-sum")
+    loss, metrics = compute_policy_loss(
+        lp1, None, adv, mask, config=cfg, rollout_log_prob=rollout,
+        loss=PolicyLoss(aggregation=Aggregation("token-sum")))
     loss.backward()
     seq_ratio = ((lp - rollout) * mask).sum(-1).exp()
     a = adv[:, 0]

@@ -18,6 +18,7 @@ from verl_reference import assert_metrics_match, load_verl_core_algos, require_v
 require_verl()
 
 from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction  # noqa: E402
+from rollout_correction import Aggregation, ClipRange, PolicyLoss
 
 VERL_ALGOS = load_verl_core_algos()
 
@@ -69,8 +70,9 @@ def _run_verl(loss_type, old, log_prob, adv, mask, weights, mode, global_batch_i
 
 def _run_ours(cfg, old, rollout, log_prob, adv, mask, mode, **kwargs):
     lp = log_prob.clone().requires_grad_(True)
-    loss, metrics = compute_policy_loss(lp, old, adv, mask, config=cfg, rollout_log_prob=rollout, clip_ratio_low=CLIP_LOW,
-                                        clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C, loss_agg_mode=mode, **kwargs)
+    loss, metrics = compute_policy_loss(
+        lp, old, adv, mask, config=cfg, rollout_log_prob=rollout,
+        loss=PolicyLoss(clip=ClipRange(low=CLIP_LOW, high=CLIP_HIGH, dual=CLIP_C), aggregation=Aggregation(mode, **kwargs)))
     loss.backward()
     return loss.detach(), lp.grad, {k: float(v) for k, v in metrics.items()}
 

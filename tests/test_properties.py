@@ -15,6 +15,7 @@ from rollout_correction_core import RolloutCorrectionConfig, compute_policy_loss
 from rollout_correction_core._src.config import RS_OPTIONS
 from rollout_correction_core._src.correction import CorrectionAccumulator
 from rollout_correction_core._src.metrics import OffPolicyAccumulator, compute_offpolicy_metrics
+from rollout_correction import Aggregation, PolicyLoss
 
 
 FAST = settings(max_examples=150, deadline=None)
@@ -506,7 +507,9 @@ def test_policy_loss_matches_its_definition(batch, cfg, mode_name, agg, seed):
     adv = torch.where(mask, torch.randn(B, T, generator=g), torch.tensor(float("nan")))
     if mode_name != "decoupled":
         cfg = cfg.replace(bypass_mode=True, loss_type=mode_name.split("_", 1)[1])
-    loss, _ = compute_policy_loss(log_prob, old, adv, mask, config=cfg, rollout_log_prob=rollout, loss_agg_mode=agg)
+    loss, _ = compute_policy_loss(
+        log_prob, old, adv, mask, config=cfg, rollout_log_prob=rollout,
+        loss=PolicyLoss(aggregation=Aggregation(agg)))
     assert math.isfinite(loss.item())
     # The correction the loss must use: π_old vs π_rollout (decoupled) or π_θ vs π_rollout (bypass).
     train_side = old if mode_name == "decoupled" else log_prob

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rollout_correction import ConfigError, RolloutCorrectionConfig, compute_rollout_correction
+from rollout_correction import Segments
 
 P = "rollout_corr/"
 PROBS = [[(0.5, 0.4), (0.9, 0.3), (0.2, 0.25)], [(0.6, 0.6), (0.05, 0.1)], [(0.99, 0.7)]]
@@ -109,8 +110,11 @@ def test_segment_kpop():
     ids = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]])
     for name, thr, expected in (("segment_mean_kpop", 0.5, [[1, 1, 1, 1, 1, 0], [0] * 6]),   # 0.3534, 0.0103 | 0.7777
                                 ("segment_max_kpop", 0.5, [[0, 0, 0, 1, 1, 0], [0] * 6])):   # 1.0326, 0.0207 | 0.7777
-        out = compute_rollout_correction(old, roll, mask, segment_ids=ids, config=RolloutCorrectionConfig(
-            rollout_rs=name, rollout_rs_threshold=thr))
+        out = compute_rollout_correction(
+            old, roll, mask,
+            config=RolloutCorrectionConfig(
+            rollout_rs=name, rollout_rs_threshold=thr),
+            segments=Segments(ids))
         assert out.response_mask.tolist() == expected
         m = out.metrics_as_floats()
         assert m[P + f"rollout_rs_{name}_seq_masked_fraction"] == pytest.approx((1 if "mean" in name else 2) / 3)
@@ -152,8 +156,11 @@ def test_seq_logprob_error(thr, keep):
 def test_segment_logprob_error():
     old, rollout, mask = _lr_batch([LR[0] + LR[1]])
     ids = torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0]])
-    out = compute_rollout_correction(old, rollout, mask, segment_ids=ids, config=RolloutCorrectionConfig(
-        rollout_rs="segment_logprob_error", rollout_rs_threshold=2.0))
+    out = compute_rollout_correction(
+        old, rollout, mask,
+        config=RolloutCorrectionConfig(
+        rollout_rs="segment_logprob_error", rollout_rs_threshold=2.0),
+        segments=Segments(ids))
     assert out.response_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
     m = out.metrics_as_floats()
     assert m[P + "rollout_rs_segment_logprob_error_seq_masked_fraction"] == pytest.approx(1 / 2)

@@ -9,6 +9,7 @@ import torch
 
 from rollout_correction import (ConfigError, RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction,
                                 max_runs, segment_ids_from_mask)
+from rollout_correction import Aggregation, PolicyLoss, Segments
 
 # Two rows of four tokens; row 0's last token is padding, row 1's third.
 P_TRAIN = torch.tensor([[0.5, 0.9, 0.2, 0.7], [0.3, 0.3, 0.3, 0.3]])
@@ -20,7 +21,8 @@ IDS = torch.tensor([[0, 0, 1, 7], [0, 1, 9, 1]])  # segments: row 0 {0, 1} {2}; 
 
 def run(config, ids=IDS, **kw):
     cfg = RolloutCorrectionConfig(**config)
-    out = compute_rollout_correction(P_TRAIN.log(), P_ROLL.log(), MASK, config=cfg, segment_ids=ids, **kw)
+    out = compute_rollout_correction(
+        P_TRAIN.log(), P_ROLL.log(), MASK, config=cfg, segments=None if ids is None else Segments(ids), **kw)
     return out, out.metrics_as_floats()
 
 
@@ -115,7 +117,7 @@ def test_non_finite_rows_are_dropped_and_padding_is_ignored():
     train[1, 1] = float("inf")  # a valid position: row 1 dropped
     cfg = RolloutCorrectionConfig(rollout_rs="seq_mean_dp,token_dp", rollout_rs_threshold="-1_1,-1_1",
                                   rollout_is="segment_geometric", rollout_is_threshold=2.0)
-    out = compute_rollout_correction(train, roll, MASK, config=cfg, segment_ids=IDS)
+    out = compute_rollout_correction(train, roll, MASK, config=cfg, segments=Segments(IDS))
     assert kept(out) == [[1, 1, 1, 0], [0, 0, 0, 0]]
     assert out.weights[1].abs().sum() == 0 and torch.isfinite(out.weights).all()
     assert all(math.isfinite(v) for v in out.metrics_as_floats().values())
@@ -144,8 +146,9 @@ def test_policy_loss_takes_segment_geometric_weights():
     adv = torch.tensor([[1.0, -1.0, 2.0, 5.0], [0.5, 1.0, 3.0, -2.0]])
     cfg = RolloutCorrectionConfig(rollout_is="segment_geometric", rollout_is_threshold=1.2, bypass_mode=True,
                                   loss_type="reinforce")
-    loss, _ = compute_policy_loss(log_prob, None, adv, MASK, config=cfg, rollout_log_prob=P_ROLL.log(),
-                                  loss_agg_mode="token-mean", segment_ids=IDS)
+    loss, _ = compute_policy_loss(
+        log_prob, None, adv, MASK, config=cfg, rollout_log_prob=P_ROLL.log(), segments=Segments(IDS),
+        loss=PolicyLoss(aggregation=Aggregation("token-mean")))
     loss.backward()
     h = math.sqrt(0.5)
     w = torch.tensor([[1.2, 1.2, 0.8, 0.0], [1.0, h, 0.0, h]])
@@ -169,8 +172,8 @@ def test_runs_of_the_mask_as_segments():
     ids = segment_ids_from_mask(mask)
     cfg = RolloutCorrectionConfig(rollout_is="segment_geometric", rollout_is_threshold=10.0)
     rho = torch.tensor([[2.0, 0.5, 9.0, 3.0], [4.0, 9.0, 1.0, 0.25]])
-    out = compute_rollout_correction(rho.log(), torch.zeros(2, 4), mask, config=cfg, segment_ids=ids,
-                                     max_segments=max_runs(4))
+    out = compute_rollout_correction(
+        rho.log(), torch.zeros(2, 4), mask, config=cfg, segments=Segments(ids, count=max_runs(4)))
     torch.testing.assert_close(out.weights, torch.tensor([[1.0, 1.0, 0.0, 3.0], [4.0, 0.0, 0.5, 0.5]]))
     assert segment_ids_from_mask(torch.zeros(3, 0)).shape == (3, 0) and max_runs(0) == 1
     with pytest.raises(ValueError, match="batch, response_length"):

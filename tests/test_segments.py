@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from rollout_correction_core import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
 from rollout_correction_core._src import correction as correction_module
 from gloo import _free_port, init_dp_cp
+from rollout_correction_core import Aggregation, Parallel, PolicyLoss, Segments
 
 LR = torch.tensor([[0.1, 0.2, -0.3, 0.5, 0.0],
                    [0.4, 0.4, 9.9, -1.0, 7.0]], dtype=torch.float64)
@@ -35,7 +36,7 @@ def _inputs():
 def test_segment_weights_and_metrics_by_hand():
     old, rollout = _inputs()
     cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.25)
-    out = compute_rollout_correction(old, rollout, MASK, config=cfg, segment_ids=IDS)
+    out = compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(IDS))
     # row 0: segments {0, 1} Σ = 0.3, {2, 3} Σ = 0.2, {4} Σ = 0; row 1: {0, 1} Σ = 0.8 (column 2 is
     # masked: its 9.9 and its id are ignored), {3} Σ = −1.0
     s = [math.exp(0.3), math.exp(0.2), 1.0, math.exp(0.8), math.exp(-1.0)]
@@ -54,7 +55,7 @@ def test_segment_weights_and_metrics_by_hand():
     assert torch.equal(out.response_mask, MASK)
     # batch normalisation: over the five segments
     cfg_bn = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.25, rollout_is_batch_normalize=True)
-    bn = compute_rollout_correction(old, rollout, MASK, config=cfg_bn, segment_ids=IDS)
+    bn = compute_rollout_correction(old, rollout, MASK, config=cfg_bn, segments=Segments(IDS))
     torch.testing.assert_close(bn.weights, expected / (sum(w) / 5))
 
 
@@ -66,7 +67,7 @@ def test_segment_rejection_by_hand():
     bound = float(sorted(seg_max_k3)[2]) * 1.001  # three segments kept, two rejected
     cfg = RolloutCorrectionConfig(rollout_rs="segment_sum_k1,segment_mean_k1,segment_max_k3",
                                   rollout_rs_threshold=("0.5_1.3", "0.8_1.4", bound))
-    out = compute_rollout_correction(old, rollout, MASK, config=cfg, segment_ids=IDS)
+    out = compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(IDS))
     # segment_sum_k1: ratios e^0.3 (out), e^0.2, 1, e^0.8 (out), e^−1 (out)
     # segment_mean_k1: e^0.15, e^0.1, 1, e^0.4 (out), e^−1 (out)
     keep_sum = [False, True, True, False, False]
@@ -102,8 +103,9 @@ def test_without_segment_ids_a_row_is_one_segment():
              dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.02))):
         a = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**seg_cfg))
         b = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**seq_cfg))
-        const = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**seg_cfg),
-                                           segment_ids=torch.full((6, 9), 4))
+        const = compute_rollout_correction(
+            old, rollout, mask, config=RolloutCorrectionConfig(**seg_cfg),
+            segments=Segments(torch.full((6, 9), 4)))
         for x in (a, const):
             if b.weights is not None:
                 torch.testing.assert_close(x.weights, b.weights)
@@ -131,8 +133,8 @@ def fold(x, B, S, T):
 def segment_vs_exploded(old, rollout, mask, ids, S, seg_cfg: dict, seq_cfg: dict):
     """(segment-level result, sequence-level result on the exploded batch folded back)."""
     B, T = mask.shape
-    a = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**seg_cfg), segment_ids=ids,
-                                   max_segments=S)
+    a = compute_rollout_correction(
+        old, rollout, mask, config=RolloutCorrectionConfig(**seg_cfg), segments=Segments(ids, count=S))
     eo, er, em = explode(old, rollout, mask, ids, S)
     b = compute_rollout_correction(eo, er, em, config=RolloutCorrectionConfig(**seq_cfg))
     return a, b, (None if b.weights is None else fold(b.weights, B, S, T)), fold(b.response_mask, B, S, T)
@@ -192,9 +194,12 @@ def test_segment_options_combine_with_row_and_token_options():
     both = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0,
                                    rollout_rs="token_k3,segment_mean_k3,seq_max_k3",
                                    rollout_rs_threshold=(0.05, 0.01, 0.1))
-    out = compute_rollout_correction(old, rollout, mask, config=both, segment_ids=ids)
-    single = [compute_rollout_correction(old, rollout, mask, segment_ids=ids, config=RolloutCorrectionConfig(
-        rollout_rs=name, rollout_rs_threshold=thr)).response_mask
+    out = compute_rollout_correction(old, rollout, mask, config=both, segments=Segments(ids))
+    single = [compute_rollout_correction(
+        old, rollout, mask,
+        config=RolloutCorrectionConfig(
+        rollout_rs=name, rollout_rs_threshold=thr),
+        segments=Segments(ids)).response_mask
         for name, thr in (("token_k3", 0.05), ("segment_mean_k3", 0.01), ("seq_max_k3", 0.1))]
     assert torch.equal(out.response_mask, single[0] * single[1] * single[2])
 
@@ -203,24 +208,24 @@ def test_bad_segment_ids_raise_clear_errors():
     old, rollout = _inputs()
     cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=2.0)
     with pytest.raises(TypeError, match="segment_ids.*integer"):
-        compute_rollout_correction(old, rollout, MASK, config=cfg, segment_ids=IDS.float())
+        compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(IDS.float()))
     with pytest.raises(TypeError, match="segment_ids.*integer"):
-        compute_rollout_correction(old, rollout, MASK, config=cfg, segment_ids=IDS > 0)
+        compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(IDS > 0))
     with pytest.raises(ValueError, match="shape mismatch.*segment_ids"):
-        compute_rollout_correction(old, rollout, MASK, config=cfg, segment_ids=IDS[:, :4])
+        compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(IDS[:, :4]))
     neg = IDS.clone()
     neg[1, 3] = -1
     with pytest.raises(ValueError, match=r"segment id -1 at valid position \(row 1, column 3\)"):
-        compute_rollout_correction(old, rollout, MASK, config=cfg, segment_ids=neg)
+        compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(neg))
     with pytest.raises(ValueError, match=r"segment id 4 .*outside \[0, 3\)"):
-        compute_rollout_correction(old, rollout, MASK, config=cfg, segment_ids=IDS, max_segments=3)
+        compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(IDS, count=3))
     with pytest.raises(ValueError, match="max_segments"):
-        compute_rollout_correction(old, rollout, MASK, config=cfg, segment_ids=IDS, max_segments=0)
-    with pytest.raises(ValueError, match="max_segments.*without segment_ids"):
-        compute_rollout_correction(old, rollout, MASK, config=cfg, max_segments=4)
+        compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(IDS, count=0))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="max_segments.*without segment_ids"):
+        compute_rollout_correction(old, rollout, MASK, config=cfg, max_segments=3)  # the 0.2 keywords
     neg[1, 3] = 0
     neg[1, 2] = -7  # at a masked position: ignored
-    out = compute_rollout_correction(old, rollout, MASK, config=cfg, segment_ids=neg)
+    out = compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(neg))
     assert torch.isfinite(out.weights).all()
     with pytest.raises(ValueError, match="rollout_rs.*segment_max_k1"):
         RolloutCorrectionConfig(rollout_rs="segment_max_k1", rollout_rs_threshold=2.0)
@@ -235,9 +240,9 @@ def test_blocked_pass_equals_one_block(monkeypatch):
     ids = torch.randint(0, 3, (B, T), generator=gen)
     cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.4, rollout_is_batch_normalize=True,
                                   rollout_rs="segment_mean_k3", rollout_rs_threshold=0.02)
-    whole = compute_rollout_correction(old, rollout, mask, config=cfg, segment_ids=ids)
+    whole = compute_rollout_correction(old, rollout, mask, config=cfg, segments=Segments(ids))
     monkeypatch.setattr(correction_module, "BLOCK_TOKENS", 3 * T)  # blocks of 3 rows
-    blocked = compute_rollout_correction(old, rollout, mask, config=cfg, segment_ids=ids)
+    blocked = compute_rollout_correction(old, rollout, mask, config=cfg, segments=Segments(ids))
     torch.testing.assert_close(blocked.weights, whole.weights)
     assert torch.equal(blocked.response_mask, whole.response_mask)
     assert blocked.metrics_as_floats() == pytest.approx(whole.metrics_as_floats(), rel=1e-9)
@@ -245,7 +250,7 @@ def test_blocked_pass_equals_one_block(monkeypatch):
     bad[10, 0] = 9
     mask[10, 0] = 1
     with pytest.raises(ValueError, match=r"row 10, column 0"):
-        compute_rollout_correction(old, rollout, mask, config=cfg, segment_ids=bad, max_segments=3)
+        compute_rollout_correction(old, rollout, mask, config=cfg, segments=Segments(bad, count=3))
 
 
 def test_policy_loss_uses_segment_weights():
@@ -259,8 +264,9 @@ def test_policy_loss_uses_segment_weights():
     cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.6, bypass_mode=True,
                                   loss_type="reinforce")
     lp = old.clone().requires_grad_(True)
-    loss, metrics = compute_policy_loss(lp, None, adv, mask, config=cfg, rollout_log_prob=rollout,
-                                        loss_agg_mode="token-sum", segment_ids=ids)
+    loss, metrics = compute_policy_loss(
+        lp, None, adv, mask, config=cfg, rollout_log_prob=rollout, segments=Segments(ids),
+        loss=PolicyLoss(aggregation=Aggregation("token-sum")))
     lr = old - rollout
     seg_sum = torch.stack([lr[:, :3].sum(-1), lr[:, 3:5].sum(-1), lr[:, 5:].sum(-1)], -1)
     w = seg_sum.exp().clamp(max=1.6).gather(1, ids)
@@ -310,8 +316,9 @@ def _columns(cp: int, cp_rank: int) -> torch.Tensor:
 def _compute(old, rollout, mask, ids, **kw):
     out = {}
     for name, cfg in CONFIGS.items():
-        res = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**cfg), segment_ids=ids,
-                                         max_segments=MAXSEG, **kw)
+        res = compute_rollout_correction(
+            old, rollout, mask, config=RolloutCorrectionConfig(**cfg), **kw,
+            segments=Segments(ids, count=MAXSEG))
         out[name] = (res.weights, res.response_mask, res.metrics_as_floats())
     return out
 
@@ -333,9 +340,9 @@ def _losses(old, rollout, mask, ids, cols=None, **kw):
         for mode in ("token-mean", "seq-mean-token-mean"):
             lp = (old.nan_to_num(-1.0) + 0.2 * torch.randn(ROWS, LENGTH, generator=gen)[:, cols]).requires_grad_(True)
             adv = torch.randn(ROWS, LENGTH, generator=gen)[:, cols]
-            loss, metrics = compute_policy_loss(lp, old, adv, mask, config=RolloutCorrectionConfig(**cfg),
-                                                rollout_log_prob=rollout, loss_agg_mode=mode, segment_ids=ids,
-                                                max_segments=MAXSEG, **kw)
+            loss, metrics = compute_policy_loss(
+                lp, old, adv, mask, config=RolloutCorrectionConfig(**cfg), rollout_log_prob=rollout, **kw,
+                segments=Segments(ids, count=MAXSEG), loss=PolicyLoss(aggregation=Aggregation(mode)))
             loss.backward()
             out[(name, mode)] = (float(loss.detach()), lp.grad.clone(), {k: float(v) for k, v in metrics.items()})
     return out
@@ -347,10 +354,10 @@ def _worker(rank, world_size, cp, port, result_dir):
         cols = _columns(cp, cp_rank)
         whole_rows = make_rows(dp_rank)
         old, rollout, mask, ids = (x[:, cols] for x in whole_rows)
-        results = {"dp": _compute(old, rollout, mask, ids, sequence_group=cp_group, process_group=dp_group)}
+        results = {"dp": _compute(old, rollout, mask, ids, parallel=Parallel(dp_group=dp_group, cp_group=cp_group))}
         # the loss on split rows: random inputs drawn for the whole rows, this rank's columns taken
         results["loss"] = {k: (v[0], v[1][:, cols], v[2]) for k, v in _losses(*whole_rows).items()}
-        split = _losses(old, rollout, mask, ids, cols, sequence_group=cp_group)
+        split = _losses(old, rollout, mask, ids, cols, parallel=Parallel(cp_group=cp_group))
         results["loss_split"] = split
         gathers = []
         real = dist.all_gather_into_tensor
@@ -361,12 +368,14 @@ def _worker(rank, world_size, cp, port, result_dir):
         dist.all_gather_into_tensor = counted
         if hasattr(dist, "all_gather_single"):
             dist.all_gather_single = counted
-        compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**CONFIGS["rs"]),
-                                   segment_ids=ids, max_segments=MAXSEG, sequence_group=cp_group)
+        compute_rollout_correction(
+            old, rollout, mask, config=RolloutCorrectionConfig(**CONFIGS["rs"]),
+            parallel=Parallel(cp_group=cp_group), segments=Segments(ids, count=MAXSEG))
         results["gathers"] = len(gathers)
         try:
-            compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**CONFIGS["is"]),
-                                       segment_ids=ids, sequence_group=cp_group)
+            compute_rollout_correction(
+                old, rollout, mask, config=RolloutCorrectionConfig(**CONFIGS["is"]),
+                parallel=Parallel(cp_group=cp_group), segments=Segments(ids))
             results["error"] = None
         except ValueError as e:
             results["error"] = str(e)
@@ -433,15 +442,17 @@ def test_compiled_pass_equals_eager():
     mask = torch.rand(B, T, generator=gen) > 0.2
     old[0, 0], mask[0, 0] = float("nan"), True  # a dropped row
     ids = torch.randint(0, 3, (B, T), generator=gen)
-    fast = compute_rollout_correction(old, rollout, mask, config=cfg, segment_ids=ids, max_segments=3, compile=True)
-    eager = compute_rollout_correction(old, rollout, mask, config=cfg, segment_ids=ids, max_segments=3)
+    fast = compute_rollout_correction(
+        old, rollout, mask, config=cfg, compile=True, segments=Segments(ids, count=3))
+    eager = compute_rollout_correction(old, rollout, mask, config=cfg, segments=Segments(ids, count=3))
     assert torch.equal(fast.response_mask, eager.response_mask)
     torch.testing.assert_close(fast.weights, eager.weights, rtol=1e-6, atol=1e-7)
     assert fast.metrics_as_floats() == pytest.approx(eager.metrics_as_floats(), rel=1e-5, abs=1e-6)
     bad = ids.clone()
     bad[1, 2], mask[1, 2] = 3, True
     with pytest.raises(ValueError, match=r"segment id 3 at valid position \(row 1, column 2\)"):
-        compute_rollout_correction(old, rollout, mask, config=cfg, segment_ids=bad, max_segments=3, compile=True)
+        compute_rollout_correction(
+            old, rollout, mask, config=cfg, compile=True, segments=Segments(bad, count=3))
 
 
 def test_packed_inputs_equal_the_padded_form():
@@ -455,14 +466,16 @@ def test_packed_inputs_equal_the_padded_form():
     ids = torch.randint(0, 3, (N,), generator=gen)
     cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.4, rollout_rs="segment_mean_k3",
                                   rollout_rs_threshold=0.02)
-    packed = compute_rollout_correction_packed(old, rollout, config=cfg, lengths=lengths, segment_ids=ids)
+    packed = compute_rollout_correction_packed(
+        old, rollout, config=cfg, lengths=lengths, segments=Segments(ids))
     T = int(lengths.max())
     cols = torch.arange(T)
     mask = cols[None, :] < lengths[:, None]
     pad = lambda x: torch.zeros((4, T), dtype=x.dtype).masked_scatter(mask, x)  # noqa: E731
-    padded = compute_rollout_correction(pad(old), pad(rollout), mask, config=cfg, segment_ids=pad(ids))
+    padded = compute_rollout_correction(pad(old), pad(rollout), mask, config=cfg, segments=Segments(pad(ids)))
     torch.testing.assert_close(packed.weights, padded.weights[mask])
     assert torch.equal(packed.response_mask, padded.response_mask[mask])
     assert 0 < int(packed.response_mask.sum()) < N  # the option acts
     with pytest.raises(ValueError, match="segment_ids must be a tensor shaped like the packed"):
-        compute_rollout_correction_packed(old, rollout, config=cfg, lengths=lengths, segment_ids=ids[:-1])
+        compute_rollout_correction_packed(
+            old, rollout, config=cfg, lengths=lengths, segments=Segments(ids[:-1]))

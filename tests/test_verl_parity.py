@@ -39,6 +39,7 @@ from rollout_correction import (  # noqa: E402
     compute_policy_loss,
     compute_rollout_correction,
 )
+from rollout_correction import Aggregation, ClipRange, PolicyLoss
 
 
 VERL = load_verl_rollout_corr_helper()
@@ -472,7 +473,7 @@ def test_agg_loss_matches_verl(mode, use_global, dp_size):
         kwargs = dict(dp_size=dp_size, batch_num_tokens=int(mask.sum()) * 3, global_batch_size=6 * 3)
         ours_kwargs = dict(global_num_tokens=int(mask.sum()) * 3, global_num_seqs=6 * 3, dp_size=dp_size)
     expected = VERL_ALGOS.agg_loss(loss_mat, mask, loss_agg_mode=mode, **kwargs)
-    got = rc.agg_loss(loss_mat, mask, loss_agg_mode=mode, **ours_kwargs)
+    got = rc.agg_loss(loss_mat, mask, Aggregation(mode, **ours_kwargs))
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
@@ -491,9 +492,9 @@ def test_decoupled_ppo_loss_matches_verl_vanilla(mode, with_weights):
 
     lp_o = log_prob.clone().requires_grad_(True)
     cfg = RolloutCorrectionConfig.decoupled_token_is() if with_weights else RolloutCorrectionConfig.disabled()
-    o_loss, o_metrics = compute_policy_loss(lp_o, old, adv, mask, config=cfg, rollout_is_weights=weights,
-                                            clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                                            loss_agg_mode=mode)
+    o_loss, o_metrics = compute_policy_loss(
+        lp_o, old, adv, mask, config=cfg, rollout_is_weights=weights,
+        loss=PolicyLoss(clip=ClipRange(low=0.2, high=0.28, dual=3.0), aggregation=Aggregation(mode)))
     o_loss.backward()
     torch.testing.assert_close(o_loss.detach(), v_loss.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(lp_o.grad, lp_v.grad, rtol=1e-6, atol=1e-7)
@@ -537,9 +538,10 @@ def test_bypass_loss_matches_verl(preset, mode):
     v_loss.backward()
 
     lp_o = log_prob.clone().requires_grad_(True)
-    o_loss, o_metrics = compute_policy_loss(lp_o, rollout, adv, mask, config=RolloutCorrectionConfig.from_preset(preset),
-                                            rollout_log_prob=rollout, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                                            clip_ratio_c=3.0, loss_agg_mode=mode)
+    o_loss, o_metrics = compute_policy_loss(
+        lp_o, rollout, adv, mask, config=RolloutCorrectionConfig.from_preset(preset),
+        rollout_log_prob=rollout,
+        loss=PolicyLoss(clip=ClipRange(low=0.2, high=0.28, dual=3.0), aggregation=Aggregation(mode)))
     o_loss.backward()
     assert 0 < float(mask.sum()), "inputs must keep some tokens"
     torch.testing.assert_close(o_loss.detach().double(), v_loss.detach(), rtol=1e-5, atol=1e-6)
@@ -559,8 +561,9 @@ def test_bypass_loss_when_every_sequence_is_rejected(mode):
         rollout, lp_v, adv, mask, loss_agg_mode=mode, config=_actor_config(mode, rc_config=_verl_bypass_config(preset)))
     assert math.isnan(float(v_loss.detach()))
     lp_o = log_prob.clone().requires_grad_(True)
-    o_loss, o_metrics = compute_policy_loss(lp_o, rollout, adv, mask, config=RolloutCorrectionConfig.from_preset(preset),
-                                            rollout_log_prob=rollout, loss_agg_mode=mode)
+    o_loss, o_metrics = compute_policy_loss(
+        lp_o, rollout, adv, mask, config=RolloutCorrectionConfig.from_preset(preset),
+        rollout_log_prob=rollout, loss=PolicyLoss(aggregation=Aggregation(mode)))
     o_loss.backward()
     assert float(o_loss.detach()) == 0.0 and o_loss.requires_grad
     assert torch.equal(lp_o.grad, torch.zeros_like(lp_o))

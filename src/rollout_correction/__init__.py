@@ -8,3 +8,7 @@ math depends on ``rollout-correction-core`` and imports ``rollout_correction_cor
 
 from rollout_correction_core import *  # noqa: F401,F403 — the core's curated public names
 from rollout_correction_core import __all__, __version__  # noqa: F401
+# The entry points that accept the 0.2 keywords for one minor release, with a DeprecationWarning.
+from ._compat import (CorrectionAccumulator, OffPolicyAccumulator, agg_loss, compute_offpolicy_metrics,  # noqa: F401,E402
+                      compute_policy_loss, compute_rollout_correction, compute_rollout_correction_packed,
+                      ppo_clip_loss)

@@ -51,6 +51,7 @@ import torch
 
 from rollout_correction import (METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_offpolicy_metrics,
                                 compute_policy_loss, compute_rollout_correction)
+from rollout_correction_core import Parallel
 
 __all__ = ["staleness_lag", "staleness_split", "max_staleness_mask", "staleness_metrics", "proximal_log_prob_from_versions",
            "compute_staleness_policy_loss", "off_policy_span", "OffPolicyControl", "max_off_policy_control",
@@ -217,7 +218,8 @@ def staleness_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
     for k in range(num_buckets):
         name = f"{prefix}staleness/lag_{k}{'plus' if k == top and num_buckets > 1 else ''}/"
         in_bucket = valid & (bucket == k)
-        core = compute_offpolicy_metrics(old_log_prob, rollout_log_prob, in_bucket, process_group=process_group)
+        core = compute_offpolicy_metrics(
+            old_log_prob, rollout_log_prob, in_bucket, parallel=Parallel(dp_group=process_group))
         out[name + "token_count"] = tok[k]
         out[name + "token_fraction"] = tok[k] / n_tok
         out[name + "seq_count"] = seq[k]
@@ -276,7 +278,7 @@ def compute_staleness_policy_loss(
       max_staleness, staleness_level: see :func:`max_staleness_mask`.
       num_buckets, finish_versions: see :func:`staleness_metrics`.
       process_group: reduce statistics over this group.
-      loss_kwargs: passed to :func:`compute_policy_loss` (clip ratios, loss_agg_mode, …).
+      loss_kwargs: passed to :func:`compute_policy_loss` (``loss=PolicyLoss(...)``, ``segments``).
 
     Returns:
       (loss, metrics): the core's loss metrics, ``rollout_corr/*`` of π_prox vs π_behav, staleness.
@@ -298,11 +300,12 @@ def compute_staleness_policy_loss(
     metrics.update(staleness_metrics(prox, rollout_log_prob, mask, versions, current_version,
                                      num_buckets=num_buckets, finish_versions=finish_versions,
                                      process_group=process_group))
-    corr = compute_rollout_correction(prox, rollout_log_prob, mask, config=config, process_group=process_group)
+    corr = compute_rollout_correction(
+        prox, rollout_log_prob, mask, config=config, parallel=Parallel(dp_group=process_group))
     metrics.update(corr.metrics)
-    loss, loss_metrics = compute_policy_loss(log_prob, prox, advantages, corr.response_mask, config=config,
-                                             rollout_is_weights=corr.weights, process_group=process_group,
-                                             **loss_kwargs)
+    loss, loss_metrics = compute_policy_loss(
+        log_prob, prox, advantages, corr.response_mask, config=config, rollout_is_weights=corr.weights,
+        **loss_kwargs, parallel=Parallel(dp_group=process_group))
     metrics.update(loss_metrics)
     return loss, metrics
 

@@ -6,12 +6,17 @@ from ._src.config_io import config_value, settings_dict
 from ._src.constants import METRIC_PREFIX, SAFETY_BOUND
 from ._src.correction import (CorrectionAccumulator, CorrectionOutput, MismatchError, MismatchWarning,
                               compute_rollout_correction)
-from ._src.losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, ppo_clip_loss
+from ._src.logratio import log_ratio
+from ._src.losses import (LOSS_AGG_MODES, Aggregation, ClipRange, PolicyLoss, agg_loss, compute_policy_loss,
+                          policy_loss_term, ppo_clip_loss)
 from ._src.metrics import (ENGINE_METRIC_NAMES, OffPolicyAccumulator, compute_offpolicy_metrics, engine_metrics,
                            metrics_to_floats)
 from ._src.packed import compute_rollout_correction_packed
-from ._src.segments import max_runs, segment_ids_from_mask
+from ._src.parallel import Parallel
+from ._src.rejection import rejection_mask
+from ._src.segments import Segments, max_runs, segment_ids_from_mask
 from ._src.validation import ShapeMismatchError
+from ._src.weights import is_weights
 
 #: The one source of the version: pyproject.toml reads it, CHANGELOG.md names it (docs/api.md).
 __version__ = "0.3.0"
@@ -26,6 +31,8 @@ __all__ = [
     "as_config",
     "config_value",
     "settings_dict",
+    "Parallel",
+    "Segments",
     "compute_rollout_correction",
     "compute_rollout_correction_packed",
     "CorrectionOutput",
@@ -35,8 +42,16 @@ __all__ = [
     "OffPolicyAccumulator",
     "CorrectionAccumulator",
     "compute_policy_loss",
-    "agg_loss",
+    "PolicyLoss",
+    "ClipRange",
+    "Aggregation",
+    # the functional pieces: pure functions of tensors
+    "log_ratio",
+    "is_weights",
+    "rejection_mask",
+    "policy_loss_term",
     "ppo_clip_loss",
+    "agg_loss",
     "metrics_to_floats",
     "engine_metrics",
     "ENGINE_METRIC_NAMES",

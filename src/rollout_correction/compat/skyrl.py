@@ -57,6 +57,7 @@ import torch
 from .. import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
 from .. import config_value as _get
 from ..vocabulary import SKYRL_KEYS
+from rollout_correction_core import Aggregation, ClipRange, PolicyLoss
 
 __all__ = ["off_policy_correction_enabled", "compute_tis_ratio", "compute_outlier_token_mask", "compute_token_mask",
            "compute_sequence_mask", "compute_off_policy_correction", "apply_off_policy_correction",
@@ -291,8 +292,11 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     correction = RolloutCorrectionConfig.from_dict({k: _key(block, k) for k in SKYRL_KEYS})
     loss, metrics = compute_policy_loss(
         log_probs, old_log_probs, advantages, mask, config=correction, rollout_log_prob=rollout_logprobs,
-        clip_ratio_low=float(_get(config, "eps_clip_low", 0.2)), clip_ratio_high=float(_get(config, "eps_clip_high", 0.2)),
-        clip_ratio_c=float(_get(config, "clip_ratio_c", 3.0)), loss_agg_mode="token-sum")
+        loss=PolicyLoss(
+            clip=ClipRange(
+                low=float(_get(config, "eps_clip_low", 0.2)), high=float(_get(config, "eps_clip_high", 0.2)),
+                dual=float(_get(config, "clip_ratio_c", 3.0))),
+            aggregation=Aggregation("token-sum")))
     floats = {k: float(v) for k, v in zip(metrics, torch.stack([v.detach().reshape(()).double()
                                                                    for v in metrics.values()]).tolist())}
     return loss, {"clip_ratio": floats.get("actor/pg_clipfrac", 0.0), **floats}

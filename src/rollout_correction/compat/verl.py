@@ -44,6 +44,7 @@ from rollout_correction.primitives import (RS_OPTIONS, ISWeights, LogRatioBatch,
                                            batch_norm_factor, importance_weights, is_metrics, option_keep,
                                            rejection_keep, rs_metrics, rs_option_metrics)
 from rollout_correction.reductions import SufficientStats
+from rollout_correction_core import Parallel, Segments
 
 __all__ = [
     "ConfigBlockError",
@@ -179,7 +180,8 @@ def compute_rollout_correction_and_rejection_mask(
     )
     cfg.refuse_segments("verl's compute_rollout_correction_and_rejection_mask signature")
     group = _resolve_group(process_group, cfg.is_spec is not None and cfg.is_spec.batch_normalize)
-    out = compute_rollout_correction(old_log_prob, rollout_log_prob, response_mask, config=cfg, process_group=group)
+    out = compute_rollout_correction(
+        old_log_prob, rollout_log_prob, response_mask, config=cfg, parallel=Parallel(dp_group=group))
     holder = None if out.weights is None else _weights_holder(out.weights)
     return holder, out.response_mask, out.metrics_as_floats()
 
@@ -423,9 +425,9 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
     if segment_ids is None:
         cfg.refuse_segments("this batch (no batch.batch['segment_ids'])")
     group = _resolve_group(_AUTO, cfg.is_spec is not None and cfg.is_spec.batch_normalize)
-    out = compute_rollout_correction(tensors["old_log_probs"], tensors["rollout_log_probs"],
-                                     tensors["response_mask"], config=cfg, process_group=group,
-                                     segment_ids=segment_ids)
+    out = compute_rollout_correction(
+        tensors["old_log_probs"], tensors["rollout_log_probs"], tensors["response_mask"], config=cfg,
+        parallel=Parallel(dp_group=group), segments=None if segment_ids is None else Segments(segment_ids))
     tensors["response_mask"] = out.response_mask
     if out.weights is not None:
         tensors["rollout_is_weights"] = out.weights

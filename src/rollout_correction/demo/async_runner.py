@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout_correction_core import Aggregation, ClipRange, PolicyLoss
 from rollout_correction.demo.async_rollout import AsyncRollout, Batch, BatchSource, WeightPublisher
 from rollout_correction.demo.config import METHODS, DemoConfig
 from rollout_correction.demo.engine import RolloutEngine
@@ -112,8 +113,8 @@ def mode_loss(mode: AsyncMode, rc_cfg, clip_eps: float, versions: torch.Tensor, 
         if mode.three_policy:
             loss, m = compute_staleness_policy_loss(
                 log_prob, rollout_log_prob, advantages, mask, v, current_version, config=rc_cfg,
-                proximal_method="loglinear", num_buckets=num_buckets, clip_ratio_low=clip_eps,
-                clip_ratio_high=clip_eps, loss_agg_mode="token-mean")
+                proximal_method="loglinear", num_buckets=num_buckets,
+                loss=PolicyLoss(ClipRange(clip_eps, clip_eps), Aggregation("token-mean")))
             m = metrics_to_floats(m)
         else:
             loss, m = policy_loss(method, rc_cfg, log_prob, old_log_prob, rollout_log_prob, advantages, mask,

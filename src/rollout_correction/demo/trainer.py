@@ -35,6 +35,7 @@ from rollout_correction.demo.model import MOE_SIZES, build_model, response_log_p
 from rollout_correction.demo.task import Task
 from rollout_correction.demo.engine import RolloutEngine, sample
 from rollout_correction.moe import record_routing, replay_routing, routing_agreement, routing_mask_from_response
+from rollout_correction_core import Aggregation, ClipRange, PolicyLoss
 
 EVAL_SEED = 1_000_003  # every run is evaluated on the same prompts
 
@@ -141,8 +142,7 @@ def policy_loss(method: Method, rc_cfg, log_prob, old_log_prob, rollout_log_prob
     loss, metrics = compute_policy_loss(
         log_prob, old_log_prob, advantages, mask, config=rc_cfg,
         rollout_log_prob=rollout_log_prob if method.preset else None,
-        clip_ratio_low=clip_eps, clip_ratio_high=clip_eps, loss_agg_mode="token-mean",
-    )
+        loss=PolicyLoss(clip=ClipRange(low=clip_eps, high=clip_eps), aggregation=Aggregation("token-mean")))
     if not method.preset:
         metrics = {**metrics, **compute_offpolicy_metrics(old_log_prob, rollout_log_prob, mask)}
     return loss, metrics_to_floats(metrics)

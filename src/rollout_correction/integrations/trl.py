@@ -61,6 +61,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from rollout_correction import RolloutCorrectionConfig, as_config, compute_rollout_correction
+from rollout_correction_core import Parallel
 
 try:  # the adapter is importable without TRL; the trainer class needs it.
     import trl as _trl
@@ -434,7 +435,8 @@ if _GRPOTrainer is not None:
             # Each process holds its slice of the generation batch; batch statistics (normalisation,
             # ESS, every metric) are reduced over all of them.
             group = torch.distributed.group.WORLD if _distributed() else None
-            result = compute_rollout_correction(old, rollout.to(old.dtype), mask, config=cfg, process_group=group)
+            result = compute_rollout_correction(
+                old, rollout.to(old.dtype), mask, config=cfg, parallel=Parallel(dp_group=group))
 
             # Rejected tokens (rejection sampling, veto, non-finite rows) leave the loss mask only.
             new_mask = result.response_mask.to(completion_mask.dtype)

@@ -21,6 +21,8 @@ from .config import RolloutCorrectionConfig, as_config
 from .constants import METRIC_PREFIX
 from .logratio import N_ROWS, LogRatioBatch, float_mask, log_ratio_batch, nonfinite_positions
 from .m2po import m2po_keep, second_moment
+from .parallel import Parallel, as_parallel, verified
+from .segments import Segments
 from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
                       offpolicy_metrics, prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
@@ -340,17 +342,16 @@ def _checked(out: CorrectionOutput, config: RolloutCorrectionConfig, stats, old:
     return CorrectionOutput(float_mask(response_mask), response_mask, out.metrics)
 
 
+@verified
 def compute_rollout_correction(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     *,
     config: Optional[RolloutCorrectionConfig] = None,
-    process_group: Optional[object] = None,
+    parallel: Optional[Parallel] = None,
     compile: bool = False,
-    sequence_group: Optional[object] = None,
-    segment_ids: Optional[torch.Tensor] = None,
-    max_segments: Optional[int] = None,
+    segments: Optional[Segments] = None,
     advantages: Optional[torch.Tensor] = None,
 ) -> CorrectionOutput:
     """IS weights, rejection-adjusted response mask and diagnostics for one batch.
@@ -358,7 +359,7 @@ def compute_rollout_correction(
     log ρ_t = old_log_prob − rollout_log_prob on valid tokens; weights as in
     :mod:`~rollout_correction_core._src.weights`, rejection and veto as in
     :mod:`~rollout_correction_core._src.rejection`, then M2PO among the tokens they keep
-    (:mod:`~rollout_correction_core._src.m2po`: batch-global over ``process_group``, 32 small all-reduces).
+    (:mod:`~rollout_correction_core._src.m2po`: batch-global over ``dp_group``, 32 small all-reduces).
 
     Args:
         old_log_prob: (B, T) π_old log-probs (decoupled mode) or π_θ log-probs (bypass mode);
@@ -366,29 +367,25 @@ def compute_rollout_correction(
         rollout_log_prob: (B, T) log-probs of the sampling engine.
         response_mask: (B, T) bool or 0/1 mask of valid tokens.
         config: a :class:`RolloutCorrectionConfig`; None means metrics only.
-        process_group: a ``torch.distributed`` group over which the batch is split; batch
-            normalisation and every metric then cover the whole batch (the single-process result).
-        compile: run the per-token pass through ``torch.compile`` (compiled once per config and kept
-            for the :data:`COMPILE_CACHE_SIZE` most recent configs; same results as eager; not with
-            ``sequence_group``, which runs eagerly).
-        sequence_group: a ``torch.distributed`` group over which every sequence is split
+        parallel: :class:`Parallel` (None: one process, whole rows). ``dp_group``: a
+            ``torch.distributed`` group over which the batch is split; batch normalisation and
+            every metric then cover the whole batch (the single-process result).
+            ``cp_group``: a ``torch.distributed`` group over which every sequence is split
             (context parallelism: Megatron's ``mpu.get_context_parallel_group()``, or Ulysses).
             Each rank passes its own tokens of the same B rows in the same order, in any layout
             (a slice, the two zig-zag chunks, padding, an empty slice), every valid token held by
             exactly one rank. One all-gather of (B, k) per-row partials (never token tensors)
             makes weights, masks and metrics those of the unsplit sequences (up to rounding); the
-            (B, T_local) outputs cover this rank's tokens. ``process_group`` is then the
-            data-parallel group without or with context parallelism, or None when the sequence
-            group holds the whole batch (see :func:`~rollout_correction_core._src.sequence_group.stats_owner`;
-            a partial overlap raises ValueError). ``check_alignment`` raises with a sequence group.
-        segment_ids: optional (B, T) integer tensor, the segment (turn) of each token of a
-            multi-turn row: the valid tokens of a row with equal id form one segment, for
-            ``rollout_is="segment"`` and the ``segment_*`` rejection options (a row without
-            segment_ids is one segment). Ids at valid positions lie in [0, ``max_segments``); masked
-            positions are ignored. With ``sequence_group`` the ids are global within the row (the
-            same id on every rank for one turn) and ``max_segments`` is required.
-        max_segments: the static number S of segment ids (default T): per-segment values are (B, S)
-            tensors, so no shape depends on the data.
+            (B, T_local) outputs cover this rank's tokens. ``dp_group`` is then the data-parallel
+            group without or with context parallelism, or None when the context-parallel group
+            holds the whole batch (see :func:`~rollout_correction_core._src.sequence_group.stats_owner`;
+            a partial overlap raises ValueError). ``check_alignment`` raises with a ``cp_group``.
+        compile: run the per-token pass through ``torch.compile`` (compiled once per config and kept
+            for the :data:`COMPILE_CACHE_SIZE` most recent configs; same results as eager; not with
+            ``cp_group``, which runs eagerly).
+        segments: :class:`Segments` of multi-turn rows, for ``rollout_is="segment"`` and the
+            ``segment_*`` rejection options (None: every row is one segment). Per-segment values
+            are (B, ``segments.count``) tensors, so no shape depends on the data.
         advantages: optional (B, T) or (B,) advantages (a row's is its mean over valid tokens): with
             them ``rollout_rs_rejected_positive_fraction``, the share of fully rejected rows with A > 0.
     Returns:
@@ -398,6 +395,9 @@ def compute_rollout_correction(
     if advantages is not None and advantages.shape not in (response_mask.shape, response_mask.shape[:1]):
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected (B, T) = "
                          f"{tuple(response_mask.shape)} like response_mask, or (B,) = ({response_mask.shape[0]},)")
+    parallel = as_parallel(parallel)
+    process_group, sequence_group = parallel.dp_group, parallel.cp_group
+    segment_ids, max_segments = (segments.ids, segments.count) if segments is not None else (None, None)
     if config.on_nonfinite == "raise" and (process_group is not None or sequence_group is not None):
         check_pair(old_log_prob, rollout_log_prob, response_mask)
         raise_nonfinite_on_any_rank(nonfinite_positions(old_log_prob, rollout_log_prob, response_mask,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 import torch
 
 from .constants import LOG_PROB_FLOOR, SAFETY_BOUND
-from .segments import segment_sums
+from .segments import Segments, segment_sums
 from .stats import SufficientStats
 from .validation import check_pair, check_same, check_segment_ids
 
@@ -38,7 +38,8 @@ N_SENTINEL, N_TOK_INPUT = "n_sentinel", "n_tok_input"
 if TYPE_CHECKING:
     from .sequence_group import RowExchange
 
-__all__ = ["N_TOK", "N_ROWS", "N_ROWS_INPUT", "LogRatioBatch", "RowSums", "log_ratio_batch", "NONFINITE_SENTINEL", "float_mask", "nonfinite_positions"]
+__all__ = ["N_TOK", "N_ROWS", "N_ROWS_INPUT", "LogRatioBatch", "RowSums", "log_ratio", "log_ratio_batch", "NONFINITE_SENTINEL",
+           "float_mask", "nonfinite_positions"]
 
 #: Replacement for NaN / ±inf before masking; a valid |log-ratio| this large means "non-finite".
 NONFINITE_SENTINEL = 1e30
@@ -311,6 +312,21 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         return batch
     ids, S = segments
     return dataclasses.replace(batch, segment_ids=ids, num_segments=S)
+
+
+def log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """log ρ_t = old_log_prob − rollout_log_prob, (B, T) float32 clamped to ±20; 0 outside
+    ``response_mask`` and in rows with a non-finite value at a valid position (module docstring)."""
+    return log_ratio_batch(old_log_prob, rollout_log_prob, response_mask).log_ratio_clamped
+
+
+def segmented_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                    segments: Optional[Segments]) -> LogRatioBatch:
+    """:func:`log_ratio_batch` with the turns of :class:`Segments` (None: each row one segment)."""
+    if segments is None:
+        return log_ratio_batch(old_log_prob, rollout_log_prob, response_mask)
+    return log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, segment_ids=segments.ids,
+                           max_segments=segments.count)
 
 
 def _masked_fill(x: torch.Tensor, where: torch.Tensor, value: float, out: Optional[torch.Tensor]) -> torch.Tensor:

@@ -21,28 +21,64 @@ exactly 0, still attached to the graph, with zero gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable, Literal, NamedTuple, Optional, Union, get_args
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional, Union, get_args
 
 import torch
 
-from .config import RolloutCorrectionConfig, as_config
+from .config import LossType, RolloutCorrectionConfig, as_config
 from .constants import SAFETY_BOUND
 from .correction import RowValues, compute_rollout_correction, correction_pass
 from .metrics import Metrics, prefixed
 from .opsm import compute_opsm
+from .parallel import Parallel, as_parallel, verified
+from .segments import Segments
 from .policy_losses import cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, topr_loss
 from .logratio import nonfinite_positions
 from .sequence_group import RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank, stats_owner
 from .stats import SufficientStats, Value, maximum
 from .validation import check_same, first_nonfinite
 
-__all__ = ["LossAggMode", "LOSS_AGG_MODES", "agg_loss", "ppo_clip_loss", "compute_policy_loss"]
+__all__ = ["LossAggMode", "LOSS_AGG_MODES", "ClipRange", "Aggregation", "PolicyLoss", "agg_loss", "ppo_clip_loss",
+           "policy_loss_term", "compute_policy_loss"]
 
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                       "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 Count = Union[int, float, torch.Tensor, None]
+
+
+@dataclass(frozen=True)
+class ClipRange:
+    """The ratio terms' hyper-parameters: ε_lo (``low``), ε_hi (``high``) and the dual-clip constant c
+    (``dual``); for DPPO the divergence bounds δ_lo / δ_hi and the ratio truncation c."""
+
+    low: float = 0.2
+    high: float = 0.2
+    dual: float = 3.0
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How :func:`agg_loss` makes a (B, T) per-token loss a scalar: ``mode``, the totals
+    ``global_num_tokens`` / ``global_num_seqs`` over the data-parallel ranks (None: local counts),
+    ``dp_size`` (the gradient-averaging world size) and ``scale_factor`` (S of seq-mean-token-sum-norm)."""
+
+    mode: LossAggMode = "token-mean"
+    global_num_tokens: Count = None
+    global_num_seqs: Count = None
+    dp_size: int = 1
+    scale_factor: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The trainer's loss hyper-parameters for :func:`compute_policy_loss`: its clip range and aggregation."""
+
+    clip: ClipRange = field(default_factory=ClipRange)
+    aggregation: Aggregation = field(default_factory=Aggregation)
 
 
 def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
@@ -55,10 +91,9 @@ def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
     return den.clamp_min(1.0)
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: LossAggMode = "token-mean",
-             global_num_tokens: Count = None, global_num_seqs: Count = None, dp_size: int = 1,
-             loss_scale_factor: Optional[float] = None, sequence_group: Optional[object] = None,
-             count_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+@verified
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, aggregation: Aggregation = Aggregation(), *,
+             parallel: Optional[Parallel] = None, count_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss over the valid (non-zero mask) tokens.
 
     * token-mean:              Σ_{i,t} ℓ / N_tok
@@ -67,47 +102,48 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, *, loss_agg_mode: 
     * seq-mean-token-mean:     Σ_i (Σ_t ℓ_it / n_i) / N_seq
     * seq-mean-token-sum-norm: Σ_i (Σ_t ℓ_it) / N_seq / S   (S = ``loss_scale_factor``, default T)
 
-    N_tok / N_seq (sequences with ≥ 1 valid token) are the local counts unless ``global_num_tokens``
-    / ``global_num_seqs`` give the totals over all data-parallel ranks; with those under gradient
-    averaging (DDP/FSDP) pass ``dp_size`` = world size, so the averaged gradient is the global
-    loss's. Denominators are at least 1: an all-masked batch gives exactly 0 (attached to the graph).
+    (mode, N_tok, N_seq, S: :class:`Aggregation`.) N_tok / N_seq (sequences with ≥ 1 valid token)
+    are the local counts unless ``global_num_tokens`` / ``global_num_seqs`` give the totals over all
+    data-parallel ranks; with those under gradient averaging (DDP/FSDP) set ``dp_size`` = world
+    size, so the averaged gradient is the global loss's. Denominators are at least 1: an all-masked
+    batch gives exactly 0 (attached to the graph).
 
     ``count_mask``: the (B, T) tokens the denominators count (N_tok, n_i and the sequences of
     N_seq), when they are not ``loss_mask``'s: the response mask before rejection keeps rejected
     tokens and sequences counted with a zero loss (``loss_denominator="valid"``). Only tokens of
     ``loss_mask`` reach the numerator either way.
 
-    ``sequence_group``: every sequence is split across this group (context parallelism; see
+    ``parallel.cp_group``: every sequence is split across this group (context parallelism; see
     :func:`~rollout_correction_core.compute_rollout_correction`). The counts n_i are those of the whole
     sequences (one all-gather of B scalars) and the result is this rank's share: the shares add up
     over the group to the unsplit loss, and each rank's gradient is the unsplit gradient on its
-    tokens. S must then be given (``loss_scale_factor``): T here is only this rank's slice.
+    tokens. S must then be given (``scale_factor``): T here is only this rank's slice.
     """
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
+    if aggregation.mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={aggregation.mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
+    sequence_group = as_parallel(parallel).cp_group
     check_same([("loss_mat", loss_mat), ("loss_mask", loss_mask), ("count_mask", count_mask)],
                float_names=("loss_mat",))
     valid = loss_mask.bool()
     counted = valid if count_mask is None else count_mask.bool()
     if sequence_group is not None:
         check_sequence_group(sequence_group)
-    if sequence_group is None and loss_agg_mode in ("token-mean", "token-sum"):
+    if sequence_group is None and aggregation.mode in ("token-mean", "token-sum"):
         n_row = None  # only the total is needed (token-mean), or nothing
     else:
-        rows = RowExchange(sequence_group, describe("agg_loss", loss_agg_mode=loss_agg_mode))
+        rows = RowExchange(sequence_group, describe("agg_loss", loss_agg_mode=aggregation.mode))
         for _ in rows.passes():
             n_row = rows.sum(counted.sum(-1, dtype=torch.float64))
-    return _aggregate(loss_mat, valid, n_row, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size,
-                      loss_scale_factor, split=sequence_group is not None, counted=counted)
+    return _aggregate(loss_mat, valid, n_row, aggregation, split=sequence_group is not None, counted=counted)
 
 
-def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: Optional[torch.Tensor], loss_agg_mode: str,
-               global_num_tokens: Count, global_num_seqs: Count, dp_size: int,
-               loss_scale_factor: Optional[float], split: bool,
-               counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: Optional[torch.Tensor], agg: Aggregation,
+               split: bool, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`agg_loss` with the per-row counted-token counts ``n_row`` (B,) of the whole sequences
     (None for token-mean / token-sum on whole sequences: the total of ``counted``, default ``valid``,
     is counted here)."""
+    loss_agg_mode, global_num_tokens, global_num_seqs = agg.mode, agg.global_num_tokens, agg.global_num_seqs
+    dp_size, loss_scale_factor = agg.dp_size, agg.scale_factor
     if dp_size > 1:
         needed = {"token-mean": ("global_num_tokens", global_num_tokens)}.get(
             loss_agg_mode, ("global_num_seqs", global_num_seqs) if loss_agg_mode != "token-sum" else None)
@@ -136,11 +172,12 @@ def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: Optional[torc
     return loss * dp_size if dp_size != 1 else loss
 
 
-def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor, *,
-                  clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss with dual clip (module docstring): (loss (B, T), clipped (B, T) bool,
-    the clipped branch is active, clipped_lower (B, T) bool, the dual clip is active)."""
+def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor,
+                  clip: ClipRange = ClipRange()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss with dual clip (module docstring; ε_lo, ε_hi, c from ``clip``): (loss
+    (B, T), clipped (B, T) bool, the clipped branch is active, clipped_lower (B, T) bool, the dual
+    clip is active)."""
+    clip_ratio_low, clip_ratio_high, clip_ratio_c = clip.low, clip.high, clip.dual
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c} is invalid: the dual-clip constant must be > 1")
     if clip_ratio_low < 0 or clip_ratio_high < 0:
@@ -156,12 +193,12 @@ def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantage
     return loss, l2 > l1, (clip1 > l3) & negative
 
 
-def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor,
-                    valid: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
-                    seq_values: Optional[dict[str, torch.Tensor]] = None):
+def _per_token_loss(loss_type: str, lp: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor,
+                    valid: torch.Tensor, clip: ClipRange, seq_values: Optional[dict[str, torch.Tensor]] = None):
     """(ℓ (B, T), clipped, clipped_lower) for ``loss_type`` (indicators None for REINFORCE; for TOPR
     (B,) the tapered sequences, and None); ``seq_values``: GSPO / TOPR per-sequence values given."""
     seq_values = seq_values or {}
+    clip_ratio_low, clip_ratio_high, clip_ratio_c = clip.low, clip.high, clip.dual
     if loss_type == "reinforce":  # bypass mode only (the config refuses it in decoupled mode)
         return -adv * lp, None, None
     if loss_type == "topr":
@@ -177,20 +214,32 @@ def _per_token_loss(loss_type: str, bypass: bool, lp: torch.Tensor, prox: torch.
         return pg, outside, torch.zeros_like(valid)
     if loss_type in ("dppo_tv", "dppo_kl"):
         return dppo_loss(lp, prox, adv, loss_type[5:], clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    return ppo_clip_loss(lp, prox, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
+    return ppo_clip_loss(lp, prox, adv, clip)
 
 
-class _Settings(NamedTuple):
-    """The clip and aggregation settings of one :func:`compute_policy_loss` call."""
-
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float
-    loss_agg_mode: str
-    global_num_tokens: Count
-    global_num_seqs: Count
-    dp_size: int
-    loss_scale_factor: Optional[float]
+def policy_loss_term(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, weights: Optional[torch.Tensor] = None, *, loss_type: LossType = "ppo_clip",
+                     clip: ClipRange = ClipRange()) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The per-token loss ℓ_t of ``loss_type`` times sg(w_t), 0 outside ``mask``: PPO clip (module
+    docstring), ``"reinforce"`` −A_t log π_θ(y_t), and GSPO / CISPO / DPPO / TOPR / rollout-IS
+    (:mod:`~rollout_correction_core._src.policy_losses`); aggregate it with :func:`agg_loss`. All
+    (B, T): ``log_prob`` log π_θ (with gradient), ``prox_log_prob`` π_prox (π_old, or π_rollout in
+    bypass mode), ``advantages``, ``mask`` the tokens in the loss (after rejection), ``weights`` w_t
+    (None: 1). Returns (ℓ, clipped, clipped_lower): the indicators of ``actor/pg_clipfrac`` /
+    ``actor/pg_clipfrac_lower`` ((B, T) bool; None for REINFORCE; TOPR: (B,) tapered, None).
+    """
+    check_same([("log_prob", log_prob), ("prox_log_prob", prox_log_prob), ("advantages", advantages),
+                ("mask", mask), ("weights", weights)],
+               float_names=("log_prob", "prox_log_prob", "advantages", "weights"))
+    if loss_type not in get_args(LossType):
+        raise ValueError(f"loss_type={loss_type!r} is invalid; allowed: {list(get_args(LossType))}")
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    lp, prox, adv = (torch.where(valid, x, zero) for x in (log_prob, prox_log_prob.detach(), advantages.detach()))
+    pg, clipped, clipped_lower = _per_token_loss(loss_type, lp, prox, adv, valid, clip)
+    if weights is not None:
+        pg = pg * torch.where(valid, weights.detach(), zero)
+    return torch.where(valid, pg, zero), clipped, clipped_lower
 
 
 class _LossRows:
@@ -244,6 +293,7 @@ def _actor_metrics(stats) -> dict[str, Value]:
     return out
 
 
+@verified
 def compute_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: Optional[torch.Tensor],
@@ -253,18 +303,9 @@ def compute_policy_loss(
     config: Optional[RolloutCorrectionConfig] = None,
     rollout_log_prob: Optional[torch.Tensor] = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: LossAggMode = "token-mean",
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    loss_scale_factor: Optional[float] = None,
-    process_group: Optional[object] = None,
-    sequence_group: Optional[object] = None,
-    segment_ids: Optional[torch.Tensor] = None,
-    max_segments: Optional[int] = None,
+    loss: PolicyLoss = PolicyLoss(),
+    parallel: Optional[Parallel] = None,
+    segments: Optional[Segments] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss with rollout correction, in the mode ``config`` selects.
 
@@ -289,26 +330,25 @@ def compute_policy_loss(
         config: :class:`RolloutCorrectionConfig` (None: plain decoupled PPO, metrics only).
         rollout_log_prob: (B, T) log π_rollout.
         rollout_is_weights: (B, T) precomputed IS weights (decoupled mode); detached here.
-        clip_ratio_low / clip_ratio_high / clip_ratio_c: PPO clip range and dual-clip constant.
-        loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see
-            :func:`agg_loss`; rejected tokens are not counted in local denominators unless
+        loss: :class:`PolicyLoss`, the clip range (ε_lo, ε_hi, c) and the :class:`Aggregation` (see
+            :func:`agg_loss`); rejected tokens are not counted in local denominators unless
             ``config.loss_denominator`` is ``"valid"`` (then every valid token of ``response_mask`` is).
-        process_group: reduce the correction statistics over this group.
-        sequence_group: every sequence is split across this group (context parallelism; layout
-            and ``process_group`` as for :func:`~rollout_correction_core.compute_rollout_correction`).
-            One all-gather of (B, k) per-row scalars serves the non-finite check, the correction,
-            the denominators and the ``actor/*`` metrics; the loss is this rank's share (see
-            :func:`agg_loss`).
-        segment_ids, max_segments: the segment (turn) of each token and the static number of ids,
-            for ``rollout_is="segment"`` and the ``segment_*`` rejection options, as for
-            :func:`~rollout_correction_core.compute_rollout_correction`.
+        parallel: :class:`Parallel`; the correction statistics are reduced over ``dp_group``.
+            ``cp_group``: every sequence is split across this group (context parallelism, as for
+            :func:`~rollout_correction_core.compute_rollout_correction`). One all-gather of (B, k)
+            per-row scalars serves the non-finite check, the correction, the denominators and the
+            ``actor/*`` metrics; the loss is this rank's share (see :func:`agg_loss`).
+        segments: :class:`Segments`, for ``rollout_is="segment"`` and the ``segment_*`` rejection
+            options, as for :func:`~rollout_correction_core.compute_rollout_correction`.
     Returns:
         (loss, metrics): scalar loss; 0-d tensors ``actor/pg_clipfrac``, ``actor/ppo_kl``,
         ``actor/pg_clipfrac_lower`` (PPO), ``actor/nonfinite_seq_fraction`` (over this data-parallel
         rank's sequences) and, when the correction was computed here, every ``rollout_corr/*``
-        metric (over the whole batch of ``process_group``).
+        metric (over the whole batch of ``dp_group``).
     """
     config = as_config(config)
+    parallel = as_parallel(parallel)
+    process_group, sequence_group = parallel.dp_group, parallel.cp_group
     bypass = config.bypass_mode
     if bypass:
         rollout = rollout_log_prob if rollout_log_prob is not None else old_log_prob
@@ -337,13 +377,11 @@ def compute_policy_loss(
                              "sequences on one rank")
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
-    settings = _Settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens,
-                         global_num_seqs, dp_size, loss_scale_factor)
-    rows = RowExchange(sequence_group, describe("compute_policy_loss", config, loss_agg_mode=loss_agg_mode,
-                                                max_segments=max_segments))
+    rows = RowExchange(sequence_group, describe("compute_policy_loss", config, loss_agg_mode=loss.aggregation.mode,
+                                                max_segments=None if segments is None else segments.count))
     for _ in rows.passes():  # one pass for whole rows; collect and replay for split rows
         result = _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollout_is_weights, config,
-                                   settings, process_group, rows, owner, segment_ids, max_segments)
+                                   loss, parallel, rows, owner, segments)
     return result
 
 
@@ -359,12 +397,12 @@ def _nonfinite_inputs(response_mask, log_prob, prox, rollout, advantages, rollou
 
 
 def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollout_is_weights,
-                      config: RolloutCorrectionConfig, s: _Settings, process_group, rows: RowExchange, owner,
-                      segment_ids, max_segments):
+                      config: RolloutCorrectionConfig, s: PolicyLoss, parallel: Parallel, rows: RowExchange, owner,
+                      segments: Optional[Segments]):
     """One pass of :func:`compute_policy_loss`: the only one for whole rows (``rows`` local); for
     rows split across ``rows.group`` the collect pass makes the reductions only (returns None) and
     the replay pass builds loss and metrics."""
-    bypass = config.bypass_mode
+    bypass, process_group = config.bypass_mode, parallel.dp_group
     # Drop (or refuse) rows with a non-finite value at a valid position; sanitise the rest. The
     # inputs are checked and masked stacked: one where, one max |x| per row over all of them.
     input_valid = response_mask.bool()
@@ -404,12 +442,13 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
     if rollout is not None and (bypass or rollout_is_weights is None):
         train_side = lp.detach() if bypass else prox_s
         if rows.group is None:
-            corr = compute_rollout_correction(train_side, rollout, valid, config=config, process_group=process_group,
-                                              segment_ids=segment_ids, max_segments=max_segments, advantages=adv)
+            corr = compute_rollout_correction(train_side, rollout, valid, config=config,
+                                              parallel=dataclasses.replace(parallel, cp_group=None), segments=segments,
+                                              advantages=adv)
         else:
             with torch.no_grad():
-                corr, values = correction_pass(train_side, rollout, valid, config, process_group, rows, owner,
-                                               segment_ids, max_segments, adv)
+                seg = (segments.ids, segments.count) if segments is not None else (None, None)
+                corr, values = correction_pass(train_side, rollout, valid, config, process_group, rows, owner, *seg, adv)
         mask, weights = corr.response_mask.bool(), corr.weights
         metrics.update(corr.metrics)
     if rollout_is_weights is not None and not bypass:
@@ -431,8 +470,8 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
     elif config.loss_type == "topr":  # Σ log r and the mean advantage
         sums = in_loss.sum(torch.stack([lp.detach() - prox_s, adv]))
         seq_values["seq_log_ratio_sum"], seq_values["seq_advantage"] = sums[0], sums[1] / kept.clamp_min(1)
-    pg, clipped, clipped_lower = _per_token_loss(config.loss_type, bypass, lp, prox_s, adv, mask,
-                                                 s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, seq_values)
+    loss_type = config.loss_type if bypass or config.loss_type != "reinforce" else "ppo_clip"
+    pg, clipped, clipped_lower = _per_token_loss(loss_type, lp, prox_s, adv, mask, s.clip, seq_values)
     if weights is not None and (not bypass or config.loss_type == "reinforce"):
         pg = pg * weights.detach()  # bypass PPO-clip / GSPO / …: the ratio to π_rollout is the correction
 
@@ -446,7 +485,7 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
     per_row = list(in_loss.sum(torch.stack(token_parts)).unbind())
     if config.loss_type == "gspo":
         ratio = seq_values["seq_log_ratio"].float().clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
-        above, below = ratio > 1.0 + s.clip_ratio_high, ratio < 1.0 - s.clip_ratio_low
+        above, below = ratio > 1.0 + s.clip.high, ratio < 1.0 - s.clip.low
         per_row = [per_row[0], per_row[1] * above + per_row[2] * below, torch.zeros_like(kept)]
     elif config.loss_type == "topr":
         per_row += [kept * clipped, torch.zeros_like(kept)]  # clipped: the tapered sequences
@@ -456,6 +495,5 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
     sums = torch.stack(per_row + [kept, input_rows, bad_rows]).sum(-1)  # a bad row has a valid input token
     actor = SufficientStats.from_vector(names + ["n", "input_rows", "bad_rows"], sums)
     metrics.add_derived(actor, _actor_metrics, prefix="")
-    loss = _aggregate(pg, mask, counted, s.loss_agg_mode, s.global_num_tokens, s.global_num_seqs, s.dp_size,
-                      s.loss_scale_factor, split=rows.group is not None)
+    loss = _aggregate(pg, mask, counted, s.aggregation, split=rows.group is not None)
     return loss, metrics

@@ -45,6 +45,7 @@ import torch
 from .constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
 from .logratio import (N_ROWS, N_ROWS_INPUT, N_SENTINEL, N_TOK, N_TOK_INPUT, LogRatioBatch, log_ratio_batch,
                        nonfinite_positions)
+from .parallel import Parallel, as_parallel, verified
 from .validation import check_pair
 from .sequence_group import (RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank,
                              reduce_owned, stats_owner)
@@ -353,24 +354,26 @@ def metrics_to_floats(metrics: Mapping[str, Union[torch.Tensor, float]]) -> dict
     return {k: out[k] for k in metrics}
 
 
+@verified
 def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                              response_mask: torch.Tensor, *, process_group: Optional[object] = None,
-                              on_nonfinite: str = "reject", sequence_group: Optional[object] = None,
-                              mismatch_metrics: bool = False) -> dict[str, torch.Tensor]:
+                              response_mask: torch.Tensor, *, parallel: Optional[Parallel] = None,
+                              on_nonfinite: str = "reject", mismatch_metrics: bool = False) -> dict[str, torch.Tensor]:
     """Off-policy diagnostics of π_train vs π_rollout, keys ``rollout_corr/<name>``.
 
     Args:
         old_log_prob: (B, T) log-probs of the training-side policy.
         rollout_log_prob: (B, T) log-probs of the sampling policy.
         response_mask: (B, T) bool or 0/1, non-zero on valid tokens.
-        process_group: reduce the statistics over this group (metrics of the whole batch).
-        sequence_group: every sequence is split across this group (context parallelism), as in
-            :func:`rollout_correction_core.compute_rollout_correction`.
+        parallel: :class:`~rollout_correction_core.Parallel`: reduce the statistics over ``dp_group``
+            (metrics of the whole batch); every sequence is split across ``cp_group`` (context
+            parallelism), as in :func:`rollout_correction_core.compute_rollout_correction`.
         mismatch_metrics: also the 10 mismatch metrics (|p_train − p_rollout|, Pearson, JS, |Δ log p|
             tails; module docstring), about 15 more per-token passes.
     Returns:
         dict of 0-d float64 tensors (formulas in the module docstring).
     """
+    parallel = as_parallel(parallel)
+    process_group, sequence_group = parallel.dp_group, parallel.cp_group
     if on_nonfinite == "raise" and (process_group is not None or sequence_group is not None):
         check_pair(old_log_prob, rollout_log_prob, response_mask)
         raise_nonfinite_on_any_rank(nonfinite_positions(old_log_prob, rollout_log_prob, response_mask), "log-prob",
@@ -389,7 +392,7 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         return prefixed(acc.finalize(reduce_owned(acc.stats, process_group, owner)))
     acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite, mismatch_metrics=mismatch_metrics)
     acc.update(old_log_prob, rollout_log_prob, response_mask)
-    return acc.compute(process_group)
+    return acc.compute(Parallel(dp_group=process_group))
 
 
 class Accumulator:
@@ -418,12 +421,15 @@ class Accumulator:
         """Record the family's statistics of one chunk into ``stats``."""
         raise NotImplementedError
 
-    def compute(self, process_group: Optional[object] = None) -> dict[str, torch.Tensor]:
+    def compute(self, parallel: Optional[Parallel] = None) -> dict[str, torch.Tensor]:
         """Metrics of everything added so far, ``rollout_corr/<name>`` → 0-d tensor; reduced
-        over ``process_group`` when given (every rank then gets the whole batch's metrics)."""
+        over ``parallel.dp_group`` when given (every rank then gets the whole batch's metrics)."""
         if not self.stats.sums:
             raise ValueError("no data: call update() with at least one batch before compute()")
-        stats = SufficientStats().merge(self.stats).all_reduce(process_group)
+        parallel = as_parallel(parallel)
+        if parallel.cp_group is not None:
+            raise ValueError("an accumulator adds chunks of whole rows: it takes no cp_group")
+        stats = SufficientStats().merge(self.stats).all_reduce(parallel.dp_group)
         return prefixed(self.finalize(stats))
 
     def finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:

@@ -11,6 +11,8 @@ import torch
 
 from .config import RolloutCorrectionConfig
 from .correction import CorrectionOutput, compute_rollout_correction
+from .parallel import Parallel, as_parallel
+from .segments import Segments
 
 __all__ = ["lengths_from_cu_seqlens", "pack_index", "to_padded", "compute_rollout_correction_packed"]
 
@@ -51,23 +53,22 @@ def compute_rollout_correction_packed(
     lengths: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
     response_mask: Optional[torch.Tensor] = None,
-    process_group: Optional[object] = None,
-    sequence_group: Optional[object] = None,
-    segment_ids: Optional[torch.Tensor] = None,
-    max_segments: Optional[int] = None,
+    parallel: Optional[Parallel] = None,
+    segments: Optional[Segments] = None,
 ) -> CorrectionOutput:
     """:func:`compute_rollout_correction` for flat (N,) token tensors.
 
     Give ``lengths`` (B,) or ``cu_seqlens`` (B + 1,); ``response_mask`` (N,) marks valid tokens
     inside each sequence (default: all). Returns flat (N,) ``weights`` and ``response_mask``.
 
-    With ``sequence_group`` (context parallelism) each rank passes its own tokens of the same B
+    With ``parallel.cp_group`` (context parallelism) each rank passes its own tokens of the same B
     sequences, in the same order: ``lengths`` are then this rank's token counts per sequence
     (0 for an empty slice); see :func:`compute_rollout_correction` for the rest.
 
-    ``segment_ids`` (N,) integers: the segment (turn) of each token, as ``segment_ids`` of
-    :func:`compute_rollout_correction` (``max_segments`` defaults to the longest sequence's length).
+    ``segments``: :class:`Segments` with (N,) ``ids``, the segment (turn) of each token, as for
+    :func:`compute_rollout_correction` (``count`` defaults to the longest sequence's length).
     """
+    segment_ids = segments.ids if segments is not None else None
     if (lengths is None) == (cu_seqlens is None):
         raise ValueError("give exactly one of lengths= or cu_seqlens=")
     if lengths is None:
@@ -93,8 +94,7 @@ def compute_rollout_correction_packed(
     out = compute_rollout_correction(
         to_padded(old_log_prob, rows, cols, B, T), to_padded(rollout_log_prob, rows, cols, B, T),
         to_padded(response_mask, rows, cols, B, T, fill=False if response_mask.dtype == torch.bool else 0),
-        config=config, process_group=process_group, sequence_group=sequence_group,
-        segment_ids=None if segment_ids is None else to_padded(segment_ids, rows, cols, B, T),
-        max_segments=max_segments)
+        config=config, parallel=as_parallel(parallel),
+        segments=None if segments is None else Segments(to_padded(segment_ids, rows, cols, B, T), segments.count))
     weights = out.weights[rows, cols] if out.weights is not None else None
     return CorrectionOutput(weights, out.response_mask[rows, cols], out.metrics)

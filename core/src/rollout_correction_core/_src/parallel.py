@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
-__all__ = ["Parallel", "Verify"]
+__all__ = ["Parallel", "Verify", "as_parallel", "verified"]
 
 #: When the ranks of a group agree on what a collective will exchange: at the first call for a
 #: (group, layout) pair (``"once"``, then cached), or before every call (``"always"``, for configs
@@ -39,3 +40,29 @@ class Parallel:
 
 #: One process, whole rows.
 LOCAL = Parallel()
+
+
+def as_parallel(parallel: Optional[Parallel]) -> Parallel:
+    """``parallel``, or :data:`LOCAL` for None; anything else (a bare process group) raises TypeError."""
+    if parallel is None:
+        return LOCAL
+    if not isinstance(parallel, Parallel):
+        raise TypeError(f"parallel={parallel!r} is not a Parallel: wrap a data-parallel group as "
+                        "Parallel(dp_group=group), a context-parallel one as Parallel(cp_group=group)")
+    return parallel
+
+
+def verified(fn: Callable) -> Callable:
+    """``fn(..., parallel=...)`` run under its ``parallel.verify`` setting (agreement before every
+    collective with ``"always"``; once per group and exchange by default)."""
+    from .stats import verification
+
+    @functools.wraps(fn)
+    def call(*args, parallel: Optional[Parallel] = None, **kwargs):
+        parallel = as_parallel(parallel)
+        if parallel.verify == "once":
+            return fn(*args, parallel=parallel, **kwargs)
+        with verification(parallel.verify):
+            return fn(*args, parallel=parallel, **kwargs)
+
+    return call

@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from .config import RSOption
-from .logratio import LogRatioBatch, N_ROWS, N_TOK
+from .config import RolloutCorrectionConfig, RSOption
+from .logratio import N_ROWS, N_TOK, LogRatioBatch, segmented_batch
+from .segments import Segments
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
-__all__ = ["token_divergence", "PROB_CLAMP", "RejectionResult", "option_keep", "rejection_keep", "rs_option_metrics",
+__all__ = ["token_divergence", "PROB_CLAMP", "RejectionResult", "option_keep", "rejection_keep", "rejection_mask", "rs_option_metrics",
            "rs_metrics", "veto_metrics"]
 
 
@@ -205,6 +206,16 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
             stats.add_sum(key + ".tok", catastrophic)
             stats.add_sum(key + ".rows", vetoed, rows=batch.row_valid)
     return RejectionResult(token_keep, row_keep, segment_keep)
+
+
+def rejection_mask(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                   criterion: str, threshold: Union[float, str], segments: Optional[Segments] = None) -> torch.Tensor:
+    """(B, T) float32 0/1: the valid tokens that ``criterion`` (a ``rollout_rs`` option such as
+    ``"seq_mean_k3"``, or several joined by commas) keeps at ``threshold`` (its upper bound, or a
+    ``"lo_hi"`` band; module docstring) for π_train (``old_log_prob``) vs π_rollout."""
+    options = RolloutCorrectionConfig(rollout_rs=criterion, rollout_rs_threshold=threshold).rs_options
+    batch = segmented_batch(old_log_prob, rollout_log_prob, response_mask, segments)
+    return rejection_keep(batch, options, None).keep_mask(batch)
 
 
 def _std_clamp(opt: RSOption, x: torch.Tensor) -> torch.Tensor:

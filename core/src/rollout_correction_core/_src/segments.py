@@ -8,9 +8,23 @@ every segment option of this library applies to them unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-__all__ = ["segment_sums", "segment_ids_from_mask", "max_runs"]
+__all__ = ["Segments", "segment_sums", "segment_ids_from_mask", "max_runs"]
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """The segments (turns) of multi-turn rows: ``ids`` (B, T) integers, the valid tokens of a row
+    with equal id form one segment, ids in [0, ``count``) at valid positions (ignored elsewhere);
+    ``count`` the static number S of ids (default T; required with a context-parallel group, whose
+    ids are global within the row)."""
+
+    ids: torch.Tensor
+    count: Optional[int] = None
 
 
 def segment_sums(x: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:

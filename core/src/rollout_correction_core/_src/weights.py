@@ -34,12 +34,13 @@ from typing import Optional
 
 import torch
 
-from .config import SEGMENT_IS_LEVELS, ISSpec
+from .config import SEGMENT_IS_LEVELS, IsLevel, IsMode, ISSpec, RolloutCorrectionConfig
 from .constants import SAFETY_BOUND
-from .logratio import LogRatioBatch, N_ROWS, N_TOK
+from .logratio import N_ROWS, N_TOK, LogRatioBatch, segmented_batch
+from .segments import Segments
 from .stats import SufficientStats, Value, clamp, exp, safe_div, seq_summary, sqrt0, where
 
-__all__ = ["ISWeights", "importance_weights", "bound_weights", "add_is_statistics", "is_metrics",
+__all__ = ["ISWeights", "is_weights", "importance_weights", "bound_weights", "add_is_statistics", "is_metrics",
            "batch_norm_factor"]
 
 
@@ -99,6 +100,18 @@ def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
     row_raw = row_log.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() * row_ok
     row_w = bound_weights(row_raw, spec, row_ok)
     return ISWeights(weights=batch.expand_rows(row_w), row_log=row_log, row_raw=row_raw, row_weight=row_w)
+
+
+def is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+               level: IsLevel = "token", mode: IsMode = "truncate", upper: float = 2.0, lower: Optional[float] = None,
+               segments: Optional[Segments] = None) -> torch.Tensor:
+    """Bounded IS weights w (B, T) float32 of π_train (``old_log_prob``) to π_rollout at ``level``,
+    bounded by ``mode`` within [``lower``, ``upper``] (module docstring), before batch normalisation;
+    0 at invalid positions. ``segments``: the turns, for the segment levels."""
+    spec = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=upper, rollout_is_threshold_lower=lower,
+                                   rollout_is_mode=mode).is_spec
+    batch = segmented_batch(old_log_prob, rollout_log_prob, response_mask, segments)
+    return importance_weights(batch, spec).weights
 
 
 #: Levels whose weights vary token by token: their statistics are taken over tokens.

@@ -126,6 +126,7 @@ from rollout_correction import (
     compute_rollout_correction,
 )
 from rollout_correction import SAFETY_BOUND
+from rollout_correction_core import Aggregation, ClipRange, PolicyLoss
 
 __all__ = [
     "OPENRLHF_CORRECTION_TYPES",
@@ -550,12 +551,13 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         if weights is None:
             weights = mask.to(torch.float32)
         loss, metrics = compute_policy_loss(
-            log_probs, old_log_probs, advantages, mask, config=self.config, rollout_log_prob=rollout_log_probs,
-            rollout_is_weights=weights, clip_ratio_low=float(pl.clip_eps_low),
-            clip_ratio_high=float(pl.clip_eps_high), clip_ratio_c=clip_c,
-            loss_agg_mode="token-mean" if getattr(pl, "token_level_loss", True) else "seq-mean-token-mean",
-            global_num_tokens=batch_num_tokens, global_num_seqs=global_batch_size, dp_size=dp_size,
-        )
+            log_probs, old_log_probs, advantages, mask, config=self.config,
+            rollout_log_prob=rollout_log_probs, rollout_is_weights=weights,
+            loss=PolicyLoss(
+                clip=ClipRange(low=float(pl.clip_eps_low), high=float(pl.clip_eps_high), dual=clip_c),
+                aggregation=Aggregation(
+                    "token-mean" if getattr(pl, "token_level_loss", True) else "seq-mean-token-mean",
+                    global_num_tokens=batch_num_tokens, global_num_seqs=global_batch_size, dp_size=dp_size)))
         self.last_metrics.update(metrics)  # lazily: rollout_corr/opsm_*, actor/pg_clipfrac, actor/ppo_kl, ...
         return loss, metrics["actor/pg_clipfrac"].float(), metrics["actor/ppo_kl"].float()
 

@@ -58,6 +58,7 @@ from rollout_correction import config_value as _get
 from rollout_correction import settings_dict
 from rollout_correction.advantages import group_advantages
 from rollout_correction import metrics_to_floats
+from rollout_correction_core import Aggregation, ClipRange, PolicyLoss
 
 __all__ = [
     "LOSS_NAME",
@@ -186,12 +187,13 @@ def policy_loss(
         log_prob, None if bypass else old_log_prob, advantages, response_mask, config=rc,
         rollout_log_prob=old_log_prob if bypass else None,
         rollout_is_weights=None if bypass else rollout_is_weights,
-        clip_ratio_low=low if low is not None else clip,
-        clip_ratio_high=high if high is not None else clip,
-        clip_ratio_c=clip_c, loss_agg_mode=loss_agg_mode,
-        global_num_tokens=info.get("batch_num_tokens"), global_num_seqs=info.get("global_batch_size"),
-        dp_size=int(info.get("dp_size", 1) or 1), loss_scale_factor=info.get("loss_scale_factor"),
-    )
+        loss=PolicyLoss(
+            clip=ClipRange(
+                low=low if low is not None else clip, high=high if high is not None else clip, dual=clip_c),
+            aggregation=Aggregation(
+                loss_agg_mode, global_num_tokens=info.get("batch_num_tokens"),
+                global_num_seqs=info.get("global_batch_size"), dp_size=int(info.get("dp_size", 1) or 1),
+                scale_factor=info.get("loss_scale_factor"))))
     _say_once("loss", f"rollout_correction: verl's policy loss runs this library "
               f"(actor_rollout_ref.actor.policy_loss.loss_mode={LOSS_NAME}, {'bypass' if bypass else 'decoupled'} mode)")
     return loss, {**metrics_to_floats(metrics), BACKEND_METRIC: 1.0}
