@@ -96,12 +96,9 @@ def run(args: argparse.Namespace) -> int:
         print("rollout-correction diagnose: --atol applies to --certify only", file=sys.stderr)
         return 2
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
-    try:
-        diag = diagnose_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, presets=presets,
-                             engine=args.engine)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"rollout-correction diagnose: {exc}", file=sys.stderr)
-        return 2
+    # a bad file raises ValueError / FileNotFoundError: one line and exit 2 at the command line (cli.py)
+    diag = diagnose_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, presets=presets,
+                         engine=args.engine)
     write_report(diag, out)
     if not args.quiet:
         print_summary(diag, out)
@@ -112,12 +109,8 @@ def _certify(path: str, columns: Columns, args: argparse.Namespace, out: str) ->
     """The zero-diff certificate of ``path``: 0 when it passes, 1 when a token differs, 2 on an error."""
     from .certify import certify_file, print_certificate, write_certificate
 
-    try:
-        cert = certify_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, engine=args.engine,
-                            atol=getattr(args, "atol", None))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"rollout-correction diagnose --certify: {exc}", file=sys.stderr)
-        return 2
+    cert = certify_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, engine=args.engine,
+                        atol=getattr(args, "atol", None))
     paths = write_certificate(cert, out)
     if not args.quiet:
         print_certificate(cert, paths)
