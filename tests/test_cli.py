@@ -93,12 +93,17 @@ def test_debug_shows_the_traceback(bad_files, tmp_path):
     (["demo", "--steps", "0"], ["rollout-correction demo", "steps"]),
     (["demo", "--async", "--max-staleness", "-1"], ["rollout-correction demo"]),
     (["diagnose"], ["give a FILE"]),
+    (["diagnose", "f.pt", "--example"], ["either FILE or --example"]),
+    (["diagnose", "f.pt", "--chunk-rows", "many"], ["--chunk-rows", "invalid int value"]),
+    (["diffusion-demo", "--iters", "x"], ["rollout-correction diffusion-demo", "--iters"]),
+    (["diffusion-demo", "--precision", "fp4"], ["--precision", "invalid choice: 'fp4'"]),
+    (["monitor", "no-such-history.jsonl"], ["rollout-correction monitor", "no-such-history.jsonl"]),
     (["diagnose", "--atol", "1e-6", "f.pt"], ["--atol applies to --certify only"]),
     (["nocommand"], ["invalid choice: 'nocommand'"]),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, args, words):
     _one_line_error(_main(args, capsys, tmp_path, monkeypatch), *words)
-    assert not (tmp_path / "demo-report").exists()  # nothing written for a refused command
+    assert not list(tmp_path.iterdir())  # nothing written for a refused command
 
 
 def test_missing_extra_names_the_install_command(tmp_path):
@@ -233,3 +238,31 @@ def test_demo_refuses_an_out_with_another_report(tmp_path, capsys, monkeypatch):
                            "rep already holds a report", "--force")
     assert line.startswith("rollout-correction demo: ")
     assert (tmp_path / "rep" / "summary.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("command, marker", [("diagnose", "summary.json"), ("diffusion-demo", "report.md")])
+def test_other_commands_refuse_an_out_with_another_report(tmp_path, capsys, monkeypatch, command, marker):
+    (tmp_path / "rep").mkdir()
+    (tmp_path / "rep" / marker).write_text("an earlier report\n")
+    args = [command, "x.pt", "--out", "rep"] if command == "diagnose" else [command, "--quick", "--out", "rep"]
+    _one_line_error(_main(args, capsys, tmp_path, monkeypatch), "rep already holds a report", "--force")
+    assert (tmp_path / "rep" / marker).read_text() == "an earlier report\n"
+
+
+def test_diagnose_prints_a_line_per_file_and_writes_a_new_folder(tmp_path, capsys, monkeypatch):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i, rows in enumerate((5, 7)):
+        roll = -torch.rand(rows, 4, generator=g)
+        torch.save({"rollout_log_probs": roll, "old_log_probs": roll + 0.01, "response_mask": torch.ones(rows, 4)},
+                   dump / f"step_{i}.pt")
+    proc = _main(["diagnose", "dump"], capsys, tmp_path, monkeypatch)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert lines[0].startswith("[1/2] step_0.pt 5 rows, 20 tokens  elapsed ") and "ETA" in lines[0]
+    assert lines[1].startswith("[2/2] step_1.pt 7 rows, 28 tokens  elapsed ") and lines[1].endswith("done")
+    latest = tmp_path / "diagnose_report" / "latest"
+    assert (latest / "summary.json").is_file()
+    assert _main(["diagnose", "dump", "--quiet"], capsys, tmp_path, monkeypatch).returncode == 0
+    assert len([p for p in (tmp_path / "diagnose_report").iterdir() if p.name != "latest"]) == 2
