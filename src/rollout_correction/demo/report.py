@@ -563,30 +563,38 @@ def _per_seed_table(cfg: DemoConfig, summary: dict, header: str, cell) -> list[s
 
 def print_table(summary: dict, console=None) -> None:
     """The summary table and the checks. In a log (not a terminal: a pipe, ``tee``, CI) nothing is
-    wrapped or cut: the table takes the width it needs and each line stays one line."""
+    wrapped or cut: the table takes the width it needs and each line stays one line; in a terminal
+    too narrow for it, one block per method."""
     from rich.console import Console
+
+    console = console or Console()
+    print_fitted(console, "greedy exact match: final mean [95 % interval] over seeds; other columns mean ± sample "
+                          "std (n − 1)", [TABLE_HEADER[i] for i in _TERMINAL_COLUMNS],
+                 [[r[i] for i in _TERMINAL_COLUMNS] for r in table_rows(summary)])
+    for line in checks_text(summary["checks"]):
+        print_unwrapped(console, line.replace("**", ""))
+
+
+def print_fitted(console, title: str, header: list[str], rows: list[list[str]]) -> None:
+    """A table that is never cut: whole in a log (:func:`print_unwrapped`); in a terminal narrower
+    than the table, one block per row (its first cell, then ``header: value`` lines)."""
     from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console()
-    table = Table(title="greedy exact match: final mean [95 % interval] over seeds; other columns mean ± sample "
-                        "std (n − 1)")
-    for i in _TERMINAL_COLUMNS:
-        table.add_column(TABLE_HEADER[i], justify="left" if i == 0 else "right", no_wrap=i == 0)
-    rows = table_rows(summary)
+    table = Table(title=title)
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for r in rows:
-        table.add_row(*(r[i] for i in _TERMINAL_COLUMNS))
+        table.add_row(*r)
     need = console.measure(table, options=console.options.update_width(1000)).maximum
-    if console.is_terminal and need > console.width:  # a narrow terminal: one block per method, nothing cut
-        console.print(table.title, markup=False)
-        for r in rows:
-            console.print(f"[bold]{escape(r[0])}[/bold]", soft_wrap=True)
-            for i in _TERMINAL_COLUMNS[1:]:
-                console.print(f"  {TABLE_HEADER[i]}: {r[i]}", soft_wrap=True, markup=False)
-    else:
+    if not (console.is_terminal and need > console.width):
         print_unwrapped(console, table)
-    for line in checks_text(summary["checks"]):
-        print_unwrapped(console, line.replace("**", ""))
+        return
+    console.print(title, markup=False)
+    for r in rows:
+        console.print(f"[bold]{escape(r[0])}[/bold]", soft_wrap=True)
+        for h, cell in zip(header[1:], r[1:]):
+            console.print(f"  {h}: {cell}", soft_wrap=True, markup=False)
 
 
 def print_unwrapped(console, renderable) -> None:
