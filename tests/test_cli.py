@@ -97,6 +97,7 @@ def test_debug_shows_the_traceback(bad_files, tmp_path):
     (["diagnose", "f.pt", "--chunk-rows", "many"], ["--chunk-rows", "invalid int value"]),
     (["diffusion-demo", "--iters", "x"], ["rollout-correction diffusion-demo", "--iters"]),
     (["diffusion-demo", "--precision", "fp4"], ["--precision", "invalid choice: 'fp4'"]),
+    (["diffusion-demo", "--toy", "--bogus"], ["unrecognized arguments: --bogus"]),
     (["monitor", "no-such-history.jsonl"], ["rollout-correction monitor", "no-such-history.jsonl"]),
     (["diagnose", "--atol", "1e-6", "f.pt"], ["--atol applies to --certify only"]),
     (["nocommand"], ["invalid choice: 'nocommand'"]),

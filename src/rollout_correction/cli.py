@@ -12,7 +12,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from rollout_correction.console import CommandError, one_line
+from rollout_correction.console import ArgumentParser, CommandError, one_line
 
 # sub-command -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -50,13 +50,6 @@ def install_hint(command: str) -> str:
     return f"pip install 'rollout-correction[{extra}]'"
 
 
-class _Parser(argparse.ArgumentParser):
-    """A parser whose errors are one line on stderr (exit 2), not the usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")
-
-
 def _add_debug(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="on an error, print the full traceback instead of one line")
@@ -66,7 +59,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (each surface may pull in heavy
     optional dependencies, and a sub-command should not pay for the others). An ImportError of
     that module (a missing extra) propagates."""
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="rollout-correction",
         description="Rollout correction for LLM reinforcement learning.",
     )
@@ -74,7 +67,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _add_debug(parser)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     for name, (module_name, help_text) in _COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
         sp.set_defaults(_module=module_name)

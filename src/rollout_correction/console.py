@@ -1,6 +1,7 @@
 """What every command does around its work: one-line errors, plain progress lines in a log, and a
 new report folder for each invocation.
 
+* :class:`ArgumentParser` — argparse with a bad flag reported on one line (exit 2).
 * :class:`CommandError` — an expected failure (a bad file, a bad flag, a report folder in use); the
   ``rollout-correction`` command prints its message on one line and exits 2.
 * :class:`ProgressLines` — without a terminal (``| tee``, CI, ``nohup``), one plain line per
@@ -11,6 +12,7 @@ new report folder for each invocation.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import sys
@@ -18,11 +20,18 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-__all__ = ["CommandError", "ProgressLines", "clock", "is_terminal", "one_line", "report_folder"]
+__all__ = ["ArgumentParser", "CommandError", "ProgressLines", "clock", "is_terminal", "one_line", "report_folder"]
 
 
 class CommandError(Exception):
     """An expected failure of a command; the message names the problem and the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line on stderr and exit 2, not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def one_line(text: object) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_correction.console import ProgressLines, is_terminal, report_folder
+from rollout_correction.console import ArgumentParser, ProgressLines, is_terminal, report_folder
 
 __all__ = ["add_arguments", "config_from_args", "run", "main"]
 
@@ -195,7 +195,7 @@ def _argv_tail() -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="rollout-correction diffusion-demo", description=_DESCRIPTION)
+    parser = ArgumentParser(prog="rollout-correction diffusion-demo", description=_DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
