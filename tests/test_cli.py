@@ -89,7 +89,7 @@ def test_debug_shows_the_traceback(bad_files, tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["demo", "--steps", "x"], ["rollout-correction demo", "--steps", "invalid int value"]),
     (["demo", "--methods", "nope"], ["unknown method", "nope"]),
-    (["demo", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (["demo", "--bogus"], ["rollout-correction demo: unrecognized arguments: --bogus"]),
     (["demo", "--steps", "0"], ["rollout-correction demo", "steps"]),
     (["demo", "--async", "--max-staleness", "-1"], ["rollout-correction demo"]),
     (["diagnose"], ["give a FILE"]),

@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         return _fail(command, _missing(exc, command or ""))
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named with the sub-command whose flags they are not
+        where = f"rollout-correction {args.command}" if args.command else "rollout-correction"
+        parser.exit(2, f"{where}: unrecognized arguments: {' '.join(unknown)} (see {where} --help)\n")
     if args.command is None:
         parser.print_help()
         return 0
