@@ -3,6 +3,10 @@
 Each product surface owns its sub-command in ``<surface>/cli.py`` with two functions,
 ``add_arguments(parser)`` and ``run(args) -> int``; this module only dispatches, and imports a
 surface only when its sub-command is used, so the core stays free of optional dependencies.
+
+An expected failure — a bad flag, an unreadable or foreign file (``ValueError``, ``OSError``), a
+missing extra, a :class:`~rollout_correction.console.CommandError` — ends as one line on stderr
+and exit 2; anything else as one line and exit 1; ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
