@@ -114,15 +114,21 @@ def report_folder(out: str | None, default: str, markers: tuple[str, ...], force
     if reuse and latest.is_dir():
         return latest.resolve()
     stamp = _stamp(now or datetime.datetime.now())
+    base.mkdir(parents=True, exist_ok=True)
     path, n = base / stamp, 1
-    while path.exists():
-        n += 1
-        path = base / f"{stamp}-{n}"
-    path.mkdir(parents=True)
-    try:
-        if latest.is_symlink() or latest.exists():
-            latest.unlink()
-        os.symlink(path.name, latest, target_is_directory=True)
+    while True:  # mkdir, not exists(): two invocations starting in the same second get two folders
+        try:
+            path.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            path = base / f"{stamp}-{n}"
+    tmp = base / f".latest-{path.name}"
+    try:  # a new link renamed over the old one: ``latest`` always names a folder
+        os.symlink(path.name, tmp, target_is_directory=True)
+        os.replace(tmp, latest)
     except OSError:  # no symbolic links here (some Windows set-ups): the newest folder is named in a file
+        if tmp.is_symlink():
+            tmp.unlink()
         (base / "LATEST").write_text(path.name + "\n")
     return path
