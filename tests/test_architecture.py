@@ -231,7 +231,7 @@ def test_every_subcommand_suggests_an_extra_that_exists():
     extras = set(pyproject["project"]["optional-dependencies"])
     for command in cli._COMMANDS:
         hint = cli.install_hint(command)
-        (extra,) = re.findall(r"rollout-correction\[([\w-]+)\]", hint)
+        (extra,) = re.findall(r"\[([\w-]+)\]'$", hint)  # 'rollout-correction[x]' or '<checkout>[x]'; -e
         assert extra in extras, f"`rollout-correction {command}` suggests {hint!r}, but pyproject has no [{extra}]"
 
 

@@ -153,9 +153,12 @@ def test_quick_end_to_end(tmp_path):
     out = tmp_path / "report"
     code = main(["demo", "--quick", "--out", str(out), "--workers", "1", "--no-progress"])
     assert code == 0
-    for name in ("summary.json", "report.md", "overview.png", "trainer_reward.png", "engine_reward.png",
-                 "mismatch_kl.png", "chi2.png", "ess.png", "rejected.png", "grad_norm.png"):
+    for name in ("summary.json", "report.md", "report.html", "overview.png", "trainer_reward.png",
+                 "engine_reward.png", "mismatch_kl.png", "chi2.png", "ess.png", "grad_norm.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    # no placeholder plots: no method of --quick rejects, and the model has no routers
+    assert not (out / "rejected.png").exists() and not (out / "routing_agreement.png").exists()
+    assert "rejected.png" not in (out / "report.md").read_text()
     summary = json.loads((out / "summary.json").read_text())
     methods = summary["config"]["methods"]
     seeds = summary["config"]["seeds"]
@@ -307,3 +310,27 @@ def test_summary_table_reads_whole_in_a_log():
         assert sum(m["label"] in line for line in text.splitlines()) == 1, m["label"]
     row = next(line for line in text.splitlines() if "binary-KL RS + token TIS" in line)
     assert "0.75 [0.63, 0.87]" in row and "yes" in row
+
+
+def test_summary_table_stacks_in_a_narrow_terminal():
+    """An 80-column terminal: one block per method, every header whole, no line wider than 80."""
+    import io
+
+    from rich.console import Console
+
+    from rollout_correction.demo.report import TABLE_HEADER, _TERMINAL_COLUMNS, print_table
+    from rollout_correction.demo.results import interval
+
+    methods = {m: {"label": METHODS[m].label, "preset": METHODS[m].preset, "final_reward": interval([0.8, 0.7, 0.75]),
+                   "best_reward": interval([0.8, 0.8, 0.8]), "final_engine_reward": interval([0.7, 0.7, 0.7]),
+                   "initial_mismatch_kl": 0.01, "final_mismatch_kl": 0.02, "collapsed": 0, "runs": 3,
+                   "seconds": interval([45.0, 46.0, 47.0])} for m in ("on_policy", "naive")}
+    summary = {"methods": methods, "tied_with_best": list(methods), "checks": {"available": False, "reason": "x"}}
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=True, color_system=None)
+    print_table(summary, console)
+    text = out.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    for i in _TERMINAL_COLUMNS[1:]:
+        assert text.count(f"  {TABLE_HEADER[i]}: ") == 2, TABLE_HEADER[i]
+    assert "  trainer final [95 % CI]: 0.75 [0.63, 0.87]" in text

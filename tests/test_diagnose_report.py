@@ -202,6 +202,26 @@ def test_terminal_summary(small_diag):
     assert "Health checks" in text and "k3_kl" in text
 
 
+def test_summary_fits_an_80_column_terminal(small_diag, monkeypatch):
+    """In an 80-column terminal no line is wider and no name is cut (a long preset name folds)."""
+    import io
+    import re
+
+    from rollout_correction.diagnose import print_summary
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("COLUMNS", "80")
+    diag, _ = small_diag
+    buf = Terminal()
+    print_summary(diag, "out", file=buf)
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue()).splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert not [line for line in lines if "…" in line and "rollout_corr/…" not in line]
+
+
 @pytest.mark.skipif(not shutil.which("chromium"), reason="headless Chromium not installed (.ci/run installs it)")
 def test_html_renders_in_headless_chromium(tmp_path, written):
     shot = tmp_path / "shot.png"

@@ -170,11 +170,17 @@ def test_lora_trains_only_adapters_and_the_engine_serves_the_merged_weights(setu
     assert (trainer.recompute(traj) - traj.rollout_log_probs).abs().max() <= 1e-5
 
 
-def test_quick_demo_end_to_end(tmp_path):
+def test_quick_demo_end_to_end(tmp_path, capsys):
     from rollout_correction.cli import main
 
     out = tmp_path / "demo"
     assert main(["diffusion-demo", "--quick", "--out", str(out)]) == 0
+    # stderr is not a terminal here: no tqdm bars, one plain line per finished unit (scan, 5 runs)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err
+    units = [line for line in err.splitlines() if line.startswith("[")]
+    assert [u.split("]")[0] for u in units] == [f"[{k}/6" for k in range(1, 7)]
+    assert units[0].startswith("[1/6] mismatch scan") and "ETA" in units[0] and units[-1].endswith("done")
     result = json.loads((out / "summary.json").read_text())
     for key in ("commit", "torch", "cpu_model", "threads", "date", "command"):
         assert result["provenance"][key]

@@ -148,7 +148,9 @@ def test_monitor_command(tmp_path, capsys):
     assert HealthMonitor.load(out / "history.jsonl").alerts == _expected().alerts
     assert "first: kl_rising at step 39" in capsys.readouterr().out
     # options reach the monitor: static rules only, a changed threshold
-    assert main(["monitor", str(p), "--out", str(out), "--no-trends", "--threshold", "ess_low=0.2"]) == 0
+    assert main(["monitor", str(p), "--out", str(out), "--no-trends", "--threshold", "ess_low=0.2"]) == 2
+    assert "already holds a report" in capsys.readouterr().err  # another run's report is kept...
+    assert main(["monitor", str(p), "--out", str(out), "--no-trends", "--threshold", "ess_low=0.2", "--force"]) == 0
     assert json.loads((out / "summary.json").read_text())["alerts"] == 0  # 0.25 > 0.2
     # no rollout_corr metric: a clear error
     q = tmp_path / "other.jsonl"

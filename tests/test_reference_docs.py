@@ -1,4 +1,4 @@
-"""The README's reference block is generated from tools/reference.py and must match it."""
+"""The reference block of docs/guide.md is generated from tools/reference.py and must match it."""
 
 import re
 import sys
@@ -9,19 +9,19 @@ from rollout_correction.cli import main
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # the docs generator
 from reference import CONFIG_KEYS, render_markdown  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide.md"
 
 
 def test_readme_reference_block_is_current():
-    text = README.read_text(encoding="utf-8")
+    text = GUIDE.read_text(encoding="utf-8")
     block = text.split("<!-- reference:start -->", 1)[1].split("<!-- reference:end -->", 1)[0]
     expected = render_markdown().split("\n", 3)[3].strip()
-    assert block.strip() == expected, "run: python tools/reference.py --readme README.md"
+    assert block.strip() == expected, "run: python tools/reference.py --guide docs/guide.md"
 
 
 def test_every_config_key_is_documented_and_every_preset_listed():
     assert set(CONFIG_KEYS) == set(RolloutCorrectionConfig.keys())
-    text = README.read_text(encoding="utf-8")
+    text = GUIDE.read_text(encoding="utf-8")
     for name in RolloutCorrectionConfig.preset_names():
         assert re.search(rf"\| `{name}` \|", text), name
 
@@ -34,7 +34,7 @@ def test_presets_command_prints_every_preset(capsys):
     assert names == set(RolloutCorrectionConfig.preset_names())
 
 
-CONFIG_PAGE = README.parent / "docs" / "config.md"
+CONFIG_PAGE = GUIDE.parent / "config.md"
 
 
 def test_config_page_is_current():

@@ -224,6 +224,7 @@ LAYERS: list[tuple[str, str, list[str]]] = [
      ["__init__", "primitives", "reductions", "vocabulary"]),
     ("extensions", "async RL; MoE; supports; advantages",
      ["staleness", "moe", "supports", "advantages"]),
+    ("command support", "one-line errors, progress lines, report folders", ["console"]),
     ("surfaces", "public names of the core only",
      ["compat", "integrations", "diagnose", "demo", "diffusion", "monitor", "presets_cli"]),
     ("command", "rollout-correction <sub-command>", ["cli"]),

@@ -1,4 +1,4 @@
-"""Render the result tables of README.md and docs/*.md from the results files under docs/results/.
+"""Render the result tables of docs/*.md from the results files under docs/results/.
 
     python tools/render_results.py           # rewrites every rendered block
     python tools/render_results.py --check   # exit 1 (and name the block) where a page differs
@@ -86,7 +86,7 @@ def demo_table(name: str) -> list[str]:
 
 
 def demo_headline(*names: str) -> list[str]:
-    """README: the scenarios side by side (one results file each), one row per method."""
+    """docs/demo.md: the scenarios side by side (one results file each), one row per method."""
     files = [(n, load(n)) for n in names]
     per = ["final [95 % CI]", "tied with best", "best", "KL last", "collapsed"]
     header = ["method", "preset"]

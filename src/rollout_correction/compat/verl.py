@@ -368,7 +368,7 @@ def compute_offpolicy_metrics(
     """Off-policy diagnostics without prefix: ``training_ppl``, ``training_log_ppl`` and, with
     rollout log-probs, ``kl``, ``k3_kl``, ``rollout_ppl``, ``rollout_log_ppl``, ``log_ppl_diff``,
     ``log_ppl_abs_diff``, ``log_ppl_diff_max``, ``log_ppl_diff_min``, ``ppl_ratio``,
-    ``chi2_token``, ``chi2_seq`` (the metric reference in README.md has the formulas)."""
+    ``chi2_token``, ``chi2_seq`` (the metric reference in docs/guide.md has the formulas)."""
     if rollout_log_prob is None:
         metrics = _unprefix(metrics_to_floats(_offpolicy_metrics(old_log_prob, old_log_prob, response_mask)))
         return {k: metrics[k] for k in ("training_ppl", "training_log_ppl")}

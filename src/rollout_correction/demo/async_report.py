@@ -281,13 +281,7 @@ def write_report(cfg: DemoConfig, acfg: AsyncConfig, raw: dict, out: Path, comma
 
 
 def print_table(summary: dict, console) -> None:
-    from rich.table import Table
+    from rollout_correction.demo.report import print_fitted
 
-    table = Table(title=f"demo --async: target {summary['target']:.2f} exact match")
-    for col in COLUMNS:
-        table.add_column(col)
-    for row in table_rows(summary):
-        table.add_row(*row)
-    from rollout_correction.demo.report import print_unwrapped
-
-    print_unwrapped(console, table)
+    print_fitted(console, f"demo --async: target {summary['target']:.2f} exact match", list(COLUMNS),
+                 table_rows(summary))

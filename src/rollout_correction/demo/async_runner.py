@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout_correction_core import Aggregation, ClipRange, PolicyLoss
+from rollout_correction.console import ProgressLines
 from rollout_correction.demo.async_rollout import AsyncRollout, Batch, BatchSource, WeightPublisher
 from rollout_correction.demo.config import METHODS, DemoConfig
 from rollout_correction.demo.engine import RolloutEngine
@@ -225,9 +226,11 @@ def train_mode(cfg: DemoConfig, acfg: AsyncConfig, mode_name: str, seed: int, sf
     return result
 
 
-def run_comparison(cfg: DemoConfig, acfg: AsyncConfig, show_progress: bool = True, console=None) -> dict:
+def run_comparison(cfg: DemoConfig, acfg: AsyncConfig, show_progress: bool = True, console=None,
+                   lines: bool = False) -> dict:
     """SFT per seed, then every mode for every seed, one run at a time (seed-major, so a change in
-    the machine's load falls on every mode of a seed alike); returns the raw results."""
+    the machine's load falls on every mode of a seed alike); returns the raw results. ``lines``:
+    no bars, and each finished run's line carries the elapsed time and an ETA (for logs)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     t0 = time.perf_counter()
@@ -237,18 +240,21 @@ def run_comparison(cfg: DemoConfig, acfg: AsyncConfig, show_progress: bool = Tru
     sft_out = {seed: sft(cfg, seed, task) for seed in cfg.seeds}
     t_sft = time.perf_counter() - t0
     results = []
+    log = ProgressLines(len(cfg.seeds) * len(acfg.modes)) if lines else None
     columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, disable=not show_progress, transient=False) as bars:
+    with Progress(*columns, disable=not show_progress or lines, transient=False) as bars:
         for seed in cfg.seeds:
             for name in acfg.modes:
                 bar = bars.add_task(f"{ASYNC_MODES[name].label} · seed {seed}", total=cfg.steps)
                 r = train_mode(cfg, acfg, name, seed, sft_out[seed][0],
                                progress=lambda n, bar=bar: bars.advance(bar, n))
                 results.append(r.to_dict())
-                if console is not None:
-                    console.print(f"{ASYNC_MODES[name].label} · seed {seed}: {r.seconds:.1f} s on the clock "
-                                  f"(+{r.startup_seconds:.1f} s start-up), final exact match "
-                                  f"{r.evals['trainer'][-1]:.3f}")
+                line = (f"{ASYNC_MODES[name].label} · seed {seed}: {r.seconds:.1f} s on the clock "
+                        f"(+{r.startup_seconds:.1f} s start-up), final exact match {r.evals['trainer'][-1]:.3f}")
+                if log is not None:
+                    log.finished(line)
+                elif console is not None:
+                    console.print(line)
     setup_torch(1)
     return {
         "results": results,

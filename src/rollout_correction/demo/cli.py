@@ -13,6 +13,10 @@ from rollout_correction.demo.model import MODEL_SIZES, MOE_SIZES
 from rollout_correction.demo.task import TASKS
 from rollout_correction.demo.engine import PRECISIONS, QUANTS
 
+DEFAULT_OUT = "demo-report"
+# What makes a folder another run's report (an explicit --out holding one is refused without --force).
+REPORT_MARKERS = ("report.md", "summary.json", "async-report.md", "async-summary.json", "runs")
+
 # flag -> (type, help); the default of every flag comes from the scenario (then --quick).
 _FLAGS: dict[str, tuple[type, str]] = {
     "task": (str, f"synthetic task: {', '.join(TASKS)}"),
@@ -75,10 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, from: {', '.join(METHODS)}; or 'all' (default: "
                              f"{', '.join(DEFAULT_METHODS)})")
     parser.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds (default 0,1,2)")
-    parser.add_argument("--out", default="demo-report", help="report folder (default: demo-report)")
+    parser.add_argument("--out", default=None,
+                        help=f"report folder (default: a new {DEFAULT_OUT}/<date>-<time>/, with "
+                             f"{DEFAULT_OUT}/latest pointing at the newest); refused when it holds another "
+                             f"report, unless --force")
+    parser.add_argument("--force", action="store_true", help="write into an --out that holds another report")
     parser.add_argument("--resume", action="store_true",
-                        help="reuse runs already saved in <out>/runs/ with the same settings")
-    parser.add_argument("--no-progress", action="store_true", help="do not draw progress bars")
+                        help="reuse runs already saved in <out>/runs/ (default: in demo-report/latest/) with the "
+                             "same settings")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (with a terminal) or progress lines (without one)")
     parser.add_argument("--list-methods", action="store_true", help="print the methods and exit")
     for name, (typ, text) in _FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=text)
@@ -111,12 +121,15 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         values["methods"] = tuple(m for m in METHODS if not METHODS[m].replay)
     if args.seeds is not None:
         values["seeds"] = args.seeds
-    return DemoConfig(scenario=args.scenario, out=args.out, **values)
+    return DemoConfig(scenario=args.scenario, out=args.out or DEFAULT_OUT, **values)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from dataclasses import replace
+
+    from rollout_correction.console import report_folder
     from rollout_correction.demo.report import print_table, print_unwrapped, write_report
     from rollout_correction.demo.results import provenance
     from rollout_correction.demo.runner import run_experiment
@@ -126,48 +139,52 @@ def run(args: argparse.Namespace) -> int:
         for m in METHODS.values():
             console.print(f"[bold]{m.name}[/bold] ({m.preset or 'no correction'}): {m.description}")
         return 0
-    try:
-        cfg = config_from_args(args)
-    except ValueError as exc:
-        console.print(f"[red]rollout-correction demo: {exc}[/red]")
-        return 2
+    cfg = config_from_args(args)  # a ValueError is one line at the command line (cli.py)
+    acfg = async_config_from_args(args) if args.async_mode else None  # checked before a folder is made
+    out = report_folder(args.out, DEFAULT_OUT, REPORT_MARKERS, force=args.force, reuse=args.resume)
+    cfg = replace(cfg, out=str(out))
+    lines = not args.no_progress and not console.is_terminal  # a log: one plain line per finished unit
+    bars = not args.no_progress and console.is_terminal
     command = "rollout-correction demo " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
         if len(sys.argv) > 1 and sys.argv[1] == "demo" else "rollout-correction demo (called from Python)"
     if args.async_mode:
-        return run_async(args, cfg, console, command)
+        return run_async(cfg, acfg, console, command, bars, lines)
     n_runs = len(cfg.methods) * len(cfg.seeds)
     print_unwrapped(console, f"[bold]rollout-correction demo[/bold] — scenario {cfg.scenario}: {n_runs} runs "
                   f"({len(cfg.methods)} methods × {len(cfg.seeds)} seeds), {cfg.steps} GRPO steps each, "
                   f"engine {cfg.precision}/{cfg.quant}/lag {cfg.lag}, {cfg.workers} worker(s)")
     t0 = time.perf_counter()
     prov = provenance(command, cfg.workers, cfg.threads)
-    raw = run_experiment(cfg, show_progress=not args.no_progress, resume=args.resume, provenance=prov)
+    print_unwrapped(console, f"report folder: {out}")
+    raw = run_experiment(cfg, show_progress=bars, resume=args.resume, provenance=prov, lines=lines)
     summary = write_report(cfg, raw, Path(cfg.out), command, prov)
     print_table(summary, console)
     print_unwrapped(console, f"report: {Path(cfg.out) / 'report.md'}  ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 
-def run_async(args: argparse.Namespace, cfg: DemoConfig, console, command: str) -> int:
-    """``--async``: every async mode × seed, one run at a time on the whole machine; then the report."""
-    from rollout_correction.demo.async_report import print_table, write_report
-    from rollout_correction.demo.async_runner import QUICK_ASYNC_MODES, AsyncConfig, run_comparison
-    from rollout_correction.demo.results import provenance
+def async_config_from_args(args: argparse.Namespace):
+    """The ``--async`` settings: the quick modes with ``--quick``, then every flag given."""
+    from rollout_correction.demo.async_runner import QUICK_ASYNC_MODES, AsyncConfig
 
     values = {"modes": QUICK_ASYNC_MODES} if args.quick else {}
     for name in ("async_modes", "max_staleness", "queue_size"):
         if getattr(args, name) is not None:
             values["modes" if name == "async_modes" else name] = getattr(args, name)
-    try:
-        acfg = AsyncConfig(**values)
-    except ValueError as exc:
-        console.print(f"[red]rollout-correction demo --async: {exc}[/red]")
-        return 2
+    return AsyncConfig(**values)
+
+
+def run_async(cfg: DemoConfig, acfg, console, command: str, bars: bool = True, lines: bool = False) -> int:
+    """``--async``: every async mode × seed, one run at a time on the whole machine; then the report."""
+    from rollout_correction.demo.async_report import print_table, write_report
+    from rollout_correction.demo.async_runner import run_comparison
+    from rollout_correction.demo.results import provenance
+
     console.print(f"[bold]rollout-correction demo --async[/bold] — {len(acfg.modes)} modes × {len(cfg.seeds)} "
                   f"seeds, {cfg.steps} GRPO steps each, η = {acfg.max_staleness}, queue {acfg.queue_size}")
     t0 = time.perf_counter()
     prov = provenance(command, 1, 1)  # one run at a time; each process one torch thread (sync: its own count)
-    raw = run_comparison(cfg, acfg, show_progress=not args.no_progress, console=console)
+    raw = run_comparison(cfg, acfg, show_progress=bars, console=console, lines=lines)
     summary = write_report(cfg, acfg, raw, Path(cfg.out), command, prov)
     print_table(summary, console)
     console.print(f"report: {Path(cfg.out) / 'async-report.md'}  ({time.perf_counter() - t0:.0f} s)")

@@ -280,14 +280,12 @@ def plot_all(cfg: DemoConfig, raw: dict, out_dir: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     files = []
-    for stem in PLOTS:
+    for stem in PLOTS:  # a metric no method of this run reports (MoE routing without MoE) gets no plot
+        if not any(_series(raw, m, PLOTS[stem][0])[1] for m in cfg.methods):
+            continue
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
         _draw(ax, cfg, raw, stem)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "no method in this run reports this metric", ha="center", va="center",
-                    transform=ax.transAxes, fontsize=9, color="0.4")
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out_dir / f"{stem}.png", dpi=110)
         plt.close(fig)
@@ -462,6 +460,68 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
     lines += ["", "## Plots", ""]
     lines += [f"![{f[:-4]}]({f})" for f in files]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+    (out_dir / "report.html").write_text(report_html(lines, out_dir, "Rollout-correction demo report"))
+
+
+_HTML_STYLE = """body{font:15px/1.45 system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;font-size:.85em;display:block;overflow-x:auto}
+td,th{border:1px solid #ccc;padding:.2em .5em;text-align:right}td:first-child,th:first-child{text-align:left}
+th{background:#eef2f6}code{background:#f2f2f2;padding:0 .2em}img{max-width:100%}"""
+
+
+def _html_inline(text: str) -> str:
+    """Escaped text with the marks report.md uses: `code`, **bold**, *italic*."""
+    import html
+    import re
+
+    t = html.escape(text, quote=False)
+    t = re.sub(r"`([^`]+)`", r"<code>\1</code>", t)
+    t = re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", t)
+    return re.sub(r"(?<![\w*])\*([^*\s][^*]*)\*(?![\w*])", r"<i>\1</i>", t)
+
+
+def report_html(lines: list[str], out_dir: Path, title: str) -> str:
+    """The lines of report.md as one self-contained page: headings, paragraphs, lists and tables,
+    with the plots embedded (base64 data URIs), so the file can be mailed or archived alone."""
+    import base64
+    import html
+    import re
+
+    body, table, items = [], [], []
+
+    def flush() -> None:
+        if table:
+            head, *rows = table
+            body.append("<table><tr>" + "".join(f"<th>{_html_inline(c)}</th>" for c in head) + "</tr>"
+                        + "".join("<tr>" + "".join(f"<td>{_html_inline(c)}</td>" for c in r) + "</tr>" for r in rows)
+                        + "</table>")
+            table.clear()
+        if items:
+            body.append("<ul>" + "".join(f"<li>{_html_inline(i)}</li>" for i in items) + "</ul>")
+            items.clear()
+
+    for line in lines:
+        image = re.fullmatch(r"!\[(.*)\]\((.+)\)", line)
+        if line.startswith("|"):
+            if not re.fullmatch(r"\|(-+\|)+", line.replace(" ", "")):
+                table.append([c.strip() for c in line.strip().strip("|").split(" | ")])
+            continue
+        if line.startswith("- "):
+            items.append(line[2:])
+            continue
+        flush()
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            body.append(f"<h{level}>{_html_inline(line[level:].strip())}</h{level}>")
+        elif image:
+            data = base64.b64encode((out_dir / image[2]).read_bytes()).decode("ascii")
+            body.append(f"<figure><img alt='{html.escape(image[1])}' src='data:image/png;base64,{data}'>"
+                        f"<figcaption>{html.escape(image[1])}</figcaption></figure>")
+        elif line.strip():
+            body.append(f"<p>{_html_inline(line)}</p>")
+    flush()
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{_HTML_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
 def provenance_line(p: dict) -> str:
@@ -503,20 +563,38 @@ def _per_seed_table(cfg: DemoConfig, summary: dict, header: str, cell) -> list[s
 
 def print_table(summary: dict, console=None) -> None:
     """The summary table and the checks. In a log (not a terminal: a pipe, ``tee``, CI) nothing is
-    wrapped or cut: the table takes the width it needs and each line stays one line."""
+    wrapped or cut: the table takes the width it needs and each line stays one line; in a terminal
+    too narrow for it, one block per method."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
-    table = Table(title="greedy exact match: final mean [95 % interval] over seeds; other columns mean ± sample "
-                        "std (n − 1)")
-    for i in _TERMINAL_COLUMNS:
-        table.add_column(TABLE_HEADER[i], justify="left" if i == 0 else "right", no_wrap=i == 0)
-    for r in table_rows(summary):
-        table.add_row(*(r[i] for i in _TERMINAL_COLUMNS))
-    print_unwrapped(console, table)
+    print_fitted(console, "greedy exact match: final mean [95 % interval] over seeds; other columns mean ± sample "
+                          "std (n − 1)", [TABLE_HEADER[i] for i in _TERMINAL_COLUMNS],
+                 [[r[i] for i in _TERMINAL_COLUMNS] for r in table_rows(summary)])
     for line in checks_text(summary["checks"]):
         print_unwrapped(console, line.replace("**", ""))
+
+
+def print_fitted(console, title: str, header: list[str], rows: list[list[str]]) -> None:
+    """A table that is never cut: whole in a log (:func:`print_unwrapped`); in a terminal narrower
+    than the table, one block per row (its first cell, then ``header: value`` lines)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for r in rows:
+        table.add_row(*r)
+    need = console.measure(table, options=console.options.update_width(1000)).maximum
+    if not (console.is_terminal and need > console.width):
+        print_unwrapped(console, table)
+        return
+    console.print(title, markup=False)
+    for r in rows:
+        console.print(f"[bold]{escape(r[0])}[/bold]", soft_wrap=True)
+        for h, cell in zip(header[1:], r[1:]):
+            console.print(f"  {h}: {cell}", soft_wrap=True, markup=False)
 
 
 def print_unwrapped(console, renderable) -> None:

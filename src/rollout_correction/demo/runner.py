@@ -3,7 +3,7 @@
 Runs are independent, so they are spread over ``cfg.workers`` processes (each with
 ``cfg.threads`` intra-op threads — for a model this small, two one-thread processes beat one
 two-thread process). Workers report each finished step through a queue so the main process can
-draw the progress bars.
+draw the progress bars; without a terminal (``lines``), one plain line per finished SFT and run.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from rollout_correction.console import ProgressLines
 from rollout_correction.demo.config import METHODS, DemoConfig
 from rollout_correction.demo.task import Task
 from rollout_correction.demo.trainer import setup_torch, sft, train
@@ -65,11 +66,12 @@ def _load_run(cfg: DemoConfig, method: str, seed: int) -> dict | None:
 
 
 def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = False,
-                   provenance: dict | None = None) -> dict:
+                   provenance: dict | None = None, lines: bool = False) -> dict:
     """SFT per seed, then every method × seed; returns the raw results and timings.
 
     With ``resume``, runs already saved in ``<out>/runs/`` with the same settings are reused; each
-    run keeps the ``provenance`` (``demo/results.py``) of the invocation that ran it.
+    run keeps the ``provenance`` (``demo/results.py``) of the invocation that ran it. ``show_progress``
+    draws progress bars; ``lines`` prints one plain line per finished unit instead (for logs).
     """
     stamp = {"provenance": provenance} if provenance is not None else {}
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -78,7 +80,17 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = F
     jobs = [(m, s) for s in cfg.seeds for m in cfg.methods]
     done = {(m, s): r for m, s in jobs if resume and (r := _load_run(cfg, m, s)) is not None}
     columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, disable=not show_progress, transient=False) as bars:
+    log = ProgressLines(len(cfg.seeds) + len(jobs), done=len(done)) if lines else None
+
+    def finished(label: str, detail: str = "") -> None:
+        if log is not None:
+            log.finished(label, detail)
+
+    def finished_run(r: dict) -> None:
+        final = r.get("evals", {}).get("trainer") or [float("nan")]
+        finished(f"{METHODS[r['method']].label} · seed {r['seed']}", f"final exact match {final[-1]:.3f}")
+
+    with Progress(*columns, disable=not show_progress or lines, transient=False) as bars:
         sft_bar = bars.add_task("SFT warm start (per seed)", total=len(cfg.seeds))
         run_bars = {(m, s): bars.add_task(f"{METHODS[m].label} · seed {s}", total=cfg.steps,
                                           completed=cfg.steps if (m, s) in done else 0) for m, s in jobs}
@@ -90,12 +102,14 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = F
             for seed in cfg.seeds:
                 sft_out[seed] = sft(cfg, seed, Task(cfg.task, cfg.digits, cfg.reward))
                 bars.advance(sft_bar)
+                finished(f"SFT warm start · seed {seed}")
             t_sft = time.perf_counter() - t0
             results = list(done.values())
             for m, s in todo:
                 r = train(cfg, m, s, sft_out[s][0], progress=lambda n, key=(m, s): bars.advance(run_bars[key], n))
                 results.append({**r.to_dict(), **stamp})
                 _save_run(cfg, results[-1])
+                finished_run(results[-1])
         else:
             ctx = mp.get_context("spawn")
             with ctx.Manager() as manager, ProcessPoolExecutor(
@@ -106,6 +120,7 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = F
                     seed, out = fut.result()
                     sft_out[seed] = out
                     bars.advance(sft_bar)
+                    finished(f"SFT warm start · seed {seed}")
                 t_sft = time.perf_counter() - t0
                 q = manager.Queue()
                 futures = [pool.submit(_train_job, cfg, m, s, sft_out[s][0], q) for m, s in todo]
@@ -115,6 +130,7 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = F
                     for f in [f for f in pending if f.done()]:
                         pending.discard(f)
                         _save_run(cfg, {**f.result(), **stamp})
+                        finished_run(f.result())
                 _drain(q, bars, run_bars, timeout=0.0)
                 results = list(done.values()) + [{**f.result(), **stamp} for f in futures]
     order = {j: i for i, j in enumerate(jobs)}

@@ -11,19 +11,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+
+from rollout_correction.console import CommandError, report_folder
 
 from .engines import ENGINES
 from .readers import FORMATS, Columns
 
 DEFAULT_OUT = "diagnose_report"
+# What makes a folder another run's report (an explicit --out holding one is refused without --force).
+REPORT_MARKERS = ("summary.json", "report.md", "report.html", "certificate.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", nargs="?",
                         help="dump of rollouts: a .parquet, .jsonl, .pt, .npz or (SkyRL) .pkl file, a folder of "
                              "them or a glob pattern (quoted); several files are diagnosed as one dump")
-    parser.add_argument("--out", default=None, help=f"report directory (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--out", default=None,
+                        help=f"report directory (default: a new ./{DEFAULT_OUT}/<date>-<time>/, with "
+                             f"{DEFAULT_OUT}/latest pointing at the newest); refused when it holds another "
+                             f"report, unless --force")
+    parser.add_argument("--force", action="store_true", help="write into an --out that holds another report")
     parser.add_argument("--example", action="store_true",
                         help="generate an example dump with a reduced-precision rollout engine and diagnose it")
     parser.add_argument("--certify", action="store_true",
@@ -69,12 +76,15 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    out = args.out or DEFAULT_OUT
     path = args.file
+    if args.example and path:
+        raise CommandError("give either FILE or --example, not both")
+    if not args.example and not path:
+        raise CommandError("give a FILE to diagnose, or --example")
+    if getattr(args, "atol", None) is not None and not args.certify:
+        raise CommandError("--atol applies to --certify only")
+    out = str(report_folder(args.out, DEFAULT_OUT, REPORT_MARKERS, force=args.force))
     if args.example:
-        if path:
-            print("rollout-correction diagnose: give either FILE or --example, not both", file=sys.stderr)
-            return 2
         from .example import write_example
 
         os.makedirs(out, exist_ok=True)
@@ -83,41 +93,44 @@ def run(args: argparse.Namespace) -> int:
             print(f"generating {args.example_rows} responses with a bf16, int4-weight rollout engine "
                   f"→ {path}", flush=True)
         write_example(path, n_rows=args.example_rows)
-    elif not path:
-        print("rollout-correction diagnose: give a FILE to diagnose, or --example", file=sys.stderr)
-        return 2
     columns = Columns(
         rollout_log_probs=args.rollout_col, old_log_probs=args.old_col, response_mask=_none(args.mask_col),
         lengths=_none(args.lengths_col), rewards=_none(args.rewards_col), policy_version=_none(args.version_col),
         token_ids=_none(args.token_ids_col), all_valid=args.all_valid)
     if args.certify:
         return _certify(path, columns, args, out)
-    if getattr(args, "atol", None) is not None:
-        print("rollout-correction diagnose: --atol applies to --certify only", file=sys.stderr)
-        return 2
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
-    try:
-        diag = diagnose_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, presets=presets,
-                             engine=args.engine)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"rollout-correction diagnose: {exc}", file=sys.stderr)
-        return 2
+    # a bad file raises ValueError / FileNotFoundError: one line and exit 2 at the command line (cli.py)
+    diag = diagnose_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, presets=presets,
+                         engine=args.engine, progress=None if args.quiet else _file_lines())
     write_report(diag, out)
     if not args.quiet:
         print_summary(diag, out)
     return 0
 
 
+def _file_lines():
+    """One plain line per file read, with the elapsed time and an ETA, when a dump has several."""
+    from rollout_correction.console import ProgressLines
+
+    lines: list[ProgressLines] = []
+
+    def progress(done: int, total: int, entry: dict) -> None:
+        if total < 2:
+            return
+        if not lines:
+            lines.append(ProgressLines(total))
+        lines[0].finished(entry["file"], f"{entry['rows']} rows, {entry['tokens']} tokens")
+
+    return progress
+
+
 def _certify(path: str, columns: Columns, args: argparse.Namespace, out: str) -> int:
     """The zero-diff certificate of ``path``: 0 when it passes, 1 when a token differs, 2 on an error."""
     from .certify import certify_file, print_certificate, write_certificate
 
-    try:
-        cert = certify_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, engine=args.engine,
-                            atol=getattr(args, "atol", None))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"rollout-correction diagnose --certify: {exc}", file=sys.stderr)
-        return 2
+    cert = certify_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, engine=args.engine,
+                        atol=getattr(args, "atol", None))
     paths = write_certificate(cert, out)
     if not args.quiet:
         print_certificate(cert, paths)

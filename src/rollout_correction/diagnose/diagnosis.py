@@ -59,7 +59,8 @@ def _file_entry(path: str, root: str, engine: str | None, delta: np.ndarray) -> 
 
 
 def diagnose_file(path: str, columns: Columns | None = None, chunk_rows: int = 2048, fmt: str | None = None,
-                  presets: list[str] | None = None, engine: str | None = None, config=None) -> Diagnosis:
+                  presets: list[str] | None = None, engine: str | None = None, config=None,
+                  progress=None) -> Diagnosis:
     """Streams ``path`` in blocks of ``chunk_rows`` rows and diagnoses the mismatch.
 
     path: a file, a folder of files or a glob pattern; several files are diagnosed as one dump (the
@@ -68,6 +69,8 @@ def diagnose_file(path: str, columns: Columns | None = None, chunk_rows: int = 2
     presets: what-if presets (default every preset of ``RolloutCorrectionConfig``).
     config: the correction's config (a ``RolloutCorrectionConfig``, a preset name or a mapping); its
     ``log_prob_floor`` is the engine-sentinel floor (:mod:`.sentinels`; default −1000).
+    progress: called as ``progress(files_done, files_total, entry)`` after each file, with its entry of
+    ``source["files"]``.
     """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
@@ -75,7 +78,8 @@ def diagnose_file(path: str, columns: Columns | None = None, chunk_rows: int = 2
     t0 = time.perf_counter()
     profile = MismatchProfile(presets=presets, log_prob_floor=log_prob_floor(config))
     files, formats, engines = [], set(), set()
-    for file in expand_inputs(path):
+    inputs = expand_inputs(path)
+    for file in inputs:
         before = _totals(profile)
         name, chunks = iter_file_chunks(file, columns, chunk_rows, fmt, engine)
         for chunk in chunks:
@@ -83,6 +87,8 @@ def diagnose_file(path: str, columns: Columns | None = None, chunk_rows: int = 2
         formats.add(detect_format(file, fmt))
         engines.add(name or "plain")
         files.append(_file_entry(file, str(path), name, _totals(profile) - before))
+        if progress is not None:
+            progress(len(files), len(inputs), files[-1])
     source = {"path": str(path), "format": ",".join(sorted(formats)), "engine": ",".join(sorted(engines)),
               "columns": columns.__dict__.copy(), "chunk_rows": chunk_rows}
     if len(files) > 1:

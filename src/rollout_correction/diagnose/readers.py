@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from rollout_correction.console import one_line
+
 FORMATS = ("parquet", "jsonl", "pt", "npz", "pickle")
 
 
@@ -648,6 +650,9 @@ def _iter_array_columns(cols: dict, columns: Columns, source: str, chunk_rows: i
 
 
 def iter_npz(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path}: not a readable .npz file (not a zip archive: text, or cut short); pass a file "
+                         f"written by numpy.savez, or --format to read it as another format")
     with zipfile.ZipFile(path) as zf:
         cols = {}
         for info in zf.infolist():
@@ -661,21 +666,31 @@ def iter_npz(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:
 
 def torch_load(path: str):
     """``torch.load`` with ``weights_only=True`` (tensors and plain containers; no code from the file runs),
-    memory-mapped when the file allows it; an object outside that set is refused with a ValueError."""
+    memory-mapped when the file allows it; an object outside that set, or a file that is not a whole
+    ``torch.save`` file (text, truncated), is refused with a ValueError."""
     import pickle
+    import warnings
 
     import torch
 
     try:
-        try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
-            return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on the pickle protocol say nothing about the dump
+            warnings.simplefilter("ignore")
+            try:
+                return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
+                return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()
         raise ValueError(f"{path}: refused: the file holds more than tensors and plain containers, which "
                          f"torch.load(weights_only=True) cannot read without running code from it "
                          f"({first[-1] if first else exc})") from None
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except Exception as exc:  # text, a truncated or damaged archive: torch raises many kinds of error
+        reason = one_line(exc).split(". ")[0]
+        raise ValueError(f"{path}: not a readable torch.save file ({type(exc).__name__}: {reason}); "
+                         f"pass a file written by torch.save, or --format to read it as another format") from None
 
 
 def iter_pt(path: str, columns: Columns, chunk_rows: int) -> Iterator[Chunk]:

@@ -407,7 +407,9 @@ def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> Non
             print(f"engine sentinels (log-prob ≤ {res.sentinels['floor']:g}): {describe(res.sentinels)}", file=file)
         print(f"recommended preset: {rec.preset} — {rec.reason}", file=file)
         return
-    console = Console(file=file, width=110)
+    console = Console(file=file)
+    if not console.is_terminal:  # a log: wide enough for every table whole (a terminal: its own width)
+        console.width = 110
     mean_len = c.tokens / c.rows_used if c.rows_used else 0.0
     console.print(f"[bold]Rollout mismatch diagnosis[/bold] · {c.rows:,} rows · {c.tokens:,} tokens · "
                   f"mean length {mean_len:.1f}")
@@ -420,7 +422,7 @@ def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> Non
         t.add_row(f"ESS ({level} weights)", _fmt(res.levels[level]["ess"]))
     console.print(t)
     h = Table(title="Health checks")
-    h.add_column("check")
+    h.add_column("check", overflow="fold")
     h.add_column("value", justify="right")
     h.add_column("healthy")
     h.add_column("verdict")
@@ -433,7 +435,8 @@ def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> Non
                       f"{describe(res.sentinels)}")
     w = Table(title="What-if (one row per distinct correction; full table in the report)")
     for col in ("preset", "truncated", "rejected tokens", "rejected rows", "ESS"):
-        w.add_column(col, justify="left" if col == "preset" else "right")
+        w.add_column(col, justify="left" if col == "preset" else "right",
+                     overflow="fold")  # a narrow terminal: a long name goes on two lines, never cut
     for e in res.what_if:
         if e["same_as"] is not None and e["preset"] != rec.preset:
             continue

@@ -7,11 +7,20 @@ import argparse
 import json
 from pathlib import Path
 
+from rollout_correction.console import report_folder
+
+DEFAULT_OUT = "monitor-report"
+# What makes a folder another run's report (an explicit --out holding one is refused without --force).
+REPORT_MARKERS = ("summary.json", "alerts.md")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("history", help="metrics history: a .jsonl file, a .csv export (wandb or MLflow) or a "
                                         "TensorBoard event directory")
-    parser.add_argument("--out", default="monitor-report", help="output folder (default: monitor-report)")
+    parser.add_argument("--out", default=None,
+                        help=f"output folder (default: a new {DEFAULT_OUT}/<date>-<time>/, with {DEFAULT_OUT}/latest "
+                             "pointing at the newest); refused when it holds another report, unless --force")
+    parser.add_argument("--force", action="store_true", help="write into an --out that holds another report")
     parser.add_argument("--format", dest="fmt", choices=("auto", "jsonl", "csv", "tensorboard"), default="auto",
                         help="history format (default: from the file name)")
     parser.add_argument("--trend-factor", type=float, default=None, help="trend rules: rise factor F (default 3)")
@@ -57,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"rollout-correction monitor: {args.history} has no rollout_corr/* metric "
               f"({len(history)} steps read)", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = report_folder(args.out, DEFAULT_OUT, REPORT_MARKERS, force=args.force)
     title = Path(args.history).name
     plot_metrics(mon, out / "metrics.png", title=title)
     plot_metrics(mon, out / "metrics.svg", title=title)

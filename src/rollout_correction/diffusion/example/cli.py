@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from rollout_correction.console import ArgumentParser
 from rollout_correction.diffusion.example.config import RUNS, ExampleConfig
 from rollout_correction.diffusion.example.runner import run_example
 from rollout_correction.diffusion.toy import PRECISIONS
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m rollout_correction.diffusion.example", description=_DESCRIPTION
     )
     add_arguments(parser)

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from rollout_correction.console import ArgumentParser, ProgressLines, is_terminal, report_folder
+
 __all__ = ["add_arguments", "config_from_args", "run", "main"]
 
 _DESCRIPTION = ("FlowGRPO on a tiny diffusers SD3 transformer with a bf16 / fp8 rollout engine and an fp32 trainer: "
@@ -50,7 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-scan", action="store_true", help="skip the precision × noise level × CFG mismatch scan")
     a("--scan-only", action="store_true", help="only the mismatch scan (no training)")
     a("--threads", type=int, default=1, help="torch threads (default 1)")
-    a("--out", default=None, help=f"output directory (default {d.out})")
+    a("--out", default=None, help=f"output directory (default: a new {d.out}/<date>-<time>/, with {d.out}/latest "
+                                  "pointing at the newest; the warm start is cached in that folder); refused when "
+                                  "it holds another report, unless --force")
+    a("--force", action="store_true", help="write into an --out that holds another report")
     a("--merge", nargs="+", default=None, metavar="DIR",
       help="merge the summary.json of runs made in separate processes into --out (no training)")
     a("--toy", nargs=argparse.REMAINDER, default=None,
@@ -90,31 +95,41 @@ def config_from_args(args: argparse.Namespace):
     return cfg
 
 
+_REPORT_MARKERS = ("summary.json", "report.md")
+
+
 def _progress(total: int, desc: str):
+    """A tqdm bar on a terminal; without one (a log), nothing: each finished unit prints its line."""
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
+        return None, lambda: None
+    if not is_terminal(sys.stderr):
         return None, lambda: None
     bar = tqdm(total=total, desc=desc, leave=False, file=sys.stderr)
     return bar, lambda: bar.update(1)
 
 
-def run_demo(cfg, command: str) -> dict[str, Any]:
+def run_demo(cfg, command: str, cache_dir: Optional[str] = None) -> dict[str, Any]:
+    """Warm start (cached in ``cache_dir``, default ``cfg.out``), the mismatch scan, every variant ×
+    seed, then the report in ``cfg.out``; one line on stderr per finished unit."""
     from .report import provenance, summarise, write_report
     from .runner import config_dict, mismatch_scan, prepare, run_variant
 
     t0 = time.perf_counter()
-    model, bank, losses = prepare(cfg, cache_dir=cfg.out)
+    model, bank, losses = prepare(cfg, cache_dir=cache_dir or cfg.out)
     t_warm = time.perf_counter() - t0
     print(f"warm start: {cfg.warm_start_steps} flow-matching steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
           f"({t_warm:.0f} s)", file=sys.stderr)
     scan: list[dict[str, Any]] = []
     n_scan = len(cfg.scan_precisions) * len(cfg.scan_noise_levels) * len(cfg.scan_cfg_scales)
+    log = ProgressLines(int(n_scan > 0) + len(cfg.runs) * len(cfg.seeds), stream=sys.stderr)
     if n_scan:
         bar, tick = _progress(n_scan, "mismatch scan")
         scan = mismatch_scan(cfg, model, bank, progress=tick)
         if bar is not None:
             bar.close()
+        log.finished(f"mismatch scan: {n_scan} settings")
     logs = []
     for name in cfg.runs:
         for seed in cfg.seeds:
@@ -122,8 +137,9 @@ def run_demo(cfg, command: str) -> dict[str, Any]:
             logs.append(run_variant(name, seed, cfg, model, bank, progress=tick))
             if bar is not None:
                 bar.close()
-            print(f"{name:16s} seed {seed}: final reward {sum(logs[-1]['reward'][-5:]) / len(logs[-1]['reward'][-5:]):+.4f}, "
-                  f"eval {logs[-1]['eval_reward']:+.4f}, {logs[-1]['wall_s']:.0f} s", file=sys.stderr)
+            log.finished(f"{name} seed {seed}: final reward "
+                         f"{sum(logs[-1]['reward'][-5:]) / len(logs[-1]['reward'][-5:]):+.4f}, "
+                         f"eval {logs[-1]['eval_reward']:+.4f}, {logs[-1]['wall_s']:.0f} s")
     result = {"provenance": provenance(command), "config": config_dict(cfg), "warm_start_s": t_warm,
               "warm_start_loss": [losses[0], losses[-1]], "scan": scan,
               "summary": summarise(logs, cfg.train.clip_range) if logs else {},
@@ -150,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         for d in args.merge:
             with open(os.path.join(d, "summary.json")) as f:
                 parts.append(json.load(f))
-        paths = write_report(args.out or "diffusion_pipeline_demo", merge_results(parts))
+        out = report_folder(args.out, _default_out(), _REPORT_MARKERS, force=args.force)
+        paths = write_report(str(out), merge_results(parts))
         print("wrote " + ", ".join(paths), file=sys.stderr)
         return 0
     torch.set_num_threads(max(1, args.threads))
@@ -158,9 +175,18 @@ def run(args: argparse.Namespace) -> int:
 
     diffusers_logging.set_verbosity_error()  # this process only: the bf16 cast notice of every engine sync
     cfg = config_from_args(args)
+    out = report_folder(args.out, cfg.out, _REPORT_MARKERS, force=args.force)
+    cache = cfg.out if args.out is None else str(out)  # the default folder keeps one warm-start cache
+    print(f"report folder: {out}", file=sys.stderr)
     command = "rollout-correction diffusion-demo " + " ".join(shlex.quote(a) for a in _argv_tail())
-    run_demo(cfg, command.strip())
+    run_demo(replace(cfg, out=str(out)), command.strip(), cache_dir=cache)
     return 0
+
+
+def _default_out() -> str:
+    from .runner import DemoConfig
+
+    return DemoConfig().out
 
 
 def _argv_tail() -> list[str]:
@@ -169,7 +195,7 @@ def _argv_tail() -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="rollout-correction diffusion-demo", description=_DESCRIPTION)
+    parser = ArgumentParser(prog="rollout-correction diffusion-demo", description=_DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
