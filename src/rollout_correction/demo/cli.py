@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from rollout_correction.demo.config import DEFAULT_METHODS, METHODS, QUICK, SCENARIOS, DemoConfig
+from rollout_correction.demo.config import DEFAULT_METHODS, METHODS, QUICK, QUICK_LONG, SCENARIOS, DemoConfig, quick_methods
 from rollout_correction.demo.model import MODEL_SIZES, MOE_SIZES
 from rollout_correction.demo.task import TASKS
 from rollout_correction.demo.engine import PRECISIONS, QUANTS
@@ -68,13 +68,15 @@ def _async_mode_list(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="stale",
                         help="named defaults: stale (fp32 engine 4 optimizer steps behind; default), "
-                             "quantized (3-bit engine, short answers), bf16-long (bf16 engine, long answers)")
+                             "quantized (3-bit engine, short answers), long (2-bit engine, 16-token answers: "
+                             "sequence IS against geometric), bf16-long (bf16 engine, long answers), moe")
     parser.add_argument("--quick", action="store_true",
-                        help="a short run (1 seed, 3 methods, few steps) for a first look and CI")
+                        help="a short run (1 seed, the reference pair and the recommended correction, few steps) "
+                             "for a first look and CI")
     parser.add_argument("--methods", type=_method_list, default=None,
                         help=f"comma-separated, from: {', '.join(METHODS)}; or 'all' (default: "
                              f"{', '.join(DEFAULT_METHODS)})")
-    parser.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds (default 0,1,2,3,4)")
     parser.add_argument("--out", default="demo-report", help="report folder (default: demo-report)")
     parser.add_argument("--resume", action="store_true",
                         help="reuse runs already saved in <out>/runs/ with the same settings")
@@ -97,10 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """Scenario defaults, then ``--quick``, then every flag given explicitly."""
     values = dict(SCENARIOS[args.scenario])
+    if "methods" not in values:  # the default five, with the scenario's recommended correction among them
+        rec = values.get("recommended")
+        values["methods"] = DEFAULT_METHODS if rec in DEFAULT_METHODS or rec is None else DEFAULT_METHODS[:-1] + (rec,)
     if args.quick:
-        values.update(QUICK)
-        if values.get("model") in MOE_SIZES:  # a first look at routing replay too
-            values["methods"] = ("naive", "token_tis", "r3")
+        values.update(QUICK_LONG if args.scenario == "long" else QUICK)
+        values["methods"] = quick_methods(SCENARIOS[args.scenario])
     for name in _FLAGS:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
     except ValueError as exc:
-        console.print(f"[red]rollout-correction demo: {exc}[/red]")
+        console.print(f"[red]rollout-correction demo: {exc}[/red]", soft_wrap=True)  # one line, however long
         return 2
     command = "rollout-correction demo " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
         if len(sys.argv) > 1 and sys.argv[1] == "demo" else "rollout-correction demo (called from Python)"

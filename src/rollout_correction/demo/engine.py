@@ -11,7 +11,7 @@ policy π_old, all of them real numerics rather than injected noise:
 * ``precision``: the copy runs in ``fp32``, ``bf16`` or ``fp16``;
 * ``quant``: the weights of every linear layer inside the transformer blocks are fake-quantised
   (symmetric absmax, one scale per output channel or per tensor — ``granularity``): ``int8`` /
-  ``int4`` / ``int3`` round to 2^(b−1)−1 levels each side, ``fp8`` rounds through
+  ``int4`` / ``int3`` / ``int2`` round to 2^(b−1)−1 levels each side (``int2``: ternary −s, 0, s), ``fp8`` rounds through
   ``float8_e4m3fn`` after scaling the max to 448; embeddings and the output head stay at
   ``precision``; in a mixture-of-experts model each expert's matrices (the 3-D expert weights)
   are quantised the same way, expert by expert, and the routers stay at ``precision``, as
@@ -36,9 +36,9 @@ from rollout_correction.supports import sampling_support_mask
 __all__ = ["PRECISIONS", "QUANTS", "GRANULARITIES", "fake_quantize", "sample", "RolloutEngine"]
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANTS = ("none", "int8", "fp8", "int4", "int3")
+QUANTS = ("none", "int8", "fp8", "int4", "int3", "int2")
 GRANULARITIES = ("channel", "tensor")
-_INT_BITS = {"int8": 8, "int4": 4, "int3": 3}
+_INT_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 _FP8_MAX = 448.0
 
 
