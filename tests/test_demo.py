@@ -123,6 +123,23 @@ def test_engine_lag_uses_weights_from_k_syncs_ago():
         assert torch.equal(engine.model.model.embed_tokens.weight, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_sampling_path_equals_the_models_own_forward_bit_for_bit(dtype, monkeypatch):
+    """The sampler's direct layer calls for a dense Llama give the tokens and log-probs of the
+    model's own KV-cache forward exactly (at temperature 1, greedy and top-k)."""
+    import rollout_correction.demo.engine as engine
+
+    task, model, prompts = _model_and_prompts(32)
+    model = model.to(dtype).eval()
+    assert engine._is_dense_llama(model)
+    for kw in ({}, {"greedy": True}, {"top_k": 5}):
+        fast = sample(model, prompts, task.response_len, generator=torch.Generator().manual_seed(3), **kw)
+        with monkeypatch.context() as m:
+            m.setattr(engine, "_is_dense_llama", lambda model: False)
+            own = sample(model, prompts, task.response_len, generator=torch.Generator().manual_seed(3), **kw)
+        assert torch.equal(fast[0], own[0]) and torch.equal(fast[1], own[1]), kw
+
+
 def test_greedy_sampling_is_argmax_of_teacher_forced_logits():
     task, model, prompts = _model_and_prompts(8)
     responses, lp = sample(model, prompts, task.response_len, greedy=True)
