@@ -155,9 +155,11 @@ def run(args: argparse.Namespace) -> int:
 def run_async(args: argparse.Namespace, cfg: DemoConfig, console, command: str) -> int:
     """``--async``: every async mode × seed, one run at a time on the whole machine; then the report."""
     from rollout_correction.demo.async_report import print_table, write_report
-    from rollout_correction.demo.async_runner import QUICK_ASYNC_MODES, AsyncConfig, run_comparison
+    from rollout_correction.demo.async_runner import ASYNC_DEFAULTS, QUICK_ASYNC_MODES, AsyncConfig, run_comparison
     from rollout_correction.demo.results import provenance
 
+    if not args.quick:
+        cfg = cfg.replace(**{k: v for k, v in ASYNC_DEFAULTS.items() if getattr(args, k) is None})
     values = {"modes": QUICK_ASYNC_MODES} if args.quick else {}
     for name in ("async_modes", "max_staleness", "queue_size"):
         if getattr(args, name) is not None:
