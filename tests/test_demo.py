@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def test_group_baselines_leave_out_rejected_rows():
     assert group_advantages(rewards, 4)[1].item() == pytest.approx(-1.0, abs=1e-4)
 
 
-@pytest.mark.parametrize("quant,bits", [("int3", 3), ("int4", 4), ("int8", 8)])
+@pytest.mark.parametrize("quant,bits", [("int2", 2), ("int3", 3), ("int4", 4), ("int8", 8)])
 def test_fake_quantize_integer_grid(quant, bits):
     w = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
     q = fake_quantize(w, quant)
@@ -78,7 +79,7 @@ def test_fake_quantize_fp8_and_none():
     rel = ((q - w).abs() / w.abs().clamp_min(1e-3)).max()
     assert 0 < rel <= 2 ** -4 + 1e-6  # e4m3 has 3 mantissa bits: relative error ≤ 2^-4
     with pytest.raises(ValueError, match="quant must be one of"):
-        fake_quantize(w, "int2")
+        fake_quantize(w, "int1")
 
 
 def _model_and_prompts(n=16):
@@ -122,6 +123,23 @@ def test_engine_lag_uses_weights_from_k_syncs_ago():
         assert torch.equal(engine.model.model.embed_tokens.weight, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_sampling_path_equals_the_models_own_forward_bit_for_bit(dtype, monkeypatch):
+    """The sampler's direct layer calls for a dense Llama give the tokens and log-probs of the
+    model's own KV-cache forward exactly (at temperature 1, greedy and top-k)."""
+    import rollout_correction.demo.engine as engine
+
+    task, model, prompts = _model_and_prompts(32)
+    model = model.to(dtype).eval()
+    assert engine._is_dense_llama(model)
+    for kw in ({}, {"greedy": True}, {"top_k": 5}):
+        fast = sample(model, prompts, task.response_len, generator=torch.Generator().manual_seed(3), **kw)
+        with monkeypatch.context() as m:
+            m.setattr(engine, "_is_dense_llama", lambda model: False)
+            own = sample(model, prompts, task.response_len, generator=torch.Generator().manual_seed(3), **kw)
+        assert torch.equal(fast[0], own[0]) and torch.equal(fast[1], own[1]), kw
+
+
 def test_greedy_sampling_is_argmax_of_teacher_forced_logits():
     task, model, prompts = _model_and_prompts(8)
     responses, lp = sample(model, prompts, task.response_len, greedy=True)
@@ -134,9 +152,54 @@ def test_config_validation_names_the_problem():
     with pytest.raises(ValueError, match="unknown method"):
         DemoConfig(methods=("naive", "magic"))
     with pytest.raises(ValueError, match="quant must be one of"):
-        DemoConfig(quant="int2")
+        DemoConfig(quant="int1")
     with pytest.raises(ValueError, match="samples per prompt"):
         DemoConfig(samples=1)
+    with pytest.raises(ValueError, match="seeds must be distinct"):
+        DemoConfig(seeds=(0, 0))
+    with pytest.raises(ValueError, match="at least one seed"):
+        DemoConfig(seeds=())
+    with pytest.raises(ValueError, match="recommended must name a corrected method"):
+        DemoConfig(recommended="naive")
+
+
+def test_bad_demo_input_is_one_line_and_exit_2(capsys):
+    """A seed list, a method or a recommendation the demo cannot run stops before any run, with one
+    line naming the problem."""
+    import argparse
+
+    from rollout_correction.demo.cli import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv, words in ((["--seeds", "1,1"], "seeds must be distinct"), (["--seeds", ","], "at least one seed"),
+                        (["--samples", "1"], "samples per prompt")):
+        assert run(parser.parse_args(argv)) == 2
+        err = capsys.readouterr().out.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
+    for bad in (["--scenario", "nope"], ["--methods", "naive,magic"], ["--seeds", "one"]):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(bad)
+        assert exc.value.code == 2
+
+
+def test_new_criteria_and_long_scenario_methods_build_their_library_configs():
+    """KPop, Δp band, log-prob error, MinPRO and the rollout-IS loss run as presets plus config keys;
+    the aliases at one update per batch name methods that exist."""
+    from rollout_correction.demo.config import ALIASES, SCENARIOS
+    from rollout_correction.demo.trainer import correction_config
+
+    cfgs = {m: correction_config(METHODS[m]) for m in ("kpop_rs", "dp_rs", "lp_err_rs", "minpro", "rollout_is",
+                                                         "geo_rs_long")}
+    assert cfgs["kpop_rs"].rollout_rs == "seq_mean_kpop" and cfgs["kpop_rs"].rollout_is == "token"
+    assert cfgs["dp_rs"].rollout_rs == "seq_mean_dp" and tuple(cfgs["dp_rs"].rollout_rs_threshold) == (-0.05, 0.05)
+    assert cfgs["lp_err_rs"].rollout_rs == "seq_logprob_error"
+    assert cfgs["minpro"].rollout_is == "prefix_min"
+    assert cfgs["rollout_is"].loss_type == "rollout_is" and cfgs["rollout_is"].bypass_mode
+    assert METHODS["kpop_rs"].setting == "decoupled_token_is, rollout_rs=seq_mean_kpop, rollout_rs_threshold=0.02"
+    assert all(a in METHODS and b in METHODS and a != b for a, b in ALIASES.items())
+    for name, sc in SCENARIOS.items():
+        DemoConfig(scenario=name, **sc)  # every scenario's declared recommendation is a corrected method
 
 
 def test_every_corrected_method_names_a_library_preset():
@@ -174,7 +237,9 @@ def test_quick_end_to_end(tmp_path):
         else:
             assert r["final_mismatch_kl"] > 1e-3        # a real gap
     assert "| method |" in (out / "report.md").read_text()
-    assert set(summary["checks"]) >= {"naive_gap", "naive_kl_growth", "all_hold"}
+    assert summary["claims"]["recommended"] == summary["config"]["recommended"] == "bypass_ppo" in methods
+    assert [c["evaluated"] for c in summary["claims"]["claims"]] == [False, False]  # one seed
+    assert summary["paired"]["vs_naive"]["on_policy"]["n"] == 1
     # provenance of the invocation and of every run; one seed: means without intervals, no ties judged
     from rollout_correction.demo.results import PROVENANCE_FIELDS
 
@@ -191,6 +256,29 @@ def test_quick_end_to_end(tmp_path):
     assert summary["tied_with_best"] is None
 
 
+def test_quick_long_scenario_reports_weights_and_results_against_length(tmp_path):
+    """``--quick --scenario long``: a tiny long-response run with the ESS of the sequence weight and
+    the final prefix exact match for every response length, and the plot of both."""
+    from rollout_correction.cli import main
+    from rollout_correction.demo.trainer import ess_fraction
+
+    out = tmp_path / "long"
+    assert main(["demo", "--quick", "--scenario", "long", "--out", str(out), "--workers", "1", "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["quant"] == "int2" and summary["config"]["recommended"] == "geo_is"
+    assert (out / "by_length.png").stat().st_size > 0
+    T = summary["config"]["digits"]
+    for r in summary["runs"]:
+        prefix = r["final_by_length"]
+        assert len(prefix) == T and all(a >= b for a, b in zip(prefix, prefix[1:]))  # a longer prefix is harder
+        assert prefix[-1] == r["final_reward"]
+        assert len(r["ess_seq_by_length"]) == len(r["ess_geo_by_length"]) == T
+        assert all(0 < x <= 1 + 1e-9 for x in r["ess_seq_by_length"] + r["ess_geo_by_length"])
+    # ESS / N by hand: weights 1, 1, 2 → (4)² / (3 · 6) = 0.8889; equal weights → 1
+    assert ess_fraction(torch.tensor([0.0, 0.0, math.log(2.0)])).item() == pytest.approx(16 / 18)
+    assert ess_fraction(torch.full((5,), 700.0, dtype=torch.float64)).item() == pytest.approx(1.0)  # no overflow
+
+
 def test_saved_runs_are_reused_only_with_identical_settings(tmp_path):
     from rollout_correction.demo.runner import _load_run, _save_run
 
@@ -201,23 +289,6 @@ def test_saved_runs_are_reused_only_with_identical_settings(tmp_path):
     assert _load_run(cfg.replace(workers=1, seeds=(0, 1)), "naive", 0) is not None  # not result-relevant
     assert _load_run(cfg.replace(lr=1e-4), "naive", 0) is None                      # different result
     assert _load_run(cfg, "naive", 1) is None
-
-
-def test_checks_text_says_above_or_below_and_keeps_the_deciding_digit():
-    from rollout_correction.demo.report import checks_text
-
-    checks = {"available": True, "on_policy_final": 0.868, "naive_final": 0.591, "naive_gap": 0.277,
-              "naive_degrades": False, "naive_kl_growth": 6.9, "naive_kl_rises_5x": True,
-              "best_correction": "token_tis", "best_correction_final": 0.787, "best_minus_naive": 0.196,
-              "best_beats_naive_by_0.2": False, "best_within_0.1_of_on_policy": True, "all_hold": False}
-    lines = checks_text(checks)
-    # 0.196 must not print as "0.20" next to "no": three decimals show why the check failed
-    assert "beats naive by ≥ 0.2: **no** — by 0.196." in lines[2]
-    assert lines[3].endswith("yes — 0.081 below on-policy.")
-    assert lines[-1].startswith("**Not every claim holds")
-    above = dict(checks, best_correction_final=0.898, best_minus_naive=0.416,
-                 **{"best_beats_naive_by_0.2": True})
-    assert checks_text(above)[3].endswith("yes — 0.030 above on-policy.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,15 +314,37 @@ def test_interval_of_three_seeds_by_hand():
     assert one["n"] == 1 and one["ci"] is None and one["mean"] == 0.5
 
 
-def test_ties_are_overlapping_intervals_with_the_best():
-    from rollout_correction.demo.results import interval, tied_with_best
+def test_paired_interval_by_hand():
+    from rollout_correction.demo.results import interval, paired_difference
 
-    stats = {"a": interval([0.89, 0.87, 0.85]),   # best: [0.820, 0.920]
-             "b": interval([0.78, 0.71, 0.72]),   # [0.643, 0.831]: overlaps
-             "c": interval([0.72, 0.44, 0.50]),   # [0.187, 0.920]: overlaps (a wide interval is a tie)
-             "d": interval([0.50, 0.51, 0.52])}   # [0.485, 0.535]: below
-    assert tied_with_best(stats) == ["a", "b", "c"]
-    assert tied_with_best({"a": interval([0.9]), "b": interval([0.1, 0.2])}) is None
+    a, b = {0: 0.80, 1: 0.50, 2: 0.65}, {0: 0.75, 1: 0.44, 2: 0.61}
+    d = paired_difference(a, b)
+    # dₛ = 0.05, 0.06, 0.04: mean 0.05, s_d = 0.01, half-width 4.3027 · 0.01 / √3 = 0.024842
+    assert d["mean"] == pytest.approx(0.05) and d["std"] == pytest.approx(0.01) and d["n"] == 3
+    assert d["ci"] == pytest.approx([0.05 - 0.024842, 0.05 + 0.024842], abs=1e-5)
+    assert (d["above"], d["below"], d["equal"], d["verdict"]) == (3, 0, 0, "above")
+    # the same figures unpaired: the two intervals overlap (the seed-to-seed spread hides the gain)
+    ia, ib = interval(a.values()), interval(b.values())
+    assert ia["ci"][0] < ib["ci"][1]
+    # dₛ = 0.20, 0.05, 0.25: mean 0.16667, s_d = 0.104083, half-width 4.3027 · 0.104083 / √3 = 0.25856
+    d = paired_difference({0: 0.80, 1: 0.70, 2: 0.75}, {0: 0.60, 1: 0.65, 2: 0.50})
+    assert d["ci"] == pytest.approx([0.16667 - 0.25856, 0.16667 + 0.25856], abs=1e-4) and d["verdict"] == "tied"
+    # b ahead on two seeds of three, one equal; only the shared finite seeds count
+    d = paired_difference({0: 0.5, 1: 0.4, 2: 0.3, 3: 0.9}, {0: 0.6, 1: 0.5, 2: 0.3, 4: 0.1})
+    assert (d["n"], d["above"], d["below"], d["equal"], d["seeds"]) == (3, 0, 2, 1, [0, 1, 2])
+    one = paired_difference({0: 0.9}, {0: 0.1, 1: 0.2})
+    assert one["n"] == 1 and one["ci"] is None and one["verdict"] is None and one["mean"] == pytest.approx(0.8)
+
+
+def test_ties_are_paired_intervals_against_the_best_that_cover_0():
+    from rollout_correction.demo.results import tied_with_best
+
+    finals = {"a": {0: 0.89, 1: 0.87, 2: 0.85},   # best
+              "b": {0: 0.78, 1: 0.71, 2: 0.72},   # a − b = 0.11, 0.16, 0.13: apart (below)
+              "c": {0: 0.95, 1: 0.60, 2: 0.90},   # a − c = −0.06, 0.27, −0.05: covers 0, tied
+              "d": {0: 0.88, 1: 0.86, 2: 0.84}}   # a − d = 0.01 on every seed: s_d = 0, below
+    assert tied_with_best(finals) == ["a", "c"]
+    assert tied_with_best({"a": {0: 0.9}, "b": {0: 0.1}}) is None
 
 
 def test_provenance_names_commit_machine_threads_date_and_command():
@@ -266,24 +359,40 @@ def test_provenance_names_commit_machine_threads_date_and_command():
     assert p["commit"] is None or len(p["commit"]) == 40
 
 
-def test_checks_are_judged_on_intervals():
-    from rollout_correction.demo.report import checks
+def _summary(finals: dict, recommended: str | None) -> dict:
+    """A summary with the given {method: {seed: final}} (the other figures fixed)."""
     from rollout_correction.demo.results import interval
 
-    def method(values):
-        return {"final_reward": interval(values), "collapsed": 0, "runs": len(values), "kl_growth": 6.0}
+    runs = [{"method": m, "seed": k, "final_reward": v} for m, f in finals.items() for k, v in f.items()]
+    methods = {m: {"label": METHODS[m].label, "preset": METHODS[m].preset, "final_reward": interval(f.values()),
+                   "best_reward": interval(f.values()), "final_engine_reward": interval([0.7] * len(f)),
+                   "initial_mismatch_kl": 0.01, "final_mismatch_kl": 0.06, "kl_growth": 6.0, "collapsed": 0,
+                   "runs": len(f), "seconds": interval([45.0] * len(f))} for m, f in finals.items()}
+    return {"methods": methods, "runs": runs, "config": {"recommended": recommended}}
 
-    apart = {"on_policy": method([0.89, 0.87, 0.85]), "naive": method([0.52, 0.55, 0.50]),
-             "token_tis": method([0.80, 0.78, 0.82])}
-    c = checks(apart)
-    assert c["naive_degrades"] and c["best_beats_naive_by_0.2"] and c["best_within_0.1_of_on_policy"]
-    assert c["judged_on"] == "means and 95 % intervals"
-    # a 0.33 gap of the means whose intervals overlap is not a resolved drop
-    wide = dict(apart, naive=method([0.95, 0.40, 0.30]))
-    c = checks(wide)
-    assert c["naive_gap"] >= 0.3 and c["naive_below_on_policy_interval"] is False and not c["naive_degrades"]
-    one_seed = {k: method([v["final_reward"]["mean"]]) for k, v in apart.items()}
-    assert checks(one_seed)["judged_on"].startswith("means (one seed")
+
+def test_claims_are_declared_and_judged_on_paired_intervals():
+    from rollout_correction.demo.report import claims, claims_text
+
+    on, naive = {0: 0.89, 1: 0.87, 2: 0.85}, {0: 0.60, 1: 0.20, 2: 0.55}
+    s = _summary({"on_policy": on, "naive": naive, "token_tis": {0: 0.70, 1: 0.30, 2: 0.62}}, "token_tis")
+    c = claims(s)
+    # on-policy − naive = 0.29, 0.67, 0.30: mean 0.42, s_d 0.21656, half 4.3027 · 0.21656 / √3 = 0.53798
+    first, second = c["claims"]
+    assert first["difference"]["ci"] == pytest.approx([0.42 - 0.53798, 0.42 + 0.53798], abs=1e-4)
+    assert first["holds"] is False and first["difference"]["above"] == 3   # every seed above, not resolved
+    # token TIS − naive = 0.10, 0.10, 0.07: mean 0.09, s_d 0.017321, half 0.043027: above 0
+    assert second["method"] == "token_tis" and second["holds"] is True
+    assert second["difference"]["ci"] == pytest.approx([0.09 - 0.043027, 0.09 + 0.043027], abs=1e-4)
+    assert c["all_hold"] is False
+    text = claims_text(s)
+    assert text[0] == "Recommended before running: decoupled token TIS (`token_tis`)."
+    assert "does not hold" in text[1] and "+0.42 [-0.12, +0.96]" in text[1] and "3 of 3 seeds" in text[1]
+    assert "holds — paired difference +0.09 [+0.05, +0.13]" in text[2]
+    # a recommendation that is not in the run, and one seed: nothing is judged
+    assert claims(_summary({"on_policy": on, "naive": naive}, "geo_is"))["claims"][1]["evaluated"] is False
+    one = claims(_summary({"on_policy": {0: 0.9}, "naive": {0: 0.1}}, None))
+    assert [r["evaluated"] for r in one["claims"]] == [False, False] and one["all_hold"] is False
 
 
 def test_summary_table_reads_whole_in_a_log():
@@ -299,15 +408,17 @@ def test_summary_table_reads_whole_in_a_log():
                    "best_reward": interval([0.8, 0.8, 0.8]), "final_engine_reward": interval([0.7, 0.7, 0.7]),
                    "initial_mismatch_kl": 0.01, "final_mismatch_kl": 0.02, "collapsed": 0, "runs": 3,
                    "seconds": interval([45.0, 46.0, 47.0])} for m in ("on_policy", "cispo", "binary_kl_rs")}
-    summary = {"methods": methods, "tied_with_best": list(methods), "checks": {"available": False, "reason": "x"}}
+    runs = [{"method": m, "seed": k, "final_reward": v} for m in methods for k, v in enumerate([0.8, 0.7, 0.75])]
+    summary = {"methods": methods, "runs": runs, "config": {"recommended": None}}
     out = io.StringIO()
     console = Console(file=out, width=80)
     assert not console.is_terminal
     print_table(summary, console)
     text = out.getvalue()
     assert "…" not in text
+    table = [line for line in text.splitlines() if "│" in line]
     for m in methods.values():
-        assert sum(m["label"] in line for line in text.splitlines()) == 1, m["label"]
+        assert sum(m["label"] in line for line in table) == 1, m["label"]
     row = next(line for line in text.splitlines() if "binary-KL RS + token TIS" in line)
     assert "0.75 [0.63, 0.87]" in row and "yes" in row
 

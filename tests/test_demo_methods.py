@@ -40,5 +40,5 @@ def test_quick_run_of_every_method_writes_one_comparison(tmp_path):
     assert header.endswith("| wall s / run |")
     for m in METHODS.values():
         if not m.replay:
-            assert f"| {m.label} | {m.preset or '—'} |" in report, m.name
+            assert f"| {m.label} | {m.setting or '—'} |" in report, m.name
     assert (out / "methods.png").stat().st_size > 0 and "![methods](methods.png)" in report

@@ -84,7 +84,7 @@ def test_short_moe_scenario_run_reports_routing(tmp_path):
 
 def test_quick_moe_scenario_includes_routing_replay():
     """``--scenario moe --quick`` (the first look) compares R3 with naive and token TIS; a dense
-    scenario's ``--quick`` keeps its three methods."""
+    scenario's ``--quick`` runs on-policy, naive and the correction the scenario recommends."""
     import argparse
 
     from rollout_correction.demo.cli import add_arguments, config_from_args
@@ -94,4 +94,6 @@ def test_quick_moe_scenario_includes_routing_replay():
     moe = config_from_args(parser.parse_args(["--scenario", "moe", "--quick"]))
     assert moe.model == "moe" and moe.methods == ("naive", "token_tis", "r3")
     dense = config_from_args(parser.parse_args(["--quick"]))
-    assert dense.methods == ("on_policy", "naive", "token_tis")
+    assert dense.methods == ("on_policy", "naive", "bypass_ppo") and dense.recommended == "bypass_ppo"
+    quantized = config_from_args(parser.parse_args(["--scenario", "quantized", "--quick"]))
+    assert quantized.methods == ("on_policy", "naive", "token_tis") and quantized.recommended == "token_tis"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_correction.demo.results import PROVENANCE_FIELDS, interval, tied_with_best
+from rollout_correction.demo.results import PROVENANCE_FIELDS, interval, paired_difference, tied_with_best
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("render_results", ROOT / "tools" / "render_results.py")
@@ -30,7 +30,10 @@ def test_every_block_and_every_results_file_is_used():
         used.update(names)
     assert used == set(R.BLOCKS)
     read = {f for _, files in R.BLOCKS.values() for f in files}
-    assert read == {p.name for p in FILES}
+    assert read >= {p.name for p in FILES}
+    # a file a block names but nobody has measured yet renders as one line saying so
+    for f in read - {p.name for p in FILES}:
+        assert R.not_measured(f)[0].startswith(f"`docs/results/{f}` has not been measured yet")
 
 
 def test_a_hand_edit_of_a_rendered_figure_is_caught():
@@ -68,12 +71,65 @@ def test_results_file_has_provenance_and_recomputable_intervals(path):
     finals = {}
     for r in s["runs"]:
         finals.setdefault(r["method"], []).append(r["final_reward"])
-    stats = {}
     for m, x in s["methods"].items():
-        stats[m] = interval(finals[m])
         assert x["final_reward"]["n"] == len(finals[m]) == len(s["config"]["seeds"])
-        assert x["final_reward"]["ci"] == pytest.approx(stats[m]["ci"])
-    assert s["tied_with_best"] == tied_with_best(stats)
+        assert x["final_reward"]["ci"] == pytest.approx(interval(finals[m])["ci"])
+    if "paired" in s:  # written since the comparisons became paired: the stored figures recompute
+        per_seed = {m: {r["seed"]: r["final_reward"] for r in s["runs"] if r["method"] == m} for m in s["methods"]}
+        assert s["tied_with_best"] == tied_with_best(per_seed)
+        for m, d in s["paired"]["vs_naive"].items():
+            assert d["ci"] == pytest.approx(paired_difference(per_seed[m], per_seed["naive"])["ci"])
+
+
+def _summary_file(tmp_path, name, commit, finals, recommended="token_tis"):
+    """A minimal demo results file with the given {method: [final per seed]}."""
+    from rollout_correction.demo.config import METHODS
+
+    runs = [{"method": m, "seed": k, "final_reward": v, "best_reward": v, "final_engine_reward": v,
+             "final_mismatch_kl": 0.01 * (m != "on_policy"), "cpu_seconds": 30.0}
+            for m, xs in finals.items() for k, v in enumerate(xs)]
+    methods = {m: {"label": METHODS[m].label, "preset": METHODS[m].setting, "final_reward": interval(xs),
+                   "best_reward": interval(xs), "final_engine_reward": interval(xs), "initial_mismatch_kl": 0.01,
+                   "final_mismatch_kl": 0.05, "kl_growth": 5.0, "collapsed": 0, "runs": len(xs),
+                   "seconds": interval([30.0] * len(xs))} for m, xs in finals.items()}
+    prov = {"commit": commit, "dirty": False, "torch": "2.13", "python": "3.11", "cpu": "CPU", "logical_cpus": 16,
+            "workers": 16, "threads": 1, "date": "2026-01-01T00:00:00Z", "command": "demo"}
+    s = {"provenance": prov, "run_provenance": [{**{k: prov[k] for k in R._MACHINE}, "runs": len(runs)}],
+         "config": {"scenario": name, "task": "sort", "digits": 6, "precision": "fp32", "quant": "none", "lag": 4,
+                    "seeds": list(range(len(next(iter(finals.values()))))), "recommended": recommended},
+         "methods": methods, "runs": runs}
+    (tmp_path / f"{name}.json").write_text(json.dumps(s))
+
+
+def test_renderer_refuses_results_files_of_different_commits(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    finals = {"on_policy": [0.9, 0.8, 0.85], "naive": [0.5, 0.6, 0.4], "token_tis": [0.7, 0.7, 0.6]}
+    _summary_file(tmp_path, "a", "1" * 40, finals)
+    _summary_file(tmp_path, "b", "2" * 40, finals)
+    with pytest.raises(SystemExit, match="different commits.*a.json at 111111111111.*b.json at 222222222222"):
+        R.demo_claims("a.json", "b.json")
+    with pytest.raises(SystemExit, match="different commits"):
+        R.demo_headline("a.json", "b.json")
+    _summary_file(tmp_path, "b", "1" * 40, finals)
+    lines = R.demo_claims("a.json", "b.json", "missing.json")
+    # on-policy − naive = 0.4, 0.2, 0.45: mean 0.35, s_d 0.13229, half 4.3027 · 0.13229 / √3 = 0.32863
+    assert any("on-policy reference − naive PPO > 0: holds — paired difference +0.35 [+0.02, +0.68]" in x
+               for x in lines)
+    assert lines[-3] == "- `docs/results/missing.json` has not been measured yet: `tools/run_demo_results.sh` writes it."
+
+
+def test_identical_methods_are_shown_once_with_their_aliases(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    _summary_file(tmp_path, "s", "1" * 40, {"naive": [0.5, 0.6, 0.4], "token_tis": [0.7, 0.7, 0.6],
+                                            "cispo": [0.7, 0.7, 0.6], "dppo_tv": [0.7, 0.7, 0.61],
+                                            "icepop": [0.7, 0.7, 0.6]})
+    lines = R.demo_table("s.json")
+    table = lines[2:lines.index("")]   # the main table, without its header and separator
+    labels = [x.split(" | ")[0][2:] for x in table]
+    # CISPO is a declared alias of token TIS and identical on every seed: folded; DPPO-TV differs on
+    # seed 2; IcePop is identical by chance but no alias: both keep their rows
+    assert labels == ["naive PPO", "decoupled token TIS (= CISPO × token TIS)", "DPPO-TV × token TIS",
+                      "decoupled token IcePop"]
 
 
 @pytest.mark.parametrize("path", [p for p in FILES if p.name.startswith("diffusion")], ids=lambda p: p.name)

@@ -15,6 +15,13 @@ intervals over seeds, the methods tied with the best, and the provenance of the 
 every run (commit, torch, Python, CPU, workers × threads, date, command). A block says under its
 table where and how the figures were measured, and says so when they come from more than one
 commit or machine. tests/test_results_tables.py checks that the pages equal this rendering.
+
+Every comparison is recomputed from the per-seed runs of the file (``demo/report.py``): each
+method's paired difference with naive PPO (95 % t-interval and sign count), the ties with the best
+(a paired interval covering 0) and the pre-declared claims. Methods whose runs are identical seed by
+seed (aliases at one update per batch) are shown once, their other names beside it. A block that
+reads several results files refuses files from different commits (``ONE_COMMIT``); a file not yet
+measured renders as one line saying so.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "core" / "src")]  # the toolkit and the core, from this checkout
 
-from rollout_correction.demo.report import _ci, _kl, _tie, provenance_line, table_rows  # noqa: E402
+from rollout_correction.demo.report import (  # noqa: E402
+    TABLE_HEADER, _ci, _kl, _tie, claims_text, diff_text, finals, paired, provenance_line, signs_text, table_rows)
 
 BEGIN = re.compile(r"^<!-- results: ([\w.-]+) -->$")
 END = "<!-- /results -->"
@@ -38,6 +46,47 @@ END = "<!-- /results -->"
 
 def load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text(encoding="utf-8"))
+
+
+def measured(name: str) -> bool:
+    return (RESULTS / name).is_file()
+
+
+def not_measured(name: str) -> list[str]:
+    return [f"`docs/results/{name}` has not been measured yet: `tools/run_demo_results.sh` writes it."]
+
+
+def one_commit(files: list[tuple[str, dict]]) -> None:
+    """Refuse results files of different commits (or with uncommitted changes) in one block."""
+    commits = {(s["provenance"]["commit"], s["provenance"].get("dirty")) for _, s in files}
+    if len(commits) > 1:
+        raise SystemExit("results files from different commits in one block: " + "; ".join(
+            f"{n} at {(s['provenance']['commit'] or '?')[:12]}{' (dirty)' if s['provenance'].get('dirty') else ''}"
+            for n, s in files) + " — re-run them together (tools/run_demo_results.sh)")
+
+
+def aliases(s: dict) -> dict[str, list[str]]:
+    """{method shown: [methods identical to it, seed by seed]} — a declared alias
+    (``demo.config.ALIASES``: equal at one update per batch) is folded into the method it aliases
+    when their runs are identical: the same final, best and engine exact match and the same
+    mismatch KL on every seed, two or more seeds."""
+    from rollout_correction.demo.config import ALIASES
+
+    keys = ("final_reward", "best_reward", "final_engine_reward", "final_mismatch_kl")
+    sig = {}
+    for m in s["methods"]:
+        rs = sorted((r for r in s["runs"] if r["method"] == m), key=lambda r: r["seed"])
+        sig[m] = tuple((r["seed"],) + tuple(r.get(k) for k in keys) for r in rs) if len(rs) > 1 else (m,)
+    out: dict[str, list[str]] = {m: [] for m in s["methods"] if not (ALIASES.get(m) in sig and sig[ALIASES[m]] == sig[m])}
+    for m in s["methods"]:
+        if m not in out:
+            out[ALIASES[m]].append(m)
+    return out
+
+
+def _label(s: dict, m: str, folded: dict[str, list[str]]) -> str:
+    same = folded.get(m) or []
+    return s["methods"][m]["label"] + (f" (= {', '.join(s['methods'][a]['label'] for a in same)})" if same else "")
 
 
 def _cpu_seconds(summary: dict, method: str) -> str:
@@ -74,13 +123,17 @@ def per_seed(s: dict, group: str, key: str, title: str) -> list[str]:
 
 
 def demo_table(name: str) -> list[str]:
-    """One scenario: the demo report's table, the trainer's final exact match per seed, provenance."""
+    """One scenario: the demo report's table (paired differences with naive included; identical
+    methods folded into one row), the trainer's final exact match per seed, provenance."""
+    if not measured(name):
+        return not_measured(name)
     s = load(name)
-    header = ["method", "preset", "trainer final [95 % CI]", "tied with best", "trainer best", "engine final",
-              "mismatch KL first → last", "collapsed", "CPU s / run"]
+    folded = aliases(s)
+    header = TABLE_HEADER[:-1] + ["CPU s / run"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for m, row in zip(s["methods"], table_rows(s)):
-        lines.append("| " + " | ".join(row[:-1] + [_cpu_seconds(s, m)]) + " |")
+        if m in folded:
+            lines.append("| " + " | ".join([_label(s, m, folded)] + row[1:-1] + [_cpu_seconds(s, m)]) + " |")
     lines += [""] + per_seed(s, "methods", "method", "trainer final per seed")
     return lines + [""] + measured_with([(name, s)])
 
@@ -88,7 +141,8 @@ def demo_table(name: str) -> list[str]:
 def demo_headline(*names: str) -> list[str]:
     """docs/demo.md: the scenarios side by side (one results file each), one row per method."""
     files = [(n, load(n)) for n in names]
-    per = ["final [95 % CI]", "tied with best", "best", "KL last", "collapsed"]
+    one_commit(files)
+    per = ["final [95 % CI]", "− naive, paired", "seeds > / < naive", "tied with best", "KL last", "collapsed"]
     header = ["method", "preset"]
     for _, s in files:
         header += [f"{s['config']['scenario']}: {h}" if i == 0 else h for i, h in enumerate(per)]
@@ -100,18 +154,61 @@ def demo_headline(*names: str) -> list[str]:
         if m not in s["methods"]:
             return ["not run"] + ["—"] * (len(per) - 1)
         x = s["methods"][m]
-        return [_ci(x["final_reward"]), _tie(s, m), f"{x['best_reward']['mean']:.2f}", f"{_kl(x['final_mismatch_kl'])}",
+        d = paired(s).get("vs_naive", {}).get(m)
+        return [_ci(x["final_reward"]), diff_text(d), signs_text(d), _tie(s, m), f"{_kl(x['final_mismatch_kl'])}",
                 f"{x['collapsed']}/{x['runs']}"]
 
-    for m in methods:
+    per_file = [aliases(s) for _, s in files]
+    hidden = {m for m in methods if all(m not in a for a, (_, s) in zip(per_file, files) if m in s["methods"])}
+    labels = {m: x["label"] for _, s in files for m, x in s["methods"].items()}
+    folded = {m: [a for a in methods if a in hidden and any(a in f.get(m, []) for f in per_file)] for m in methods}
+    for m in [m for m in methods if m not in hidden]:
         x = next(s["methods"][m] for _, s in files if m in s["methods"])
         preset = f"`{x['preset']}`" if x["preset"] else "—"
-        row = [x["label"], preset]
+        row = [x["label"] + (f" (= {', '.join(labels[a] for a in folded[m])})" if folded[m] else ""), preset]
         for _, s in files:
             row += cells(s, m)
         row.append(" / ".join(_cpu_seconds(s, m) for _, s in files))
         lines.append("| " + " | ".join(row) + " |")
     return lines + [""] + measured_with(files)
+
+
+def demo_claims(*names: str) -> list[str]:
+    """The claims each scenario declared before running (its ``recommended`` correction), judged on
+    paired per-seed intervals, from the scenarios' results files (one commit)."""
+    files = [(n, load(n)) for n in names if measured(n)]
+    one_commit(files)
+    lines = []
+    for n, s in files:
+        c = s["config"]
+        lines.append(f"- **{c['scenario']}** ({c['task']} {c['digits']} digits, engine {c['precision']}/{c['quant']}/"
+                     f"lag {c['lag']}, {len(c['seeds'])} seeds, `docs/results/{n}`):")
+        lines += ["  " + x for x in claims_text(s)]
+    for n in names:
+        if not measured(n):
+            lines += ["- " + x for x in not_measured(n)]
+    if files:
+        p = files[0][1]["provenance"]
+        lines += ["", f"Judged seed by seed: a claim holds when the 95 % t-interval of the mean per-seed difference lies "
+                      f"above 0 (a tie when it covers 0). Commit {(p['commit'] or '?')[:12]}, {p['cpu']}."]
+    return lines
+
+
+def long_table(name: str) -> list[str]:
+    """Scenario ``long``: the demo table, length × per-token KL per method and the plot against
+    response length (``docs/img/demo-long-by-length.png``, written with the results file)."""
+    if not measured(name):
+        return not_measured(name)
+    s = load(name)
+    lines = demo_table(name)
+    lxk = [f"{x['label']} {x['length_x_kl']:.1f}" for x in s["methods"].values() if x.get("length_x_kl") is not None]
+    if lxk:
+        lines += ["", f"Response length × per-token mismatch KL over the last tenth of training ({s['config']['digits']} "
+                      "tokens): " + ", ".join(lxk) + "."]
+    if (ROOT / "docs" / "img" / "demo-long-by-length.png").is_file():
+        lines += ["", "![ESS of the sequence weight and final exact match against response length]"
+                      "(img/demo-long-by-length.png)"]
+    return lines
 
 
 def moe_table(name: str) -> list[str]:
@@ -200,7 +297,9 @@ def gpu_tables(name: str) -> list[str]:
 #: block name -> (renderer, its results files)
 BLOCKS = {
     "demo-headline": (demo_headline, ("demo-stale.json", "demo-quantized.json")),
+    "demo-claims": (demo_claims, ("demo-stale.json", "demo-quantized.json", "demo-long.json")),
     "demo-stale": (demo_table, ("demo-stale.json",)),
+    "demo-long": (long_table, ("demo-long.json",)),
     "demo-quantized": (demo_table, ("demo-quantized.json",)),
     "demo-minibatches": (demo_table, ("demo-minibatches.json",)),
     "demo-time": (time_table, ("demo-stale.json", "demo-quantized.json", "demo-minibatches.json", "demo-moe.json",

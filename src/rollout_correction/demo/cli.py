@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from rollout_correction.demo.config import DEFAULT_METHODS, METHODS, QUICK, SCENARIOS, DemoConfig
+from rollout_correction.demo.config import DEFAULT_METHODS, METHODS, QUICK, QUICK_LONG, SCENARIOS, DemoConfig, quick_methods
 from rollout_correction.demo.model import MODEL_SIZES, MOE_SIZES
 from rollout_correction.demo.task import TASKS
 from rollout_correction.demo.engine import PRECISIONS, QUANTS
@@ -72,13 +72,15 @@ def _async_mode_list(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="stale",
                         help="named defaults: stale (fp32 engine 4 optimizer steps behind; default), "
-                             "quantized (3-bit engine, short answers), bf16-long (bf16 engine, long answers)")
+                             "quantized (3-bit engine, short answers), long (2-bit engine, 16-token answers: "
+                             "sequence IS against geometric), bf16-long (bf16 engine, long answers), moe")
     parser.add_argument("--quick", action="store_true",
-                        help="a short run (1 seed, 3 methods, few steps) for a first look and CI")
+                        help="a short run (1 seed, the reference pair and the recommended correction, few steps) "
+                             "for a first look and CI")
     parser.add_argument("--methods", type=_method_list, default=None,
                         help=f"comma-separated, from: {', '.join(METHODS)}; or 'all' (default: "
                              f"{', '.join(DEFAULT_METHODS)})")
-    parser.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds (default 0,1,2,3,4)")
     parser.add_argument("--out", default=None,
                         help=f"report folder (default: a new {DEFAULT_OUT}/<date>-<time>/, with "
                              f"{DEFAULT_OUT}/latest pointing at the newest); refused when it holds another "
@@ -107,10 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """Scenario defaults, then ``--quick``, then every flag given explicitly."""
     values = dict(SCENARIOS[args.scenario])
+    if "methods" not in values:  # the default five, with the scenario's recommended correction among them
+        rec = values.get("recommended")
+        values["methods"] = DEFAULT_METHODS if rec in DEFAULT_METHODS or rec is None else DEFAULT_METHODS[:-1] + (rec,)
     if args.quick:
-        values.update(QUICK)
-        if values.get("model") in MOE_SIZES:  # a first look at routing replay too
-            values["methods"] = ("naive", "token_tis", "r3")
+        values.update(QUICK_LONG if args.scenario == "long" else QUICK)
+        values["methods"] = quick_methods(SCENARIOS[args.scenario])
     for name in _FLAGS:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -140,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[bold]{m.name}[/bold] ({m.preset or 'no correction'}): {m.description}")
         return 0
     cfg = config_from_args(args)  # a ValueError is one line at the command line (cli.py)
+    if args.async_mode and not args.quick:  # the async comparison keeps its own batch, evaluation and seeds
+        from rollout_correction.demo.async_runner import ASYNC_DEFAULTS
+
+        cfg = cfg.replace(**{k: v for k, v in ASYNC_DEFAULTS.items() if getattr(args, k) is None})
     acfg = async_config_from_args(args) if args.async_mode else None  # checked before a folder is made
     out = report_folder(args.out, DEFAULT_OUT, REPORT_MARKERS, force=args.force, reuse=args.resume)
     cfg = replace(cfg, out=str(out))
@@ -167,6 +175,8 @@ def async_config_from_args(args: argparse.Namespace):
     """The ``--async`` settings: the quick modes with ``--quick``, then every flag given."""
     from rollout_correction.demo.async_runner import QUICK_ASYNC_MODES, AsyncConfig
 
+    if not args.quick:
+        cfg = cfg.replace(**{k: v for k, v in ASYNC_DEFAULTS.items() if getattr(args, k) is None})
     values = {"modes": QUICK_ASYNC_MODES} if args.quick else {}
     for name in ("async_modes", "max_staleness", "queue_size"):
         if getattr(args, name) is not None:

@@ -1,7 +1,8 @@
 """Demo settings: the methods compared, the scenarios offered, and one config for a run.
 
 A *method* is a rollout engine choice plus a loss; every corrected method names a
-``RolloutCorrectionConfig`` preset of the library. A *scenario* is a named set of defaults
+``RolloutCorrectionConfig`` preset of the library, with config keys set on top of it where the
+criterion has no preset of its own (``options``). A *scenario* is a named set of defaults
 (task, engine numerics, budget); every field can be overridden by a command-line flag.
 """
 
@@ -23,6 +24,14 @@ class Method:
     mismatched: bool        # sample from the mismatched engine (False: engine = trainer)
     description: str
     replay: bool = False    # R3: the trainer replays the engine's expert routing (MoE models only)
+    options: tuple = ()     # (config key, value) pairs set on the preset's config
+
+    @property
+    def setting(self) -> str | None:
+        """The preset, with its extra config keys: what a results table names the correction by."""
+        if self.preset is None:
+            return None
+        return self.preset + "".join(f", {k}={v}" for k, v in self.options)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -72,6 +81,35 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "token TIS; sequences with any ρₜ < 1e-4 or > 10 rejected"),
 )}
 
+# The newer criteria: KPop's symmetric binary KL, signed Δp bands, the log-prob error, MinPRO's
+# prefix-minimum weights (each on top of token TIS or as its weight) and the rollout-IS loss.
+METHODS.update({m.name: m for m in (
+    Method("kpop_rs", "KPop RS + token TIS", "decoupled_token_is", True,
+           "token TIS; sequences whose mean symmetric binary KL max(KL(p‖q), KL(q‖p)) of the sampled token "
+           "exceeds 0.02 rejected", options=(("rollout_rs", "seq_mean_kpop"), ("rollout_rs_threshold", 0.02))),
+    Method("dp_rs", "Δp band + token TIS", "decoupled_token_is", True,
+           "token TIS; sequences whose mean Δp = π_old − π_rollout of the sampled token leaves [−0.05, 0.05] "
+           "rejected", options=(("rollout_rs", "seq_mean_dp"), ("rollout_rs_threshold", "-0.05_0.05"))),
+    Method("lp_err_rs", "log-prob error RS + token TIS", "decoupled_token_is", True,
+           "token TIS; sequences whose mean exp(|log ρₜ|) exceeds 1.1 rejected (NeMo-RL's log-prob error)",
+           options=(("rollout_rs", "seq_logprob_error"), ("rollout_rs_threshold", 1.1))),
+    Method("minpro", "MinPRO prefix-min TIS", "decoupled_token_is", True,
+           "weight min_{s≤t} ρₛ per token (the running minimum of the prefix), truncated at 2, times the "
+           "PPO-clip term", options=(("rollout_is", "prefix_min"),)),
+    Method("rollout_is", "rollout-IS loss", "bypass_rollout_is", True,
+           "REINFORCE with r = π_θ/π_rollout set to 0 outside (1 − ε, 1 + ε) (π_old := π_rollout)"),
+    # The ``long`` scenario's geometric RS: its band fits 16 tokens of a 2-bit engine (docs/demo.md).
+    Method("geo_rs_long", "geometric RS, band [0.5, 2]", "decoupled_geo_rs", True,
+           "reject sequences whose geometric-mean ratio exp(mean log ρₜ) leaves [0.5, 2]; no IS weights",
+           options=(("rollout_rs_threshold", "0.5_2.0"),)),
+)})
+
+#: Identical to another method at one update per batch (π_θ = π_old inside the step), so a results
+#: table shows them once, under the name they alias; with several updates per batch
+#: (``--minibatches``) they differ and run on their own.
+ALIASES = {"seq_is": "pure_is", "gspo": "geo_is", "cispo": "token_tis", "dppo_tv": "token_tis",
+           "dppo_kl": "token_tis"}
+
 # Mixture-of-experts routing replay (R3): the engine records the experts it routed each token to
 # while sampling; the trainer's forwards (π_old recompute and π_θ) replay them.
 METHODS.update({m.name: m for m in (
@@ -85,8 +123,11 @@ METHODS.update({m.name: m for m in (
 #: The methods of the ``moe`` scenario.
 MOE_METHODS = ("naive", "token_tis", "r3", "r3_token_tis", "bypass_r3")
 
-#: Run when ``--methods`` is not given: the reference pair and the verl-preset corrections.
-DEFAULT_METHODS = ("on_policy", "naive", "bypass_ppo", "token_tis", "seq_is_rs", "geo_rs", "pure_is")
+#: Run when ``--methods`` is not given: the reference pair, the scenario's recommended correction
+#: and the other verl-preset corrections up to five methods, so that five seeds fit in 12 minutes on
+#: two cores (``--methods all`` runs the rest).
+DEFAULT_METHODS = ("on_policy", "naive", "bypass_ppo", "token_tis", "seq_is_rs")
+DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 
 
 @dataclass
@@ -110,18 +151,19 @@ class DemoConfig:
     sft_lr: float = 1e-3
     # GRPO
     steps: int = 500
-    prompts: int = 32
+    prompts: int = 16       # × samples = 128 sequences per step (32 until the runs were made 2× cheaper)
     samples: int = 8
     lr: float = 3e-4
     minibatches: int = 1
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
     # evaluation
-    eval_every: int = 25
+    eval_every: int = 50
     eval_prompts: int = 512
     # experiment
-    seeds: tuple[int, ...] = (0, 1, 2)
+    seeds: tuple[int, ...] = DEFAULT_SEEDS
     methods: tuple[str, ...] = DEFAULT_METHODS
+    recommended: str | None = None   # the correction the scenario claims beats naive, declared before running
     workers: int = 2
     threads: int = 1
     out: str = "demo-report"
@@ -139,6 +181,11 @@ class DemoConfig:
             raise ValueError("at least one method is required")
         if not self.seeds:
             raise ValueError("at least one seed is required")
+        if len(set(self.seeds)) != len(self.seeds) or any(s < 0 for s in self.seeds):
+            raise ValueError(f"seeds must be distinct non-negative integers, got {list(self.seeds)}")
+        if self.recommended is not None and (self.recommended not in METHODS or
+                                             METHODS[self.recommended].preset is None):
+            raise ValueError(f"recommended must name a corrected method, got {self.recommended!r}")
         for name in ("steps", "prompts", "samples", "eval_every", "eval_prompts", "workers", "threads",
                      "minibatches", "sft_batch"):
             if getattr(self, name) < 1:
@@ -165,11 +212,18 @@ class DemoConfig:
 
 
 # Named defaults. ``stale`` is the default (asynchronous RL: the engine samples with weights four
-# optimizer steps old); ``quantized`` has a 3-bit engine; ``bf16-long`` is the opposite regime.
+# optimizer steps old); ``quantized`` has a 3-bit engine; ``bf16-long`` is the opposite regime;
+# ``long`` has long answers and a 2-bit engine, length × per-token KL ≥ 20 (docs/demo.md). Each
+# names, before any run, the correction it recommends (``recommended``): the claims of the report
+# are that it and on-policy beat naive, judged per seed.
 SCENARIOS: dict[str, dict] = {
-    "quantized": dict(task="sort", digits=6, precision="fp32", quant="int3", granularity="tensor", lag=0),
-    "stale": dict(task="sort", digits=6, precision="fp32", quant="none", lag=4),
+    "quantized": dict(task="sort", digits=6, precision="fp32", quant="int3", granularity="tensor", lag=0,
+                      recommended="token_tis"),
+    "stale": dict(task="sort", digits=6, precision="fp32", quant="none", lag=4, recommended="bypass_ppo"),
     "bf16-long": dict(task="sort", digits=16, precision="bf16", quant="none", lag=0, sft_steps=120, steps=300),
+    "long": dict(task="sort", digits=16, precision="fp32", quant="int2", granularity="channel", lag=0,
+                 sft_steps=120, steps=300, recommended="geo_is", methods=("on_policy", "naive", "token_tis", "seq_is",
+                                                                           "geo_is", "geo_rs_long")),
 }
 # ``moe``: a tiny Mixtral whose engine copy has 3-bit fake-quantised attention and expert weights
 # (routers unquantised), so near-tied router scores flip between engine and trainer; the
@@ -177,6 +231,14 @@ SCENARIOS: dict[str, dict] = {
 SCENARIOS["moe"] = dict(task="sort", digits=6, model="moe", precision="fp32", quant="int3", granularity="tensor",
                         lag=0, prompts=16, methods=MOE_METHODS)
 
-# ``--quick``: a first look and the CI smoke run.
-QUICK = dict(steps=40, seeds=(0,), eval_every=20, eval_prompts=256, prompts=16,
-             methods=("on_policy", "naive", "token_tis"))
+# ``--quick``: a first look and the CI smoke run (one seed, the reference pair and the scenario's
+# recommended correction; ``long`` at a tiny size).
+QUICK = dict(steps=40, seeds=(0,), eval_every=20, eval_prompts=256, prompts=16)
+QUICK_LONG = dict(QUICK, digits=8, sft_steps=40, steps=20, eval_every=10, eval_prompts=64, prompts=8, samples=4)
+
+
+def quick_methods(scenario: dict) -> tuple[str, ...]:
+    """The methods of ``--quick``: the scenario's references and its recommended correction."""
+    refs = ("naive", "token_tis", "r3") if scenario.get("model") in MOE_SIZES else ("on_policy", "naive")
+    rec = scenario.get("recommended") or "token_tis"
+    return tuple(dict.fromkeys(refs + (rec,)))

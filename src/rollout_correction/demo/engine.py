@@ -11,7 +11,7 @@ policy π_old, all of them real numerics rather than injected noise:
 * ``precision``: the copy runs in ``fp32``, ``bf16`` or ``fp16``;
 * ``quant``: the weights of every linear layer inside the transformer blocks are fake-quantised
   (symmetric absmax, one scale per output channel or per tensor — ``granularity``): ``int8`` /
-  ``int4`` / ``int3`` round to 2^(b−1)−1 levels each side, ``fp8`` rounds through
+  ``int4`` / ``int3`` / ``int2`` round to 2^(b−1)−1 levels each side (``int2``: ternary −s, 0, s), ``fp8`` rounds through
   ``float8_e4m3fn`` after scaling the max to 448; embeddings and the output head stay at
   ``precision``; in a mixture-of-experts model each expert's matrices (the 3-D expert weights)
   are quantised the same way, expert by expert, and the routers stay at ``precision``, as
@@ -31,14 +31,16 @@ from collections import deque
 
 import torch
 
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
 from rollout_correction.supports import sampling_support_mask
 
 __all__ = ["PRECISIONS", "QUANTS", "GRANULARITIES", "fake_quantize", "sample", "RolloutEngine"]
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANTS = ("none", "int8", "fp8", "int4", "int3")
+QUANTS = ("none", "int8", "fp8", "int4", "int3", "int2")
 GRANULARITIES = ("channel", "tensor")
-_INT_BITS = {"int8": 8, "int4": 4, "int3": 3}
+_INT_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 _FP8_MAX = 448.0
 
 
@@ -96,12 +98,8 @@ def sample(
     """
     if prompts.dim() != 2:
         raise ValueError(f"prompts must be (B, P), got shape {tuple(prompts.shape)}")
-    # transformers ≥ 5.2x names the KV cache ``cache`` (argument and output) and warns on the old
-    # ``past_key_values``; earlier releases know only the old name.
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(prompts, use_cache=True)
-    cache = out[cache_arg]
-    logits = out.logits[:, -1]
+    forward = _dense_llama_forward if _is_dense_llama(model) else _hf_forward
+    logits, cache = forward(model, prompts, None)
     tokens, log_probs = [], []
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits.float(), dim=-1)
@@ -117,10 +115,50 @@ def sample(
         tokens.append(nxt)
         log_probs.append(logp.gather(-1, nxt))
         if t + 1 < max_new_tokens:
-            out = model(nxt, use_cache=True, **{cache_arg: cache})
-            cache = out[cache_arg]
-            logits = out.logits[:, -1]
+            logits, cache = forward(model, nxt, cache)
     return torch.cat(tokens, dim=1), torch.cat(log_probs, dim=1)
+
+
+def _is_dense_llama(model: torch.nn.Module) -> bool:
+    from transformers import LlamaForCausalLM
+
+    return type(model) is LlamaForCausalLM and model.config._attn_implementation in ("sdpa", "eager")
+
+
+def _hf_forward(model: torch.nn.Module, ids: torch.Tensor, cache):
+    """One KV-cache step through the model's own forward: (last position's logits, cache)."""
+    # transformers ≥ 5.2x names the KV cache ``cache`` (argument and output) and warns on the old
+    # ``past_key_values``; earlier releases know only the old name.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(ids, use_cache=True, **({cache_arg: cache} if cache is not None else {}))
+    return out.logits[:, -1], out[cache_arg]
+
+
+def _dense_llama_forward(model: torch.nn.Module, ids: torch.Tensor, cache):
+    """The same KV-cache step as :func:`_hf_forward` for a dense ``LlamaForCausalLM``, calling its
+    layers' own modules (norms, projections, rotary embedding, MLP) without the model-level
+    wrappers, whose per-call cost dominates at this model size; the logits and sampled tokens are
+    the same bit for bit (tests/test_demo.py). ``cache``: a (key, value) pair per layer, or None."""
+    inner = model.model
+    b, s = ids.shape
+    past = 0 if cache is None else cache[0][0].shape[2]
+    x = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(x, torch.arange(past, past + s).unsqueeze(0))
+    new = []
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        shape = (b, s, -1, attn.head_dim)
+        q, k = apply_rotary_pos_emb(attn.q_proj(h).view(shape).transpose(1, 2),
+                                    attn.k_proj(h).view(shape).transpose(1, 2), cos, sin)
+        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        if cache is not None:
+            k, v = torch.cat([cache[i][0], k], dim=2), torch.cat([cache[i][1], v], dim=2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=s > 1, scale=attn.scaling)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        new.append((k, v))
+    return model.lm_head(inner.norm(x[:, -1])), new
 
 
 class RolloutEngine:

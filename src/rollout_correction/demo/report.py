@@ -3,17 +3,19 @@
 Per method and seed the summary keeps the trainer's final and best greedy exact match, the
 rollout engine's, the mismatch KL(π_rollout‖π_old) at the start and the end, whether the run
 collapsed and its wall time; ``methods.png`` compares the methods side by side. A run *collapsed* when its final exact match is below half of its best.
-Every per-method figure has its 95 % interval over seeds (``demo/results.py``) and the summary
-names the methods tied with the best (intervals overlapping the best's). ``summary.json`` carries
-the provenance: commit, torch, CPU, workers × threads, date and command.
-The *checks* are the demonstration's claims, each with its numbers, judged on the intervals when
-there are two or more seeds:
+Every per-method figure has its 95 % interval over seeds (``demo/results.py``). Comparisons are
+paired: the runs of one seed start from the same SFT checkpoint and see the same prompts, so each
+method is judged against naive PPO, on-policy and the best method on its per-seed differences
+(95 % t-interval of the mean difference and the sign count; *tied* = that interval covers 0).
+``summary.json`` carries the provenance: commit, torch, CPU, workers × threads, date and command.
 
-* naive PPO ends ≥ 0.3 below the on-policy reference, its interval wholly below on-policy's (or it
-  collapses on most seeds);
-* its mismatch KL rises ≥ 5× from the first to the last tenth of training;
-* the best correction beats naive by ≥ 0.2, its interval wholly above naive's, and ends within 0.1
-  of on-policy or tied with it (overlapping intervals).
+The *claims* are declared before running: each scenario's config names the correction it
+``recommended``s, and the demonstration claims, each on its paired interval,
+
+* on-policy − naive > 0 (the mismatch costs naive PPO something), and
+* recommended − naive > 0 (the recommended correction wins some of it back).
+
+The naive run's mismatch KL growth (first to last tenth of training) is reported beside them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 from pathlib import Path
 
 from rollout_correction.demo.config import METHODS, DemoConfig
-from rollout_correction.demo.results import interval, provenance, tied_with_best
+from rollout_correction.demo.results import interval, paired_difference, provenance, tied_with_best
 
 COLLAPSE_FRACTION = 0.5
 
@@ -94,6 +96,12 @@ def run_health(r: dict, **monitor_options) -> dict:
     }
 
 
+def _by_length(hist: dict, prefix: str) -> list[float] | None:
+    """The last tenth's mean of ``<prefix>@1`` … ``<prefix>@T`` (None for runs without them)."""
+    keys = sorted((k for k in hist if k.startswith(prefix + "@")), key=lambda k: int(k.split("@")[1]))
+    return [_tenth(hist[k], last=True) for k in keys] or None
+
+
 def summarize_run(r: dict, sft_reward: float) -> dict:
     trainer, engine, kl = r["evals"]["trainer"], r["evals"]["engine"], r["history"].get("kl", [])
     best = max(trainer)
@@ -111,6 +119,11 @@ def summarize_run(r: dict, sft_reward: float) -> dict:
         "initial_grad_norm": _tenth(r["history"]["grad_norm"], last=False),
         "final_grad_norm": _tenth(r["history"]["grad_norm"], last=True),
         "collapsed": bool(trainer[-1] < COLLAPSE_FRACTION * best),
+        # against response length L: the final prefix exact match and the last tenth's ESS / N of the
+        # untruncated sequence weight ∏_{t≤L} ρₜ and of its geometric mean (trainer.weight_ess_by_length)
+        "final_by_length": r["evals"].get("trainer_by_length"),
+        "ess_seq_by_length": _by_length(r["history"], "ess_seq"),
+        "ess_geo_by_length": _by_length(r["history"], "ess_geo"),
         "seconds": r["seconds"],
         "cpu_seconds": r.get("cpu_seconds", float("nan")),
     }
@@ -142,7 +155,7 @@ def summarize(cfg: DemoConfig, raw: dict, command: str = "", prov: dict | None =
         kl0, kl1 = _mean([r["initial_mismatch_kl"] for r in rs]), _mean([r["final_mismatch_kl"] for r in rs])
         per_method[m] = {
             "label": METHODS[m].label,
-            "preset": METHODS[m].preset,
+            "preset": METHODS[m].setting,
             "final_reward": _stats([r["final_reward"] for r in rs]),
             "best_reward": _stats([r["best_reward"] for r in rs]),
             "final_engine_reward": _stats([r["final_engine_reward"] for r in rs]),
@@ -151,72 +164,77 @@ def summarize(cfg: DemoConfig, raw: dict, command: str = "", prov: dict | None =
             "kl_growth": kl1 / kl0 if kl0 > 0 else float("nan"),
             "collapsed": sum(r["collapsed"] for r in rs),
             "runs": len(rs),
+            # response length × per-token KL over the last tenth (the long scenario's ≥ 20 rule)
+            "length_x_kl": cfg.digits * kl1,
             "seconds": _stats([r["seconds"] for r in rs]),
         }
     measured = run_provenance(raw)
-    return {
+    summary = {
         "provenance": prov if prov is not None else provenance(command, cfg.workers, cfg.threads),
         "run_provenance": measured,
         "mixed_provenance": len(measured) > 1,
         "config": cfg.to_dict(),
-        "tied_with_best": tied_with_best({m: s["final_reward"] for m, s in per_method.items()}),
+        "tied_with_best": tied_with_best({m: finals(runs, m) for m in per_method}),
         "sft_reward": {str(k): v for k, v in raw["sft_reward"].items()},
         "seconds": {**raw["seconds"], "run_cpu_total": sum(r["cpu_seconds"] for r in runs)},
         "resumed": raw.get("resumed", 0),
         "runs": runs,
         "methods": per_method,
-        "checks": checks(per_method),
     }
+    summary["paired"] = paired(summary)
+    summary["claims"] = claims(summary)
+    return summary
 
 
-def below(a: dict, b: dict) -> bool | None:
-    """Whether interval ``a`` lies wholly below interval ``b`` (None without intervals: one seed)."""
-    if a.get("ci") is None or b.get("ci") is None:
-        return None
-    return bool(a["ci"][1] < b["ci"][0])
+def finals(runs: list[dict], method: str, key: str = "final_reward") -> dict[int, float]:
+    """{seed: figure} of one method's runs."""
+    return {r["seed"]: r[key] for r in runs if r["method"] == method}
 
 
-def checks(per_method: dict) -> dict:
-    """The demonstration's claims: the thresholds on the means over seeds and, with two or more
-    seeds, the separations on the 95 % intervals (``judged_on`` says which)."""
-    if "on_policy" not in per_method or "naive" not in per_method:
-        return {"available": False, "reason": "needs the on_policy and naive methods"}
-    on_s = per_method["on_policy"]["final_reward"]
-    on = on_s["mean"]
-    nv = per_method["naive"]
-    gap = on - nv["final_reward"]["mean"]
-    naive_collapsed = nv["collapsed"] * 2 > nv["runs"]
-    separated = below(nv["final_reward"], on_s)
-    out = {
-        "available": True,
-        "judged_on": "means and 95 % intervals" if separated is not None else "means (one seed: no interval)",
-        "on_policy_final": on,
-        "naive_final": nv["final_reward"]["mean"],
-        "naive_gap": gap,
-        "naive_below_on_policy_interval": separated,
-        "naive_degrades": bool((gap >= 0.3 and separated is not False) or naive_collapsed),
-        "naive_kl_growth": nv["kl_growth"],
-        "naive_kl_rises_5x": bool(nv["kl_growth"] >= 5.0),
-    }
-    corrections = [m for m in per_method if METHODS[m].preset is not None]
-    if corrections:
-        best = max(corrections, key=lambda m: per_method[m]["final_reward"]["mean"])
-        b_s = per_method[best]["final_reward"]
-        b = b_s["mean"]
-        above_naive = below(nv["final_reward"], b_s)
-        tied_on = below(b_s, on_s) is False if b_s.get("ci") is not None and on_s.get("ci") is not None else False
-        out.update({
-            "best_correction": best,
-            "best_correction_final": b,
-            "best_minus_naive": b - nv["final_reward"]["mean"],
-            "best_above_naive_interval": above_naive,
-            "best_beats_naive_by_0.2": bool(b - nv["final_reward"]["mean"] >= 0.2 and above_naive is not False),
-            "best_tied_with_on_policy": tied_on,
-            "best_within_0.1_of_on_policy": bool(on - b <= 0.1 or tied_on),
-        })
-    keys = ["naive_degrades", "naive_kl_rises_5x", "best_beats_naive_by_0.2", "best_within_0.1_of_on_policy"]
-    out["all_hold"] = all(out.get(k, False) for k in keys)
+#: The references every method is compared with, seed by seed.
+REFERENCES = ("naive", "on_policy")
+
+
+def paired(summary: dict) -> dict:
+    """``{"vs_naive": {method: d}, "vs_on_policy": {...}}``: each method's final exact match minus
+    the reference's, seed by seed (:func:`rollout_correction.demo.results.paired_difference`).
+    Computed from ``summary["runs"]``, so it applies to any results file."""
+    out = {}
+    for ref in REFERENCES:
+        if ref in summary["methods"]:
+            base = finals(summary["runs"], ref)
+            out[f"vs_{ref}"] = {m: paired_difference(finals(summary["runs"], m), base)
+                                for m in summary["methods"] if m != ref}
     return out
+
+
+def claims(summary: dict) -> dict:
+    """The pre-declared claims (module docstring), each judged on its paired interval: it *holds*
+    when the interval of (a − naive) lies above 0; with one seed it is not judged (``holds``
+    None)."""
+    cfg = summary["config"]
+    recommended = cfg.get("recommended")
+    methods = summary["methods"]
+    rows = []
+    for name, a in (("on_policy_beats_naive", "on_policy"), ("recommended_beats_naive", recommended)):
+        row = {"claim": name, "method": a, "minus": "naive"}
+        if a is None:
+            row.update(evaluated=False, reason="the scenario recommends no correction")
+        elif a not in methods or "naive" not in methods:
+            row.update(evaluated=False, reason=f"needs the {a} and naive methods in the run")
+        else:
+            d = paired_difference(finals(summary["runs"], a), finals(summary["runs"], "naive"))
+            row.update(evaluated=d["verdict"] is not None, difference=d,
+                       holds=None if d["verdict"] is None else d["verdict"] == "above",
+                       reason=None if d["verdict"] is not None else "one seed: no paired interval")
+        rows.append(row)
+    nv = methods.get("naive")
+    return {
+        "recommended": recommended,
+        "claims": rows,
+        "all_hold": all(r.get("holds") is True for r in rows),
+        "naive_kl_growth": nv["kl_growth"] if nv else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,8 +281,8 @@ def _draw(ax, cfg: DemoConfig, raw: dict, stem: str) -> None:
         color, style = _line_style(i)
         ax.plot(x, mean, color=color, ls=style, label=METHODS[m].label, lw=1.6)
         if len(ys) > 1:
-            lo, hi = [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)]
-            ax.fill_between(x, lo, hi, color=color, alpha=0.15, lw=0)
+            cis = [interval(c)["ci"] or (float("nan"),) * 2 for c in zip(*ys)]  # the table's 95 % interval
+            ax.fill_between(x, [c[0] for c in cis], [c[1] for c in cis], color=color, alpha=0.15, lw=0)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(ylabel)
@@ -305,8 +323,49 @@ def plot_all(cfg: DemoConfig, raw: dict, out_dir: Path) -> list[str]:
     return files
 
 
+def plot_by_length(cfg: DemoConfig, summary: dict, path: Path) -> bool:
+    """Two panels against response length L (the first L answer tokens): the ESS / N of the
+    untruncated sequence weight ∏ρₜ (solid) and of its geometric mean (dashed), last tenth of
+    training; and the final prefix exact match with the table's 95 % interval over seeds. False
+    (nothing drawn) when the runs carry no per-length figures."""
+    import matplotlib.pyplot as plt
+
+    if not any(r.get("ess_seq_by_length") for r in summary["runs"]):
+        return False
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, m in enumerate(summary["methods"]):
+        rs = [r for r in summary["runs"] if r["method"] == m]
+        color, style = _line_style(i)
+        for key, ls, tag in (("ess_seq_by_length", "-", "∏ρ"), ("ess_geo_by_length", "--", "geo")):
+            ys = [r[key] for r in rs if r.get(key)]
+            if ys:
+                a1.plot(range(1, len(ys[0]) + 1), [_mean(c) for c in zip(*ys)], color=color, ls=ls,
+                        label=f"{METHODS[m].label} ({tag})", lw=1.4)
+        ys = [r["final_by_length"] for r in rs if r.get("final_by_length")]
+        if ys:
+            x = range(1, len(ys[0]) + 1)
+            stats = [interval(c) for c in zip(*ys)]
+            a2.plot(x, [st["mean"] for st in stats], color=color, ls=style, label=METHODS[m].label, lw=1.6)
+            if all(st["ci"] for st in stats):
+                a2.fill_between(x, [st["ci"][0] for st in stats], [st["ci"][1] for st in stats], color=color,
+                                alpha=0.15, lw=0)
+    a1.set(title="ESS / N of the sequence weight, last tenth of training", xlabel="response length L (tokens)",
+           ylabel="ESS / N", yscale="log")
+    a2.set(title="final exact match of the first L tokens (95 % interval)", xlabel="response length L (tokens)",
+           ylabel="exact match", ylim=(0, 1))
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(_scenario_line(cfg), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_comparison(cfg: DemoConfig, summary: dict, path: Path) -> None:
-    """One row per method: trainer final (bar, ± std over seeds) and best (marker) exact match,
+    """One row per method: trainer final (bar, with the table's 95 % interval over seeds) and best
+    (marker) exact match,
     with the collapse count, the last-tenth mismatch KL and the wall time per run written beside it."""
     import matplotlib.pyplot as plt
 
@@ -315,15 +374,15 @@ def plot_comparison(cfg: DemoConfig, summary: dict, path: Path) -> None:
     for i, m in enumerate(names):
         s = summary["methods"][m]
         final, best = s["final_reward"], s["best_reward"]
-        ax.barh(i, final["mean"], xerr=final["std"], color="C3" if s["collapsed"] else "C0", alpha=0.8,
-                error_kw={"lw": 1})
+        err = None if final.get("ci") is None else [[final["mean"] - final["ci"][0]], [final["ci"][1] - final["mean"]]]
+        ax.barh(i, final["mean"], xerr=err, color="C3" if s["collapsed"] else "C0", alpha=0.8, error_kw={"lw": 1})
         ax.plot(best["mean"], i, "k|", ms=12, mew=2)
         ax.text(1.02, i, f"collapsed {s['collapsed']}/{s['runs']}   KL {_kl(s['final_mismatch_kl'])}   "
                 f"{_secs(s['seconds']['mean'])} s", va="center", fontsize=8, transform=ax.get_yaxis_transform())
     ax.set_yticks(range(len(names)), [summary["methods"][m]["label"] for m in names], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1)
-    ax.set_xlabel("greedy exact match of the trainer: final (bar, ± std over seeds), best (|)")
+    ax.set_xlabel("greedy exact match of the trainer: final (bar, 95 % interval over seeds), best (|)")
     ax.set_title(_scenario_line(cfg), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout(rect=(0, 0, 0.72, 1))
@@ -353,10 +412,28 @@ def _ci(s: dict) -> str:
 
 
 def _tie(summary: dict, method: str) -> str:
-    tied = summary.get("tied_with_best")
+    """"yes" when the method's paired interval against the best method covers 0 (recomputed from the
+    runs, so any results file reads the same), "n/a" with one seed."""
+    tied = tied_with_best({m: finals(summary["runs"], m) for m in summary["methods"]})
     if tied is None:
         return "n/a"
     return "yes" if method in tied else "—"
+
+
+def diff_text(d: dict | None) -> str:
+    """A paired difference as "+0.12 [+0.05, +0.19]" (the mean alone from one seed)."""
+    if d is None or d["n"] == 0:
+        return "—"
+    if d.get("ci") is None:
+        return f"{d['mean']:+.2f}"
+    return f"{d['mean']:+.2f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]"
+
+
+def signs_text(d: dict | None) -> str:
+    """The sign count of a paired difference: seeds above / below (/ equal, when any)."""
+    if d is None or d["n"] == 0:
+        return "—"
+    return f"{d['above']}/{d['below']}" + (f" ({d['equal']} equal)" if d["equal"] else "")
 
 
 def _secs(x: float) -> str:
@@ -368,52 +445,49 @@ def _kl(x: float) -> str:
 
 
 def table_rows(summary: dict) -> list[list[str]]:
+    pairs = paired(summary).get("vs_naive", {})
     rows = []
     for m, s in summary["methods"].items():
+        d = pairs.get(m)
         rows.append([
-            s["label"], s["preset"] or "—", _ci(s["final_reward"]), _tie(summary, m), _pm(s["best_reward"]),
-            _pm(s["final_engine_reward"]), f"{_kl(s['initial_mismatch_kl'])} → {_kl(s['final_mismatch_kl'])}",
-            f"{s['collapsed']}/{s['runs']}", _secs(s["seconds"]["mean"]),
+            s["label"], s["preset"] or "—", _ci(s["final_reward"]), diff_text(d), signs_text(d), _tie(summary, m),
+            _pm(s["best_reward"]), _pm(s["final_engine_reward"]),
+            f"{_kl(s['initial_mismatch_kl'])} → {_kl(s['final_mismatch_kl'])}", f"{s['collapsed']}/{s['runs']}",
+            _secs(s["seconds"]["mean"]),
         ])
     return rows
 
 
-TABLE_HEADER = ["method", "preset", "trainer final [95 % CI]", "tied with best", "trainer best", "engine final",
-                "mismatch KL first → last", "collapsed", "wall s / run"]
-_TERMINAL_COLUMNS = (0, 2, 3, 4, 5, 6, 7, 8)
+TABLE_HEADER = ["method", "preset", "trainer final [95 % CI]", "− naive, paired [95 % CI]", "seeds above / below naive",
+                "tied with best (paired)", "trainer best", "engine final", "mismatch KL first → last", "collapsed",
+                "wall s / run"]
+_TERMINAL_COLUMNS = (0, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
 
-def _above_below(diff: float) -> str:
-    """``diff`` = correction − on-policy, in words (three decimals: the checks compare at that precision)."""
-    if abs(diff) < 5e-4:
-        return "level with on-policy"
-    return f"{abs(diff):.3f} {'above' if diff > 0 else 'below'} on-policy"
-
-
-def checks_text(c: dict) -> list[str]:
-    if not c.get("available"):
-        return [f"Checks not evaluated: {c.get('reason')}."]
-
-    def yn(b):
-        return "yes" if b else "**no**"
-
-    lines = [
-        f"- Naive PPO ends ≥ 0.3 below on-policy (or collapses): {yn(c['naive_degrades'])} — on-policy "
-        f"{c['on_policy_final']:.2f}, naive {c['naive_final']:.2f}, gap {c['naive_gap']:.3f}.",
-        f"- Naive mismatch KL rises ≥ 5×: {yn(c['naive_kl_rises_5x'])} — ×{c['naive_kl_growth']:.1f}.",
-    ]
-    if "best_correction" in c:
-        lines += [
-            f"- Best correction ({METHODS[c['best_correction']].label}, {c['best_correction_final']:.2f}) beats "
-            f"naive by ≥ 0.2: {yn(c['best_beats_naive_by_0.2'])} — by {c['best_minus_naive']:.3f}.",
-            f"- …and ends within 0.1 of on-policy: {yn(c['best_within_0.1_of_on_policy'])} — "
-            f"{_above_below(c['best_correction_final'] - c['on_policy_final'])}.",
-        ]
-    if c.get("judged_on"):
-        lines.append(f"Judged on {c['judged_on']}" + (
-            "" if c["judged_on"].startswith("means (") else
-            " (a drop or a gain counts only where the intervals are apart; overlapping intervals are a tie)") + ".")
-    lines.append("All claims hold." if c["all_hold"] else "**Not every claim holds in this run; see above.**")
+def claims_text(summary: dict) -> list[str]:
+    """The pre-declared claims in words, with their paired intervals and sign counts."""
+    c = claims(summary)
+    label = {m: x["label"] for m, x in summary["methods"].items()}
+    lines = [f"Recommended before running: {label.get(c['recommended'], c['recommended']) or 'nothing'}"
+             + (f" (`{c['recommended']}`)." if c["recommended"] else ".")]
+    for r in c["claims"]:
+        name = label.get(r["method"], r["method"] or "recommended")
+        if not r["evaluated"]:
+            d = r.get("difference")
+            lines.append(f"- {name} − naive PPO > 0: not judged ({r['reason']})"
+                         + (f"; per-seed difference {diff_text(d)}." if d else "."))
+            continue
+        d = r["difference"]
+        word = "holds" if r["holds"] else "**does not hold**"
+        lines.append(f"- {name} − naive PPO > 0: {word} — paired difference {diff_text(d)} over {d['n']} seeds, "
+                     f"{d['above']} of {d['n']} seeds above naive ({d['verdict']}).")
+    if c["naive_kl_growth"] is not None and c["naive_kl_growth"] == c["naive_kl_growth"]:
+        lines.append(f"Naive PPO's mismatch KL grows ×{c['naive_kl_growth']:.1f} from the first to the last tenth "
+                     "of training.")
+    judged = [r for r in c["claims"] if r["evaluated"]]
+    lines.append("Both claims hold." if c["all_hold"] else
+                 "**Not every claim holds in this run; see above.**" if judged else
+                 "The claims need two or more seeds and both methods in the run.")
     return lines
 
 
@@ -438,9 +512,12 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
            "measurement.", ""] if summary["mixed_provenance"] else []),
         "Rewards are greedy exact match on a fixed set of "
         f"{cfg.eval_prompts} held-out prompts. *Trainer final* is the mean over seeds with its 95 % Student-t "
-        "interval (one seed: no interval); *tied with best*: the interval overlaps the interval of the highest "
-        "mean (methods inside a tie are not ranked); the other columns are mean ± sample standard deviation "
-        "(n − 1) over seeds. *Trainer* is the fp32 policy being "
+        "interval (one seed: no interval). Comparisons are paired: the runs of one seed start from the same SFT "
+        "weights and see the same prompts, so *− naive* is the mean of the per-seed differences with its 95 % "
+        "t-interval, beside the count of seeds above / below naive; *tied with best*: the paired interval against "
+        "the highest mean covers 0 (methods inside a tie are not ranked); the other columns are mean ± sample "
+        "standard deviation "
+"(n − 1) over seeds. *Trainer* is the fp32 policy being "
         "trained, *engine* its rollout copy. Mismatch KL is the k1 estimate of KL(π_rollout ‖ π_old) per "
         "token over the first and last tenth of training. A run collapsed if its final exact match is below "
         "half of its best.", "",
@@ -452,7 +529,7 @@ def write_markdown(cfg: DemoConfig, summary: dict, files: list[str], out_dir: Pa
     lines += _per_seed_table(cfg, summary, "seed {}", lambda r: (
         f"{r['final_reward']:.2f} / {r['final_engine_reward']:.2f}, KL {_kl(r['final_mismatch_kl'])}"))
     lines += routing_lines(summary.get("routing", {}))
-    lines += ["", "## Checks", ""] + checks_text(summary["checks"])
+    lines += ["", "## Claims (declared before running)", ""] + claims_text(summary)
     lines += ["", "## Health monitor", ""] + health_lines(cfg, summary)
     if cfg.steps < 300:
         lines += ["", f"This run has only {cfg.steps} GRPO steps: the mismatch builds up over hundreds of steps, "
@@ -571,7 +648,7 @@ def print_table(summary: dict, console=None) -> None:
     print_fitted(console, "greedy exact match: final mean [95 % interval] over seeds; other columns mean ± sample "
                           "std (n − 1)", [TABLE_HEADER[i] for i in _TERMINAL_COLUMNS],
                  [[r[i] for i in _TERMINAL_COLUMNS] for r in table_rows(summary)])
-    for line in checks_text(summary["checks"]):
+    for line in claims_text(summary):
         print_unwrapped(console, line.replace("**", ""))
 
 
@@ -632,6 +709,8 @@ def write_report(cfg: DemoConfig, raw: dict, out_dir: Path, command: str, prov: 
     files = plot_all(cfg, raw, out_dir)
     plot_comparison(cfg, summary, out_dir / "methods.png")
     files.insert(0, "methods.png")
+    if plot_by_length(cfg, summary, out_dir / "by_length.png"):
+        files.insert(1, "by_length.png")
     write_markdown(cfg, summary, files, out_dir, command)
     return summary
 

@@ -7,8 +7,12 @@ interval over seeds it is judged by.
 * :func:`interval` — mean and a two-sided 95 % Student-t interval over seeds,
   ``mean ± t(0.975, n − 1) · s / √n`` (``s`` the sample standard deviation); no interval from one
   seed.
-* :func:`tied_with_best` — the methods whose interval overlaps the interval of the method with
-  the highest mean. Overlapping intervals are a tie: the demo ranks nothing inside them.
+* :func:`paired_difference` — a comparison of two methods on the same seeds: the per-seed
+  differences dₛ = aₛ − bₛ (both runs of seed s start from one SFT checkpoint and see the same
+  prompts), the 95 % t-interval of their mean and the sign count. A comparison is *above* or
+  *below* when that interval excludes 0 and *tied* when it covers 0, nothing else.
+* :func:`tied_with_best` — the methods whose paired interval against the method with the highest
+  mean covers 0. The demo ranks nothing inside a tie.
 
 Runs are deterministic on one machine, but floating-point rounding differs between CPUs and
 reinforcement learning amplifies it, so a figure is reproducible on the machine and commit its
@@ -18,6 +22,7 @@ provenance names, and comparable with others only through its interval.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import math
 import os
 import platform
@@ -25,7 +30,8 @@ import statistics
 import subprocess
 from pathlib import Path
 
-__all__ = ["provenance", "t_quantile", "interval", "tied_with_best", "PROVENANCE_FIELDS"]
+__all__ = ["provenance", "t_quantile", "interval", "paired_difference", "verdict", "tied_with_best",
+           "PROVENANCE_FIELDS"]
 
 #: The fields :func:`provenance` records (every results file has them all).
 PROVENANCE_FIELDS = ("commit", "dirty", "torch", "python", "cpu", "logical_cpus", "workers", "threads", "date",
@@ -82,6 +88,7 @@ def _cos_power_integral(theta: float, power: float, n: int = 2000) -> float:
     return total * h / 3
 
 
+@functools.lru_cache(maxsize=None)
 def t_quantile(p: float, df: int) -> float:
     """The ``p`` quantile (0.5 < p < 1) of Student's t with ``df`` degrees of freedom.
 
@@ -115,12 +122,48 @@ def interval(values, level: float = 0.95) -> dict:
     return {"mean": mean, "std": std, "n": len(xs), "ci": [mean - half, mean + half]}
 
 
-def tied_with_best(stats: dict[str, dict]) -> list[str] | None:
-    """The names (in order) whose interval overlaps the interval of the highest mean, the best
-    included; None when some entry has no interval (one seed: nothing can be called a tie)."""
-    named = {k: s for k, s in stats.items() if s["n"] > 0}
-    if not named or any(s["ci"] is None for s in named.values()):
+def paired_difference(a: dict, b: dict, level: float = 0.95) -> dict:
+    """``a − b`` judged seed by seed: ``a`` and ``b`` map a seed to a run's figure.
+
+    dₛ = aₛ − bₛ over the seeds both have (finite values only); returns :func:`interval` of the dₛ
+    (mean, std, n, ``ci`` = mean ± t(0.975, n − 1) · s_d / √n, None for one seed), the sign count
+    ``above`` / ``below`` / ``equal`` (dₛ > 0, < 0, = 0), the ``seeds`` used and the
+    :func:`verdict`.
+    """
+    seeds = [k for k in a if k in b and all(isinstance(x, (int, float)) and math.isfinite(x) for x in (a[k], b[k]))]
+    diffs = [float(a[k]) - float(b[k]) for k in seeds]
+    out = interval(diffs, level)
+    out.update(above=sum(d > 0 for d in diffs), below=sum(d < 0 for d in diffs), equal=sum(d == 0 for d in diffs),
+               seeds=seeds)
+    out["verdict"] = verdict(out)
+    return out
+
+
+def verdict(diff: dict) -> str | None:
+    """"above" (the paired interval lies above 0), "below" (below 0), "tied" (it covers 0); None
+    without an interval (one seed)."""
+    if diff.get("ci") is None:
         return None
-    best = max(named, key=lambda k: named[k]["mean"])
-    lo = named[best]["ci"][0]
-    return [k for k, s in named.items() if s["ci"][1] >= lo]
+    lo, hi = diff["ci"]
+    return "above" if lo > 0 else "below" if hi < 0 else "tied"
+
+
+def tied_with_best(finals: dict[str, dict]) -> list[str] | None:
+    """The names (in order) tied with the highest mean: the best itself and every method whose
+    paired interval against it (:func:`paired_difference`) covers 0. ``finals`` maps a name to
+    {seed: figure}; None when a comparison has no interval (one seed: nothing is called a tie)."""
+    means = {k: statistics.fmean(v.values()) for k, v in finals.items() if v}
+    if not means:
+        return None
+    best = max(means, key=means.get)
+    out = []
+    for k in means:
+        if k == best:
+            out.append(k)
+            continue
+        v = verdict(paired_difference(finals[k], finals[best]))
+        if v is None:
+            return None
+        if v == "tied":
+            out.append(k)
+    return out

@@ -152,3 +152,42 @@ def _drain(q, bars, run_bars, timeout: float) -> None:
             item = q.get_nowait()
     except queue_lib.Empty:
         pass
+
+
+def _many_train_job(index: int, cfg: DemoConfig, method: str, seed: int, sft_state) -> tuple[int, dict]:
+    return index, train(cfg, method, seed, sft_state).to_dict()
+
+
+def run_many(cfgs: list[DemoConfig], workers: int, provenance: dict | None = None, on_run=None) -> list[dict]:
+    """Several experiments on one pool of ``workers`` one-process-per-run workers (each with its
+    config's thread count): every SFT first, then every (config, method, seed) run, the most
+    expensive configs first so that the pool drains evenly. ``on_run(cfg, result, done, total)`` is
+    called as each run finishes. Returns one ``run_experiment``-shaped dict per config."""
+    t0 = time.perf_counter()
+    stamp = {"provenance": provenance} if provenance is not None else {}
+    ctx = mp.get_context("spawn")
+    raws = [{"results": [], "resumed": 0, "sft_reward": {}, "seconds": {}} for _ in cfgs]
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(cfgs[0].threads,)) as pool:
+        sft_futs = {(i, s): pool.submit(_sft_job, cfg, s) for i, cfg in enumerate(cfgs) for s in cfg.seeds}
+        sft_out = {k: f.result()[1] for k, f in sft_futs.items()}
+        t_sft = time.perf_counter() - t0
+        for (i, s), (_, reward) in sft_out.items():
+            raws[i]["sft_reward"][s] = reward
+        order = sorted(range(len(cfgs)), key=lambda i: -cfgs[i].steps * (cfgs[i].digits * 2 + 2))
+        jobs = [(i, m, s) for i in order for s in cfgs[i].seeds for m in cfgs[i].methods]
+        futs = [pool.submit(_many_train_job, i, cfgs[i], m, s, sft_out[(i, s)][0]) for i, m, s in jobs]
+        from concurrent.futures import as_completed
+
+        for done, f in enumerate(as_completed(futs), 1):
+            i, r = f.result()
+            r = {**r, **stamp}
+            raws[i]["results"].append(r)
+            _save_run(cfgs[i], r)
+            if on_run is not None:
+                on_run(cfgs[i], r, done, len(futs))
+    for cfg, raw in zip(cfgs, raws):
+        order = {(m, s): k for k, (m, s) in enumerate((m, s) for s in cfg.seeds for m in cfg.methods)}
+        raw["results"].sort(key=lambda r: order[(r["method"], r["seed"])])
+        raw["seconds"] = {"total": time.perf_counter() - t0, "sft": t_sft}
+    return raws

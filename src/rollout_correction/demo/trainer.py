@@ -84,17 +84,22 @@ def accepted_mask(rc_cfg, old_log_prob: torch.Tensor, rollout_log_prob: torch.Te
 
 
 @torch.no_grad()
-def exact_match(model: torch.nn.Module, task: Task, digits: torch.Tensor, batch: int = 512) -> float:
-    """Greedy exact-match accuracy of ``model`` on the given digit strings."""
+def exact_match(model: torch.nn.Module, task: Task, digits: torch.Tensor, batch: int = 512,
+                by_length: bool = False) -> float | list[float]:
+    """Greedy exact-match accuracy of ``model`` on the given digit strings; with ``by_length``, the
+    list over L = 1 … T of the share whose first L answer tokens are right (its last entry is the
+    exact match)."""
     was_training = model.training
     model.eval()
-    hits = 0.0
+    hits = torch.zeros(task.response_len, dtype=torch.float64)
     for i in range(0, digits.shape[0], batch):
         d = digits[i:i + batch]
         responses, _ = sample(model, task.prompts(d), task.response_len, greedy=True)
-        hits += task.reward(responses, d, kind="exact").sum().item()
+        right = (responses == task.answers(d)).long().cumprod(dim=1)   # (b, T): first L tokens right
+        hits += right.sum(dim=0).double()
     model.train(was_training)
-    return hits / digits.shape[0]
+    shares = (hits / digits.shape[0]).tolist()
+    return shares if by_length else shares[-1]
 
 
 def sft(cfg: DemoConfig, seed: int, task: Task) -> tuple[dict[str, torch.Tensor], float]:
@@ -121,10 +126,14 @@ def sft(cfg: DemoConfig, seed: int, task: Task) -> tuple[dict[str, torch.Tensor]
 
 
 def correction_config(method: Method):
-    """The library config for ``method``, chosen by preset name (``None``: plain PPO)."""
+    """The library config for ``method``: its preset, with its ``options`` keys set on top (``None``:
+    plain PPO)."""
     from rollout_correction import RolloutCorrectionConfig
 
-    return RolloutCorrectionConfig.from_preset(method.preset) if method.preset else None
+    if not method.preset:
+        return None
+    cfg = RolloutCorrectionConfig.from_preset(method.preset)
+    return cfg.replace(**dict(method.options)) if method.options else cfg
 
 
 def policy_loss(method: Method, rc_cfg, log_prob, old_log_prob, rollout_log_prob, advantages, mask,
@@ -180,7 +189,10 @@ def train(cfg: DemoConfig, method_name: str, seed: int, sft_state: dict[str, tor
         engine = RolloutEngine(model, "fp32", "none", 0)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     rc_cfg = correction_config(method)
-    gen = torch.Generator().manual_seed(20_000 + seed)
+    # Paired runs: every method of one seed starts from the same SFT weights and sees the same
+    # prompts (their own generator, untouched by sampling); only the responses differ.
+    prompt_gen = torch.Generator().manual_seed(20_000 + seed)
+    gen = torch.Generator().manual_seed(30_000 + seed)
     eval_digits = task.sample_digits(cfg.eval_prompts, torch.Generator().manual_seed(EVAL_SEED))
     result = RunResult(method_name, seed)
     hist, evals = result.history, result.evals
@@ -192,11 +204,15 @@ def train(cfg: DemoConfig, method_name: str, seed: int, sft_state: dict[str, tor
         engine.sync(model)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             log(evals, "step", step)
-            log(evals, "trainer", exact_match(model, task, eval_digits))
+            if step == cfg.steps:  # the final result against response length (prefix exact match)
+                evals["trainer_by_length"] = exact_match(model, task, eval_digits, by_length=True)
+                log(evals, "trainer", evals["trainer_by_length"][-1])
+            else:
+                log(evals, "trainer", exact_match(model, task, eval_digits))
             log(evals, "engine", exact_match(engine.model, task, eval_digits))
         if step == cfg.steps:
             break
-        stats = grpo_step(cfg, method, rc_cfg, task, model, engine, opt, gen)
+        stats = grpo_step(cfg, method, rc_cfg, task, model, engine, opt, gen, prompt_gen)
         for k, v in stats.items():
             log(hist, k, v)
         if progress is not None:
@@ -207,9 +223,10 @@ def train(cfg: DemoConfig, method_name: str, seed: int, sft_state: dict[str, tor
 
 
 def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine: RolloutEngine, opt,
-              gen: torch.Generator) -> dict[str, float]:
-    """One GRPO update (engine already synced); returns the step's statistics."""
-    digits = task.sample_digits(cfg.prompts, gen).repeat_interleave(cfg.samples, dim=0)
+              gen: torch.Generator, prompt_gen: torch.Generator | None = None) -> dict[str, float]:
+    """One GRPO update (engine already synced); returns the step's statistics. Prompts come from
+    ``prompt_gen`` (default ``gen``), samples from ``gen``."""
+    digits = task.sample_digits(cfg.prompts, prompt_gen if prompt_gen is not None else gen).repeat_interleave(cfg.samples, dim=0)
     prompts = task.prompts(digits)
     routing = Routing(cfg, method, model, task.prompt_len)
     with routing.engine(engine):
@@ -275,10 +292,32 @@ def update_policy(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, op
     stats.update(routing.agreement(mask))
     if routing.moe:
         stats.update(other_corrections(old_all, rollout_log_prob, mask))
+    stats.update(weight_ess_by_length(old_all, rollout_log_prob))
     stats["reward"] = rewards.mean().item()
     stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
     stats["loss"] = float(loss.detach())
     return {k: (v if math.isfinite(v) else float("nan")) for k, v in stats.items()}
+
+
+def ess_fraction(log_w: torch.Tensor) -> torch.Tensor:
+    """ESS / N = (Σᵢ wᵢ)² / (N Σᵢ wᵢ²) of the weights wᵢ = exp(log_w[i]) along dim 0, from the log
+    weights (exp(2·lse(log w) − lse(2·log w) − log N): no overflow however long the product)."""
+    n = log_w.shape[0]
+    return torch.exp(2 * torch.logsumexp(log_w, 0) - torch.logsumexp(2 * log_w, 0) - math.log(n))
+
+
+def weight_ess_by_length(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> dict[str, float]:
+    """The untruncated sequence weights of the batch's first L response tokens, for every L:
+    ``ess_seq@L`` is the ESS / N of ∏_{t≤L} ρₜ, ``ess_geo@L`` of the geometric mean
+    exp(mean_{t≤L} log ρₜ), ρₜ = π_old/π_rollout. They show how the sequence weight degenerates
+    with length while the geometric one does not."""
+    log_rho = (old_log_prob - rollout_log_prob).detach().double()
+    prefix = log_rho.cumsum(dim=1)                                 # (B, T): log ∏_{t≤L} ρₜ
+    lengths = torch.arange(1, log_rho.shape[1] + 1, dtype=prefix.dtype)
+    seq, geo = ess_fraction(prefix), ess_fraction(prefix / lengths)
+    out = {f"ess_seq@{L}": float(seq[L - 1]) for L in range(1, log_rho.shape[1] + 1)}
+    out.update({f"ess_geo@{L}": float(geo[L - 1]) for L in range(1, log_rho.shape[1] + 1)})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
