@@ -195,6 +195,8 @@ def test_the_toolkit_accepts_the_0_2_keywords_with_a_deprecation_warning():
     with pytest.warns(DeprecationWarning, match="segments=Segments"):
         rollout_correction.compute_rollout_correction(old, rollout, mask, config="decoupled_token_is",
                                                       segment_ids=torch.zeros(B, T, dtype=torch.long))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="max_segments.*without segment_ids"):
+        rollout_correction.compute_rollout_correction(old, rollout, mask, config="decoupled_token_is", max_segments=3)
     acc = rollout_correction.OffPolicyAccumulator()
     acc.update(old, rollout, mask)
     with pytest.warns(DeprecationWarning, match="parallel="):
