@@ -8,7 +8,7 @@ never a gloo transport error, a hang, or a number read from a short buffer:
 * a context-parallel rank with no rows while its peer has some;
 * different configurations with the same number of partials (``seq_sum_k2`` / ``seq_sum_k3``);
 * ``on_nonfinite="raise"`` on one rank only (its check of the other ranks meets their exchange);
-* with ``verification("always")``, a configuration that changes on one rank after an agreed call;
+* with ``Parallel(verify="always")``, a configuration that changes on one rank after an agreed call;
 * and the cache of agreed groups keeps no process group alive.
 """
 
@@ -36,7 +36,7 @@ def rank_main(case: str, rank: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from rollout_correction import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
+    from rollout_correction import Parallel, RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                            timeout=datetime.timedelta(seconds=DEADLINE_S))
@@ -48,40 +48,39 @@ def rank_main(case: str, rank: int, port: int, out: str) -> None:
     k2 = RolloutCorrectionConfig(rollout_is="token", rollout_rs="seq_sum_k2", rollout_rs_threshold=0.5)
     k3 = RolloutCorrectionConfig(rollout_is="token", rollout_rs="seq_sum_k3", rollout_rs_threshold=0.5)
     cp = dist.group.WORLD
+    on_cp = Parallel(cp_group=cp)
     result: dict = {}
     try:
         if case == "rows":
             rows = 4 if rank == 0 else 3
             result["ok"] = compute_rollout_correction(old[:rows], rollout[:rows], mask[:rows], config=k2,
-                                                      sequence_group=cp).metrics_as_floats()
+                                                      parallel=on_cp).metrics_as_floats()
         elif case == "empty":
             rows = 4 if rank == 0 else 0
             result["ok"] = compute_rollout_correction(old[:rows], rollout[:rows], mask[:rows], config=k2,
-                                                      sequence_group=cp).metrics_as_floats()
+                                                      parallel=on_cp).metrics_as_floats()
         elif case == "configs":
             result["ok"] = compute_rollout_correction(old, rollout, mask, config=k2 if rank == 0 else k3,
-                                                      sequence_group=cp).response_mask.tolist()
+                                                      parallel=on_cp).response_mask.tolist()
         elif case == "loss_configs":
             loss, _ = compute_policy_loss(old + 0.1, old, torch.ones(4, 6), mask, config=k2 if rank == 0 else k3,
-                                          rollout_log_prob=rollout, sequence_group=cp)
+                                          rollout_log_prob=rollout, parallel=on_cp)
             result["ok"] = float(loss)
         elif case in ("raise_dp", "raise_cp"):  # the raising rank checks its peers first; the other does not
             cfg = RolloutCorrectionConfig(rollout_is="token", on_nonfinite="raise" if rank == 0 else "reject")
-            groups = dict(process_group=cp) if case == "raise_dp" else dict(sequence_group=cp)
-            result["ok"] = compute_rollout_correction(old, rollout, mask, config=cfg, **groups).metrics_as_floats()
+            groups = Parallel(dp_group=cp) if case == "raise_dp" else on_cp
+            result["ok"] = compute_rollout_correction(old, rollout, mask, config=cfg, parallel=groups).metrics_as_floats()
         elif case == "always":
-            from rollout_correction_core._src.stats import verification
-
-            with verification("always"):
-                first = compute_rollout_correction(old, rollout, mask, config=k2, sequence_group=cp)
-                result["first"] = first.response_mask.tolist()
-                compute_rollout_correction(old, rollout, mask, config=k2 if rank == 0 else k3, sequence_group=cp)
+            always = Parallel(cp_group=cp, verify="always")
+            first = compute_rollout_correction(old, rollout, mask, config=k2, parallel=always)
+            result["first"] = first.response_mask.tolist()
+            compute_rollout_correction(old, rollout, mask, config=k2 if rank == 0 else k3, parallel=always)
             result["ok"] = True
         elif case == "weak":
             group = dist.new_group([0, 1])
             ref = weakref.ref(group)
-            compute_rollout_correction(old, rollout, mask, config=k2, sequence_group=group)
-            compute_rollout_correction(old, rollout, mask, config=k2, process_group=group)
+            compute_rollout_correction(old, rollout, mask, config=k2, parallel=Parallel(cp_group=group))
+            compute_rollout_correction(old, rollout, mask, config=k2, parallel=Parallel(dp_group=group))
             dist.destroy_process_group(group)
             del group
             gc.collect()

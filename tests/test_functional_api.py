@@ -195,6 +195,8 @@ def test_the_toolkit_accepts_the_0_2_keywords_with_a_deprecation_warning():
     with pytest.warns(DeprecationWarning, match="segments=Segments"):
         rollout_correction.compute_rollout_correction(old, rollout, mask, config="decoupled_token_is",
                                                       segment_ids=torch.zeros(B, T, dtype=torch.long))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="max_segments.*without segment_ids"):
+        rollout_correction.compute_rollout_correction(old, rollout, mask, config="decoupled_token_is", max_segments=3)
     acc = rollout_correction.OffPolicyAccumulator()
     acc.update(old, rollout, mask)
     with pytest.warns(DeprecationWarning, match="parallel="):
@@ -204,6 +206,16 @@ def test_the_toolkit_accepts_the_0_2_keywords_with_a_deprecation_warning():
         rollout_correction.compute_rollout_correction(old, rollout, mask, parallel=Parallel(), process_group=None)
     with pytest.raises(TypeError, match="unexpected keyword argument 'proces_group'"):
         rollout_correction.compute_rollout_correction(old, rollout, mask, proces_group=None)
+
+
+@pytest.mark.parametrize("name", ["compute_rollout_correction", "compute_rollout_correction_packed",
+                                  "compute_offpolicy_metrics", "compute_policy_loss", "agg_loss", "ppo_clip_loss"])
+def test_the_toolkit_entry_points_take_every_parameter_of_the_core(name):
+    """The toolkit's wrapper of an entry point accepts each of the core's parameters by name, in the same kind."""
+    core_params = inspect.signature(getattr(core, name)).parameters
+    wrapper = inspect.signature(getattr(rollout_correction, name)).parameters
+    assert [p for p in core_params if p not in wrapper] == []
+    assert {p: wrapper[p].kind for p in core_params} == {p: q.kind for p, q in core_params.items()}
 
 
 def test_the_core_takes_no_0_2_keyword():

@@ -474,11 +474,14 @@ def _cp_worker(rank, cp, port, result_dir, cases):
         results = []
         for opts in cases:
             args = _args(context_parallel_size=cp, **opts)
-            del calls[:]
-            out = call_like_slime(args, torch.cat([p[i] for p, i in zip(pg_loss, idx)]),
-                                  [t[i] for t, i in zip(train, idx)], [r[i] for r, i in zip(rollout, idx)],
-                                  masks, totals, resps)
-            results.append((out, [(n, g is group, numel) for n, g, numel in calls]))
+            seen = []  # the first call (the ranks agree once on a new exchange), then the same call again
+            for _ in range(2):
+                del calls[:]
+                out = call_like_slime(args, torch.cat([p[i] for p, i in zip(pg_loss, idx)]),
+                                      [t[i] for t, i in zip(train, idx)], [r[i] for r, i in zip(rollout, idx)],
+                                      masks, totals, resps)
+                seen.append([(n, g is group, numel) for n, g, numel in calls])
+            results.append((out, seen))
         torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -488,7 +491,8 @@ def _cp_worker(rank, cp, port, result_dir, cases):
 @pytest.mark.parametrize("cp", [2, 3])
 def test_context_parallel_equals_whole_responses(cp, tmp_path):
     """Each CP rank gets its slices (slime's layout); results on its tokens equal the unsplit
-    call's, slime's CP reduction of the metrics equals the unsplit one, one all-gather per call."""
+    call's, slime's CP reduction of the metrics equals the unsplit one, one all-gather per call (and, at
+    the first call of a new exchange, the all-reduce by which the ranks agree on it)."""
     cases = CASES if cp == 2 else CASES[1::3]
     mp.start_processes(_cp_worker, args=(cp, _free_port(), str(tmp_path), cases), nprocs=cp, join=True,
                        start_method="fork")
@@ -518,7 +522,7 @@ def test_context_parallel_equals_whole_responses(cp, tmp_path):
         whole_metrics = {k: v.split(resps) for k, v in whole_metrics.items()}
         reduced = defaultdict(float)
         for rank in range(cp):
-            (loss, new_masks, metrics), calls = per_rank[rank][c]
+            (loss, new_masks, metrics), (first_calls, calls) = per_rank[rank][c]
             idx = [cp_positions(t, n, cp, rank) for t, n in zip(totals, resps)]
             local_n = [len(i) for i in idx]
             torch.testing.assert_close(loss, torch.cat([w[i] for w, i in zip(whole_loss, idx)]), rtol=1e-5, atol=1e-6)
@@ -537,6 +541,8 @@ def test_context_parallel_equals_whole_responses(cp, tmp_path):
                 reduced[k] += float(sum_of_sample_mean(v, local_n, local_masks, [m.sum() for m in masks]))
             # exactly one collective: an all-gather over the CP group of (B, k) per-sample scalars
             assert len(calls) == 1 and calls[0][0] in ("all_gather_single", "all_gather_into_tensor"), calls
+            # the first call of a new exchange adds the one all-reduce by which the ranks agree on it
+            assert first_calls in (calls, [("all_reduce", True, None)] + calls), first_calls
             assert calls[0][1] and calls[0][2] % len(resps) == 0 and calls[0][2] // len(resps) <= 64, calls
         for k, v in whole_metrics.items():
             want = float(sum_of_sample_mean(torch.cat(v), resps, masks))

@@ -18,8 +18,8 @@ from typing import get_args
 import pytest
 import torch
 
-from rollout_correction_core import (ConfigError, RolloutCorrectionConfig, agg_loss, compute_policy_loss,
-                                     compute_rollout_correction, ppo_clip_loss)
+from rollout_correction_core import (Aggregation, ClipRange, ConfigError, PolicyLoss, RolloutCorrectionConfig,
+                                     Segments, agg_loss, compute_policy_loss, compute_rollout_correction, ppo_clip_loss)
 from rollout_correction_core.primitives import (RS_OPTIONS, IsLevel, LossType, cispo_loss, dppo_loss, gspo_loss,
                                                 rollout_is_loss, topr_loss)
 from rollout_correction_core.vocabulary import LEGACY_RS
@@ -33,6 +33,8 @@ BYPASS_ONLY = {"reinforce", "topr", "rollout_is"}
 THRESHOLD = {"k1": "0.5_2.0", "k2": 0.05, "k3": 0.05, "tv": 0.2, "binary_kl": 0.05, "kpop": 0.05,
              "logprob_error": 1.3, "dp": "-0.2_0.2"}
 CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
+#: The same range (dual clip c = 3) as the loss's settings.
+LOSS = PolicyLoss(clip=ClipRange(low=0.2, high=0.28, dual=3.0))
 
 
 def _settings(loss_type: str, bypass: bool, level, rs) -> dict:
@@ -62,7 +64,7 @@ def _per_token(loss_type, lp, prox, adv, keep):
     if loss_type == "reinforce":
         return -adv * lp
     if loss_type == "ppo_clip":
-        return ppo_clip_loss(lp, prox, adv, **CLIP, clip_ratio_c=3.0)[0]
+        return ppo_clip_loss(lp, prox, adv, LOSS.clip)[0]
     if loss_type == "gspo":
         return gspo_loss(lp, prox, adv, keep, **CLIP)[0]
     if loss_type == "cispo":
@@ -82,13 +84,13 @@ def _named_method(cfg, batch, corrections):
     key = (bypass, cfg.rollout_is, cfg.rollout_rs)
     if key not in corrections:
         corrections[key] = compute_rollout_correction(log_prob if bypass else old, rollout, mask, config=cfg,
-                                                      segment_ids=segment_ids)
+                                                      segments=Segments(segment_ids))
     corr = corrections[key]
     keep = corr.response_mask.bool()
     pg = _per_token(cfg.loss_type, log_prob, rollout if bypass else old, adv, keep)
     if corr.weights is not None and (not bypass or cfg.loss_type == "reinforce"):
         pg = pg * corr.weights
-    return agg_loss(pg, keep, loss_agg_mode="token-mean")
+    return agg_loss(pg, keep, Aggregation("token-mean"))
 
 
 @pytest.mark.parametrize("mode", ["decoupled", "bypass"])
@@ -108,7 +110,7 @@ def test_every_combination_runs_as_named_or_is_refused(batch, loss_type, mode):
                 assert "bypass_mode=True" in str(exc), f"{settings}: the error names no fix: {exc}"
                 continue
             loss, _ = compute_policy_loss(log_prob, old, adv, mask, config=cfg, rollout_log_prob=rollout,
-                                          segment_ids=segment_ids, **CLIP)
+                                          segments=Segments(segment_ids), loss=LOSS)
             expected = _named_method(cfg, batch, corrections)
             ran += 1
             if not torch.allclose(loss, expected, rtol=1e-5, atol=1e-6):

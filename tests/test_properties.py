@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_correction_core import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
+from rollout_correction_core import (Aggregation, PolicyLoss, RolloutCorrectionConfig, compute_policy_loss,
+                                     compute_rollout_correction)
 from rollout_correction_core._src.config import RS_OPTIONS
 from rollout_correction_core._src.correction import CorrectionAccumulator
 from rollout_correction_core._src.metrics import OffPolicyAccumulator, compute_offpolicy_metrics
-from rollout_correction import Aggregation, PolicyLoss
 
 
 FAST = settings(max_examples=150, deadline=None)

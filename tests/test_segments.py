@@ -221,8 +221,6 @@ def test_bad_segment_ids_raise_clear_errors():
         compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(IDS, count=3))
     with pytest.raises(ValueError, match="max_segments"):
         compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(IDS, count=0))
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="max_segments.*without segment_ids"):
-        compute_rollout_correction(old, rollout, MASK, config=cfg, max_segments=3)  # the 0.2 keywords
     neg[1, 3] = 0
     neg[1, 2] = -7  # at a masked position: ignored
     out = compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(neg))

@@ -220,6 +220,7 @@ LAYERS: list[tuple[str, str, list[str]]] = [
     ("entry points", "policy loss; packed inputs", ["losses", "packed"]),
     ("core public API", "rollout_correction_core: the root and the seams",
      ["core", "core.primitives", "core.reductions", "core.vocabulary"]),
+    ("0.2 keywords", "the core's entry points with the 0.2 keywords, deprecated", ["_compat"]),
     ("toolkit root", "rollout_correction: the core's names, re-exported",
      ["__init__", "primitives", "reductions", "vocabulary"]),
     ("extensions", "async RL; MoE; supports; advantages",

@@ -76,8 +76,7 @@ def _migrate(func: str, old: dict[str, Any], new: dict[str, Any], groups: dict[s
 
 
 def compute_rollout_correction(old_log_prob, rollout_log_prob, response_mask, *, config=None, parallel=None,
-                               compile=False, segments=None, advantages=None,
-                               **deprecated) -> core.CorrectionOutput:
+                               compile=False, segments=None, advantages=None, **deprecated) -> core.CorrectionOutput:
     """:func:`rollout_correction_core.compute_rollout_correction` (0.2 keywords: module docstring)."""
     kw = _migrate("compute_rollout_correction", deprecated, {"parallel": parallel, "segments": segments},
                   {"parallel": _TOPOLOGY, "segments": _SEGMENTS})

@@ -3,7 +3,7 @@ different engine than the one computing gradients. The public surface is the nam
 
 from ._src.config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
 from ._src.config_io import config_value, settings_dict
-from ._src.constants import METRIC_PREFIX, SAFETY_BOUND
+from ._src.constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
 from ._src.correction import (CorrectionAccumulator, CorrectionOutput, MismatchError, MismatchWarning,
                               compute_rollout_correction)
 from ._src.logratio import log_ratio
@@ -58,5 +58,6 @@ __all__ = [
     "LOSS_AGG_MODES",
     "SAFETY_BOUND",
     "METRIC_PREFIX",
+    "LOG_PROB_FLOOR",
     "__version__",
 ]

@@ -34,7 +34,7 @@ removed or changed incompatibly only after one minor release in which using it r
 from ._src.alignment import (AlignmentReport, MisalignmentWarning, alignment_metrics, alignment_report,
                              alignment_statistics, check_alignment)
 from ._src.config import (RS_OPTIONS, DivergenceEstimator, ISSpec, IsLevel, IsMode, LossDenominator, LossType,
-                          NonFinitePolicy, RsAggregation, RSOption)
+                          NonFinitePolicy, RsAggregation, RSOption, WarnOrRaise)
 from ._src.correction import BatchHook, RowValues, correction_metrics, correction_pass, local_correction
 from ._src.logratio import NONFINITE_SENTINEL, LogRatioBatch, RowSums, float_mask, log_ratio_batch, nonfinite_positions
 from ._src.losses import LossAggMode
@@ -75,5 +75,5 @@ __all__ = [
     "segment_sums", "segment_ids_from_mask", "max_runs",
     # config types
     "ISSpec", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
-    "LossDenominator",
+    "LossDenominator", "WarnOrRaise",
 ]

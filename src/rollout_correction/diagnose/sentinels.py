@@ -18,12 +18,14 @@ import math
 
 import numpy as np
 
+from rollout_correction import LOG_PROB_FLOOR
+
 from .readers import Chunk
 
 #: At or below this, a log-prob is a sentinel: the same default as the correction's
 #: ``log_prob_floor`` config key. No real token log-prob comes near it (a uniform distribution
 #: over 10⁶ tokens gives −13.8), and vLLM's sentinel −9999 lies well below it.
-DEFAULT_LOG_PROB_FLOOR = -1000.0
+DEFAULT_LOG_PROB_FLOOR = LOG_PROB_FLOOR
 
 #: Positions listed per side (the counts cover all of them).
 MAX_POSITIONS = 20

@@ -38,7 +38,7 @@ N_SENTINEL, N_TOK_INPUT = "n_sentinel", "n_tok_input"
 if TYPE_CHECKING:
     from .sequence_group import RowExchange
 
-__all__ = ["N_TOK", "N_ROWS", "N_ROWS_INPUT", "LogRatioBatch", "RowSums", "log_ratio", "log_ratio_batch", "NONFINITE_SENTINEL",
+__all__ = ["LogRatioBatch", "RowSums", "log_ratio", "log_ratio_batch", "NONFINITE_SENTINEL",
            "float_mask", "nonfinite_positions"]
 
 #: Replacement for NaN / ±inf before masking; a valid |log-ratio| this large means "non-finite".

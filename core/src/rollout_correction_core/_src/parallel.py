@@ -6,7 +6,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
-__all__ = ["Parallel", "Verify", "as_parallel", "verified"]
+__all__ = ["Parallel", "Verify"]
 
 #: When the ranks of a group agree on what a collective will exchange: at the first call for a
 #: (group, layout) pair (``"once"``, then cached), or before every call (``"always"``, for configs

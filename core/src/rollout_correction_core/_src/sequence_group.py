@@ -28,7 +28,7 @@ import torch
 
 from .stats import SufficientStats, agree
 
-__all__ = ["RowExchange", "describe", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
+__all__ = ["RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
            "raise_nonfinite_on_any_rank"]
 
 

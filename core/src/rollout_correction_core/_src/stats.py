@@ -29,7 +29,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "agree", "verification", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
+__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
 
 Value = Union[torch.Tensor, float]
 
