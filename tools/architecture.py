@@ -150,12 +150,16 @@ def public_names(module: str) -> set[str]:
     if module not in MODULES:
         return set()
     tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    names: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
-            return set(ast.literal_eval(node.value))
+            if isinstance(node.value, ast.BinOp):  # ``__all__ = __all__ + [...]``: the re-exported names and more
+                names |= set(ast.literal_eval(node.value.right))
+            else:
+                return set(ast.literal_eval(node.value))
         if isinstance(node, ast.ImportFrom) and any(a.name == "__all__" and a.asname is None for a in node.names):
-            return public_names(resolve(module, node))
-    return set()
+            names |= public_names(resolve(module, node))
+    return names
 
 
 def graph(*, top_level_only: bool = True) -> dict[str, set[str]]:
