@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+from rollout_correction_core._src.declared import Stat
 from rollout_correction_core._src.stats import LayoutMismatchError, SufficientStats
 from test_distributed import _free_port, init_gloo
 from rollout_correction import Parallel, Segments
@@ -35,14 +36,14 @@ def _record(stats: SufficientStats, B: int, S: int, gen: torch.Generator, scalar
     seg = torch.randn(B * S, generator=gen, dtype=torch.float64)
     seg_ok = torch.rand(B * S, generator=gen) > 0.3
     n = torch.randint(0, 5, (B * S,), generator=gen).double()
-    stats.add_sum("rows", row_ok)
-    stats.add_sum("seg.w", seg, rows=seg_ok, weight=n)
-    stats.add_max("row.max", row, rows=row_ok)
-    stats.add_sum("row.sum", row, rows=row_ok)
-    stats.add_min("seg.min", seg, rows=seg_ok)
-    stats.add_sum("scalar", torch.tensor(scalar, dtype=torch.float64))
-    stats.add_max("seg.max", seg)
-    stats.add_sum("seg.units", seg_ok)
+    stats.add(Stat("rows", "sum"), row_ok)
+    stats.add(Stat("seg.w", "sum"), seg, rows=seg_ok, weight=n)
+    stats.add(Stat("row.max", "max"), row, rows=row_ok)
+    stats.add(Stat("row.sum", "sum"), row, rows=row_ok)
+    stats.add(Stat("seg.min", "min"), seg, rows=seg_ok)
+    stats.add(Stat("scalar", "sum"), torch.tensor(scalar, dtype=torch.float64))
+    stats.add(Stat("seg.max", "max"), seg)
+    stats.add(Stat("seg.units", "sum"), seg_ok)
 
     def mx(x):
         return float(x.max()) if x.numel() else -math.inf
@@ -66,7 +67,7 @@ def test_layout_does_not_depend_on_shapes(B, S):
     assert names_s == ["rows", "scalar", "seg.units", "row.sum", "seg.w"]
     assert names_m == ["seg.max", "row.max", "-seg.min"]
     for name, value in expected["sums"].items():
-        assert float(stats.sum(name)) == pytest.approx(value, rel=1e-12, abs=1e-12), name
+        assert float(stats.sums[name]) == pytest.approx(value, rel=1e-12, abs=1e-12), name
     for name, value in expected["maxes"].items():
         assert float(stats.maxes[name]) == value, name
     assert vec.shape == (len(names_s) + len(names_m),)
@@ -94,10 +95,10 @@ def test_merge_equals_one_recording_of_the_concatenation():
     x, y = torch.randn(3, generator=gen, dtype=torch.float64), torch.randn(0, dtype=torch.float64)
     a, b, both = SufficientStats(), SufficientStats(), SufficientStats()
     for stats, value in ((a, x), (b, y), (both, torch.cat([x, y]))):
-        stats.add_sum("s", value)
-        stats.add_max("m", value)
-        stats.add_min("m", value)
-        stats.add_sum("t", value.exp(), rows=value > 0)
+        stats.add(Stat("s", "sum"), value)
+        stats.add(Stat("m", "max"), value)
+        stats.add(Stat("m", "min"), value)
+        stats.add(Stat("t", "sum"), value.exp(), rows=value > 0)
     a.merge(b)
     assert a.packed_vector()[:2] == both.packed_vector()[:2]
     torch.testing.assert_close(a.packed_vector()[2], both.packed_vector()[2], rtol=1e-15, atol=0)
@@ -105,12 +106,12 @@ def test_merge_equals_one_recording_of_the_concatenation():
 
 def test_a_name_recorded_in_two_shapes_is_combined():
     stats = SufficientStats()
-    stats.add_sum("s", torch.ones(3))
-    stats.add_max("m", torch.tensor([1.0, 4.0]))
-    stats.add_sum("s", torch.ones(2))
-    stats.add_max("m", torch.tensor([2.0, 3.0, 0.0]))
+    stats.add(Stat("s", "sum"), torch.ones(3))
+    stats.add(Stat("m", "max"), torch.tensor([1.0, 4.0]))
+    stats.add(Stat("s", "sum"), torch.ones(2))
+    stats.add(Stat("m", "max"), torch.tensor([2.0, 3.0, 0.0]))
     assert stats.packed_vector()[:2] == (["s"], ["m"])
-    assert float(stats.sum("s")) == 5.0 and float(stats.max("m")) == 4.0
+    assert float(stats.sum(Stat("s", "sum"))) == 5.0 and float(stats.max(Stat("m", "max"))) == 4.0
 
 
 # ------------------------------------------------------------------- split across gloo ranks

@@ -29,6 +29,8 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from .declared import Stat
+
 __all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "agree", "verification", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
 
 Value = Union[torch.Tensor, float]
@@ -211,25 +213,29 @@ def check_layout(sum_names: list[str], max_names: list[str], device: Optional[to
 
 
 class _Reading:
-    """``sum`` / ``max`` / ``min`` by name over the ``sums`` and ``maxes`` mappings."""
+    """The value of a declared :class:`Stat` over the ``sums`` and ``maxes`` mappings."""
 
-    def sum(self, name: str) -> Value:
-        return self.sums[name]
+    def sum(self, stat: Stat) -> Value:
+        return self.sums[stat.name]
 
-    def max(self, name: str) -> Value:
-        return self.maxes[name]
+    def max(self, stat: Stat) -> Value:
+        return self.maxes[stat.name]
 
-    def min(self, name: str) -> Value:
-        return -self.maxes["-" + name]
+    def min(self, stat: Stat) -> Value:
+        return -self.maxes["-" + stat.name]
+
+    def has(self, stat: Stat) -> bool:
+        """Whether ``stat`` was recorded."""
+        key = "-" + stat.name if stat.reduce == "min" else stat.name
+        return key in (self.sums if stat.reduce == "sum" else self.maxes)
 
 
 class SufficientStats(_Reading):
     """Named float64 sums and maxima, with exact merge and all-reduce.
 
-    ``add_sum(name, x)`` / ``add_max(name, x)`` / ``add_min(name, x)`` record tensors of any shape
-    (their elements are summed / maxed); ``rows=`` (bool, same shape) keeps only those elements,
-    ``weight=`` (same shape) multiplies them first (sums only). Adding to an existing name
-    accumulates. An empty maximum is ``-inf`` or a large negative number; the code that derives a
+    ``add(stat, x)`` records a tensor of any shape for a declared :class:`Stat` (its elements are
+    summed, maxed or minned); ``rows=`` (bool, same shape) keeps only those elements, ``weight=``
+    (same shape) multiplies them first (sums only). Adding to a recorded statistic accumulates. An empty maximum is ``-inf`` or a large negative number; the code that derives a
     metric checks the matching count before using it. Recording is deferred: parts of one shape
     are stacked and reduced together when the values are first read, and placed in the layout's
     slots (module docstring), which never depend on the shapes.
@@ -253,22 +259,22 @@ class SufficientStats(_Reading):
         return out
 
     @classmethod
-    def from_vector(cls, sum_names: list[str], sums: torch.Tensor) -> "SufficientStats":
-        """Statistics holding the already reduced sums ``sums`` ((K,) float64), named in order."""
+    def from_vector(cls, declared: list, sums: torch.Tensor) -> "SufficientStats":
+        """Statistics holding the already reduced sums ``sums`` ((K,) float64) of ``declared`` (sum
+        :class:`Stat` objects, or names), in order."""
         out = cls()
-        out._set(list(sum_names), [], sums if sums.dtype == torch.float64 else sums.double())
+        out._set([getattr(s, "name", s) for s in declared], [], sums if sums.dtype == torch.float64 else sums.double())
         return out
 
     # -- recording ---------------------------------------------------------------------
-    def add_sum(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None,
-                weight: Optional[torch.Tensor] = None) -> None:
-        self._parts.append(_Part("sum", name, value, rows, weight))
-
-    def add_max(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
-        self._parts.append(_Part("max", name, value, rows, None))
-
-    def add_min(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
-        self._parts.append(_Part("min", "-" + name, value, rows, None))
+    def add(self, stat: Stat, value: torch.Tensor, rows: Optional[torch.Tensor] = None,
+            weight: Optional[torch.Tensor] = None) -> None:
+        """Record ``value`` (any shape; its elements reduce by ``stat.reduce``), restricted to ``rows``
+        and, for a sum, multiplied by ``weight`` first."""
+        if weight is not None and stat.reduce != "sum":
+            raise ValueError(f"{stat.name}: only a sum takes a weight")
+        name = "-" + stat.name if stat.reduce == "min" else stat.name
+        self._parts.append(_Part(stat.reduce, name, value, rows, weight))
 
     def _set(self, sum_names: list[str], max_names: list[str], vec: Optional[torch.Tensor]) -> None:
         self._sum_names, self._max_names, self._vec = sum_names, max_names, vec
@@ -430,14 +436,15 @@ def maximum(a: Value, b: Value) -> Value:
     return max(a, b)
 
 
-def seq_summary(stats, key: str, n_rows: Value, center: float) -> dict[str, Value]:
-    """mean, unbiased std, max, min and max |x − center| of the per-row values recorded as
-    ``<key>_sum``, ``_sum2``, ``_max`` and ``_min``; all 0 when ``n_rows`` is 0, std 0 when it is 1."""
-    s, s2 = stats.sum(f"{key}_sum"), stats.sum(f"{key}_sum2")
+def seq_summary(stats, family, n_rows: Value, center: float) -> dict[str, Value]:
+    """mean, unbiased std, max, min and max |x − center| of the per-row values recorded as the
+    ``family``'s ``seq_sum``, ``seq_sum2``, ``seq_max`` and ``seq_min``; all 0 when ``n_rows`` is 0,
+    std 0 when it is 1."""
+    s, s2 = stats.sum(family.seq_sum), stats.sum(family.seq_sum2)
     mean = safe_div(s, n_rows)
     var = safe_div(s2 - s * mean, n_rows - 1)
     std = where(n_rows > 1, sqrt0(var), 0.0)
-    mx, mn = stats.max(f"{key}_max"), stats.min(f"{key}_min")
+    mx, mn = stats.max(family.seq_max), stats.min(family.seq_min)
     has = n_rows > 0
     dev = where(has, maximum(abs(mx - center), abs(mn - center)), 0.0)
     return {"mean": mean, "std": std, "max": where(has, mx, 0.0), "min": where(has, mn, 0.0), "max_deviation": dev}
