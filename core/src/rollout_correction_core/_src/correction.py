@@ -19,7 +19,7 @@ import torch
 from .alignment import MisalignmentWarning, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
 from .constants import METRIC_PREFIX
-from .declared import ALIGN, COUNTS, EXPECT_ZERO, RS, declaration
+from .declared import ALIGN, COUNTS, EXPECT_ZERO, RS
 from .logratio import LogRatioBatch, float_mask, log_ratio_batch, nonfinite_positions
 from .m2po import m2po_keep, second_moment
 from .parallel import Parallel, as_parallel, verified

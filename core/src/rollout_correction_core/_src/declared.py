@@ -4,7 +4,7 @@
 A :class:`Stat` is a slot of the packed vector of :mod:`~rollout_correction_core._src.stats`:
 ``reduce`` says how parts combine across rows, chunks and ranks (``"sum"``, ``"max"`` or
 ``"min"``), ``size`` how many elements it holds. A :class:`Family` declares the statistics of one
-family in order; :func:`declaration` lists, in slot order, those a configuration may record.
+family in order.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Iterator, NamedTuple
 
 __all__ = ["Stat", "Family", "COUNTS", "IS", "RS", "VETO", "VETO_HIGH", "OFFPOLICY", "MISMATCH", "EXPECT_ZERO",
-           "ALIGN", "OPSM", "ACTOR", "rs_option", "declaration"]
+           "ALIGN", "OPSM", "ACTOR", "rs_option"]
 
 
 class Stat(NamedTuple):
@@ -62,13 +62,3 @@ def rs_option(name: str) -> Family:
     return Family(f"rs.{name}.", "units sum c_sum c_sum2 high low masked seq_masked seq_sum seq_sum2 seq_high "
                   "seq_low", "max seq_max", "min seq_min")
 
-
-def declaration(config=None) -> tuple[Stat, ...]:
-    """The statistics ``config`` may record, in slot order (None: the off-policy metrics alone)."""
-    families = [COUNTS]
-    if config is not None:
-        families += [IS, *(rs_option(o.name) for o in config.rs_options), RS, VETO, VETO_HIGH]
-    families += [OFFPOLICY, MISMATCH]
-    if config is not None:
-        families += [EXPECT_ZERO, ALIGN]
-    return tuple(s for f in families for s in f)
