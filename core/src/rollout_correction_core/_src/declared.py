@@ -4,16 +4,21 @@
 A :class:`Stat` is a slot of the packed vector of :mod:`~rollout_correction_core._src.stats`:
 ``reduce`` says how parts combine across rows, chunks and ranks (``"sum"``, ``"max"`` or
 ``"min"``), ``size`` how many elements it holds. A :class:`Family` declares the statistics of one
-family in order.
+family in order. The declaration fixes the slots: families in declaration order (the rejection
+options' after :data:`RS`, by option name), a family's statistics in its order (:func:`position`).
 """
 
 from __future__ import annotations
 
+import itertools
 from functools import lru_cache
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Optional
 
 __all__ = ["Stat", "Family", "COUNTS", "IS", "RS", "VETO", "VETO_HIGH", "OFFPOLICY", "MISMATCH", "EXPECT_ZERO",
-           "ALIGN", "OPSM", "ACTOR", "rs_option"]
+           "ALIGN", "OPSM", "ACTOR", "rs_option", "position"]
+
+_RANKS = itertools.count()
+_POSITIONS: dict[str, tuple] = {}
 
 
 class Stat(NamedTuple):
@@ -27,10 +32,14 @@ class Stat(NamedTuple):
 class Family:
     """The statistics of one family as attributes (``IS.sum_w``), in declaration order when iterated."""
 
-    def __init__(self, prefix: str, sums: str = "", maxes: str = "", mins: str = "") -> None:
+    def __init__(self, prefix: str, sums: str = "", maxes: str = "", mins: str = "",
+                 rank: Optional[tuple] = None) -> None:
         self._stats = tuple(Stat(prefix + n, r) for r, names in (("sum", sums), ("max", maxes), ("min", mins))
                             for n in names.split())
-        for s in self._stats:
+        self.rank = rank = (next(_RANKS),) if rank is None else rank
+        for i, s in enumerate(self._stats):
+            if _POSITIONS.setdefault(s.name, (rank, i)) != (rank, i):
+                raise ValueError(f"statistic {s.name!r} is declared twice")
             setattr(self, s.name[len(prefix):], s)
 
     def __iter__(self) -> Iterator[Stat]:
@@ -60,5 +69,13 @@ ACTOR = Family("", "ppo_kl pg_clipfrac pg_clipfrac_lower n input_rows bad_rows")
 def rs_option(name: str) -> Family:
     """The statistics of the rejection option ``name`` (``rollout_rs_<name>_*``)."""
     return Family(f"rs.{name}.", "units sum c_sum c_sum2 high low masked seq_masked seq_sum seq_sum2 seq_high "
-                  "seq_low", "max seq_max", "min seq_min")
+                  "seq_low", "max seq_max", "min seq_min", rank=RS.rank + (name,))
+
+
+def position(name: str) -> tuple:
+    """The declared slot of the statistic ``name`` (a minimum's ``-name`` too): its sort key."""
+    try:
+        return _POSITIONS[name.lstrip("-")]
+    except KeyError:
+        raise ValueError(f"statistic {name!r} is not declared (rollout_correction_core._src.declared)") from None
 

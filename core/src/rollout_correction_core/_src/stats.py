@@ -29,7 +29,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from .declared import Stat
+from .declared import Stat, position
 
 __all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "agree", "verification", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
 
@@ -37,101 +37,33 @@ Value = Union[torch.Tensor, float]
 
 
 class _Part:
-    __slots__ = ("kind", "name", "value", "rows", "weight")
+    __slots__ = ("kind", "name", "value", "rows", "weight", "key")
 
     def __init__(self, kind: str, name: str, value: torch.Tensor, rows: Optional[torch.Tensor],
                  weight: Optional[torch.Tensor]) -> None:
         self.kind, self.name, self.value, self.rows, self.weight = kind, name, value.detach(), rows, weight
+        self.key = (kind != "sum", position(name))  # the slot: sums, then maxima and minima, as declared
 
 
-def _order(parts: list[_Part]) -> tuple[list[_Part], list[_Part], list[_Part]]:
-    """Parts of one shape in reduction order: sums (unrestricted, then per ``rows`` mask:
-    unweighted, then by weight), maxima (unrestricted, then per mask), minima (per mask, then
-    unrestricted) — so that each restriction, weight and sign applies to one contiguous slice."""
-    def by_rows(ps: list[_Part], last_unrestricted: bool = False) -> list[_Part]:
-        # grouped by identity of the mask with `is` (torch.compile cannot trace id() of a tensor
-        # made inside the graph: a graph break, then a recompilation per call)
-        free, groups = [p for p in ps if p.rows is None], []
-        for p in ps:
-            if p.rows is not None:
-                group = next((g for g in groups if g[0].rows is p.rows), None)
-                if group is None:
-                    groups.append([p])
-                else:
-                    group.append(p)
-        masked = [p for g in groups for p in g]
-        return masked + free if last_unrestricted else free + masked
-
-    sums = by_rows([p for p in parts if p.kind == "sum"])
-    sums.sort(key=lambda p: (p.rows is not None, p.weight is not None))  # stable: keeps the mask grouping
-    return (sums, by_rows([p for p in parts if p.kind == "max"]),
-            by_rows([p for p in parts if p.kind == "min"], last_unrestricted=True))
-
-
-def _segments(parts: list[_Part], start: int, attr: str) -> list[tuple[int, int, Optional[torch.Tensor]]]:
-    """Maximal runs [a, b) of consecutive parts sharing the same ``attr`` tensor (not None)."""
-    out: list[tuple[int, int, Optional[torch.Tensor]]] = []
-    for i, p in enumerate(parts, start):
-        t = getattr(p, attr)
-        if t is None:
-            continue
-        if out and out[-1][2] is t and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1, t)
-        else:
-            out.append((i, i + 1, t))
-    return out
-
-
-def _reduce_shape(parts: list[_Part]) -> tuple[list[str], Optional[torch.Tensor], list[str], Optional[torch.Tensor]]:
-    """Parts of one shape reduced with one stacked tensor: (sum names, (K,) float64 sums,
-    max names, (M,) float64 maxima; a minimum is stored as the maximum of −x)."""
-    sums, maxes, mins = _order(parts)
-    ordered = sums + maxes + mins
-    ns, nx = len(sums), len(maxes)
-    stacked = torch.stack([p.value for p in ordered])  # one copy; dtypes promote (bool < float32 < float64)
+def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
+    """Parts of one shape, in slot order, reduced with one stacked tensor: (K + M,) float64, the
+    sums, then the maxima (a minimum is stored as the maximum of −x)."""
+    ns = sum(p.kind == "sum" for p in parts)
+    stacked = torch.stack([p.value for p in parts])  # one copy; dtypes promote (bool < float32 < float64)
     if stacked.dtype != torch.float64:
         stacked = stacked.to(torch.float64)
-    stacked = stacked.reshape(len(ordered), -1)
-    if mins:
-        stacked[ns + nx:].neg_()
-    for a, b, weight in _segments(sums, 0, "weight"):
-        stacked[a:b].mul_(weight.reshape(1, -1))
-    # Restricted to ``rows``: sums get 0, maxima (and negated minima) −inf elsewhere.
-    inverse: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, ~rows), found by identity
-    for a, b, rows in _segments(ordered, 0, "rows"):
-        if a < ns < b:  # a run across the sums/maxima boundary: two fills
-            runs = [(a, ns, 0.0), (ns, b, -math.inf)]
-        else:
-            runs = [(a, b, 0.0 if a < ns else -math.inf)]
-        inv = next((i for r, i in inverse if r is rows), None)
-        if inv is None:
-            inv = ~rows.reshape(1, -1)
-            inverse.append((rows, inv))
-        for lo, hi, fill in runs:
-            stacked[lo:hi].masked_fill_(inv, fill)
-    vs = stacked[:ns].sum(1) if ns else None
-    vm = None
-    if nx + len(mins):
-        ext = stacked[ns:]
-        vm = ext.amax(1) if ext.shape[1] else torch.full((ext.shape[0],), -math.inf, dtype=torch.float64,
-                                                         device=ext.device)
-    return ([p.name for p in sums], vs, [p.name for p in maxes + mins], vm)
-
-
-def _arrange(reduced: list[tuple[list[str], Optional[torch.Tensor], list[str], Optional[torch.Tensor]]],
-             layout_s: list[str], layout_m: list[str]) -> torch.Tensor:
-    """The values of several reduced shape groups (:func:`_reduce_shape`) as one (K + M,) vector in
-    the layout's order; a name recorded more than once is combined (sums add, maxima take the max)."""
-    device = next(v.device for r in reduced for v in (r[1], r[3]) if v is not None)
-    sums: dict[str, torch.Tensor] = {}
-    maxes: dict[str, torch.Tensor] = {}
-    for names_s, vs, names_m, vm in reduced:
-        for names, v, into, combine in ((names_s, vs, sums, torch.add), (names_m, vm, maxes, torch.maximum)):
-            if v is None:
-                continue
-            for n, x in zip(names, (v if v.device == device else v.to(device)).unbind()):
-                into[n] = combine(into[n], x) if n in into else x
-    return torch.stack([sums[n] for n in layout_s] + [maxes[n] for n in layout_m])
+    stacked = stacked.reshape(len(parts), -1)
+    for i, p in enumerate(parts):  # restricted to ``rows``: sums get 0, maxima (and negated minima) −inf elsewhere
+        if p.kind == "min":
+            stacked[i].neg_()
+        if p.weight is not None:
+            stacked[i].mul_(p.weight.reshape(-1))
+        if p.rows is not None:
+            stacked[i].masked_fill_(~p.rows.reshape(-1), 0.0 if i < ns else -math.inf)
+    ext = stacked[ns:]
+    vm = ext.amax(1) if ext.shape[1] else torch.full((ext.shape[0],), -math.inf, dtype=torch.float64,
+                                                     device=ext.device)
+    return torch.cat((stacked[:ns].sum(1), vm))
 
 
 class LayoutMismatchError(ValueError):
@@ -293,7 +225,7 @@ class SufficientStats(_Reading):
                 parts.append(torch.maximum(self._vec[k:], vec[k:]))
             self._set(names_s, names_m, parts[0] if len(parts) == 1 else torch.cat(parts))
             return
-        # different names, or a name recorded twice in one settle (rare): combine by name
+        # different names (or one recorded twice): combine by name, in the declared order
         merged_s: dict[str, torch.Tensor] = {}
         merged_m: dict[str, torch.Tensor] = {}
         sources = [(names_s, names_m, vec)]
@@ -305,29 +237,24 @@ class SufficientStats(_Reading):
                 merged_s[n] = merged_s[n] + x if n in merged_s else x
             for n, x in zip(m_names, values[len(s_names):]):
                 merged_m[n] = torch.maximum(merged_m[n], x) if n in merged_m else x
-        self._set(list(merged_s), list(merged_m), torch.stack([*merged_s.values(), *merged_m.values()]))
+        layout_s, layout_m = sorted(merged_s, key=position), sorted(merged_m, key=position)
+        self._set(layout_s, layout_m, torch.stack([merged_s[n] for n in layout_s] + [merged_m[n] for n in layout_m]))
 
     def _settle(self) -> None:
         if not self._parts:
             return
-        parts, self._parts = self._parts, []
-        # The layout: every recorded name once, in the order of _order over all parts (kind,
-        # restriction, recording order; never shapes). Parts of one shape are reduced together.
-        sums, maxes, mins = _order(parts)
-        layout_s = list(dict.fromkeys(p.name for p in sums))
-        layout_m = list(dict.fromkeys(p.name for p in maxes + mins))
-        groups: dict[tuple, list[_Part]] = {}
-        for p in parts:
-            groups.setdefault((tuple(p.value.shape), p.value.device), []).append(p)
-        reduced = [_reduce_shape(g) for g in groups.values()]
-        names_s, vs, names_m, vm = reduced[0]
-        if len(reduced) == 1 and len(names_s) == len(layout_s) and len(names_m) == len(layout_m):
-            # one shape, each name once: the group's order is the layout's (_order of the same parts)
-            pieces = [v for v in (vs, vm) if v is not None]
-            vec = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        else:
-            vec = _arrange(reduced, layout_s, layout_m)
-        self._accumulate(layout_s, layout_m, vec)
+        shapes: dict[tuple, list[_Part]] = {}
+        for p in self._parts:
+            shapes.setdefault((tuple(p.value.shape), p.value.device), []).append(p)
+        self._parts = []
+        # Parts of one shape reduce together, in the declared slot order (never the shapes').
+        into = self if len(shapes) == 1 else SufficientStats()
+        for g in shapes.values():
+            g.sort(key=lambda p: p.key)
+            vec = _reduce_shape(g).to(next(iter(shapes))[1])
+            into._accumulate([p.name for p in g if p.kind == "sum"], [p.name for p in g if p.kind != "sum"], vec)
+        if into is not self:
+            self._accumulate(into._sum_names, into._max_names, into._vec)
 
     # -- reading -----------------------------------------------------------------------
     def packed_vector(self) -> tuple[list[str], list[str], Optional[torch.Tensor]]:
