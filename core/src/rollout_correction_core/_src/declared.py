@@ -77,5 +77,5 @@ def position(name: str) -> tuple:
     try:
         return _POSITIONS[name.lstrip("-")]
     except KeyError:
-        raise ValueError(f"statistic {name!r} is not declared (rollout_correction_core._src.declared)") from None
+        raise ValueError(f"statistic {name!r} is not declared (in _src/declared.py)") from None
 

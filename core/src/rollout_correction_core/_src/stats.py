@@ -6,13 +6,11 @@ whether the parts are data-parallel ranks or streamed chunks, so the derived num
 depend on how the batch was split. All values live in one packed float64 vector: reducing over a
 process group takes two collectives (SUM, MAX), reading every value on the host one copy.
 
-The **layout** of that vector — which slot holds which name — is declared by what the code records,
-never inferred from the data: the slots are the recorded names in recording order, arranged by
-kind and restriction only (see :func:`_order`), so a configuration fixes them whatever rows,
-segments or non-finite values a rank holds. A rank with nothing in a slot (no rows) contributes
-the reduction's identity there (0 for a sum, −inf for a maximum). Before the first reduction of a
-layout over a process group, the ranks compare a fingerprint of the slot names (one small
-collective, then cached) and raise :class:`LayoutMismatchError` naming the first differing slot.
+The **layout** of that vector is the declaration's (:mod:`.declared`): the recorded statistics,
+sums then maxima, in declared order, whatever rows, segments or shapes a rank holds. A rank with
+nothing in a slot contributes the reduction's identity (0 for a sum, −inf for a maximum). Before
+the first reduction of a layout over a process group the ranks agree on its fingerprint
+(:func:`check_layout`) or raise :class:`LayoutMismatchError` naming the first differing slot.
 
 Values are derived by plain functions that work on :class:`SufficientStats` (0-d device tensors,
 no sync) and on :class:`HostStats` (Python floats in float64) alike: ``safe_div``, ``where``,
@@ -53,7 +51,7 @@ def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
     if stacked.dtype != torch.float64:
         stacked = stacked.to(torch.float64)
     stacked = stacked.reshape(len(parts), -1)
-    for i, p in enumerate(parts):  # restricted to ``rows``: sums get 0, maxima (and negated minima) −inf elsewhere
+    for i, p in enumerate(parts):  # outside ``rows``: 0 in a sum, −inf in a maximum (or negated minimum)
         if p.kind == "min":
             stacked[i].neg_()
         if p.weight is not None:
@@ -78,9 +76,8 @@ _VERIFY = ["once"]
 
 @contextmanager
 def verification(mode: str) -> Iterator[None]:
-    """Within the block the ranks agree before every collective (``"always"``, for configurations
-    that change between calls) or once per group and exchange (``"once"``, the default); see
-    :class:`~rollout_correction_core._src.parallel.Parallel`'s ``verify``."""
+    """Within the block the ranks agree before every collective (``"always"``) or once per group
+    and exchange (``"once"``, the default): ``verify`` of :class:`.parallel.Parallel`."""
     if mode not in ("once", "always"):
         raise ValueError(f"verify={mode!r}: expected 'once' or 'always'")
     _VERIFY.append(mode)
@@ -90,21 +87,15 @@ def verification(mode: str) -> Iterator[None]:
         _VERIFY.pop()
 
 
-def _fingerprint(lines: list[str]) -> int:
-    """A 62-bit hash of the lines, the same in every process (its negation fits an int64)."""
-    digest = hashlib.blake2b("\n".join(lines).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
 def agree(group: object, lines: list[str], name: str, device: Optional[torch.device] = None) -> None:
-    """Confirm that every rank of ``group`` (called ``name`` in errors) is about to exchange the same
-    thing, described by ``lines``: one all-reduce (MAX of a fingerprint and of its negation) and one
-    host read the first time a (group, description) is seen, nothing afterwards (every time inside
-    ``verification("always")``). On a mismatch every rank gathers the descriptions and raises
-    :class:`LayoutMismatchError` naming the group's ranks, the first differing line and who holds what."""
+    """Confirm that every rank of ``group`` (``name`` in errors) is about to exchange the same ``lines``:
+    one all-reduce (MAX of a fingerprint and its negation) the first time a (group, lines) is seen (every
+    time inside ``verification("always")``). On a mismatch every rank raises :class:`LayoutMismatchError`
+    naming the group's ranks, the first differing line and who holds what."""
     import torch.distributed as dist
 
-    fp = _fingerprint(lines)
+    digest = hashlib.blake2b("\n".join(lines).encode(), digest_size=8).digest()
+    fp = int.from_bytes(digest, "little") >> 2  # the same in every process; −fp fits an int64
     try:
         seen = _AGREED.setdefault(group, set())
     except TypeError:  # not weakly referenceable: agreed every time
@@ -136,10 +127,9 @@ def agree(group: object, lines: list[str], name: str, device: Optional[torch.dev
         "max_segments), and every rank of a sequence_group with the same rows in the same order")
 
 
-def check_layout(sum_names: list[str], max_names: list[str], device: Optional[torch.device],
-                 process_group: object) -> None:
-    """Confirm that every rank of ``process_group`` packs the same slots (:func:`agree` on the slot
-    names ``sum <name>``, ``max <name>``, ``min <name>``)."""
+def check_layout(sum_names: list, max_names: list, device: Optional[torch.device], process_group) -> None:
+    """Confirm that every rank of ``process_group`` packs the same declared slots (:func:`agree` on
+    ``sum <name>``, ``max <name>``, ``min <name>`` in slot order)."""
     slots = [f"sum {n}" for n in sum_names] + [f"min {n[1:]}" if n.startswith("-") else f"max {n}" for n in max_names]
     agree(process_group, slots, "process_group", device)
 
@@ -163,14 +153,13 @@ class _Reading:
 
 
 class SufficientStats(_Reading):
-    """Named float64 sums and maxima, with exact merge and all-reduce.
+    """Declared float64 sums and maxima, with exact merge and all-reduce.
 
     ``add(stat, x)`` records a tensor of any shape for a declared :class:`Stat` (its elements are
     summed, maxed or minned); ``rows=`` (bool, same shape) keeps only those elements, ``weight=``
-    (same shape) multiplies them first (sums only). Adding to a recorded statistic accumulates. An empty maximum is ``-inf`` or a large negative number; the code that derives a
-    metric checks the matching count before using it. Recording is deferred: parts of one shape
-    are stacked and reduced together when the values are first read, and placed in the layout's
-    slots (module docstring), which never depend on the shapes.
+    (same shape) multiplies them first (sums only). Adding again accumulates. An empty maximum is
+    ``-inf``: derivations check the matching count first. Parts are reduced lazily, one stacked
+    tensor per shape, on the first read.
     """
 
     def __init__(self) -> None:
@@ -198,7 +187,6 @@ class SufficientStats(_Reading):
         out._set([getattr(s, "name", s) for s in declared], [], sums if sums.dtype == torch.float64 else sums.double())
         return out
 
-    # -- recording ---------------------------------------------------------------------
     def add(self, stat: Stat, value: torch.Tensor, rows: Optional[torch.Tensor] = None,
             weight: Optional[torch.Tensor] = None) -> None:
         """Record ``value`` (any shape; its elements reduce by ``stat.reduce``), restricted to ``rows``
@@ -238,7 +226,8 @@ class SufficientStats(_Reading):
             for n, x in zip(m_names, values[len(s_names):]):
                 merged_m[n] = torch.maximum(merged_m[n], x) if n in merged_m else x
         layout_s, layout_m = sorted(merged_s, key=position), sorted(merged_m, key=position)
-        self._set(layout_s, layout_m, torch.stack([merged_s[n] for n in layout_s] + [merged_m[n] for n in layout_m]))
+        values = [merged_s[n] for n in layout_s] + [merged_m[n] for n in layout_m]
+        self._set(layout_s, layout_m, torch.stack(values))
 
     def _settle(self) -> None:
         if not self._parts:
@@ -252,11 +241,11 @@ class SufficientStats(_Reading):
         for g in shapes.values():
             g.sort(key=lambda p: p.key)
             vec = _reduce_shape(g).to(next(iter(shapes))[1])
-            into._accumulate([p.name for p in g if p.kind == "sum"], [p.name for p in g if p.kind != "sum"], vec)
+            sums = [p.name for p in g if p.kind == "sum"]  # first in slot order
+            into._accumulate(sums, [p.name for p in g[len(sums):]], vec)
         if into is not self:
             self._accumulate(into._sum_names, into._max_names, into._vec)
 
-    # -- reading -----------------------------------------------------------------------
     def packed_vector(self) -> tuple[list[str], list[str], Optional[torch.Tensor]]:
         """(sum names, max names, (K + M,) float64 vector: the sums, then the maxima)."""
         self._settle()
@@ -278,7 +267,6 @@ class SufficientStats(_Reading):
     def maxes(self) -> dict[str, torch.Tensor]:
         return self._named()[1]
 
-    # -- combining ---------------------------------------------------------------------
     def merge(self, other: "SufficientStats") -> "SufficientStats":
         """Accumulate ``other`` into ``self`` (sums add, maxima take the max)."""
         self._settle()
@@ -288,9 +276,8 @@ class SufficientStats(_Reading):
         return self
 
     def all_reduce(self, process_group: Optional[object] = None) -> "SufficientStats":
-        """Reduce in place over ``process_group`` with one SUM and one MAX collective. The layout is
-        the configuration's (module docstring); the first reduction of a layout over a group checks
-        that every rank has it (:func:`check_layout`)."""
+        """Reduce in place over ``process_group`` with one SUM and one MAX collective, after
+        :func:`check_layout`."""
         import torch.distributed as dist
 
         if process_group is None or not (dist.is_available() and dist.is_initialized()):
