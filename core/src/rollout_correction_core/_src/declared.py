@@ -1,11 +1,9 @@
-"""Every statistic the library reduces, declared once with its reduction, as torchmetrics'
-``add_state(..., dist_reduce_fx=)``: recorders and readers use these objects, never a name.
+"""Every statistic the library reduces, declared once with its reduction and size, as torchmetrics'
+``add_state(..., dist_reduce_fx=)``: recorders and readers pass these objects, never a name.
 
-A :class:`Stat` is a slot of the packed vector of :mod:`~rollout_correction_core._src.stats`:
-``reduce`` says how parts combine across rows, chunks and ranks (``"sum"``, ``"max"`` or
-``"min"``), ``size`` how many elements it holds. A :class:`Family` declares the statistics of one
-family in order. The declaration fixes the slots: families in declaration order (the rejection
-options' after :data:`RS`, by option name), a family's statistics in its order (:func:`position`).
+A :class:`Stat` is a slot of the packed vector of :mod:`.stats`; a :class:`Family` declares the
+statistics of one family. The declaration fixes the slot order (:func:`position`): families in
+declaration order (each rejection option's after :data:`RS`, by option name), then a family's own.
 """
 
 from __future__ import annotations

@@ -59,8 +59,7 @@ def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
         if p.rows is not None:
             stacked[i].masked_fill_(~p.rows.reshape(-1), 0.0 if i < ns else -math.inf)
     ext = stacked[ns:]
-    vm = ext.amax(1) if ext.shape[1] else torch.full((ext.shape[0],), -math.inf, dtype=torch.float64,
-                                                     device=ext.device)
+    vm = ext.amax(1) if ext.shape[1] else ext.new_full((ext.shape[0],), -math.inf)
     return torch.cat((stacked[:ns].sum(1), vm))
 
 
@@ -175,8 +174,7 @@ class SufficientStats(_Reading):
         out = cls()
         values = [v.reshape(()) for v in (*sums.values(), *maxes.values())]
         if values:
-            vec = torch.stack(values)
-            out._set(list(sums), list(maxes), vec if vec.dtype == torch.float64 else vec.double())
+            out._set(list(sums), list(maxes), torch.stack(values).double())
         return out
 
     @classmethod
@@ -184,7 +182,7 @@ class SufficientStats(_Reading):
         """Statistics holding the already reduced sums ``sums`` ((K,) float64) of ``declared`` (sum
         :class:`Stat` objects, or names), in order."""
         out = cls()
-        out._set([getattr(s, "name", s) for s in declared], [], sums if sums.dtype == torch.float64 else sums.double())
+        out._set([getattr(s, "name", s) for s in declared], [], sums.double())
         return out
 
     def add(self, stat: Stat, value: torch.Tensor, rows: Optional[torch.Tensor] = None,
@@ -207,11 +205,8 @@ class SufficientStats(_Reading):
             self._set(names_s, names_m, vec)
             return
         if self._vec is not None and names_s == self._sum_names and names_m == self._max_names:
-            k = len(self._sum_names)
-            parts = [self._vec[:k] + vec[:k]] if k else []
-            if names_m:
-                parts.append(torch.maximum(self._vec[k:], vec[k:]))
-            self._set(names_s, names_m, parts[0] if len(parts) == 1 else torch.cat(parts))
+            both = (self._vec[:ns] + vec[:ns], torch.maximum(self._vec[ns:], vec[ns:]))
+            self._set(names_s, names_m, torch.cat(both))
             return
         # different names (or one recorded twice): combine by name, in the declared order
         merged_s: dict[str, torch.Tensor] = {}
@@ -303,8 +298,7 @@ class SufficientStats(_Reading):
 
 
 class HostStats(_Reading):
-    """Reduced statistics as Python floats, read like :class:`SufficientStats`, so every
-    derivation runs on either."""
+    """Python floats read like :class:`SufficientStats`, so every derivation runs on both."""
 
     def __init__(self, sums: dict[str, float], maxes: dict[str, float]) -> None:
         self.sums, self.maxes = sums, maxes
@@ -339,9 +333,7 @@ def exp(x: Value) -> Value:
 def clamp(x: Value, lo: Optional[float] = None, hi: Optional[float] = None) -> Value:
     if isinstance(x, torch.Tensor):
         return x.clamp(lo, hi)
-    if lo is not None:
-        x = max(x, lo)
-    return min(x, hi) if hi is not None else x
+    return min(max(x, -math.inf if lo is None else lo), math.inf if hi is None else hi)
 
 
 def maximum(a: Value, b: Value) -> Value:
