@@ -212,8 +212,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: ``_src`` by its name there (``config``), of the core's public modules as ``core`` /
 #: ``core.<seam>``, of the toolkit by its name below ``rollout_correction`` (``__init__`` its root).
 LAYERS: list[tuple[str, str, list[str]]] = [
-    ("foundations", "constants, input checks, statistics, config words",
-     ["constants", "validation", "stats", "_src", "vocab", "segments"]),
+    ("declarations", "constants; the declared statistics", ["constants", "declared"]),
+    ("foundations", "input checks, statistics, config words", ["validation", "stats", "_src", "vocab", "segments"]),
     ("config parts", "presets; loading", ["presets", "config_io"]),
     ("config, groups", "config; topology; context-parallel row exchange", ["config", "parallel", "sequence_group"]),
     ("per-token pieces", "log-ratio, loss terms, alignment",
@@ -221,9 +221,11 @@ LAYERS: list[tuple[str, str, list[str]]] = [
     ("estimators", "IS weights, rejection, metrics, masking",
      ["weights", "rejection", "metrics", "opsm"]),
     ("pipeline", "compute_rollout_correction", ["correction"]),
-    ("entry points", "policy loss; packed inputs", ["losses", "packed"]),
+    ("entry points", "policy loss", ["losses"]),
     ("core public API", "rollout_correction_core: the root and the seams",
      ["core", "core.primitives", "core.reductions", "core.vocabulary"]),
+    ("toolkit conveniences", "packed inputs; a setting from any holder", ["packed", "settings"]),
+    ("0.2 forms", "the entry points with the 0.2 keywords, deprecated", ["_compat"]),
     ("toolkit root", "rollout_correction: the core's names, re-exported",
      ["__init__", "primitives", "reductions", "vocabulary"]),
     ("extensions", "async RL; MoE; supports; advantages",

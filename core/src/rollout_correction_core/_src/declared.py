@@ -12,8 +12,7 @@ import itertools
 from functools import lru_cache
 from typing import Iterator, NamedTuple, Optional
 
-__all__ = ["Stat", "Family", "COUNTS", "IS", "RS", "VETO", "VETO_HIGH", "OFFPOLICY", "MISMATCH", "EXPECT_ZERO",
-           "ALIGN", "OPSM", "ACTOR", "rs_option", "position"]
+__all__ = ["Stat", "Family"]  # the library's own families below are internal
 
 _RANKS = itertools.count()
 _POSITIONS: dict[str, tuple] = {}
