@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from rollout_correction import (RolloutCorrectionConfig, compute_offpolicy_metrics, compute_policy_loss,
                                 compute_rollout_correction)
 from rollout_correction_core._src.losses import LOSS_AGG_MODES, agg_loss
-from rollout_correction_core._src.packed import compute_rollout_correction_packed
+from rollout_correction.packed import compute_rollout_correction_packed
 from test_distributed import CONFIGS, _free_port, init_dp_cp
 from rollout_correction import Aggregation, Parallel, PolicyLoss
 

@@ -20,11 +20,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+from rollout_correction_core._src.declared import Family, Stat
 from rollout_correction_core._src.stats import LayoutMismatchError, SufficientStats
 from test_distributed import _free_port, init_gloo
 from rollout_correction import Parallel, Segments
 
 # ----------------------------------------------------------------------------------------- units
+
+T = Family("t.", "scalar rows seg_w seg_units row_sum", "row_max seg_max", "seg_min")
+U = Family("u.", "s t", "m", "m_min")
 
 
 def _record(stats: SufficientStats, B: int, S: int, gen: torch.Generator, scalar: float = 2.5) -> dict:
@@ -35,21 +39,21 @@ def _record(stats: SufficientStats, B: int, S: int, gen: torch.Generator, scalar
     seg = torch.randn(B * S, generator=gen, dtype=torch.float64)
     seg_ok = torch.rand(B * S, generator=gen) > 0.3
     n = torch.randint(0, 5, (B * S,), generator=gen).double()
-    stats.add_sum("rows", row_ok)
-    stats.add_sum("seg.w", seg, rows=seg_ok, weight=n)
-    stats.add_max("row.max", row, rows=row_ok)
-    stats.add_sum("row.sum", row, rows=row_ok)
-    stats.add_min("seg.min", seg, rows=seg_ok)
-    stats.add_sum("scalar", torch.tensor(scalar, dtype=torch.float64))
-    stats.add_max("seg.max", seg)
-    stats.add_sum("seg.units", seg_ok)
+    stats.add(T.rows, row_ok)
+    stats.add(T.seg_w, seg, rows=seg_ok, weight=n)
+    stats.add(T.row_max, row, rows=row_ok)
+    stats.add(T.row_sum, row, rows=row_ok)
+    stats.add(T.seg_min, seg, rows=seg_ok)
+    stats.add(T.scalar, torch.tensor(scalar, dtype=torch.float64))
+    stats.add(T.seg_max, seg)
+    stats.add(T.seg_units, seg_ok)
 
     def mx(x):
         return float(x.max()) if x.numel() else -math.inf
 
-    return {"sums": {"rows": float(row_ok.sum()), "seg.w": float((seg * n)[seg_ok].sum()),
-                     "row.sum": float(row[row_ok].sum()), "scalar": scalar, "seg.units": float(seg_ok.sum())},
-            "maxes": {"row.max": mx(row[row_ok]), "-seg.min": mx(-seg[seg_ok]), "seg.max": mx(seg)}}
+    return {"sums": {"t.rows": float(row_ok.sum()), "t.seg_w": float((seg * n)[seg_ok].sum()),
+                     "t.row_sum": float(row[row_ok].sum()), "t.scalar": scalar, "t.seg_units": float(seg_ok.sum())},
+            "maxes": {"t.row_max": mx(row[row_ok]), "-t.seg_min": mx(-seg[seg_ok]), "t.seg_max": mx(seg)}}
 
 
 @pytest.mark.parametrize("B, S", [(0, 3), (1, 1), (4, 1), (3, 3), (2, 5)])
@@ -62,14 +66,25 @@ def test_layout_does_not_depend_on_shapes(B, S):
     names_s, names_m, vec = stats.packed_vector()
     ref_s, ref_m, _ = reference.packed_vector()
     assert (names_s, names_m) == (ref_s, ref_m)
-    # the slots: sums (unrestricted, restricted, weighted), then maxima, then minima, in recording order
-    assert names_s == ["rows", "scalar", "seg.units", "row.sum", "seg.w"]
-    assert names_m == ["seg.max", "row.max", "-seg.min"]
+    # the slots: sums, then maxima and minima, in the declared order (not the recording order)
+    assert names_s == ["t.scalar", "t.rows", "t.seg_w", "t.seg_units", "t.row_sum"]
+    assert names_m == ["t.row_max", "t.seg_max", "-t.seg_min"]
     for name, value in expected["sums"].items():
-        assert float(stats.sum(name)) == pytest.approx(value, rel=1e-12, abs=1e-12), name
+        assert float(stats.sums[name]) == pytest.approx(value, rel=1e-12, abs=1e-12), name
     for name, value in expected["maxes"].items():
         assert float(stats.maxes[name]) == value, name
     assert vec.shape == (len(names_s) + len(names_m),)
+
+
+def test_the_slots_follow_the_declaration_whatever_the_recording_order():
+    forward, backward = SufficientStats(), SufficientStats()
+    for stats, order in ((forward, [U.t, U.m_min, U.s, U.m]), (backward, [U.m, U.s, U.m_min, U.t])):
+        for stat in order:
+            stats.add(stat, torch.tensor([1.0, -2.0]), rows=torch.tensor([True, False]))
+    assert forward.packed_vector()[:2] == backward.packed_vector()[:2] == (["u.s", "u.t"], ["u.m", "-u.m_min"])
+    assert torch.equal(forward.packed_vector()[2], torch.tensor([1.0, 1.0, 1.0, -1.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="'nowhere' is not declared"):
+        forward.add(Stat("nowhere", "sum"), torch.ones(2))
 
 
 def test_an_empty_part_contributes_the_identities():
@@ -94,10 +109,10 @@ def test_merge_equals_one_recording_of_the_concatenation():
     x, y = torch.randn(3, generator=gen, dtype=torch.float64), torch.randn(0, dtype=torch.float64)
     a, b, both = SufficientStats(), SufficientStats(), SufficientStats()
     for stats, value in ((a, x), (b, y), (both, torch.cat([x, y]))):
-        stats.add_sum("s", value)
-        stats.add_max("m", value)
-        stats.add_min("m", value)
-        stats.add_sum("t", value.exp(), rows=value > 0)
+        stats.add(U.s, value)
+        stats.add(U.m, value)
+        stats.add(U.m_min, value)
+        stats.add(U.t, value.exp(), rows=value > 0)
     a.merge(b)
     assert a.packed_vector()[:2] == both.packed_vector()[:2]
     torch.testing.assert_close(a.packed_vector()[2], both.packed_vector()[2], rtol=1e-15, atol=0)
@@ -105,12 +120,12 @@ def test_merge_equals_one_recording_of_the_concatenation():
 
 def test_a_name_recorded_in_two_shapes_is_combined():
     stats = SufficientStats()
-    stats.add_sum("s", torch.ones(3))
-    stats.add_max("m", torch.tensor([1.0, 4.0]))
-    stats.add_sum("s", torch.ones(2))
-    stats.add_max("m", torch.tensor([2.0, 3.0, 0.0]))
-    assert stats.packed_vector()[:2] == (["s"], ["m"])
-    assert float(stats.sum("s")) == 5.0 and float(stats.max("m")) == 4.0
+    stats.add(U.s, torch.ones(3))
+    stats.add(U.m, torch.tensor([1.0, 4.0]))
+    stats.add(U.s, torch.ones(2))
+    stats.add(U.m, torch.tensor([2.0, 3.0, 0.0]))
+    assert stats.packed_vector()[:2] == (["u.s"], ["u.m"])
+    assert float(stats.sum(U.s)) == 5.0 and float(stats.max(U.m)) == 4.0
 
 
 # ------------------------------------------------------------------- split across gloo ranks

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rollout_correction_core import (RolloutCorrectionConfig, compute_rollout_correction,
-                                     compute_rollout_correction_packed)
+from rollout_correction_core import RolloutCorrectionConfig, compute_rollout_correction
+from rollout_correction.packed import compute_rollout_correction_packed
 
 LENGTHS = [3, 0, 2, 4]  # includes an empty sequence
 

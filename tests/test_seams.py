@@ -18,6 +18,7 @@ from rollout_correction.primitives import LogRatioBatch, log_ratio_batch, reject
 from rollout_correction.reductions import SufficientStats
 from rollout_correction.vocabulary import PRESETS
 from rollout_correction.primitives import importance_weights
+from rollout_correction_core._src.declared import COUNTS
 
 C = RolloutCorrectionConfig
 
@@ -148,8 +149,8 @@ def test_batch_from_mask_counts_the_mask_alone():
     assert float(batch.log_ratio.abs().sum()) == 0.0
     stats = SufficientStats()
     batch.add_counts(stats)
-    assert float(stats.sum("n_tok")) == 5 and float(stats.sum("n_rows")) == 2
-    assert float(stats.sum("n_rows_input")) == 2
+    assert float(stats.sum(COUNTS.n_tok)) == 5 and float(stats.sum(COUNTS.n_rows)) == 2
+    assert float(stats.sum(COUNTS.n_rows_input)) == 2
 
 # ------------------------------------------------------------------------------ rejection
 def test_option_metrics_are_the_chain_metrics_of_that_option():

@@ -454,7 +454,7 @@ def test_compiled_pass_equals_eager():
 
 
 def test_packed_inputs_equal_the_padded_form():
-    from rollout_correction_core._src.packed import compute_rollout_correction_packed
+    from rollout_correction.packed import compute_rollout_correction_packed
 
     gen = torch.Generator().manual_seed(13)
     lengths = torch.tensor([5, 0, 8, 3])

@@ -21,7 +21,10 @@ SEAMS = ("rollout_correction_core", "rollout_correction_core.primitives", "rollo
          "rollout_correction_core.vocabulary")
 TOOLKIT_NAME = {m: m.replace("rollout_correction_core", "rollout_correction") for m in SEAMS}
 EXTENSIONS = ("rollout_correction.staleness", "rollout_correction.moe", "rollout_correction.supports",
-              "rollout_correction.advantages")
+              "rollout_correction.advantages", "rollout_correction.settings", "rollout_correction.packed")
+#: The conveniences the toolkit adds after the core's names (they live in EXTENSIONS).
+TOOLKIT_ADDS = {"rollout_correction": ["config_value", "compute_rollout_correction_packed"],
+                "rollout_correction.primitives": ["lengths_from_cu_seqlens", "pack_index", "to_padded"]}
 
 
 @pytest.mark.parametrize("path", ["pyproject.toml", "core/pyproject.toml"])
@@ -54,7 +57,7 @@ def test_the_toolkit_re_exports_the_core_unchanged(module):
     from rollout_correction import _compat
 
     core, toolkit = importlib.import_module(module), importlib.import_module(TOOLKIT_NAME[module])
-    assert list(toolkit.__all__) == list(core.__all__)
+    assert list(toolkit.__all__) == list(core.__all__) + TOOLKIT_ADDS.get(TOOLKIT_NAME[module], [])
     wrapped = set(_compat.__all__) if module == "rollout_correction_core" else set()
     assert wrapped <= set(core.__all__)
     assert all(getattr(toolkit, n) is getattr(core, n) for n in core.__all__ if n not in wrapped)

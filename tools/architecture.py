@@ -150,12 +150,16 @@ def public_names(module: str) -> set[str]:
     if module not in MODULES:
         return set()
     tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    names: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
-            return set(ast.literal_eval(node.value))
+            if isinstance(node.value, ast.BinOp):  # ``__all__ = __all__ + [...]``: the re-exported names and more
+                names |= set(ast.literal_eval(node.value.right))
+            else:
+                return set(ast.literal_eval(node.value))
         if isinstance(node, ast.ImportFrom) and any(a.name == "__all__" and a.asname is None for a in node.names):
-            return public_names(resolve(module, node))
-    return set()
+            names |= public_names(resolve(module, node))
+    return names
 
 
 def graph(*, top_level_only: bool = True) -> dict[str, set[str]]:
@@ -208,8 +212,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: ``_src`` by its name there (``config``), of the core's public modules as ``core`` /
 #: ``core.<seam>``, of the toolkit by its name below ``rollout_correction`` (``__init__`` its root).
 LAYERS: list[tuple[str, str, list[str]]] = [
-    ("foundations", "constants, input checks, statistics, config words",
-     ["constants", "validation", "stats", "_src", "vocab", "segments"]),
+    ("declarations", "constants; the declared statistics", ["constants", "declared"]),
+    ("foundations", "input checks, statistics, config words", ["validation", "stats", "_src", "vocab", "segments"]),
     ("config parts", "presets; loading", ["presets", "config_io"]),
     ("config, groups", "config; topology; context-parallel row exchange", ["config", "parallel", "sequence_group"]),
     ("per-token pieces", "log-ratio, loss terms, alignment",
@@ -217,10 +221,11 @@ LAYERS: list[tuple[str, str, list[str]]] = [
     ("estimators", "IS weights, rejection, metrics, masking",
      ["weights", "rejection", "metrics", "opsm"]),
     ("pipeline", "compute_rollout_correction", ["correction"]),
-    ("entry points", "policy loss; packed inputs", ["losses", "packed"]),
+    ("entry points", "policy loss", ["losses"]),
     ("core public API", "rollout_correction_core: the root and the seams",
      ["core", "core.primitives", "core.reductions", "core.vocabulary"]),
-    ("0.2 keywords", "the core's entry points with the 0.2 keywords, deprecated", ["_compat"]),
+    ("toolkit conveniences", "packed inputs; a setting from any holder", ["packed", "settings"]),
+    ("0.2 forms", "the entry points with the 0.2 keywords, deprecated", ["_compat"]),
     ("toolkit root", "rollout_correction: the core's names, re-exported",
      ["__init__", "primitives", "reductions", "vocabulary"]),
     ("extensions", "async RL; MoE; supports; advantages",

@@ -23,6 +23,8 @@ from typing import Any
 import rollout_correction_core as core
 from rollout_correction_core import Aggregation, ClipRange, Parallel, PolicyLoss, Segments
 
+from . import packed
+
 __all__ = ["compute_rollout_correction", "compute_rollout_correction_packed", "compute_offpolicy_metrics",
            "compute_policy_loss", "agg_loss", "ppo_clip_loss", "OffPolicyAccumulator", "CorrectionAccumulator"]
 
@@ -87,11 +89,11 @@ def compute_rollout_correction(old_log_prob, rollout_log_prob, response_mask, *,
 def compute_rollout_correction_packed(old_log_prob, rollout_log_prob, *, config=None, lengths=None, cu_seqlens=None,
                                       response_mask=None, parallel=None, segments=None,
                                       **deprecated) -> core.CorrectionOutput:
-    """:func:`rollout_correction_core.compute_rollout_correction_packed` (0.2 keywords: module docstring)."""
+    """:func:`rollout_correction.packed.compute_rollout_correction_packed` (0.2 keywords: module docstring)."""
     kw = _migrate("compute_rollout_correction_packed", deprecated, {"parallel": parallel, "segments": segments},
                   {"parallel": _TOPOLOGY, "segments": _SEGMENTS})
-    return core.compute_rollout_correction_packed(old_log_prob, rollout_log_prob, config=config, lengths=lengths,
-                                                  cu_seqlens=cu_seqlens, response_mask=response_mask, **kw)
+    return packed.compute_rollout_correction_packed(old_log_prob, rollout_log_prob, config=config, lengths=lengths,
+                                                    cu_seqlens=cu_seqlens, response_mask=response_mask, **kw)
 
 
 def compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask, *, parallel=None, on_nonfinite="reject",
@@ -153,5 +155,5 @@ class CorrectionAccumulator(_Compute, core.CorrectionAccumulator):
 # Same names, same documentation: help() on the toolkit's entry points reads as the core's.
 for _name in ("compute_rollout_correction", "compute_rollout_correction_packed", "compute_offpolicy_metrics",
               "compute_policy_loss", "agg_loss", "ppo_clip_loss"):
-    globals()[_name].__doc__ = getattr(core, _name).__doc__ + "\n\n" + globals()[_name].__doc__
+    globals()[_name].__doc__ = getattr(packed if _name.endswith("packed") else core, _name).__doc__ + "\n\n" + globals()[_name].__doc__
 del _name

@@ -2,7 +2,7 @@
 different engine than the one computing gradients. The public surface is the names below."""
 
 from ._src.config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
-from ._src.config_io import config_value, settings_dict
+from ._src.config_io import settings_dict
 from ._src.constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
 from ._src.correction import (CorrectionAccumulator, CorrectionOutput, MismatchError, MismatchWarning,
                               compute_rollout_correction)
@@ -11,7 +11,6 @@ from ._src.losses import (LOSS_AGG_MODES, Aggregation, ClipRange, PolicyLoss, ag
                           policy_loss_term, ppo_clip_loss)
 from ._src.metrics import (ENGINE_METRIC_NAMES, OffPolicyAccumulator, compute_offpolicy_metrics, engine_metrics,
                            metrics_to_floats)
-from ._src.packed import compute_rollout_correction_packed
 from ._src.parallel import Parallel
 from ._src.rejection import rejection_mask
 from ._src.segments import Segments, max_runs, segment_ids_from_mask
@@ -29,12 +28,10 @@ __all__ = [
     "MismatchError",
     "MismatchWarning",
     "as_config",
-    "config_value",
     "settings_dict",
     "Parallel",
     "Segments",
     "compute_rollout_correction",
-    "compute_rollout_correction_packed",
     "CorrectionOutput",
     "segment_ids_from_mask",
     "max_runs",

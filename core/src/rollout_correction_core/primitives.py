@@ -24,7 +24,6 @@ removed or changed incompatibly only after one minor release in which using it r
 * **Sequence masks and policy-loss terms** — M2PO (:func:`m2po_keep`, :func:`second_moment`),
   OPSM (:func:`opsm_keep`, :func:`compute_opsm`), GSPO / CISPO / DPPO / TOPR per-token losses.
 * **Alignment** — the one-token shift detector (:func:`alignment_report`, :func:`check_alignment`).
-* **Packed inputs** — :func:`pack_index`, :func:`to_padded`, :func:`lengths_from_cu_seqlens`.
 * **Segments** — :func:`segment_sums` (per-(row, segment) sums), :func:`segment_ids_from_mask`
   (segments as the runs of a mask) and :func:`max_runs` (a static bound on their number).
 * **Config types** — :class:`ISSpec` (resolved IS settings), :class:`RSOption` and the literal
@@ -42,7 +41,6 @@ from ._src.m2po import m2po_keep, second_moment
 from ._src.metrics import (Accumulator, Metrics, add_offpolicy_statistics, mismatch_metrics, nonfinite_metrics,
                            offpolicy_metrics, prefixed)
 from ._src.opsm import OPSMResult, compute_opsm, opsm_keep
-from ._src.packed import lengths_from_cu_seqlens, pack_index, to_padded
 from ._src.policy_losses import (cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, sequence_advantage, topr_loss,
                                  topr_weights)
 from ._src.segments import max_runs, segment_ids_from_mask, segment_sums
@@ -69,8 +67,6 @@ __all__ = [
     # alignment
     "MisalignmentWarning", "AlignmentReport", "alignment_statistics", "alignment_metrics", "alignment_report",
     "check_alignment",
-    # packed inputs
-    "lengths_from_cu_seqlens", "pack_index", "to_padded",
     # segments
     "segment_sums", "segment_ids_from_mask", "max_runs",
     # config types

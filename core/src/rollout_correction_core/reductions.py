@@ -2,9 +2,9 @@
 checks every entry point makes — public for adapters that reduce their own quantities the way the
 library does (a routing-agreement rate, a per-step metric).
 
-* :class:`SufficientStats` — named sums and maxima; ``add`` / ``max`` / ``merge`` locally, one
-  ``all_reduce`` per kind over a process group, then ratios with :func:`safe_div` (0 where the
-  denominator is 0). :class:`HostStats` is the same on the host; :func:`seq_summary` reduces a
+* :class:`SufficientStats` — sums and maxima of declared statistics (:class:`Stat`, :class:`Family`);
+  ``add`` / ``merge`` locally, one ``all_reduce`` per kind over a process group, then ratios with
+  :func:`safe_div` (0 where the denominator is 0). :class:`HostStats` is the same on the host; :func:`seq_summary` reduces a
   per-sequence quantity. The elementwise helpers (:func:`where`, :func:`sqrt0`, :func:`exp`,
   :func:`clamp`, :func:`maximum`) accept tensors and floats alike.
 * :class:`RowExchange` — sequences split over the ranks of a context- or sequence-parallel group:
@@ -18,6 +18,7 @@ library does (a routing-agreement rate, a per-step metric).
 Covered by the versioning policy (docs/api.md).
 """
 
+from ._src.declared import Family, Stat
 from ._src.parallel import Parallel, Verify
 from ._src.sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite,
                                   raise_nonfinite_on_any_rank, reduce_owned,
@@ -28,7 +29,7 @@ from ._src.validation import ShapeMismatchError, check_pair, check_same, check_s
 
 __all__ = [
     "SufficientStats", "HostStats", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum",
-    "LayoutMismatchError", "check_layout", "Parallel", "Verify",
+    "Stat", "Family", "LayoutMismatchError", "check_layout", "Parallel", "Verify",
     "RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
     "raise_nonfinite_on_any_rank",
     "ShapeMismatchError", "check_pair", "check_same", "check_segment_ids", "first_nonfinite",

@@ -1,5 +1,5 @@
 """Reading a config from dicts, YAML, OmegaConf or any object holding settings (``Loading``, a mixin
-of ``RolloutCorrectionConfig``; :func:`settings_dict`; :func:`config_value`), and writing it back."""
+of ``RolloutCorrectionConfig``; :func:`settings_dict`), and writing it back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from .vocab import FIRST_GENERATION_KEYS, SKYRL_KEYS, ConfigError, as_text, canonical, from_skyrl
 
-__all__ = ["Loading", "settings_dict", "config_value"]
+__all__ = ["Loading", "settings_dict"]
 
 
 class Loading:
@@ -123,30 +123,3 @@ def settings_dict(obj: Any) -> dict[str, Any]:
         return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
     raise TypeError(f"cannot read a RolloutCorrectionConfig from {type(obj).__name__}: pass a preset name, "
                     "a dict of config keys, an OmegaConf node, a dataclass, a RolloutCorrectionConfig or None")
-
-
-_MISSING = object()
-
-
-def config_value(source: Any, key: str, default: Any = None, *, aliases: tuple[str, ...] = ()) -> Any:
-    """``source[key]`` from whatever holds settings — a mapping, an OmegaConf node, a config
-    object with ``get``, a dataclass or a namespace — or ``default`` when ``source`` is None or
-    has neither ``key`` nor one of ``aliases`` (older names, tried in order)."""
-    if source is None:
-        return default
-    for k in (key, *aliases):
-        if isinstance(source, Mapping):
-            if k in source:
-                return source[k]
-            continue
-        if hasattr(source, k):
-            return getattr(source, k)
-        getter = getattr(source, "get", None)
-        if callable(getter):
-            try:
-                value = getter(k, _MISSING)
-            except (KeyError, AttributeError, TypeError):
-                continue
-            if value is not _MISSING:
-                return value
-    return default

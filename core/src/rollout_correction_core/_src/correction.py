@@ -19,7 +19,8 @@ import torch
 from .alignment import MisalignmentWarning, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
 from .constants import METRIC_PREFIX
-from .logratio import N_ROWS, LogRatioBatch, float_mask, log_ratio_batch, nonfinite_positions
+from .declared import ALIGN, COUNTS, EXPECT_ZERO, RS
+from .logratio import LogRatioBatch, float_mask, log_ratio_batch, nonfinite_positions
 from .m2po import m2po_keep, second_moment
 from .parallel import Parallel, as_parallel, verified
 from .segments import Segments
@@ -75,31 +76,28 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig, stat
     add_offpolicy_statistics(stats, batch, mismatch=config.mismatch_metrics)
     if config.rs_enabled or advantages is not None:  # rows every criterion rejects in full, and their outcome
         full = (rej.kept_per_row(batch) == 0) & batch.row_valid
-        stats.add_sum("rs.rejected_rows", full)
+        stats.add(RS.rejected_rows, full)
         if advantages is not None:
             adv = advantages if advantages.dim() == 1 else batch.row_total(
                 torch.where(batch.valid, advantages.float(), 0.0)) / batch.n_row.clamp_min(1.0)
-            stats.add_sum("rs.rejected_positive", full & (adv > 0))
+            stats.add(RS.rejected_positive, full & (adv > 0))
     if config.expect_zero_atol is not None:  # max |old − rollout| over valid input tokens, non-finite as 1e30
         gap = torch.sub(batch.old_log_prob.float(), batch.rollout_log_prob.float()).abs_()
         gap = gap.nan_to_num_(nan=1e30, posinf=1e30).mul_(batch.input_mask)
-        stats.add_max("ez.max_abs", batch.reduce_max(gap.amax(-1) if gap.shape[-1] else gap.sum(-1)))
+        stats.add(EXPECT_ZERO.max_abs, batch.reduce_max(gap.amax(-1) if gap.shape[-1] else gap.sum(-1)))
     if config.check_alignment:
         sums = alignment_statistics(batch.old_log_prob, batch.rollout_log_prob, batch.response_mask)
-        for name, value in zip(_ALIGN_KEYS, sums.unbind()):
-            stats.add_sum(name, value)
+        for stat, value in zip(ALIGN, sums.unbind()):
+            stats.add(stat, value)
     return isw, rej
-
-
-_ALIGN_KEYS = ("align.n", "align.d0", "align.late", "align.early")
 
 
 def _alignment_metrics(stats) -> dict[str, Value]:
     """``alignment_pairs`` and the mean |old − rollout| at shifts 0, +1, −1 (0 with no pair)."""
-    n = stats.sum("align.n")
+    n = stats.sum(ALIGN.n)
     den = maximum(n, 1.0)
-    return {"alignment_pairs": n, "alignment_mae": stats.sum("align.d0") / den,
-            "alignment_late_mae": stats.sum("align.late") / den, "alignment_early_mae": stats.sum("align.early") / den}
+    return {"alignment_pairs": n, "alignment_mae": stats.sum(ALIGN.d0) / den,
+            "alignment_late_mae": stats.sum(ALIGN.late) / den, "alignment_early_mae": stats.sum(ALIGN.early) / den}
 
 
 def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -293,7 +291,7 @@ def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Valu
     m.update(nonfinite_metrics(stats))
     m.update(_outcome_metrics(stats, config))
     if config.expect_zero_atol is not None:
-        m["max_abs_log_ratio"] = maximum(stats.max("ez.max_abs"), 0.0)
+        m["max_abs_log_ratio"] = maximum(stats.max(EXPECT_ZERO.max_abs), 0.0)
     if config.check_alignment:
         m.update(_alignment_metrics(stats))
     return m
@@ -302,15 +300,15 @@ def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Valu
 def _outcome_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Value]:
     """``rollout_rs_rejected_positive_fraction``: share of the fully rejected rows whose advantage is
     > 0 (0 when none is). Read on the host, warns when every row is rejected (``rollout_rs_all_rejected``)."""
-    if "rs.rejected_rows" not in stats.sums:
+    if not stats.has(RS.rejected_rows):
         return {}
-    rejected, n = stats.sum("rs.rejected_rows"), stats.sum(N_ROWS)
+    rejected, n = stats.sum(RS.rejected_rows), stats.sum(COUNTS.n_rows)
     if isinstance(n, float) and 0 < n <= rejected and config.rollout_rs_all_rejected == "warn":
         warnings.warn(_ALL_REJECTED.format(int(n)) + " (rollout_rs_all_rejected='raise' makes it an error)",
                       RuntimeWarning, stacklevel=2)
-    if "rs.rejected_positive" not in stats.sums:
+    if not stats.has(RS.rejected_positive):
         return {}
-    return {"rollout_rs_rejected_positive_fraction": safe_div(stats.sum("rs.rejected_positive"), rejected)}
+    return {"rollout_rs_rejected_positive_fraction": safe_div(stats.sum(RS.rejected_positive), rejected)}
 
 
 _ALL_REJECTED = ("rejection dropped all {} sequences of the batch: nothing is learned from it; loosen rollout_rs / "
@@ -322,13 +320,13 @@ def _checked(out: CorrectionOutput, config: RolloutCorrectionConfig, stats, old:
     """The host-side checks the config asks for (one host read each): every row rejected with
     ``rollout_rs_all_rejected="raise"``; expect-zero mode's tolerance, and its output (weights 1)."""
     if config.rs_enabled and config.rollout_rs_all_rejected == "raise":
-        n = float(stats.sum(N_ROWS))
-        if 0 < n <= float(stats.sum("rs.rejected_rows")):
+        n = float(stats.sum(COUNTS.n_rows))
+        if 0 < n <= float(stats.sum(RS.rejected_rows)):
             raise ValueError(_ALL_REJECTED.format(int(n)) + " (rollout_rs_all_rejected='warn' only warns)")
     atol = config.expect_zero_atol
     if atol is None:
         return out
-    worst = float(stats.max("ez.max_abs"))
+    worst = float(stats.max(EXPECT_ZERO.max_abs))
     if worst > atol:
         diff = (old.float() - rollout.float()).abs()
         pos = first_nonfinite((response_mask != 0) & ~(diff <= atol))
@@ -425,7 +423,7 @@ def compute_rollout_correction(
         out = _finish(stats, weights, keep, old_log_prob, rollout_log_prob, config, (process_group,),
                       response_mask.dtype)
         if config.check_alignment:  # the warning needs the values: one sync, only with this option
-            report = alignment_report(torch.stack([stats.sum(k) for k in _ALIGN_KEYS]))
+            report = alignment_report(torch.stack([stats.sum(k) for k in ALIGN]))
             if report.misaligned:
                 warnings.warn(report.message, MisalignmentWarning, stacklevel=2)
     return _checked(out, config, stats, old_log_prob, rollout_log_prob, response_mask)

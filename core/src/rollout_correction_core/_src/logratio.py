@@ -27,13 +27,8 @@ import torch
 from .constants import LOG_PROB_FLOOR, SAFETY_BOUND
 from .segments import Segments, segment_sums
 from .stats import SufficientStats
+from .declared import COUNTS
 from .validation import check_pair, check_same, check_segment_ids
-
-#: The counts every statistics family divides by (sums, recorded by :meth:`LogRatioBatch.add_counts`):
-#: valid tokens used, rows with a token used, rows with a valid input token.
-N_TOK, N_ROWS, N_ROWS_INPUT = "n_tok", "n_rows", "n_rows_input"
-#: Valid input tokens holding an engine sentinel, and all valid input tokens (``sentinel_token_fraction``).
-N_SENTINEL, N_TOK_INPUT = "n_sentinel", "n_tok_input"
 
 if TYPE_CHECKING:
     from .sequence_group import RowExchange
@@ -264,13 +259,15 @@ class LogRatioBatch:
         return x.to(torch.float32).gather(1, self._segment_index()) * self.mask
 
     def add_counts(self, stats: SufficientStats) -> None:
-        """The counts every statistic family divides by (recorded once per call)."""
-        stats.add_sum(N_TOK, self.sums.n)
-        stats.add_sum(N_ROWS, self.row_valid)
-        stats.add_sum(N_ROWS_INPUT, self.input_rows)
+        """The counts every statistic family divides by (recorded once per call): valid tokens used,
+        rows with a token used, rows with a valid input token; with a ``log_prob_floor``, the valid
+        input tokens holding an engine sentinel and all valid input tokens."""
+        stats.add(COUNTS.n_tok, self.sums.n)
+        stats.add(COUNTS.n_rows, self.row_valid)
+        stats.add(COUNTS.n_rows_input, self.input_rows)
         if self.sentinel_row is not None:
-            stats.add_sum(N_SENTINEL, self.sentinel_row)
-            stats.add_sum(N_TOK_INPUT, self.sums.n_input)
+            stats.add(COUNTS.n_sentinel, self.sentinel_row)
+            stats.add(COUNTS.n_tok_input, self.sums.n_input)
 
 
 def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, *,

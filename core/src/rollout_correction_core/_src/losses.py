@@ -38,6 +38,7 @@ from .segments import Segments
 from .policy_losses import cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, topr_loss
 from .logratio import nonfinite_positions
 from .sequence_group import RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank, stats_owner
+from .declared import ACTOR
 from .stats import SufficientStats, Value, maximum
 from .validation import check_same, first_nonfinite
 
@@ -285,11 +286,11 @@ class _LossRows:
 def _actor_metrics(stats) -> dict[str, Value]:
     """``actor/*`` metrics from :func:`compute_policy_loss`'s sums: means over the tokens in the loss,
     the non-finite share over sequences with a valid input token."""
-    out = {"actor/nonfinite_seq_fraction": stats.sum("bad_rows") / maximum(stats.sum("input_rows"), 1.0)}
-    n = maximum(stats.sum("n"), 1.0)
-    for name in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_lower"):
-        if name in stats.sums:
-            out["actor/" + name] = stats.sum(name) / n
+    out = {"actor/nonfinite_seq_fraction": stats.sum(ACTOR.bad_rows) / maximum(stats.sum(ACTOR.input_rows), 1.0)}
+    n = maximum(stats.sum(ACTOR.n), 1.0)
+    for stat in (ACTOR.ppo_kl, ACTOR.pg_clipfrac, ACTOR.pg_clipfrac_lower):
+        if stats.has(stat):
+            out["actor/" + stat.name] = stats.sum(stat) / n
     return out
 
 
@@ -489,11 +490,11 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
         per_row = [per_row[0], per_row[1] * above + per_row[2] * below, torch.zeros_like(kept)]
     elif config.loss_type == "topr":
         per_row += [kept * clipped, torch.zeros_like(kept)]  # clipped: the tapered sequences
-    names = ["ppo_kl"] + (["pg_clipfrac", "pg_clipfrac_lower"] if len(per_row) > 1 else [])
+    declared = [ACTOR.ppo_kl] + ([ACTOR.pg_clipfrac, ACTOR.pg_clipfrac_lower] if len(per_row) > 1 else [])
     if not rows.final:
         return None
     sums = torch.stack(per_row + [kept, input_rows, bad_rows]).sum(-1)  # a bad row has a valid input token
-    actor = SufficientStats.from_vector(names + ["n", "input_rows", "bad_rows"], sums)
+    actor = SufficientStats.from_vector(declared + [ACTOR.n, ACTOR.input_rows, ACTOR.bad_rows], sums)
     metrics.add_derived(actor, _actor_metrics, prefix="")
     loss = _aggregate(pg, mask, counted, s.aggregation, split=rows.group is not None)
     return loss, metrics

@@ -43,8 +43,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from .constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
-from .logratio import (N_ROWS, N_ROWS_INPUT, N_SENTINEL, N_TOK, N_TOK_INPUT, LogRatioBatch, log_ratio_batch,
-                       nonfinite_positions)
+from .declared import COUNTS, MISMATCH, OFFPOLICY, Stat
+from .logratio import LogRatioBatch, log_ratio_batch, nonfinite_positions
 from .parallel import Parallel, as_parallel, verified
 from .validation import check_pair
 from .sequence_group import (RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank,
@@ -61,9 +61,9 @@ _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
 def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, mismatch: bool = False) -> None:
     """Record the sufficient statistics of the off-policy metrics."""
     rows = batch.row_valid
-    stats.add_sum("op.sum_lr", batch.row_sum)
-    stats.add_sum("op.sum_k3", batch.sums.k3)  # Σ_t k3 and Σ_t ρ² per row, from the batch's one reduction
-    stats.add_sum("op.sum_rho2", batch.sums.ratio2)
+    stats.add(OFFPOLICY.sum_lr, batch.row_sum)
+    stats.add(OFFPOLICY.sum_k3, batch.sums.k3)  # Σ_t k3 and Σ_t ρ² per row, from the batch's one reduction
+    stats.add(OFFPOLICY.sum_rho2, batch.sums.ratio2)
     # The per-row values are computed stacked, so each elementwise step is one operation.
     means = batch.train_means64()  # float64 (2, B): mean log ρ, mean log π_train
     neg = means.neg()  # d = mean log π_rollout − mean log π_train, −mean log π_train
@@ -74,26 +74,23 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, misma
     e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     e[3].mul_(2.0)
     e.exp_()  # training PPL, rollout PPL, ppl ratio, (∏ρ)², ∏ρ per row
-    stats.add_sum("op.train_log_ppl", train_nll, rows=rows)
-    stats.add_sum("op.train_ppl", e[0], rows=rows)
-    stats.add_sum("op.roll_log_ppl", rollout_nll, rows=rows)
-    stats.add_sum("op.roll_ppl", e[1], rows=rows)
-    stats.add_sum("op.d", d, rows=rows)
-    stats.add_sum("op.abs_d", d.abs(), rows=rows)
-    stats.add_max("op.d_max", d, rows=rows)
-    stats.add_max("op.neg_d_max", means[0], rows=rows)  # −d: min d = −max(−d), no negation
-    stats.add_sum("op.ppl_ratio", e[2], rows=rows)
-    stats.add_sum("op.rho2_seq", e[3], rows=rows)
-    stats.add_sum("op.sum_rho", batch.sums.ratio)
-    stats.add_sum("op.rho_seq", e[4], rows=rows)
+    stats.add(OFFPOLICY.train_log_ppl, train_nll, rows=rows)
+    stats.add(OFFPOLICY.train_ppl, e[0], rows=rows)
+    stats.add(OFFPOLICY.roll_log_ppl, rollout_nll, rows=rows)
+    stats.add(OFFPOLICY.roll_ppl, e[1], rows=rows)
+    stats.add(OFFPOLICY.d, d, rows=rows)
+    stats.add(OFFPOLICY.abs_d, d.abs(), rows=rows)
+    stats.add(OFFPOLICY.d_max, d, rows=rows)
+    stats.add(OFFPOLICY.neg_d_max, means[0], rows=rows)  # −d: min d = −max(−d), no negation
+    stats.add(OFFPOLICY.ppl_ratio, e[2], rows=rows)
+    stats.add(OFFPOLICY.rho2_seq, e[3], rows=rows)
+    stats.add(OFFPOLICY.sum_rho, batch.sums.ratio)
+    stats.add(OFFPOLICY.rho_seq, e[4], rows=rows)
     if mismatch:
         _add_mismatch_statistics(stats, batch)
 
 
 _LOGP_FLOOR = 1e4
-_MOMENTS = ("q", "p", "qq", "pp", "qp", "lq", "lp", "lqlq", "lplp", "lqlp", "d", "dd", "js", "gt1", "gt2")
-
-
 def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
     """Per-row float64 sums of the per-token moments behind the mismatch metrics, and the per-row
     maxima of |q − p| and |Δ|."""
@@ -110,12 +107,12 @@ def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     q, p, lq, lp, d64 = (x.double() for x in (q, p, lq, lp, d))
     per_token = (q, p, q * q, p * p, q * p, lq, lp, lq * lq, lp * lp, lq * lp, d64, d64 * d64, js,
                  batch.above(a, 1.0), batch.above(a, 2.0))
-    for name, x in zip(_MOMENTS, per_token):
-        stats.add_sum("mm." + name, batch.reduce_sum(x.sum(-1).double()))
+    for stat, x in zip(MISMATCH, per_token):  # the family's first sums, in order
+        stats.add(stat, batch.reduce_sum(x.sum(-1).double()))
     a_row = batch.row_total(a) / batch.n_row.clamp_min(1.0)
-    stats.add_sum("mm.a_seq", a_row, rows=batch.row_valid)
-    for name, x in (("mm.d_max", d), ("mm.a_max", a)):  # ≥ 0 and 0 where unused (no column: 0)
-        stats.add_max(name, batch.reduce_max(x.amax(-1) if x.shape[-1] else x.sum(-1)), rows=batch.row_valid)
+    stats.add(MISMATCH.a_seq, a_row, rows=batch.row_valid)
+    for stat, x in ((MISMATCH.d_max, d), (MISMATCH.a_max, a)):  # ≥ 0 and 0 where unused (no column: 0)
+        stats.add(stat, batch.reduce_max(x.amax(-1) if x.shape[-1] else x.sum(-1)), rows=batch.row_valid)
 
 
 #: Other engines' names for the same quantities: engine -> {their name: our unprefixed name}. verl:
@@ -140,13 +137,14 @@ def engine_metrics(metrics: Mapping[str, Value], engine: str) -> dict[str, Value
             if METRIC_PREFIX + ours in metrics}
 
 
-def _pearson(stats, x: str, y: str, n: Value) -> Value:
+def _pearson(stats, moments: tuple, n: Value) -> Value:
     """Pearson correlation from global sums Σx, Σy, Σx², Σy², Σxy over n tokens; 0 when a variance
     is ≤ 1e-6·E[x²] (no spread to correlate)."""
-    mx, my = safe_div(stats.sum("mm." + x), n), safe_div(stats.sum("mm." + y), n)
-    ex2, ey2 = safe_div(stats.sum(f"mm.{x}{x}"), n), safe_div(stats.sum(f"mm.{y}{y}"), n)
+    (x, y), (xx, yy), xy = moments
+    mx, my = safe_div(stats.sum(x), n), safe_div(stats.sum(y), n)
+    ex2, ey2 = safe_div(stats.sum(xx), n), safe_div(stats.sum(yy), n)
     vx, vy = ex2 - mx * mx, ey2 - my * my
-    cov = safe_div(stats.sum(f"mm.{x}{y}"), n) - mx * my
+    cov = safe_div(stats.sum(xy), n) - mx * my
     spread = (vx > 1e-6 * ex2) & (vy > 1e-6 * ey2) if isinstance(vx, torch.Tensor) else \
         vx > 1e-6 * ex2 and vy > 1e-6 * ey2
     return where(spread, clamp(safe_div(cov, sqrt0(vx * vy)), -1.0, 1.0), 0.0)
@@ -154,20 +152,20 @@ def _pearson(stats, x: str, y: str, n: Value) -> Value:
 
 def mismatch_metrics(stats) -> dict[str, Value]:
     """The mismatch metrics (module docstring) from reduced statistics; 0 when empty."""
-    n_tok, has = stats.sum(N_TOK), stats.sum(N_ROWS) > 0
-    sum_d = stats.sum("mm.d")
+    n_tok, has = stats.sum(COUNTS.n_tok), stats.sum(COUNTS.n_rows) > 0
+    sum_d = stats.sum(MISMATCH.d)
     mean_d = safe_div(sum_d, n_tok)
     return {
         "prob_abs_diff_mean": mean_d,
-        "prob_abs_diff_max": where(has, stats.max("mm.d_max"), 0.0),
-        "prob_abs_diff_std": where(n_tok > 1, sqrt0(safe_div(stats.sum("mm.dd") - sum_d * mean_d, n_tok - 1.0)), 0.0),
-        "prob_pearson": _pearson(stats, "q", "p", n_tok),
-        "log_prob_pearson": _pearson(stats, "lq", "lp", n_tok),
-        "js_divergence": safe_div(stats.sum("mm.js"), n_tok),
-        "log_prob_abs_diff_seq_mean": safe_div(stats.sum("mm.a_seq"), stats.sum(N_ROWS)),
-        "log_prob_abs_diff_max": where(has, stats.max("mm.a_max"), 0.0),
-        "log_prob_abs_diff_gt1": safe_div(stats.sum("mm.gt1"), n_tok),
-        "log_prob_abs_diff_gt2": safe_div(stats.sum("mm.gt2"), n_tok),
+        "prob_abs_diff_max": where(has, stats.max(MISMATCH.d_max), 0.0),
+        "prob_abs_diff_std": where(n_tok > 1, sqrt0(safe_div(stats.sum(MISMATCH.dd) - sum_d * mean_d, n_tok - 1.0)), 0.0),
+        "prob_pearson": _pearson(stats, ((MISMATCH.q, MISMATCH.p), (MISMATCH.qq, MISMATCH.pp), MISMATCH.qp), n_tok),
+        "log_prob_pearson": _pearson(stats, ((MISMATCH.lq, MISMATCH.lp), (MISMATCH.lqlq, MISMATCH.lplp), MISMATCH.lqlp), n_tok),
+        "js_divergence": safe_div(stats.sum(MISMATCH.js), n_tok),
+        "log_prob_abs_diff_seq_mean": safe_div(stats.sum(MISMATCH.a_seq), stats.sum(COUNTS.n_rows)),
+        "log_prob_abs_diff_max": where(has, stats.max(MISMATCH.a_max), 0.0),
+        "log_prob_abs_diff_gt1": safe_div(stats.sum(MISMATCH.gt1), n_tok),
+        "log_prob_abs_diff_gt2": safe_div(stats.sum(MISMATCH.gt2), n_tok),
     }
 
 
@@ -179,31 +177,31 @@ def _chi2_sn(s1: Value, s2: Value, n: Value) -> Value:
 def offpolicy_metrics(stats) -> dict[str, Value]:
     """The 13 off-policy metrics, and the 10 mismatch metrics when their statistics were recorded
     (module docstring), from reduced statistics of either kind; 0 when empty."""
-    n_tok, n_rows = stats.sum(N_TOK), stats.sum(N_ROWS)
+    n_tok, n_rows = stats.sum(COUNTS.n_tok), stats.sum(COUNTS.n_rows)
 
-    def seq_mean(k: str) -> Value:
+    def seq_mean(k: Stat) -> Value:
         return safe_div(stats.sum(k), n_rows)
 
     has_rows = n_rows > 0
     return {
-        "training_ppl": seq_mean("op.train_ppl"),
-        "training_log_ppl": seq_mean("op.train_log_ppl"),
-        "kl": -safe_div(stats.sum("op.sum_lr"), n_tok),
-        "k3_kl": safe_div(stats.sum("op.sum_k3"), n_tok),
-        "rollout_ppl": seq_mean("op.roll_ppl"),
-        "rollout_log_ppl": seq_mean("op.roll_log_ppl"),
-        "log_ppl_diff": seq_mean("op.d"),
-        "log_ppl_abs_diff": seq_mean("op.abs_d"),
-        "log_ppl_diff_max": where(has_rows, stats.max("op.d_max"), 0.0),
-        "log_ppl_diff_min": where(has_rows, -stats.max("op.neg_d_max"), 0.0),
-        "ppl_ratio": seq_mean("op.ppl_ratio"),
-        "chi2_token": where(n_tok > 0, safe_div(stats.sum("op.sum_rho2"), n_tok) - 1.0, 0.0),
-        "chi2_seq": where(has_rows, seq_mean("op.rho2_seq") - 1.0, 0.0),
-        "rollout_is_raw_mean": safe_div(stats.sum("op.sum_rho"), n_tok),
-        "rollout_is_seq_raw_mean": seq_mean("op.rho_seq"),
-        "chi2_token_sn": _chi2_sn(stats.sum("op.sum_rho"), stats.sum("op.sum_rho2"), n_tok),
-        "chi2_seq_sn": _chi2_sn(stats.sum("op.rho_seq"), stats.sum("op.rho2_seq"), n_rows),
-        **(mismatch_metrics(stats) if "mm.q" in stats.sums else {}),
+        "training_ppl": seq_mean(OFFPOLICY.train_ppl),
+        "training_log_ppl": seq_mean(OFFPOLICY.train_log_ppl),
+        "kl": -safe_div(stats.sum(OFFPOLICY.sum_lr), n_tok),
+        "k3_kl": safe_div(stats.sum(OFFPOLICY.sum_k3), n_tok),
+        "rollout_ppl": seq_mean(OFFPOLICY.roll_ppl),
+        "rollout_log_ppl": seq_mean(OFFPOLICY.roll_log_ppl),
+        "log_ppl_diff": seq_mean(OFFPOLICY.d),
+        "log_ppl_abs_diff": seq_mean(OFFPOLICY.abs_d),
+        "log_ppl_diff_max": where(has_rows, stats.max(OFFPOLICY.d_max), 0.0),
+        "log_ppl_diff_min": where(has_rows, -stats.max(OFFPOLICY.neg_d_max), 0.0),
+        "ppl_ratio": seq_mean(OFFPOLICY.ppl_ratio),
+        "chi2_token": where(n_tok > 0, safe_div(stats.sum(OFFPOLICY.sum_rho2), n_tok) - 1.0, 0.0),
+        "chi2_seq": where(has_rows, seq_mean(OFFPOLICY.rho2_seq) - 1.0, 0.0),
+        "rollout_is_raw_mean": safe_div(stats.sum(OFFPOLICY.sum_rho), n_tok),
+        "rollout_is_seq_raw_mean": seq_mean(OFFPOLICY.rho_seq),
+        "chi2_token_sn": _chi2_sn(stats.sum(OFFPOLICY.sum_rho), stats.sum(OFFPOLICY.sum_rho2), n_tok),
+        "chi2_seq_sn": _chi2_sn(stats.sum(OFFPOLICY.rho_seq), stats.sum(OFFPOLICY.rho2_seq), n_rows),
+        **(mismatch_metrics(stats) if stats.has(MISMATCH.q) else {}),
     }
 
 
@@ -211,10 +209,10 @@ def nonfinite_metrics(stats) -> dict[str, Value]:
     """``nonfinite_seq_fraction``: share of the sequences with a valid input token (all used unless
     dropped, so the dropped are ``n_rows_input − n_rows``) dropped for a NaN/±inf log-prob or a
     sentinel; ``sentinel_token_fraction``: share of the valid input tokens holding a sentinel."""
-    n_input = stats.sum(N_ROWS_INPUT)
-    m = {"nonfinite_seq_fraction": safe_div(n_input - stats.sum(N_ROWS), n_input)}
-    if N_SENTINEL in stats.sums:  # valid positions holding an engine sentinel (log-prob ≤ log_prob_floor)
-        m["sentinel_token_fraction"] = safe_div(stats.sum(N_SENTINEL), stats.sum(N_TOK_INPUT))
+    n_input = stats.sum(COUNTS.n_rows_input)
+    m = {"nonfinite_seq_fraction": safe_div(n_input - stats.sum(COUNTS.n_rows), n_input)}
+    if stats.has(COUNTS.n_sentinel):  # valid positions holding an engine sentinel (log-prob ≤ log_prob_floor)
+        m["sentinel_token_fraction"] = safe_div(stats.sum(COUNTS.n_sentinel), stats.sum(COUNTS.n_tok_input))
     return m
 
 

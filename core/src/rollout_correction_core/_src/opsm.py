@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from .policy_losses import sequence_advantage
+from .declared import OPSM
 from .stats import SufficientStats, safe_div
 
 __all__ = ["OPSMResult", "opsm_keep", "compute_opsm"]
@@ -65,15 +66,15 @@ def compute_opsm(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advanta
     dropped = rows & ~res.row_keep
     has = rows & (res.evidence > 0)
     stats = SufficientStats()
-    stats.add_sum("opsm.n_tok", n_row)
-    stats.add_sum("opsm.n_rows", rows)
-    stats.add_sum("opsm.masked", torch.where(dropped, n_row, 0))
-    stats.add_sum("opsm.seq_masked", dropped)
-    stats.add_sum("opsm.div_rows", has)
-    stats.add_sum("opsm.div_sum", torch.where(has, res.divergence.double(), 0.0))
+    stats.add(OPSM.n_tok, n_row)
+    stats.add(OPSM.n_rows, rows)
+    stats.add(OPSM.masked, torch.where(dropped, n_row, 0))
+    stats.add(OPSM.seq_masked, dropped)
+    stats.add(OPSM.div_rows, has)
+    stats.add(OPSM.div_sum, torch.where(has, res.divergence.double(), 0.0))
     stats.all_reduce(process_group)
     return res.row_keep, {
-        "opsm_masked_fraction": safe_div(stats.sum("opsm.masked"), stats.sum("opsm.n_tok")),
-        "opsm_seq_masked_fraction": safe_div(stats.sum("opsm.seq_masked"), stats.sum("opsm.n_rows")),
-        "opsm_seq_kl_mean": safe_div(stats.sum("opsm.div_sum"), stats.sum("opsm.div_rows")),
+        "opsm_masked_fraction": safe_div(stats.sum(OPSM.masked), stats.sum(OPSM.n_tok)),
+        "opsm_seq_masked_fraction": safe_div(stats.sum(OPSM.seq_masked), stats.sum(OPSM.n_rows)),
+        "opsm_seq_kl_mean": safe_div(stats.sum(OPSM.div_sum), stats.sum(OPSM.div_rows)),
     }

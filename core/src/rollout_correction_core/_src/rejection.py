@@ -36,7 +36,8 @@ from typing import Optional, Union
 import torch
 
 from .config import RolloutCorrectionConfig, RSOption
-from .logratio import N_ROWS, N_TOK, LogRatioBatch, segmented_batch
+from .declared import COUNTS, RS, VETO, VETO_HIGH, rs_option
+from .logratio import LogRatioBatch, segmented_batch
 from .segments import Segments
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
@@ -186,7 +187,7 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
             seg_keep = _within(seg, opt)
             if stats is not None:
                 units = (n > 0).reshape(-1)
-                stats.add_sum(f"rs.{opt.name}.units", units)
+                stats.add(rs_option(opt.name).units, units)
                 _add_row_option_stats(stats, batch, opt, seg.reshape(-1), seg_keep.reshape(-1), units, n.reshape(-1))
             segment_keep = seg_keep if segment_keep is None else segment_keep & seg_keep
         else:
@@ -194,17 +195,17 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
             row_keep = keep if row_keep is None else row_keep & keep
     if stats is not None and options:  # valid tokens rejected by the chained options, per row
         rejected = batch.n_row - RejectionResult(token_keep, row_keep, segment_keep).kept_per_row(batch)
-        stats.add_sum("rs.masked", rejected)
-        stats.add_sum("rs.seq_masked", rejected > 0, rows=batch.row_valid)
-    for key, bound, side in (("veto", veto_threshold, batch.below), ("veto_high", veto_high, batch.above)):
+        stats.add(RS.masked, rejected)
+        stats.add(RS.seq_masked, rejected > 0, rows=batch.row_valid)
+    for fam, bound, side in ((VETO, veto_threshold, batch.below), (VETO_HIGH, veto_high, batch.above)):
         if bound is None:
             continue
         catastrophic = batch.row_total(side(batch.log_ratio, math.log(bound)))
         vetoed = catastrophic > 0
         row_keep = ~vetoed if row_keep is None else row_keep & ~vetoed
         if stats is not None:
-            stats.add_sum(key + ".tok", catastrophic)
-            stats.add_sum(key + ".rows", vetoed, rows=batch.row_valid)
+            stats.add(fam.tok, catastrophic)
+            stats.add(fam.rows, vetoed, rows=batch.row_valid)
     return RejectionResult(token_keep, row_keep, segment_keep)
 
 
@@ -227,25 +228,25 @@ def _add_token_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: R
                             high: torch.Tensor, low: Optional[torch.Tensor]) -> None:
     """Record a token option's per-row statistics: Σx, Σc and Σc² of x clamped to the bounds
     (float64), max / min of x over valid tokens, and the counts above (``high``) / below (``low``)."""
-    p = f"rs.{opt.name}."
+    p = rs_option(opt.name)
     c_sum, c_sum2 = batch.token_moments(_std_clamp(opt, x).mul_(batch.mask))
     x_sum = batch.row_total(x)
     x_max, x_min = batch.token_extremes(x)
     n_high, n_low = batch.row_total(high), batch.row_total(low) if low is not None else None
-    stats.add_sum(p + "sum", x_sum)
-    stats.add_sum(p + "c_sum", c_sum)
-    stats.add_sum(p + "c_sum2", c_sum2)
-    stats.add_max(p + "max", x_max)
-    stats.add_min(p + "min", x_min)
-    stats.add_sum(p + "high", n_high)
+    stats.add(p.sum, x_sum)
+    stats.add(p.c_sum, c_sum)
+    stats.add(p.c_sum2, c_sum2)
+    stats.add(p.max, x_max)
+    stats.add(p.min, x_min)
+    stats.add(p.high, n_high)
     rejected = n_high
     if n_low is not None:
-        stats.add_sum(p + "low", n_low)
+        stats.add(p.low, n_low)
         rejected = n_high + n_low  # disjoint: a token cannot be both above and below
     seq = x_sum / batch.n_row.clamp_min(1.0)
     _add_seq_values(stats, batch, opt, seq)
-    stats.add_sum(p + "masked", rejected)
-    stats.add_sum(p + "seq_masked", rejected > 0, rows=batch.row_valid)
+    stats.add(p.masked, rejected)
+    stats.add(p.seq_masked, rejected > 0, rows=batch.row_valid)
 
 
 def _add_row_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption,
@@ -253,34 +254,34 @@ def _add_row_option_stats(stats: SufficientStats, batch: LogRatioBatch, opt: RSO
                           n: Optional[torch.Tensor] = None) -> None:
     """Per-unit statistics of a sequence option (units: the rows), or of a segment option (units:
     the (row, segment) pairs, ``rows`` (B·S,) bool valid and ``n`` (B·S,) token counts)."""
-    p = f"rs.{opt.name}."
+    p = rs_option(opt.name)
     c = _std_clamp(opt, s).double()
     if rows is None:
         rows, n = batch.row_valid, batch.n_row
     rejected = ~keep
-    stats.add_sum(p + "sum", s, rows=rows, weight=n)
-    stats.add_sum(p + "c_sum", c, rows=rows, weight=n)
-    stats.add_sum(p + "c_sum2", c * c, rows=rows, weight=n)
-    stats.add_sum(p + "masked", rejected, rows=rows, weight=n)
-    stats.add_sum(p + "high", s > opt.stat_upper, rows=rows)
+    stats.add(p.sum, s, rows=rows, weight=n)
+    stats.add(p.c_sum, c, rows=rows, weight=n)
+    stats.add(p.c_sum2, c * c, rows=rows, weight=n)
+    stats.add(p.masked, rejected, rows=rows, weight=n)
+    stats.add(p.high, s > opt.stat_upper, rows=rows)
     if opt.stat_lower is not None:
-        stats.add_sum(p + "low", s < opt.stat_lower, rows=rows)
+        stats.add(p.low, s < opt.stat_lower, rows=rows)
     _add_seq_values(stats, batch, opt, s, rows)
-    stats.add_sum(p + "seq_masked", rejected, rows=rows)
+    stats.add(p.seq_masked, rejected, rows=rows)
 
 
 def _add_seq_values(stats: SufficientStats, batch: LogRatioBatch, opt: RSOption, seq: torch.Tensor,
                     rows: Optional[torch.Tensor] = None) -> None:
-    p = f"rs.{opt.name}.seq"
+    p = rs_option(opt.name)
     rows = batch.row_valid if rows is None else rows
     seq64 = seq.double()
-    stats.add_sum(p + "_sum", seq, rows=rows)
-    stats.add_sum(p + "_sum2", seq64 * seq64, rows=rows)
-    stats.add_max(p + "_max", seq, rows=rows)
-    stats.add_min(p + "_min", seq, rows=rows)
-    stats.add_sum(p + "_high", seq > opt.stat_upper, rows=rows)
+    stats.add(p.seq_sum, seq, rows=rows)
+    stats.add(p.seq_sum2, seq64 * seq64, rows=rows)
+    stats.add(p.seq_max, seq, rows=rows)
+    stats.add(p.seq_min, seq, rows=rows)
+    stats.add(p.seq_high, seq > opt.stat_upper, rows=rows)
     if opt.stat_lower is not None:
-        stats.add_sum(p + "_low", seq < opt.stat_lower, rows=rows)
+        stats.add(p.seq_low, seq < opt.stat_lower, rows=rows)
 
 
 def rs_option_metrics(stats, opt: RSOption) -> dict[str, Value]:
@@ -296,30 +297,30 @@ def rs_option_metrics(stats, opt: RSOption) -> dict[str, Value]:
     quantity is per segment (turn) with ≥ 1 valid token instead: seq_* and max/min describe the
     segment statistic, seq_masked_fraction is the share of segments it rejects.
     """
-    p, out = f"rs.{opt.name}.", f"rollout_rs_{opt.name}_"
-    n_tok = stats.sum(N_TOK)
-    n_rows = stats.sum(p + "units") if opt.agg.startswith("segment_") else stats.sum(N_ROWS)
+    p, out = rs_option(opt.name), f"rollout_rs_{opt.name}_"
+    n_tok = stats.sum(COUNTS.n_tok)
+    n_rows = stats.sum(p.units) if opt.agg.startswith("segment_") else stats.sum(COUNTS.n_rows)
     m: dict[str, Value] = {}
-    seq = seq_summary(stats, p + "seq", n_rows, center=0.0)
-    m[out + "mean"] = safe_div(stats.sum(p + "sum"), n_tok)
+    seq = seq_summary(stats, p, n_rows, center=0.0)
+    m[out + "mean"] = safe_div(stats.sum(p.sum), n_tok)
     if opt.agg == "token":
-        m[out + "max"] = where(n_tok > 0, stats.max(p + "max"), 0.0)
-        m[out + "min"] = where(n_tok > 0, stats.min(p + "min"), 0.0)
+        m[out + "max"] = where(n_tok > 0, stats.max(p.max), 0.0)
+        m[out + "min"] = where(n_tok > 0, stats.min(p.min), 0.0)
         den = n_tok
     else:
         m[out + "max"], m[out + "min"] = seq["max"], seq["min"]
         den = n_rows
-    m[out + "fraction_high"] = safe_div(stats.sum(p + "high"), den)
-    m[out + "fraction_low"] = safe_div(stats.sum(p + "low"), den) if opt.stat_lower is not None else 0.0 * den
-    cm = safe_div(stats.sum(p + "c_sum"), n_tok)
-    m[out + "std"] = where(n_tok > 1, sqrt0(safe_div(stats.sum(p + "c_sum2"), n_tok) - cm * cm), 0.0)
+    m[out + "fraction_high"] = safe_div(stats.sum(p.high), den)
+    m[out + "fraction_low"] = safe_div(stats.sum(p.low), den) if opt.stat_lower is not None else 0.0 * den
+    cm = safe_div(stats.sum(p.c_sum), n_tok)
+    m[out + "std"] = where(n_tok > 1, sqrt0(safe_div(stats.sum(p.c_sum2), n_tok) - cm * cm), 0.0)
     for k, v in seq.items():
         m[out + "seq_" + k] = v
-    m[out + "seq_fraction_high"] = safe_div(stats.sum(p + "seq_high"), n_rows)
+    m[out + "seq_fraction_high"] = safe_div(stats.sum(p.seq_high), n_rows)
     if opt.stat_lower is not None:
-        m[out + "seq_fraction_low"] = safe_div(stats.sum(p + "seq_low"), n_rows)
-    m[out + "masked_fraction"] = safe_div(stats.sum(p + "masked"), n_tok)
-    m[out + "seq_masked_fraction"] = safe_div(stats.sum(p + "seq_masked"), n_rows)
+        m[out + "seq_fraction_low"] = safe_div(stats.sum(p.seq_low), n_rows)
+    m[out + "masked_fraction"] = safe_div(stats.sum(p.masked), n_tok)
+    m[out + "seq_masked_fraction"] = safe_div(stats.sum(p.seq_masked), n_rows)
     return m
 
 
@@ -329,12 +330,12 @@ def rs_metrics(stats, options: tuple[RSOption, ...]) -> dict[str, Value]:
     sequences with at least one rejected token), from statistics recorded by :func:`rejection_keep`."""
     if not options:
         return {}
-    n_tok, n_rows = stats.sum(N_TOK), stats.sum(N_ROWS)
+    n_tok, n_rows = stats.sum(COUNTS.n_tok), stats.sum(COUNTS.n_rows)
     m: dict[str, Value] = {}
     for opt in options:
         m.update(rs_option_metrics(stats, opt))
-    m["rollout_rs_masked_fraction"] = safe_div(stats.sum("rs.masked"), n_tok)
-    m["rollout_rs_seq_masked_fraction"] = safe_div(stats.sum("rs.seq_masked"), n_rows)
+    m["rollout_rs_masked_fraction"] = safe_div(stats.sum(RS.masked), n_tok)
+    m["rollout_rs_seq_masked_fraction"] = safe_div(stats.sum(RS.seq_masked), n_rows)
     if options[0].legacy is not None:  # first-generation names for the same quantities
         m["rollout_is_masked_fraction"] = m["rollout_rs_masked_fraction"]
         m["rollout_is_seq_masked_fraction"] = m["rollout_rs_seq_masked_fraction"]
@@ -347,9 +348,9 @@ def veto_metrics(stats, low: bool = True, high: bool = False) -> dict[str, Value
     ``rollout_is_veto_high_fraction`` and ``rollout_is_catastrophic_high_token_fraction`` (ρ_t > C')
     for the high side."""
     m: dict[str, Value] = {}
-    for side, key, infix in ((low, "veto", ""), (high, "veto_high", "_high")):
+    for side, fam, infix in ((low, VETO, ""), (high, VETO_HIGH, "_high")):
         if side:
-            m[f"rollout_is_veto{infix}_fraction"] = safe_div(stats.sum(key + ".rows"), stats.sum(N_ROWS))
-            m[f"rollout_is_catastrophic{infix}_token_fraction"] = safe_div(stats.sum(key + ".tok"),
-                                                                           stats.sum(N_TOK))
+            m[f"rollout_is_veto{infix}_fraction"] = safe_div(stats.sum(fam.rows), stats.sum(COUNTS.n_rows))
+            m[f"rollout_is_catastrophic{infix}_token_fraction"] = safe_div(stats.sum(fam.tok),
+                                                                           stats.sum(COUNTS.n_tok))
     return m

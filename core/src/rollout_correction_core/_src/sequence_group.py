@@ -1,9 +1,8 @@
 """Sequences split across the ranks of a group (context / sequence parallelism).
 
-With Megatron context parallelism each rank of the CP group holds a part of every sequence (a
-contiguous slice, or the two "zig-zag" chunks r and 2·CP−1−r); Ulysses / verl sequence
-parallelism splits sequences likewise. The correction is defined per sequence, so the
-per-sequence reductions must span the group. With one collective of O(B) scalars per call:
+Each rank of the group holds a part of every sequence (Megatron's contiguous or "zig-zag" chunks
+r and 2·CP−1−r; Ulysses / verl sequence parallelism). The correction is defined per sequence, so
+per-sequence reductions span the group, with one collective of O(B) scalars per call:
 
 1. **Collect pass.** The computation runs on the local tokens; every per-sequence reduction goes
    through a :class:`RowExchange`, which records the local (B,) partial and hands it back
@@ -13,10 +12,9 @@ per-sequence reductions must span the group. With one collective of O(B) scalars
 3. **Replay pass.** The computation runs again; each reduction now returns the group's value, so
    every decision and every per-token output is the one of the unsplit computation.
 
-A partial must be a function of this rank's tokens only (never of another reduced value). Rows
-dropped in the replay pass get this rank's own value computed without them (an empty row's). Any
-layout works as long as every valid token of a sequence is held by exactly one rank of the group
-and every rank holds the same B sequences in the same order.
+A partial must be a function of this rank's tokens only (never of another reduced value); rows
+dropped in the replay pass get this rank's own value. Every valid token of a sequence must be held
+by exactly one rank, and every rank must hold the same B sequences in the same order.
 """
 
 from __future__ import annotations
@@ -116,10 +114,8 @@ def _multi_rank(group: Optional[object]) -> bool:
 def raise_nonfinite_on_any_rank(bad: torch.Tensor, what: str, process_group: Optional[object],
                                 sequence_group: Optional[object]) -> None:
     """``on_nonfinite="raise"`` over groups of several ranks: ``bad`` is this rank's (B, T) "non-finite
-    at a valid position". Every rank of ``sequence_group`` and ``process_group`` raises alike when
-    any of them has one, so that none is left waiting in a later collective; the rank that holds it
-    names the position. One all-reduce per group of more than one rank and one host read (and, the
-    first time, the ranks' agreement on it); nothing without such a group."""
+    at a valid position". Every rank of both groups raises alike when any has one (the rank holding
+    it names the position): one all-reduce per multi-rank group and one host read."""
     seq, dp = _multi_rank(sequence_group), _multi_rank(process_group)
     if not (seq or dp):
         return
@@ -188,7 +184,6 @@ class RowExchange:
         if self._next != len(self._values):
             raise RuntimeError("sequence-group replay made fewer reductions than the collect pass")
 
-    # -- reductions -------------------------------------------------------------------
     def sum(self, partial: torch.Tensor) -> torch.Tensor:
         """Group sum of a per-row partial sum (B,), or of k of them stacked (k, B)."""
         return self._op("sum", partial)

@@ -6,13 +6,11 @@ whether the parts are data-parallel ranks or streamed chunks, so the derived num
 depend on how the batch was split. All values live in one packed float64 vector: reducing over a
 process group takes two collectives (SUM, MAX), reading every value on the host one copy.
 
-The **layout** of that vector — which slot holds which name — is declared by what the code records,
-never inferred from the data: the slots are the recorded names in recording order, arranged by
-kind and restriction only (see :func:`_order`), so a configuration fixes them whatever rows,
-segments or non-finite values a rank holds. A rank with nothing in a slot (no rows) contributes
-the reduction's identity there (0 for a sum, −inf for a maximum). Before the first reduction of a
-layout over a process group, the ranks compare a fingerprint of the slot names (one small
-collective, then cached) and raise :class:`LayoutMismatchError` naming the first differing slot.
+The **layout** of that vector is the declaration's (:mod:`.declared`): the recorded statistics,
+sums then maxima, in declared order, whatever rows, segments or shapes a rank holds. A rank with
+nothing in a slot contributes the reduction's identity (0 for a sum, −inf for a maximum). Before
+the first reduction of a layout over a process group the ranks agree on its fingerprint
+(:func:`check_layout`) or raise :class:`LayoutMismatchError` naming the first differing slot.
 
 Values are derived by plain functions that work on :class:`SufficientStats` (0-d device tensors,
 no sync) and on :class:`HostStats` (Python floats in float64) alike: ``safe_div``, ``where``,
@@ -29,107 +27,41 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
+from .declared import Stat, position
+
+__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "check_layout", "Value", "safe_div", "seq_summary", "where",
+           "sqrt0", "exp", "clamp", "maximum"]
 
 Value = Union[torch.Tensor, float]
 
 
 class _Part:
-    __slots__ = ("kind", "name", "value", "rows", "weight")
+    __slots__ = ("kind", "name", "value", "rows", "weight", "key")
 
     def __init__(self, kind: str, name: str, value: torch.Tensor, rows: Optional[torch.Tensor],
                  weight: Optional[torch.Tensor]) -> None:
         self.kind, self.name, self.value, self.rows, self.weight = kind, name, value.detach(), rows, weight
+        self.key = (kind != "sum", position(name))  # the slot: sums, then maxima and minima, as declared
 
 
-def _order(parts: list[_Part]) -> tuple[list[_Part], list[_Part], list[_Part]]:
-    """Parts of one shape in reduction order: sums (unrestricted, then per ``rows`` mask:
-    unweighted, then by weight), maxima (unrestricted, then per mask), minima (per mask, then
-    unrestricted) — so that each restriction, weight and sign applies to one contiguous slice."""
-    def by_rows(ps: list[_Part], last_unrestricted: bool = False) -> list[_Part]:
-        # grouped by identity of the mask with `is` (torch.compile cannot trace id() of a tensor
-        # made inside the graph: a graph break, then a recompilation per call)
-        free, groups = [p for p in ps if p.rows is None], []
-        for p in ps:
-            if p.rows is not None:
-                group = next((g for g in groups if g[0].rows is p.rows), None)
-                if group is None:
-                    groups.append([p])
-                else:
-                    group.append(p)
-        masked = [p for g in groups for p in g]
-        return masked + free if last_unrestricted else free + masked
-
-    sums = by_rows([p for p in parts if p.kind == "sum"])
-    sums.sort(key=lambda p: (p.rows is not None, p.weight is not None))  # stable: keeps the mask grouping
-    return (sums, by_rows([p for p in parts if p.kind == "max"]),
-            by_rows([p for p in parts if p.kind == "min"], last_unrestricted=True))
-
-
-def _segments(parts: list[_Part], start: int, attr: str) -> list[tuple[int, int, Optional[torch.Tensor]]]:
-    """Maximal runs [a, b) of consecutive parts sharing the same ``attr`` tensor (not None)."""
-    out: list[tuple[int, int, Optional[torch.Tensor]]] = []
-    for i, p in enumerate(parts, start):
-        t = getattr(p, attr)
-        if t is None:
-            continue
-        if out and out[-1][2] is t and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1, t)
-        else:
-            out.append((i, i + 1, t))
-    return out
-
-
-def _reduce_shape(parts: list[_Part]) -> tuple[list[str], Optional[torch.Tensor], list[str], Optional[torch.Tensor]]:
-    """Parts of one shape reduced with one stacked tensor: (sum names, (K,) float64 sums,
-    max names, (M,) float64 maxima; a minimum is stored as the maximum of −x)."""
-    sums, maxes, mins = _order(parts)
-    ordered = sums + maxes + mins
-    ns, nx = len(sums), len(maxes)
-    stacked = torch.stack([p.value for p in ordered])  # one copy; dtypes promote (bool < float32 < float64)
+def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
+    """Parts of one shape, in slot order, reduced with one stacked tensor: (K + M,) float64, the
+    sums, then the maxima (a minimum is stored as the maximum of −x)."""
+    ns = sum(p.kind == "sum" for p in parts)
+    stacked = torch.stack([p.value for p in parts])  # one copy; dtypes promote (bool < float32 < float64)
     if stacked.dtype != torch.float64:
         stacked = stacked.to(torch.float64)
-    stacked = stacked.reshape(len(ordered), -1)
-    if mins:
-        stacked[ns + nx:].neg_()
-    for a, b, weight in _segments(sums, 0, "weight"):
-        stacked[a:b].mul_(weight.reshape(1, -1))
-    # Restricted to ``rows``: sums get 0, maxima (and negated minima) −inf elsewhere.
-    inverse: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, ~rows), found by identity
-    for a, b, rows in _segments(ordered, 0, "rows"):
-        if a < ns < b:  # a run across the sums/maxima boundary: two fills
-            runs = [(a, ns, 0.0), (ns, b, -math.inf)]
-        else:
-            runs = [(a, b, 0.0 if a < ns else -math.inf)]
-        inv = next((i for r, i in inverse if r is rows), None)
-        if inv is None:
-            inv = ~rows.reshape(1, -1)
-            inverse.append((rows, inv))
-        for lo, hi, fill in runs:
-            stacked[lo:hi].masked_fill_(inv, fill)
-    vs = stacked[:ns].sum(1) if ns else None
-    vm = None
-    if nx + len(mins):
-        ext = stacked[ns:]
-        vm = ext.amax(1) if ext.shape[1] else torch.full((ext.shape[0],), -math.inf, dtype=torch.float64,
-                                                         device=ext.device)
-    return ([p.name for p in sums], vs, [p.name for p in maxes + mins], vm)
-
-
-def _arrange(reduced: list[tuple[list[str], Optional[torch.Tensor], list[str], Optional[torch.Tensor]]],
-             layout_s: list[str], layout_m: list[str]) -> torch.Tensor:
-    """The values of several reduced shape groups (:func:`_reduce_shape`) as one (K + M,) vector in
-    the layout's order; a name recorded more than once is combined (sums add, maxima take the max)."""
-    device = next(v.device for r in reduced for v in (r[1], r[3]) if v is not None)
-    sums: dict[str, torch.Tensor] = {}
-    maxes: dict[str, torch.Tensor] = {}
-    for names_s, vs, names_m, vm in reduced:
-        for names, v, into, combine in ((names_s, vs, sums, torch.add), (names_m, vm, maxes, torch.maximum)):
-            if v is None:
-                continue
-            for n, x in zip(names, (v if v.device == device else v.to(device)).unbind()):
-                into[n] = combine(into[n], x) if n in into else x
-    return torch.stack([sums[n] for n in layout_s] + [maxes[n] for n in layout_m])
+    stacked = stacked.reshape(len(parts), -1)
+    for i, p in enumerate(parts):  # outside ``rows``: 0 in a sum, −inf in a maximum (or negated minimum)
+        if p.kind == "min":
+            stacked[i].neg_()
+        if p.weight is not None:
+            stacked[i].mul_(p.weight.reshape(-1))
+        if p.rows is not None:
+            stacked[i].masked_fill_(~p.rows.reshape(-1), 0.0 if i < ns else -math.inf)
+    ext = stacked[ns:]
+    vm = ext.amax(1) if ext.shape[1] else ext.new_full((ext.shape[0],), -math.inf)
+    return torch.cat((stacked[:ns].sum(1), vm))
 
 
 class LayoutMismatchError(ValueError):
@@ -144,9 +76,8 @@ _VERIFY = ["once"]
 
 @contextmanager
 def verification(mode: str) -> Iterator[None]:
-    """Within the block the ranks agree before every collective (``"always"``, for configurations
-    that change between calls) or once per group and exchange (``"once"``, the default); see
-    :class:`~rollout_correction_core._src.parallel.Parallel`'s ``verify``."""
+    """Within the block the ranks agree before every collective (``"always"``) or once per group
+    and exchange (``"once"``, the default): ``verify`` of :class:`.parallel.Parallel`."""
     if mode not in ("once", "always"):
         raise ValueError(f"verify={mode!r}: expected 'once' or 'always'")
     _VERIFY.append(mode)
@@ -156,21 +87,15 @@ def verification(mode: str) -> Iterator[None]:
         _VERIFY.pop()
 
 
-def _fingerprint(lines: list[str]) -> int:
-    """A 62-bit hash of the lines, the same in every process (its negation fits an int64)."""
-    digest = hashlib.blake2b("\n".join(lines).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
 def agree(group: object, lines: list[str], name: str, device: Optional[torch.device] = None) -> None:
-    """Confirm that every rank of ``group`` (called ``name`` in errors) is about to exchange the same
-    thing, described by ``lines``: one all-reduce (MAX of a fingerprint and of its negation) and one
-    host read the first time a (group, description) is seen, nothing afterwards (every time inside
-    ``verification("always")``). On a mismatch every rank gathers the descriptions and raises
-    :class:`LayoutMismatchError` naming the group's ranks, the first differing line and who holds what."""
+    """Confirm that every rank of ``group`` (``name`` in errors) is about to exchange the same ``lines``:
+    one all-reduce (MAX of a fingerprint and its negation) the first time a (group, lines) is seen (every
+    time inside ``verification("always")``). On a mismatch every rank raises :class:`LayoutMismatchError`
+    naming the group's ranks, the first differing line and who holds what."""
     import torch.distributed as dist
 
-    fp = _fingerprint(lines)
+    digest = hashlib.blake2b("\n".join(lines).encode(), digest_size=8).digest()
+    fp = int.from_bytes(digest, "little") >> 2  # the same in every process; −fp fits an int64
     try:
         seen = _AGREED.setdefault(group, set())
     except TypeError:  # not weakly referenceable: agreed every time
@@ -202,37 +127,39 @@ def agree(group: object, lines: list[str], name: str, device: Optional[torch.dev
         "max_segments), and every rank of a sequence_group with the same rows in the same order")
 
 
-def check_layout(sum_names: list[str], max_names: list[str], device: Optional[torch.device],
-                 process_group: object) -> None:
-    """Confirm that every rank of ``process_group`` packs the same slots (:func:`agree` on the slot
-    names ``sum <name>``, ``max <name>``, ``min <name>``)."""
+def check_layout(sum_names: list, max_names: list, device: Optional[torch.device], process_group) -> None:
+    """Confirm that every rank of ``process_group`` packs the same declared slots (:func:`agree` on
+    ``sum <name>``, ``max <name>``, ``min <name>`` in slot order)."""
     slots = [f"sum {n}" for n in sum_names] + [f"min {n[1:]}" if n.startswith("-") else f"max {n}" for n in max_names]
     agree(process_group, slots, "process_group", device)
 
 
 class _Reading:
-    """``sum`` / ``max`` / ``min`` by name over the ``sums`` and ``maxes`` mappings."""
+    """The value of a declared :class:`Stat` over the ``sums`` and ``maxes`` mappings."""
 
-    def sum(self, name: str) -> Value:
-        return self.sums[name]
+    def sum(self, stat: Stat) -> Value:
+        return self.sums[stat.name]
 
-    def max(self, name: str) -> Value:
-        return self.maxes[name]
+    def max(self, stat: Stat) -> Value:
+        return self.maxes[stat.name]
 
-    def min(self, name: str) -> Value:
-        return -self.maxes["-" + name]
+    def min(self, stat: Stat) -> Value:
+        return -self.maxes["-" + stat.name]
+
+    def has(self, stat: Stat) -> bool:
+        """Whether ``stat`` was recorded."""
+        key = "-" + stat.name if stat.reduce == "min" else stat.name
+        return key in (self.sums if stat.reduce == "sum" else self.maxes)
 
 
 class SufficientStats(_Reading):
-    """Named float64 sums and maxima, with exact merge and all-reduce.
+    """Declared float64 sums and maxima, with exact merge and all-reduce.
 
-    ``add_sum(name, x)`` / ``add_max(name, x)`` / ``add_min(name, x)`` record tensors of any shape
-    (their elements are summed / maxed); ``rows=`` (bool, same shape) keeps only those elements,
-    ``weight=`` (same shape) multiplies them first (sums only). Adding to an existing name
-    accumulates. An empty maximum is ``-inf`` or a large negative number; the code that derives a
-    metric checks the matching count before using it. Recording is deferred: parts of one shape
-    are stacked and reduced together when the values are first read, and placed in the layout's
-    slots (module docstring), which never depend on the shapes.
+    ``add(stat, x)`` records a tensor of any shape for a declared :class:`Stat` (its elements are
+    summed, maxed or minned); ``rows=`` (bool, same shape) keeps only those elements, ``weight=``
+    (same shape) multiplies them first (sums only). Adding again accumulates. An empty maximum is
+    ``-inf``: derivations check the matching count first. Parts are reduced lazily, one stacked
+    tensor per shape, on the first read.
     """
 
     def __init__(self) -> None:
@@ -248,27 +175,25 @@ class SufficientStats(_Reading):
         out = cls()
         values = [v.reshape(()) for v in (*sums.values(), *maxes.values())]
         if values:
-            vec = torch.stack(values)
-            out._set(list(sums), list(maxes), vec if vec.dtype == torch.float64 else vec.double())
+            out._set(list(sums), list(maxes), torch.stack(values).double())
         return out
 
     @classmethod
-    def from_vector(cls, sum_names: list[str], sums: torch.Tensor) -> "SufficientStats":
-        """Statistics holding the already reduced sums ``sums`` ((K,) float64), named in order."""
+    def from_vector(cls, declared: list, sums: torch.Tensor) -> "SufficientStats":
+        """Statistics holding the already reduced sums ``sums`` ((K,) float64) of ``declared`` (sum
+        :class:`Stat` objects, or names), in order."""
         out = cls()
-        out._set(list(sum_names), [], sums if sums.dtype == torch.float64 else sums.double())
+        out._set([getattr(s, "name", s) for s in declared], [], sums.double())
         return out
 
-    # -- recording ---------------------------------------------------------------------
-    def add_sum(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None,
-                weight: Optional[torch.Tensor] = None) -> None:
-        self._parts.append(_Part("sum", name, value, rows, weight))
-
-    def add_max(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
-        self._parts.append(_Part("max", name, value, rows, None))
-
-    def add_min(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
-        self._parts.append(_Part("min", "-" + name, value, rows, None))
+    def add(self, stat: Stat, value: torch.Tensor, rows: Optional[torch.Tensor] = None,
+            weight: Optional[torch.Tensor] = None) -> None:
+        """Record ``value`` (any shape; its elements reduce by ``stat.reduce``), restricted to ``rows``
+        and, for a sum, multiplied by ``weight`` first."""
+        if weight is not None and stat.reduce != "sum":
+            raise ValueError(f"{stat.name}: only a sum takes a weight")
+        name = "-" + stat.name if stat.reduce == "min" else stat.name
+        self._parts.append(_Part(stat.reduce, name, value, rows, weight))
 
     def _set(self, sum_names: list[str], max_names: list[str], vec: Optional[torch.Tensor]) -> None:
         self._sum_names, self._max_names, self._vec = sum_names, max_names, vec
@@ -281,13 +206,10 @@ class SufficientStats(_Reading):
             self._set(names_s, names_m, vec)
             return
         if self._vec is not None and names_s == self._sum_names and names_m == self._max_names:
-            k = len(self._sum_names)
-            parts = [self._vec[:k] + vec[:k]] if k else []
-            if names_m:
-                parts.append(torch.maximum(self._vec[k:], vec[k:]))
-            self._set(names_s, names_m, parts[0] if len(parts) == 1 else torch.cat(parts))
+            both = (self._vec[:ns] + vec[:ns], torch.maximum(self._vec[ns:], vec[ns:]))
+            self._set(names_s, names_m, torch.cat(both))
             return
-        # different names, or a name recorded twice in one settle (rare): combine by name
+        # different names (or one recorded twice): combine by name, in the declared order
         merged_s: dict[str, torch.Tensor] = {}
         merged_m: dict[str, torch.Tensor] = {}
         sources = [(names_s, names_m, vec)]
@@ -299,31 +221,27 @@ class SufficientStats(_Reading):
                 merged_s[n] = merged_s[n] + x if n in merged_s else x
             for n, x in zip(m_names, values[len(s_names):]):
                 merged_m[n] = torch.maximum(merged_m[n], x) if n in merged_m else x
-        self._set(list(merged_s), list(merged_m), torch.stack([*merged_s.values(), *merged_m.values()]))
+        layout_s, layout_m = sorted(merged_s, key=position), sorted(merged_m, key=position)
+        values = [merged_s[n] for n in layout_s] + [merged_m[n] for n in layout_m]
+        self._set(layout_s, layout_m, torch.stack(values))
 
     def _settle(self) -> None:
         if not self._parts:
             return
-        parts, self._parts = self._parts, []
-        # The layout: every recorded name once, in the order of _order over all parts (kind,
-        # restriction, recording order; never shapes). Parts of one shape are reduced together.
-        sums, maxes, mins = _order(parts)
-        layout_s = list(dict.fromkeys(p.name for p in sums))
-        layout_m = list(dict.fromkeys(p.name for p in maxes + mins))
-        groups: dict[tuple, list[_Part]] = {}
-        for p in parts:
-            groups.setdefault((tuple(p.value.shape), p.value.device), []).append(p)
-        reduced = [_reduce_shape(g) for g in groups.values()]
-        names_s, vs, names_m, vm = reduced[0]
-        if len(reduced) == 1 and len(names_s) == len(layout_s) and len(names_m) == len(layout_m):
-            # one shape, each name once: the group's order is the layout's (_order of the same parts)
-            pieces = [v for v in (vs, vm) if v is not None]
-            vec = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        else:
-            vec = _arrange(reduced, layout_s, layout_m)
-        self._accumulate(layout_s, layout_m, vec)
+        shapes: dict[tuple, list[_Part]] = {}
+        for p in self._parts:
+            shapes.setdefault((tuple(p.value.shape), p.value.device), []).append(p)
+        self._parts = []
+        # Parts of one shape reduce together, in the declared slot order (never the shapes').
+        into = self if len(shapes) == 1 else SufficientStats()
+        for g in shapes.values():
+            g.sort(key=lambda p: p.key)
+            vec = _reduce_shape(g).to(next(iter(shapes))[1])
+            sums = [p.name for p in g if p.kind == "sum"]  # first in slot order
+            into._accumulate(sums, [p.name for p in g[len(sums):]], vec)
+        if into is not self:
+            self._accumulate(into._sum_names, into._max_names, into._vec)
 
-    # -- reading -----------------------------------------------------------------------
     def packed_vector(self) -> tuple[list[str], list[str], Optional[torch.Tensor]]:
         """(sum names, max names, (K + M,) float64 vector: the sums, then the maxima)."""
         self._settle()
@@ -345,7 +263,6 @@ class SufficientStats(_Reading):
     def maxes(self) -> dict[str, torch.Tensor]:
         return self._named()[1]
 
-    # -- combining ---------------------------------------------------------------------
     def merge(self, other: "SufficientStats") -> "SufficientStats":
         """Accumulate ``other`` into ``self`` (sums add, maxima take the max)."""
         self._settle()
@@ -355,9 +272,8 @@ class SufficientStats(_Reading):
         return self
 
     def all_reduce(self, process_group: Optional[object] = None) -> "SufficientStats":
-        """Reduce in place over ``process_group`` with one SUM and one MAX collective. The layout is
-        the configuration's (module docstring); the first reduction of a layout over a group checks
-        that every rank has it (:func:`check_layout`)."""
+        """Reduce in place over ``process_group`` with one SUM and one MAX collective, after
+        :func:`check_layout`."""
         import torch.distributed as dist
 
         if process_group is None or not (dist.is_available() and dist.is_initialized()):
@@ -383,8 +299,7 @@ class SufficientStats(_Reading):
 
 
 class HostStats(_Reading):
-    """Reduced statistics as Python floats, read like :class:`SufficientStats`, so every
-    derivation runs on either."""
+    """Python floats read like :class:`SufficientStats`, so every derivation runs on both."""
 
     def __init__(self, sums: dict[str, float], maxes: dict[str, float]) -> None:
         self.sums, self.maxes = sums, maxes
@@ -419,9 +334,7 @@ def exp(x: Value) -> Value:
 def clamp(x: Value, lo: Optional[float] = None, hi: Optional[float] = None) -> Value:
     if isinstance(x, torch.Tensor):
         return x.clamp(lo, hi)
-    if lo is not None:
-        x = max(x, lo)
-    return min(x, hi) if hi is not None else x
+    return min(max(x, -math.inf if lo is None else lo), math.inf if hi is None else hi)
 
 
 def maximum(a: Value, b: Value) -> Value:
@@ -430,14 +343,15 @@ def maximum(a: Value, b: Value) -> Value:
     return max(a, b)
 
 
-def seq_summary(stats, key: str, n_rows: Value, center: float) -> dict[str, Value]:
-    """mean, unbiased std, max, min and max |x − center| of the per-row values recorded as
-    ``<key>_sum``, ``_sum2``, ``_max`` and ``_min``; all 0 when ``n_rows`` is 0, std 0 when it is 1."""
-    s, s2 = stats.sum(f"{key}_sum"), stats.sum(f"{key}_sum2")
+def seq_summary(stats, family, n_rows: Value, center: float) -> dict[str, Value]:
+    """mean, unbiased std, max, min and max |x − center| of the per-row values recorded as the
+    ``family``'s ``seq_sum``, ``seq_sum2``, ``seq_max`` and ``seq_min``; all 0 when ``n_rows`` is 0,
+    std 0 when it is 1."""
+    s, s2 = stats.sum(family.seq_sum), stats.sum(family.seq_sum2)
     mean = safe_div(s, n_rows)
     var = safe_div(s2 - s * mean, n_rows - 1)
     std = where(n_rows > 1, sqrt0(var), 0.0)
-    mx, mn = stats.max(f"{key}_max"), stats.min(f"{key}_min")
+    mx, mn = stats.max(family.seq_max), stats.min(family.seq_min)
     has = n_rows > 0
     dev = where(has, maximum(abs(mx - center), abs(mn - center)), 0.0)
     return {"mean": mean, "std": std, "max": where(has, mx, 0.0), "min": where(has, mn, 0.0), "max_deviation": dev}

@@ -36,7 +36,8 @@ import torch
 
 from .config import SEGMENT_IS_LEVELS, IsLevel, IsMode, ISSpec, RolloutCorrectionConfig
 from .constants import SAFETY_BOUND
-from .logratio import N_ROWS, N_TOK, LogRatioBatch, segmented_batch
+from .declared import COUNTS, IS
+from .logratio import LogRatioBatch, segmented_batch
 from .segments import Segments
 from .stats import SufficientStats, Value, clamp, exp, safe_div, seq_summary, sqrt0, where
 
@@ -131,19 +132,19 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
     if spec.level in TOKEN_WEIGHT_LEVELS:
         w, raw = isw.weights, isw.raw
         sum_w, sum_w2 = batch.token_moments(w)
-        stats.add_sum("is.sum_w", sum_w)
-        stats.add_sum("is.sum_w2", sum_w2)
+        stats.add(IS.sum_w, sum_w)
+        stats.add(IS.sum_w2, sum_w2)
         # Outside the band [L, U]: s = sign(raw − clamp(raw, L, U)) on valid tokens is +1 above U
         # and −1 below L, so Σs = high − low and Σ|s| = high + low (exact integer counts).
         out = (raw - raw.clamp(L, U)).mul_(batch.mask).sign_()
-        stats.add_sum("is.out_signed", batch.row_total(out))
-        stats.add_sum("is.out", batch.row_total(out.abs_()))
+        stats.add(IS.out_signed, batch.row_total(out))
+        stats.add(IS.out, batch.row_total(out.abs_()))
         if w.shape[-1]:  # w ≥ 0 and 0 at padding, so the plain row maximum is the maximum over valid tokens
             high, low = batch.reduce_max(w.amax(-1)), batch.token_extremes(w, need_max=False)[1]
         else:
             high, low = batch.token_extremes(w)
-        stats.add_max("is.max", high)
-        stats.add_min("is.min", low)
+        stats.add(IS.max, high)
+        stats.add(IS.min, low)
         n = batch.n_row.clamp_min(1.0)
         seq_w = sum_w / n
         seq_raw = batch.sums.ratio / n  # raw is the batch's ratio: its row sums are the pass's
@@ -152,46 +153,46 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         rlog, rraw = isw.row_log, isw.row_raw
         if spec.level in SEGMENT_IS_LEVELS:  # one unit per segment: the "seq" statistics are per segment
             rw, rows, n = isw.unit_weight, isw.unit_valid, isw.unit_n
-            stats.add_sum("is.units", rows)
+            stats.add(IS.units, rows)
         else:
             rw, rows, n = isw.row_weight, batch.row_valid, batch.n_row
         rw64 = rw.double()
-        stats.add_sum("is.sum_w", rw64, rows=rows, weight=n)
-        stats.add_sum("is.sum_w2", rw64 * rw64, rows=rows, weight=n)
-        stats.add_sum("is.high", rlog > _log(U), rows=rows)
-        stats.add_sum("is.low", rlog < _log(L), rows=rows)
-        stats.add_max("is.max_log", rlog, rows=rows)
-        stats.add_min("is.min_log", rlog, rows=rows)
+        stats.add(IS.sum_w, rw64, rows=rows, weight=n)
+        stats.add(IS.sum_w2, rw64 * rw64, rows=rows, weight=n)
+        stats.add(IS.high, rlog > _log(U), rows=rows)
+        stats.add(IS.low, rlog < _log(L), rows=rows)
+        stats.add(IS.max_log, rlog, rows=rows)
+        stats.add(IS.min_log, rlog, rows=rows)
         seq_w, seq_raw = rw, rraw
         # Pre-truncation (length-aware) statistics of the row weights, one value per sequence.
         raw = rraw.double()
-        stats.add_sum("is.raw_sum", raw, rows=rows)
-        stats.add_sum("is.raw_sum2", raw * raw, rows=rows)
-        stats.add_sum("is.log_sum", rlog, rows=rows)
-        stats.add_sum("is.collapsed", rlog < COLLAPSED_LOG_WEIGHT, rows=rows)
+        stats.add(IS.raw_sum, raw, rows=rows)
+        stats.add(IS.raw_sum2, raw * raw, rows=rows)
+        stats.add(IS.log_sum, rlog, rows=rows)
+        stats.add(IS.collapsed, rlog < COLLAPSED_LOG_WEIGHT, rows=rows)
         if spec.mode == "mask":
-            stats.add_sum("is.oob", (rraw < spec.lower) | (rraw > U), rows=rows, weight=n)
+            stats.add(IS.oob, (rraw < spec.lower) | (rraw > U), rows=rows, weight=n)
     seq_w64 = seq_w.double()
-    stats.add_sum("is.seq_sum", seq_w, rows=rows)
-    stats.add_sum("is.seq_sum2", seq_w64 * seq_w64, rows=rows)
-    stats.add_max("is.seq_max", seq_w, rows=rows)
-    stats.add_min("is.seq_min", seq_w, rows=rows)
-    stats.add_sum("is.seq_high", seq_raw > U, rows=rows)
-    stats.add_sum("is.seq_low", seq_raw < L, rows=rows)
+    stats.add(IS.seq_sum, seq_w, rows=rows)
+    stats.add(IS.seq_sum2, seq_w64 * seq_w64, rows=rows)
+    stats.add(IS.seq_max, seq_w, rows=rows)
+    stats.add(IS.seq_min, seq_w, rows=rows)
+    stats.add(IS.seq_high, seq_raw > U, rows=rows)
+    stats.add(IS.seq_low, seq_raw < L, rows=rows)
 
 
 def batch_norm_factor(stats, spec: ISSpec) -> Value:
     """Mean bounded weight (over tokens, valid sequences or valid segments); 1 when it is ≤ 1e-8."""
     if spec.level in TOKEN_WEIGHT_LEVELS:
-        mean = safe_div(stats.sum("is.sum_w"), stats.sum(N_TOK))
+        mean = safe_div(stats.sum(IS.sum_w), stats.sum(COUNTS.n_tok))
     else:
-        mean = safe_div(stats.sum("is.seq_sum"), _units(stats, spec))
+        mean = safe_div(stats.sum(IS.seq_sum), _units(stats, spec))
     return where(mean > 1e-8, mean, 1.0)
 
 
 def _units(stats, spec: ISSpec) -> Value:
     """The count the per-unit statistics divide by: valid segments at segment level, else valid rows."""
-    return stats.sum("is.units") if spec.level in SEGMENT_IS_LEVELS else stats.sum(N_ROWS)
+    return stats.sum(IS.units) if spec.level in SEGMENT_IS_LEVELS else stats.sum(COUNTS.n_rows)
 
 
 def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
@@ -209,38 +210,38 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     every seq_* metric, max / min and fraction_high / low are taken over segments (turns) with ≥ 1
     valid token instead of sequences.
     """
-    n_tok, n_rows = stats.sum(N_TOK), _units(stats, spec)
-    mean = safe_div(stats.sum("is.sum_w"), n_tok)
-    ew2 = safe_div(stats.sum("is.sum_w2"), n_tok)
+    n_tok, n_rows = stats.sum(COUNTS.n_tok), _units(stats, spec)
+    mean = safe_div(stats.sum(IS.sum_w), n_tok)
+    ew2 = safe_div(stats.sum(IS.sum_w2), n_tok)
     std = where(n_tok > 1, sqrt0(ew2 - mean * mean), 0.0)
     ess = safe_div((mean + 1e-8) ** 2, ew2)
     m: dict[str, Value] = {"rollout_is_mean": mean, "rollout_is_std": std, "rollout_is_eff_sample_size": ess}
     if spec.level in TOKEN_WEIGHT_LEVELS:
-        m["rollout_is_max"] = where(n_tok > 0, stats.max("is.max"), 0.0)
-        m["rollout_is_min"] = where(n_tok > 0, stats.min("is.min"), 0.0)
+        m["rollout_is_max"] = where(n_tok > 0, stats.max(IS.max), 0.0)
+        m["rollout_is_min"] = where(n_tok > 0, stats.min(IS.min), 0.0)
         den = n_tok
-        out, signed = stats.sum("is.out"), stats.sum("is.out_signed")
+        out, signed = stats.sum(IS.out), stats.sum(IS.out_signed)
         high, low = (out + signed) * 0.5, (out - signed) * 0.5
     else:
-        m["rollout_is_max"] = where(n_rows > 0, exp(clamp(stats.max("is.max_log"), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
-        m["rollout_is_min"] = where(n_rows > 0, exp(clamp(stats.min("is.min_log"), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
+        m["rollout_is_max"] = where(n_rows > 0, exp(clamp(stats.max(IS.max_log), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
+        m["rollout_is_min"] = where(n_rows > 0, exp(clamp(stats.min(IS.min_log), -SAFETY_BOUND, SAFETY_BOUND)), 0.0)
         den = n_rows
-        high, low = stats.sum("is.high"), stats.sum("is.low")
+        high, low = stats.sum(IS.high), stats.sum(IS.low)
     m["rollout_is_ratio_fraction_high"] = safe_div(high, den)
     m["rollout_is_ratio_fraction_low"] = safe_div(low, den)
-    seq = seq_summary(stats, "is.seq", n_rows, center=1.0)
+    seq = seq_summary(stats, IS, n_rows, center=1.0)
     for k, v in seq.items():
         m[f"rollout_is_seq_{k}"] = v
-    m["rollout_is_seq_fraction_high"] = safe_div(stats.sum("is.seq_high"), n_rows)
-    m["rollout_is_seq_fraction_low"] = safe_div(stats.sum("is.seq_low"), n_rows)
+    m["rollout_is_seq_fraction_high"] = safe_div(stats.sum(IS.seq_high), n_rows)
+    m["rollout_is_seq_fraction_low"] = safe_div(stats.sum(IS.seq_low), n_rows)
     if spec.level not in TOKEN_WEIGHT_LEVELS:
-        raw_sum, raw_sum2 = stats.sum("is.raw_sum"), stats.sum("is.raw_sum2")
+        raw_sum, raw_sum2 = stats.sum(IS.raw_sum), stats.sum(IS.raw_sum2)
         m["rollout_is_seq_raw_ess"] = safe_div(raw_sum * raw_sum, n_rows * raw_sum2)
-        m["rollout_is_seq_log_mean"] = safe_div(stats.sum("is.log_sum"), n_rows)
-        m["rollout_is_seq_collapsed_fraction"] = safe_div(stats.sum("is.collapsed"), n_rows)
+        m["rollout_is_seq_log_mean"] = safe_div(stats.sum(IS.log_sum), n_rows)
+        m["rollout_is_seq_collapsed_fraction"] = safe_div(stats.sum(IS.collapsed), n_rows)
     if spec.mode == "mask":
         # the band is [metric_lower, upper] in mask mode: at token level the tokens outside it
-        out_of_bounds = stats.sum("is.out" if spec.level in TOKEN_WEIGHT_LEVELS else "is.oob")
+        out_of_bounds = stats.sum(IS.out if spec.level in TOKEN_WEIGHT_LEVELS else IS.oob)
         m["rollout_is_oob_ratio"] = safe_div(out_of_bounds, n_tok)
     if spec.batch_normalize:
         m["rollout_is_batch_norm_factor"] = batch_norm_factor(stats, spec)

@@ -9,10 +9,7 @@ from typing import Optional
 
 import torch
 
-from .config import RolloutCorrectionConfig
-from .correction import CorrectionOutput, compute_rollout_correction
-from .parallel import Parallel, as_parallel
-from .segments import Segments
+from rollout_correction_core import CorrectionOutput, Parallel, RolloutCorrectionConfig, Segments, compute_rollout_correction
 
 __all__ = ["lengths_from_cu_seqlens", "pack_index", "to_padded", "compute_rollout_correction_packed"]
 
@@ -94,7 +91,7 @@ def compute_rollout_correction_packed(
     out = compute_rollout_correction(
         to_padded(old_log_prob, rows, cols, B, T), to_padded(rollout_log_prob, rows, cols, B, T),
         to_padded(response_mask, rows, cols, B, T, fill=False if response_mask.dtype == torch.bool else 0),
-        config=config, parallel=as_parallel(parallel),
+        config=config, parallel=parallel,
         segments=None if segments is None else Segments(to_padded(segment_ids, rows, cols, B, T), segments.count))
     weights = out.weights[rows, cols] if out.weights is not None else None
     return CorrectionOutput(weights, out.response_mask[rows, cols], out.metrics)
