@@ -451,29 +451,3 @@ def test_compiled_pass_equals_eager():
     with pytest.raises(ValueError, match=r"segment id 3 at valid position \(row 1, column 2\)"):
         compute_rollout_correction(
             old, rollout, mask, config=cfg, compile=True, segments=Segments(bad, count=3))
-
-
-def test_packed_inputs_equal_the_padded_form():
-    from rollout_correction.packed import compute_rollout_correction_packed
-
-    gen = torch.Generator().manual_seed(13)
-    lengths = torch.tensor([5, 0, 8, 3])
-    N = int(lengths.sum())
-    old = -torch.rand(N, generator=gen) * 2
-    rollout = old + 0.3 * torch.randn(N, generator=gen)
-    ids = torch.randint(0, 3, (N,), generator=gen)
-    cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.4, rollout_rs="segment_mean_k3",
-                                  rollout_rs_threshold=0.02)
-    packed = compute_rollout_correction_packed(
-        old, rollout, config=cfg, lengths=lengths, segments=Segments(ids))
-    T = int(lengths.max())
-    cols = torch.arange(T)
-    mask = cols[None, :] < lengths[:, None]
-    pad = lambda x: torch.zeros((4, T), dtype=x.dtype).masked_scatter(mask, x)  # noqa: E731
-    padded = compute_rollout_correction(pad(old), pad(rollout), mask, config=cfg, segments=Segments(pad(ids)))
-    torch.testing.assert_close(packed.weights, padded.weights[mask])
-    assert torch.equal(packed.response_mask, padded.response_mask[mask])
-    assert 0 < int(packed.response_mask.sum()) < N  # the option acts
-    with pytest.raises(ValueError, match="segment_ids must be a tensor shaped like the packed"):
-        compute_rollout_correction_packed(
-            old, rollout, config=cfg, lengths=lengths, segments=Segments(ids[:-1]))

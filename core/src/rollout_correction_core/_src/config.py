@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union, get_args
 
+from .constants import LOG_PROB_FLOOR
 from .config_io import Loading, settings_dict
 from .presets import Presets
 from .vocab import (LEGACY_RS, Band, ConfigError, MissingSettingError, as_float, invalid, read_threshold,
@@ -162,7 +163,7 @@ class RolloutCorrectionConfig(Presets, Loading):
     on_nonfinite: NonFinitePolicy = _key(
         "reject", "reject, raise", "NaN/±inf log-probs at valid positions: drop the sequence and count it, or raise.")
     log_prob_floor: Optional[float] = _key(
-        -1000.0, "number < 0 or null", "a log-prob (old or rollout) at or below it at a valid position is an "
+        LOG_PROB_FLOOR, "number < 0 or null", "a log-prob (old or rollout) at or below it at a valid position is an "
         "engine's sentinel (vLLM's −9999), not a log-prob: handled as non-finite under on_nonfinite and counted "
         "in sentinel_token_fraction. null: no floor.")
     rollout_rs_all_rejected: WarnOrRaise = _key(

@@ -60,8 +60,6 @@ def verified(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(*args, parallel: Optional[Parallel] = None, **kwargs):
         parallel = as_parallel(parallel)
-        if parallel.verify == "once":
-            return fn(*args, parallel=parallel, **kwargs)
         with verification(parallel.verify):
             return fn(*args, parallel=parallel, **kwargs)
 

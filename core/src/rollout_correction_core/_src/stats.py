@@ -29,8 +29,7 @@ import torch
 
 from .declared import Stat, position
 
-__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "check_layout", "Value", "safe_div", "seq_summary", "where",
-           "sqrt0", "exp", "clamp", "maximum"]
+__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
 
 Value = Union[torch.Tensor, float]
 
