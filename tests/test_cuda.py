@@ -367,7 +367,7 @@ def _segments(mask: torch.Tensor) -> dict:
     T = mask.shape[1]
     ids = (torch.arange(T) // 40).expand(mask.shape).clone()
     ids[~mask.bool()] = 0
-    return {"segment_ids": ids, "max_segments": (T + 39) // 40}
+    return {"segments": rc.Segments(ids, count=(T + 39) // 40)}
 
 
 def _check_cuda_against_cpu(cfg, tag, *, segments: bool, process_group=None):
@@ -375,7 +375,7 @@ def _check_cuda_against_cpu(cfg, tag, *, segments: bool, process_group=None):
     seg = _segments(batch[2]) if segments else {}
     ref = rc.compute_rollout_correction(*batch, config=cfg, **seg)
     dev = to_cuda(*batch)
-    dev_seg = {k: (v.to(cuda()) if isinstance(v, torch.Tensor) else v) for k, v in seg.items()}
+    dev_seg = {k: rc.Segments(v.ids.to(cuda()), count=v.count) for k, v in seg.items()}
     got = rc.compute_rollout_correction(
         *dev, config=cfg, **dev_seg, parallel=Parallel(dp_group=process_group))
     assert_same_as_cpu(got, ref, tag)
