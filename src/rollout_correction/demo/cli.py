@@ -175,8 +175,6 @@ def async_config_from_args(args: argparse.Namespace):
     """The ``--async`` settings: the quick modes with ``--quick``, then every flag given."""
     from rollout_correction.demo.async_runner import QUICK_ASYNC_MODES, AsyncConfig
 
-    if not args.quick:
-        cfg = cfg.replace(**{k: v for k, v in ASYNC_DEFAULTS.items() if getattr(args, k) is None})
     values = {"modes": QUICK_ASYNC_MODES} if args.quick else {}
     for name in ("async_modes", "max_staleness", "queue_size"):
         if getattr(args, name) is not None:
