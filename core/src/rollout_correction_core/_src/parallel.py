@@ -38,14 +38,11 @@ class Parallel:
             raise ValueError(f"Parallel(verify={self.verify!r}): expected 'once' or 'always'")
 
 
-#: One process, whole rows.
-LOCAL = Parallel()
-
-
 def as_parallel(parallel: Optional[Parallel]) -> Parallel:
-    """``parallel``, or :data:`LOCAL` for None; anything else (a bare process group) raises TypeError."""
+    """``parallel``, or ``Parallel()`` (one process, whole rows) for None; anything else (a bare
+    process group) raises TypeError."""
     if parallel is None:
-        return LOCAL
+        return Parallel()
     if not isinstance(parallel, Parallel):
         raise TypeError(f"parallel={parallel!r} is not a Parallel: wrap a data-parallel group as "
                         "Parallel(dp_group=group), a context-parallel one as Parallel(cp_group=group)")
@@ -55,12 +52,15 @@ def as_parallel(parallel: Optional[Parallel]) -> Parallel:
 def verified(fn: Callable) -> Callable:
     """``fn(..., parallel=...)`` run under its ``parallel.verify`` setting (agreement before every
     collective with ``"always"``; once per group and exchange by default)."""
-    from .stats import verification
+    from .stats import _VERIFY  # the setting ``agree`` reads, innermost call last
 
     @functools.wraps(fn)
     def call(*args, parallel: Optional[Parallel] = None, **kwargs):
         parallel = as_parallel(parallel)
-        with verification(parallel.verify):
+        _VERIFY.append(parallel.verify)
+        try:
             return fn(*args, parallel=parallel, **kwargs)
+        finally:
+            _VERIFY.pop()
 
     return call

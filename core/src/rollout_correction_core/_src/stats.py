@@ -22,8 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import weakref
-from contextlib import contextmanager
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -44,23 +43,35 @@ class _Part:
 
 
 def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
-    """Parts of one shape, in slot order, reduced with one stacked tensor: (K + M,) float64, the
-    sums, then the maxima (a minimum is stored as the maximum of −x)."""
-    ns = sum(p.kind == "sum" for p in parts)
-    stacked = torch.stack([p.value for p in parts])  # one copy; dtypes promote (bool < float32 < float64)
-    if stacked.dtype != torch.float64:
-        stacked = stacked.to(torch.float64)
-    stacked = stacked.reshape(len(parts), -1)
-    for i, p in enumerate(parts):  # outside ``rows``: 0 in a sum, −inf in a maximum (or negated minimum)
+    """Parts of one shape, in slot order, reduced to (K + M,) float64: the sums, then the maxima (a
+    minimum as the maximum of −x). Computed in runs sharing kind, weight and restriction (by identity)."""
+    runs: list[list[int]] = []
+    for i, p in enumerate(parts):
+        q = next((r for r in runs if parts[r[0]].kind == p.kind and parts[r[0]].rows is p.rows
+                  and parts[r[0]].weight is p.weight), None)
+        if q is None:
+            runs.append([i])
+        else:
+            q.append(i)
+    order = [i for r in runs for i in r]
+    stacked = torch.stack([parts[i].value for i in order])  # one copy; dtypes promote (bool < float32 < float64)
+    stacked = (stacked if stacked.dtype == torch.float64 else stacked.to(torch.float64)).reshape(len(parts), -1)
+    a = 0
+    for r in runs:  # outside ``rows``: 0 in a sum, −inf in a maximum (or negated minimum)
+        p, b = parts[r[0]], a + len(r)
         if p.kind == "min":
-            stacked[i].neg_()
+            stacked[a:b].neg_()
         if p.weight is not None:
-            stacked[i].mul_(p.weight.reshape(-1))
+            stacked[a:b].mul_(p.weight.reshape(1, -1))
         if p.rows is not None:
-            stacked[i].masked_fill_(~p.rows.reshape(-1), 0.0 if i < ns else -math.inf)
+            stacked[a:b].masked_fill_(~p.rows.reshape(1, -1), 0.0 if p.kind == "sum" else -math.inf)
+        a = b
+    ns = sum(p.kind == "sum" for p in parts)
     ext = stacked[ns:]
     vm = ext.amax(1) if ext.shape[1] else ext.new_full((ext.shape[0],), -math.inf)
-    return torch.cat((stacked[:ns].sum(1), vm))
+    reduced = torch.cat((stacked[:ns].sum(1), vm)).unbind()
+    slot = dict(zip(order, reduced))
+    return torch.stack([slot[i] for i in range(len(parts))])
 
 
 class LayoutMismatchError(ValueError):
@@ -73,23 +84,10 @@ _AGREED: "weakref.WeakKeyDictionary[object, set[int]]" = weakref.WeakKeyDictiona
 _VERIFY = ["once"]
 
 
-@contextmanager
-def verification(mode: str) -> Iterator[None]:
-    """Within the block the ranks agree before every collective (``"always"``) or once per group
-    and exchange (``"once"``, the default): ``verify`` of :class:`.parallel.Parallel`."""
-    if mode not in ("once", "always"):
-        raise ValueError(f"verify={mode!r}: expected 'once' or 'always'")
-    _VERIFY.append(mode)
-    try:
-        yield
-    finally:
-        _VERIFY.pop()
-
-
 def agree(group: object, lines: list[str], name: str, device: Optional[torch.device] = None) -> None:
     """Confirm that every rank of ``group`` (``name`` in errors) is about to exchange the same ``lines``:
     one all-reduce (MAX of a fingerprint and its negation) the first time a (group, lines) is seen (every
-    time inside ``verification("always")``). On a mismatch every rank raises :class:`LayoutMismatchError`
+    time within a call with ``Parallel(verify="always")``). On a mismatch every rank raises :class:`LayoutMismatchError`
     naming the group's ranks, the first differing line and who holds what."""
     import torch.distributed as dist
 
