@@ -310,6 +310,7 @@ BLOCKS = {
     "diffusion-pipeline": (diffusion_table, ("diffusion_pipeline.json",)),
     "diffusion-all-low-precision": (diffusion_table, ("diffusion_pipeline_all_low_precision.json",)),
     "gpu-h200": (gpu_tables, ("gpu-h200.json",)),
+    "gpu-h200-0.3.0": (gpu_tables, ("gpu-h200-0.3.0.json",)),
 }
 
 PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
