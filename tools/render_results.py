@@ -243,6 +243,16 @@ def time_table(*names: str) -> list[str]:
                         "logical CPUs), the figures' own runs (see each results file's provenance)."]
 
 
+def default_time(name: str) -> list[str]:
+    """The README's time bullet: the wall time of the default ``rollout-correction demo`` (its results file)."""
+    s = load(name)
+    p, c, total = s["provenance"], s["config"], s["seconds"]["total"]
+    return [f"- **Time.** The default run ({len(c['methods'])} methods × {len(c['seeds'])} seeds × {c['steps']} GRPO steps) "
+            f"took {int(total // 60)} min {int(total % 60):02d} s",
+            f"  on two free CPU cores ({p['cpu']}, commit `{p['commit'][:7]}`, `docs/results/{name}`); longer on a busy",
+            "  machine. `rollout-correction demo --quick` takes under a minute."]
+
+
 def async_table(name: str) -> list[str]:
     """docs/demo.md's ``--async`` table: the report's columns, per-seed finals, the load around the
     run (the timings depend on it) and the invocation's provenance."""
@@ -305,6 +315,7 @@ BLOCKS = {
     "demo-time": (time_table, ("demo-stale.json", "demo-quantized.json", "demo-minibatches.json", "demo-moe.json",
                                   "demo-async.json")),
     "demo-async": (async_table, ("demo-async.json",)),
+    "demo-default-time": (default_time, ("demo-default.json",)),
     "demo-moe": (moe_table, ("demo-moe.json",)),
     "demo-bf16-long": (demo_table, ("demo-bf16-long.json",)),
     "diffusion-pipeline": (diffusion_table, ("diffusion_pipeline.json",)),
