@@ -50,7 +50,8 @@ PLUGIN = textwrap.dedent('''
 def test_verl_omnis_own_rollout_correction_tests_pass_on_the_drop_in(tmp_path):
     (tmp_path / "rc_drop_in_plugin.py").write_text(PLUGIN)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), SRC, *sys.path])}
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},  # verl-omni's options, not ours
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), SRC, *sys.path])}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "rc_drop_in_plugin",
          "--noconftest", "-c", str(tmp_path / "pytest.ini"), "--rootdir", SRC, SUITE],

@@ -143,7 +143,8 @@ def run_suite(key: str, checkout: Path, python: str = sys.executable, commit: Op
                 "roots": [str(checkout)]}
         path = [str(tmp_path), *(str((checkout / p).resolve()) for p in suite.paths), str(SRC), str(CORE_SRC)]
         inherited = os.environ.get("PYTHONPATH")
-        env = {**os.environ, "ROLLOUT_CORRECTION_PEER_SPEC": json.dumps(spec),
+        # the engine's suite runs with the options above only, not the caller's (e.g. .ci/run's xdist workers)
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, "ROLLOUT_CORRECTION_PEER_SPEC": json.dumps(spec),
                "PYTHONPATH": os.pathsep.join(path + ([inherited] if inherited else []))}
         cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_rollout_correction_peer",
                "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(checkout), "-rfE",

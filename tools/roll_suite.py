@@ -217,7 +217,8 @@ def _workdir(checkout: Path) -> Path:
 
 def _env(work: Path, checkout: Path) -> dict:
     path = [str(work), str(ROOT / "src"), str(ROOT / "core" / "src"), *[p for p in sys.path if p]]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "ROLL_CHECKOUT": str(checkout)}
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # ROLL's tests: none of the caller's options
+    return {**env, "PYTHONPATH": os.pathsep.join(path), "ROLL_CHECKOUT": str(checkout)}
 
 
 def suite(checkout: Path, control: bool = False) -> dict:
