@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import inspect
 import json
 import math
@@ -210,7 +211,10 @@ def _memory_child(spec: dict) -> None:
 
 def measure_memory(case: Case, impl: str, batch: int, length: int, dtype: str) -> float:
     spec = {"case": case.name, "impl": impl, "batch": batch, "length": length, "dtype": dtype}
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    # Not the timings' STEADY_MALLOC: its top pad (64 MiB added to every heap extension) makes the
+    # resident size depend on where small allocations land, and measured 10-40 MiB for one same call.
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_TOP_PAD_"}
+    env.update(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     proc = subprocess.run(
         [sys.executable, __file__, "--memory-child", json.dumps(spec)],
         capture_output=True,
@@ -308,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     torch.set_num_threads(1)
+    load_start = os.getloadavg()
     console = Console(width=200)
     wanted = {c.strip() for c in args.cases.split(",") if c.strip()}
     cases = [c for c in CASES if not wanted or c.name in wanted]
@@ -366,8 +371,12 @@ def main(argv: list[str] | None = None) -> int:
                 + (f", {geometric_mean(compiled_speedups):.1f}x compiled" if compiled_speedups else "")
             )
             del inputs
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.json:  # the rows, with where and how they were measured (tools/render_results.py renders them)
+        from rollout_correction.demo.results import provenance
+
+        prov = provenance("python benchmarks/bench_vs_verl.py " + " ".join(sys.argv[1:]), workers=1, threads=1)
+        prov.update(verl=importlib.metadata.version("verl"), load_average=[load_start, os.getloadavg()])
+        Path(args.json).write_text(json.dumps({"provenance": prov, "rows": results}, indent=2))
     if args.markdown:
         Path(args.markdown).write_text(markdown_tables(results))
     return 0

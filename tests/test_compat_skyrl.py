@@ -26,6 +26,9 @@ import pytest
 import torch
 
 import rollout_correction.compat.skyrl as ours
+from rollout_correction import ConfigError, RolloutCorrectionConfig, compute_rollout_correction
+from rollout_correction.compat.skyrl import from_skyrl
+from rollout_correction.vocabulary import Band
 import skyrl_reference as ref
 
 THEIRS = ref.correction_module()
@@ -258,3 +261,31 @@ def test_skyrls_policy_worker_calls_the_registered_loss_in_its_training_step(tmp
     assert metrics["loss_metrics/rollout_corr/rollout_is_veto_high_fraction"] == pytest.approx(0.25)
     is_min = metrics["loss_metrics/rollout_corr/rollout_is_min"]
     assert is_min == pytest.approx(float(rho[mask > 0].min()), rel=1e-6)
+
+
+def test_skyrl_off_policy_correction_block_is_read_with_its_defaults():
+    """SkyRL's trainer.algorithm.off_policy_correction block (OffPolicyCorrectionConfig's keys and
+    defaults) translated by from_skyrl, and the masks it gives on a hand-made batch."""
+    skyrl = {"tis_ratio_type": "token", "token_tis_ratio_clip_high": 2.0, "sequence_tis_ratio_clip_high": 5.0,
+             "sequence_mask_metric": "geometric", "geo_mask_high": 1.01, "geo_mask_low": 0.99,
+             "product_mask_high": 2.0, "product_mask_low": 0.5, "outlier_token_is_threshold_low": 1e-4,
+             "outlier_token_is_threshold_high": 100.0, "token_mask_is_threshold_low": None,
+             "token_mask_is_threshold_high": None}
+    cfg = RolloutCorrectionConfig.from_dict(from_skyrl(skyrl))
+    assert (cfg.rollout_is, cfg.rollout_is_threshold, cfg.is_spec.mode) == ("token", 2.0, "truncate")
+    assert cfg.rollout_rs == "seq_mean_k1" and cfg.rollout_rs_threshold == Band(0.99, 1.01)
+    assert (cfg.rollout_token_veto_threshold, cfg.rollout_token_veto_threshold_high) == (1e-4, 100.0)
+    # Only the keys that differ from SkyRL's defaults: product mask, per-token mask, the high veto.
+    cfg = RolloutCorrectionConfig.from_dict(from_skyrl({"sequence_mask_metric": "product",
+                                                        "token_mask_is_threshold_low": 0.5,
+                                                        "token_mask_is_threshold_high": 2,
+                                                        "outlier_token_is_threshold_high": 4.0}))
+    assert cfg.rollout_is is None and cfg.rollout_rs == "token_k1,seq_sum_k1"
+    assert cfg.rollout_rs_threshold == (Band(0.5, 2.0), Band(0.5, 2.0))
+    # Row 0: one token at ρ = 5 > 4 (vetoed); row 1: ρ = 3 > 2 masks that token, and ∏ρ = 3·0.8 > 2
+    # drops the row; row 2: ρ = 1.5 and 1 kept (∏ρ = 1.5).
+    lr = torch.log(torch.tensor([[5.0, 1.0], [3.0, 0.8], [1.5, 1.0]]))
+    out = compute_rollout_correction(lr, torch.zeros(3, 2), torch.ones(3, 2), config=cfg)
+    assert out.response_mask.tolist() == [[0, 0], [0, 0], [1, 1]]
+    with pytest.raises(ConfigError, match="sequence_mask_metric='harmonic'"):
+        from_skyrl({"sequence_mask_metric": "harmonic"})

@@ -5,6 +5,11 @@ A ``TorchDispatchMode`` sees every ATen operation of the call: no ``_local_scala
 (``nonzero``, ``masked_select``, boolean indexing, …), and no ``Tensor.tolist``/``numpy`` (host
 reads the dispatcher does not see). Reading the metrics as floats then costs exactly one host read.
 Such a call can be captured in a CUDA graph and never stalls the stream.
+
+On the CPU, where a host read costs no device sync, the pass reads two values per block and skips
+the work they fix (``_host_value``; ``tests/test_host_shortcuts.py`` checks that the bits are
+those of the arithmetic path). On a device it reads nothing: the tests below run the device's path
+(``device_path``), and ``test_the_cpu_reads_only_its_two_values_per_block`` counts the CPU's reads.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout_correction as rc
 from rollout_correction_core._src import correction as correction_module
+from rollout_correction_core._src import logratio
 from rollout_correction_core._src.metrics import Metrics, metrics_to_floats
 from rollout_correction import ClipRange, PolicyLoss
 
@@ -104,6 +110,24 @@ def _inputs(B=12, T=20, seed=0, bad=True):
         rollout[3, -1] = float("inf")  # non-finite padding (row 3 is shorter than T unless drawn so)
         mask[3, -1] = False
     return old, rollout, mask
+
+
+@pytest.fixture(autouse=True)
+def device_path(monkeypatch):
+    """What a device runs: no value read by the host (``_host_value`` returns None off the CPU)."""
+    monkeypatch.setattr(logratio, "_host_value", lambda x, read: None)
+
+
+def test_the_cpu_reads_only_its_two_values_per_block(monkeypatch):
+    monkeypatch.undo()  # the CPU's own path
+    monkeypatch.setattr(correction_module, "BLOCK_TOKENS", 50)  # 12 rows of 20 tokens: blocks of 2 rows
+    old, rollout, mask = _inputs()
+    cfg = rc.RolloutCorrectionConfig.from_dict(CONFIGS["3 chained RS"])
+    rc.compute_rollout_correction(old, rollout, mask, config=cfg)
+    with watched() as call:
+        rc.compute_rollout_correction(old, rollout, mask, config=cfg)
+    # per block: the smallest log-prob (engine sentinels) and the largest |log ρ|
+    assert call.syncs == ["_local_scalar_dense"] * 12 and call.dynamic == []
 
 
 @pytest.fixture(params=[False, True], ids=["one block", "blocked"])

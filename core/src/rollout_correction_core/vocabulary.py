@@ -1,13 +1,13 @@
 """The words settings arrive in, and the named configurations: for adapters that read an engine's
-own option names (verl's first-generation keys and ``"lo_hi"`` bands, SkyRL's keys) and map them
+own option names (verl's first-generation keys and ``"lo_hi"`` bands) and map them
 onto :class:`~rollout_correction_core.RolloutCorrectionConfig`.
 
 * Reading values — :func:`as_float`, :func:`read_threshold` (a number or a :class:`Band`),
   :func:`threshold_parts`, :func:`as_text`; :func:`invalid` builds the :class:`ConfigError` that
   names the key and what is allowed.
 * Engines' keys — :data:`FIRST_GENERATION_KEYS` and :data:`LEGACY_RS` (verl's older names),
-  :func:`canonical` (a settings dict in the current names), :data:`SKYRL_KEYS` and
-  :func:`from_skyrl`.
+  :func:`canonical` (a settings dict in the current names); SkyRL's keys are read by
+  ``rollout_correction.compat.skyrl`` (the toolkit).
 * Presets — :data:`PRESETS` (name → :class:`Preset`), :func:`preset`; ``Presets`` and ``Loading``
   are the mixins ``RolloutCorrectionConfig`` is built from.
 
@@ -16,11 +16,11 @@ Covered by the versioning policy (docs/api.md).
 
 from ._src.config_io import Loading
 from ._src.presets import PRESETS, Preset, Presets, preset
-from ._src.vocab import (FIRST_GENERATION_KEYS, LEGACY_RS, SKYRL_KEYS, Band, ConfigError, MissingSettingError, as_float,
-                         as_text, canonical, from_skyrl, invalid, read_threshold, threshold_parts)
+from ._src.vocab import (FIRST_GENERATION_KEYS, LEGACY_RS, Band, ConfigError, MissingSettingError, as_float,
+                         as_text, canonical, invalid, read_threshold, threshold_parts)
 
 __all__ = [
     "ConfigError", "MissingSettingError", "Band", "invalid", "as_float", "read_threshold", "threshold_parts", "as_text",
-    "FIRST_GENERATION_KEYS", "LEGACY_RS", "canonical", "SKYRL_KEYS", "from_skyrl",
+    "FIRST_GENERATION_KEYS", "LEGACY_RS", "canonical",
     "Loading", "Presets", "Preset", "PRESETS", "preset",
 ]

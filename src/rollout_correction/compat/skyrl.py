@@ -56,12 +56,59 @@ import torch
 
 from .. import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
 from .. import config_value as _get
-from ..vocabulary import SKYRL_KEYS
+from ..vocabulary import ConfigError, as_float
 from rollout_correction_core import Aggregation, ClipRange, PolicyLoss
 
 __all__ = ["off_policy_correction_enabled", "compute_tis_ratio", "compute_outlier_token_mask", "compute_token_mask",
            "compute_sequence_mask", "compute_off_policy_correction", "apply_off_policy_correction",
-           "policy_loss", "register_policy_loss", "POLICY_LOSS_NAME"]
+           "policy_loss", "register_policy_loss", "POLICY_LOSS_NAME", "SKYRL_KEYS", "from_skyrl"]
+
+#: SkyRL's ``trainer.algorithm.off_policy_correction`` keys and their defaults (``OffPolicyCorrectionConfig``).
+SKYRL_KEYS = {"tis_ratio_type": None, "token_tis_ratio_clip_high": 2.0, "sequence_tis_ratio_clip_high": 5.0,
+              "sequence_mask_metric": None, "geo_mask_high": 1.01, "geo_mask_low": 0.99, "product_mask_high": 2.0,
+              "product_mask_low": 0.5, "outlier_token_is_threshold_low": None,
+              "outlier_token_is_threshold_high": None, "token_mask_is_threshold_low": None,
+              "token_mask_is_threshold_high": None}
+
+
+def from_skyrl(data: dict[str, Any]) -> dict[str, Any]:
+    """Our keys for a SkyRL ``off_policy_correction`` block (every key in :data:`SKYRL_KEYS`):
+
+    * ``tis_ratio_type`` token | sequence → ``rollout_is`` token | sequence, truncated at
+      ``token_tis_ratio_clip_high`` / ``sequence_tis_ratio_clip_high``;
+    * ``token_mask_is_threshold_low/high`` (both set) → ``token_k1`` on the band [low, high];
+    * ``sequence_mask_metric`` geometric | product → ``seq_mean_k1`` on [geo_mask_low, geo_mask_high] |
+      ``seq_sum_k1`` on [product_mask_low, product_mask_high];
+    * ``outlier_token_is_threshold_low`` / ``_high`` → ``rollout_token_veto_threshold`` / ``_high``.
+    """
+    d = {**SKYRL_KEYS, **data}
+    out: dict[str, Any] = {"rollout_is": None}
+    level = d["tis_ratio_type"]
+    if level is not None:
+        if level not in ("token", "sequence"):
+            raise ConfigError(f"SkyRL off_policy_correction.tis_ratio_type={level!r} is invalid: allowed values "
+                              "are null, token, sequence")
+        out["rollout_is"] = level
+        out["rollout_is_threshold"] = as_float(f"{level}_tis_ratio_clip_high", d[f"{level}_tis_ratio_clip_high"])
+    options, bands = [], []
+    if d["token_mask_is_threshold_low"] is not None and d["token_mask_is_threshold_high"] is not None:
+        options.append("token_k1")
+        bands.append((d["token_mask_is_threshold_low"], d["token_mask_is_threshold_high"]))
+    metric = d["sequence_mask_metric"]
+    if metric is not None:
+        if metric not in ("geometric", "product"):
+            raise ConfigError(f"SkyRL off_policy_correction.sequence_mask_metric={metric!r} is invalid: allowed "
+                              "values are null, geometric, product")
+        prefix = "geo" if metric == "geometric" else "product"
+        options.append("seq_mean_k1" if metric == "geometric" else "seq_sum_k1")
+        bands.append((d[f"{prefix}_mask_low"], d[f"{prefix}_mask_high"]))
+    if options:
+        out["rollout_rs"] = ",".join(options)
+        out["rollout_rs_threshold"] = tuple((float(lo), float(hi)) for lo, hi in bands)
+    out["rollout_token_veto_threshold"] = d["outlier_token_is_threshold_low"]
+    out["rollout_token_veto_threshold_high"] = d["outlier_token_is_threshold_high"]
+    return out
+
 
 #: The name :func:`register_policy_loss` registers by default (``trainer.algorithm.policy_loss_type``).
 POLICY_LOSS_NAME = "rollout_correction"
@@ -289,7 +336,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                          "when the generator returns them (generator.sampling_params.logprobs)")
     mask = torch.ones_like(log_probs) if loss_mask is None else loss_mask
     block = _get(config, "off_policy_correction", None)
-    correction = RolloutCorrectionConfig.from_dict({k: _key(block, k) for k in SKYRL_KEYS})
+    correction = RolloutCorrectionConfig.from_dict(from_skyrl({k: _key(block, k) for k in SKYRL_KEYS}))
     loss, metrics = compute_policy_loss(
         log_probs, old_log_probs, advantages, mask, config=correction, rollout_log_prob=rollout_logprobs,
         loss=PolicyLoss(

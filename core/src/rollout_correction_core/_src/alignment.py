@@ -29,6 +29,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .constants import METRIC_PREFIX
+from .declared import ALIGN
+from .stats import SufficientStats, Value, maximum
 
 __all__ = ["MisalignmentWarning", "AlignmentReport", "alignment_statistics", "alignment_metrics",
            "alignment_report", "check_alignment"]
@@ -77,14 +79,16 @@ def alignment_statistics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Ten
                         total(o[:, :-1] - r[:, 1:]), total(o[:, 1:] - r[:, :-1])])
 
 
-def alignment_metrics(stats: torch.Tensor, prefix: str = METRIC_PREFIX) -> dict[str, torch.Tensor]:
-    """0-d tensors (no device sync): ``alignment_mae`` (D₀), ``alignment_late_mae`` (D₊₁),
-    ``alignment_early_mae`` (D₋₁) and ``alignment_pairs``; the distances are 0 with no pair."""
-    n = stats[0].clamp(min=1)
-    return {f"{prefix}alignment_pairs": stats[0].float(),
-            f"{prefix}alignment_mae": (stats[1] / n).float(),
-            f"{prefix}alignment_late_mae": (stats[2] / n).float(),
-            f"{prefix}alignment_early_mae": (stats[3] / n).float()}
+def alignment_metrics(stats, prefix: str = METRIC_PREFIX) -> dict[str, Value]:
+    """``alignment_pairs`` and the mean |o − r| at shifts 0, +1, −1 (``alignment_mae``, ``_late_mae``,
+    ``_early_mae``; 0 with no pair) from the (4,) sums of :func:`alignment_statistics`, or from reduced
+    statistics holding them (0-d tensors without a device sync, or floats)."""
+    stats = SufficientStats.from_vector(list(ALIGN), stats) if isinstance(stats, torch.Tensor) else stats
+    n = stats.sum(ALIGN.n)
+    den = maximum(n, 1.0)
+    return {f"{prefix}alignment_pairs": n, f"{prefix}alignment_mae": stats.sum(ALIGN.d0) / den,
+            f"{prefix}alignment_late_mae": stats.sum(ALIGN.late) / den,
+            f"{prefix}alignment_early_mae": stats.sum(ALIGN.early) / den}
 
 
 def alignment_report(stats: torch.Tensor, *, shift_ratio: float = 0.5, min_pairs: int = 32,
@@ -117,10 +121,9 @@ def check_alignment(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     """Compare aligned vs ±1-shifted distances of (B, T) inputs as for the correction, the four sums
     all-reduced over ``process_group`` first, and with ``warn`` warn (:class:`MisalignmentWarning`)
     on a shift; ``shift_ratio``, ``min_pairs``, ``min_aligned_mae``: the rule of the module docstring."""
-    stats = alignment_statistics(old_log_prob, rollout_log_prob, response_mask)
-    if process_group is not None:
-        import torch.distributed as dist
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=process_group)
+    sums = SufficientStats.from_vector(list(ALIGN), alignment_statistics(old_log_prob, rollout_log_prob, response_mask))
+    reduced = sums.all_reduce(process_group)  # a checked collective (the same object without a group)
+    stats = torch.stack([reduced.sum(k) for k in ALIGN])
     report = alignment_report(stats, shift_ratio=shift_ratio, min_pairs=min_pairs, min_aligned_mae=min_aligned_mae)
     if warn and report.misaligned:
         warnings.warn(report.message, MisalignmentWarning, stacklevel=2)

@@ -8,7 +8,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from .vocab import FIRST_GENERATION_KEYS, SKYRL_KEYS, ConfigError, as_text, canonical, from_skyrl
+from .vocab import FIRST_GENERATION_KEYS, ConfigError, as_text, canonical
 
 __all__ = ["Loading", "settings_dict"]
 
@@ -40,13 +40,11 @@ class Loading:
     @classmethod
     def from_dict(cls, data: Any) -> Any:
         """Build from a mapping (or anything :func:`settings_dict` reads) with any key of either verl
-        generation, or from SkyRL's ``off_policy_correction`` block (see vocab.py); an unknown key
-        raises an error naming it and the closest known key."""
+        generation; an unknown key raises an error naming it and the closest known key. (SkyRL's
+        ``off_policy_correction`` block: ``from_dict(rollout_correction.compat.skyrl.from_skyrl(block))``.)"""
         if data is None:
             return cls()
         data = settings_dict(data)
-        if data and set(data) <= set(SKYRL_KEYS):  # SkyRL's off_policy_correction block
-            data = from_skyrl(data)
         known = set(cls.keys()) | set(FIRST_GENERATION_KEYS)
         unknown = [k for k in data if k not in known]
         if unknown:

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .alignment import MisalignmentWarning, alignment_report, alignment_statistics
+from .alignment import MisalignmentWarning, alignment_metrics, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
 from .constants import METRIC_PREFIX
 from .declared import ALIGN, COUNTS, EXPECT_ZERO, RS
@@ -90,14 +90,6 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig, stat
         for stat, value in zip(ALIGN, sums.unbind()):
             stats.add(stat, value)
     return isw, rej
-
-
-def _alignment_metrics(stats) -> dict[str, Value]:
-    """``alignment_pairs`` and the mean |old − rollout| at shifts 0, +1, −1 (0 with no pair)."""
-    n = stats.sum(ALIGN.n)
-    den = maximum(n, 1.0)
-    return {"alignment_pairs": n, "alignment_mae": stats.sum(ALIGN.d0) / den,
-            "alignment_late_mae": stats.sum(ALIGN.late) / den, "alignment_early_mae": stats.sum(ALIGN.early) / den}
 
 
 def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -196,8 +188,10 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
 
 
 #: The eager pass walks the batch in blocks of about this many tokens (512 KiB per float32
-#: temporary): temporaries stay cache-sized, and peak memory does not grow with the batch
-#: beyond the outputs. Statistics of all blocks are reduced together, so results are identical.
+#: temporary): peak memory does not grow with the batch beyond the outputs. The statistics of all
+#: blocks are joined and reduced once, as one block's would be.
+#: (256x4096 fp32 on a 2-core EPYC: 2^18-token blocks ran about 10 % faster but took 15 MiB of peak
+#: memory for token TIS instead of 11.5, less than 3x below verl's 43.)
 BLOCK_TOKENS = 1 << 17
 #: On an accelerator the blocks are larger (64 MiB per float32 temporary): each block costs its own
 #: kernel launches, and memory bandwidth, not cache, is what it must saturate (H100, 1024x32768:
@@ -223,7 +217,7 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     device = old_log_prob.device
     weights = torch.empty((B, T), device=device) if config.is_spec is not None else None
     keep = torch.empty((B, T), dtype=response_mask.dtype, device=device)
-    stats = SufficientStats()
+    blocks = []
     for start in range(0, B, rows):
         block = slice(start, start + rows)
         seg = segment_ids[block] if segment_ids is not None else None
@@ -233,8 +227,8 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
                                             advantages=None if advantages is None else advantages[block])
         if weights is not None:
             weights[block] = w
-        stats.merge(local)  # one packed vector per block, added into the running one
-    return weights, keep, stats
+        blocks.append(local)
+    return weights, keep, SufficientStats.joined(blocks)  # reduced once, over all rows
 
 
 #: How many compiled per-token passes are kept, one per config, the least recently used dropped first.
@@ -293,7 +287,7 @@ def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Valu
     if config.expect_zero_atol is not None:
         m["max_abs_log_ratio"] = maximum(stats.max(EXPECT_ZERO.max_abs), 0.0)
     if config.check_alignment:
-        m.update(_alignment_metrics(stats))
+        m.update(alignment_metrics(stats, prefix=""))
     return m
 
 

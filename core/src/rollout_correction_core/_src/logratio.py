@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import torch
 
@@ -326,19 +326,18 @@ def segmented_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
                            max_segments=segments.count)
 
 
-def _masked_fill(x: torch.Tensor, where: torch.Tensor, value: float, out: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x.masked_fill(where, value)``, written into ``out`` when given (``torch.masked_fill`` takes no ``out=``)."""
-    if out is None:
-        return x.masked_fill(where, value)
-    return torch.ops.aten.masked_fill.Scalar_out(x, where, value, out=out)
-
-
 def _sanitised(x: torch.Tensor, nan: float = NONFINITE_SENTINEL) -> torch.Tensor:
     """NaN → ``nan`` and ±inf → ±1e30, in place on ``x`` (a temporary of the pass). Compiled, the
     same with ``x != x``: the compiler's ``nan_to_num`` tests NaN one lane at a time."""
     if torch.compiler.is_compiling():
         return torch.where(x != x, nan, x.clamp(-NONFINITE_SENTINEL, NONFINITE_SENTINEL))
     return x.nan_to_num_(nan=nan, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
+
+
+def _host_value(x: torch.Tensor, read: Callable[[], float]) -> Optional[float]:
+    """``read()`` where a read costs nothing (eager, ``x`` on the CPU), else None. The pass skips work
+    whose result the value fixes; on a device and under torch.compile it does that work arithmetically."""
+    return None if torch.compiler.is_compiling() or x.device.type != "cpu" else read()
 
 
 def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row_offset: int,
@@ -353,35 +352,49 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     input_mask = float_mask(response_mask, out=_slot(slots, 0))
     sentinel = None
     if floor is not None and old is not None:  # engine sentinels: made non-finite, counted per row
-        sentinel = (((old <= floor) & (old != -torch.inf)) | ((rollout <= floor) & (rollout != -torch.inf))) \
-            & (input_mask > 0)  # a finite value at or below the floor (−inf is non-finite, not a sentinel)
-        lr.masked_fill_(sentinel, NONFINITE_SENTINEL)
-        sentinel = sentinel.sum(-1, dtype=torch.float32)
+        low = _host_value(lr, lambda: float(torch.minimum(old.amin(), rollout.amin()))) if old.numel() else 0.0
+        if low is not None and low > floor:  # every log-prob above the floor (a NaN minimum: unknown)
+            sentinel = torch.zeros(B, dtype=torch.float32, device=lr.device)
+        else:  # a finite value at or below the floor (−inf is non-finite, not a sentinel)
+            sentinel = (((old <= floor) & (old != -torch.inf)) | ((rollout <= floor) & (rollout != -torch.inf))) \
+                & (input_mask > 0)
+            lr.masked_fill_(sentinel, NONFINITE_SENTINEL)
+            sentinel = sentinel.sum(-1, dtype=torch.float32)
         sentinel = sentinel if rows is None else rows.sum(sentinel)
-    lr = _sanitised(lr).mul_(input_mask)
-    if T > 0:  # (abs + amax: on CPU ~20x faster than aminmax or an inf-norm)
-        bad = lr.abs().amax(-1) >= NONFINITE_SENTINEL
-    else:
-        bad = torch.zeros(B, dtype=torch.bool, device=lr.device)
+    # The largest |log ρ| (NaN if any), where reading it is free: below the sentinel, nothing is to be
+    # sanitised, no row is bad, and log π_train is finite wherever the mask multiplies it.
+    peak = _host_value(lr, lambda: float(lr.abs().amax())) if lr.numel() else None
+    finite = peak is not None and peak < NONFINITE_SENTINEL
+    lr = lr.mul_(input_mask) if finite else _sanitised(lr).mul_(input_mask)
+    bad = lr.abs().amax(-1) >= NONFINITE_SENTINEL if T > 0 and not finite else torch.zeros(B, dtype=torch.bool,
+                                                                                         device=lr.device)
     if rows is not None:  # split rows: the group decides; the caller raises for on_nonfinite="raise"
         bad = rows.max(bad)
     elif on_nonfinite == "raise" and bool(bad.any()):
         raise _nonfinite_error(lr, input_mask, bad, row_offset, old, rollout, source)
-    # Rows are dropped arithmetically whether or not any is bad: no data-dependent branch.
-    drop = bad.unsqueeze(-1)
-    mask = _masked_fill(input_mask, drop, 0.0, out=_slot(slots, 1))
-    lr.masked_fill_(drop, 0.0)
-    lrc = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    # Rows are dropped arithmetically whether or not any is bad (no data-dependent branch on a device).
+    if finite and rows is None:
+        mask = input_mask  # nothing to drop: the mask used is the input mask (its row sums too, below)
+    else:
+        drop = bad.unsqueeze(-1)
+        mask = torch.mul(input_mask, drop.logical_not(), out=_slot(slots, 1))
+        lr.masked_fill_(drop, 0.0)
+    # Clamped to ±20 (an alias of log ρ where the host knows that no |log ρ| exceeds 20)
+    lrc = lr if peak is not None and peak <= SAFETY_BOUND else lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     ratio = torch.exp(lrc, out=_slot(slots, last - 1)).mul_(mask)
     k3 = torch.sub(ratio, mask, out=_slot(slots, last - 2)).sub_(lrc).clamp_min_(0.0)
     # log π_train at the positions used (finite there); NaN·0 and ±inf·0 in padding → 0
-    train = [] if old is None else [_sanitised(torch.mul(old, mask, out=_slot(slots, 3)), nan=0.0)]
+    train = [] if old is None else [torch.mul(old, mask, out=_slot(slots, 3))]
+    train = [_sanitised(x, nan=0.0) for x in train] if not finite else train
     # One reduction for all rows' sums (each value summed on its own under torch.compile),
     # spanning the group when the rows are split. Σρ² is reduced on its own: ρ² is needed for
     # nothing else, and a slot of the buffer would hold it until the batch is freed.
     sum2 = (ratio * ratio).sum(-1, dtype=torch.float32)
     if slots is None:
         stacked = torch.stack([x.sum(-1, dtype=torch.float32) for x in (input_mask, mask, lr, *train, k3, ratio)])
+    elif mask is input_mask:  # slot 1 was not written (never read): its sums are those of slot 0
+        n = slots[0].sum(-1, dtype=torch.float32).unsqueeze(0)
+        stacked = torch.cat((n, n, slots[2:].sum(-1, dtype=torch.float32)))
     else:
         stacked = slots.sum(-1, dtype=torch.float32)
     if rows is not None:  # the group's sums of a row some rank found bad are those of an empty row

@@ -19,6 +19,7 @@ no sync) and on :class:`HostStats` (Python floats in float64) alike: ``safe_div`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import weakref
@@ -38,8 +39,15 @@ class _Part:
 
     def __init__(self, kind: str, name: str, value: torch.Tensor, rows: Optional[torch.Tensor],
                  weight: Optional[torch.Tensor]) -> None:
-        self.kind, self.name, self.value, self.rows, self.weight = kind, name, value.detach(), rows, weight
-        self.key = (kind != "sum", position(name))  # the slot: sums, then maxima and minima, as declared
+        self.kind, self.name, self.rows, self.weight = kind, name, rows, weight
+        self.value = value.detach() if value.requires_grad else value
+        self.key = _slot_key(kind, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _slot_key(kind: str, name: str) -> tuple:
+    """The slot of a part: sums, then maxima and minima, as declared (ValueError if undeclared)."""
+    return kind != "sum", position(name)
 
 
 def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
@@ -181,6 +189,33 @@ class SufficientStats(_Reading):
         :class:`Stat` objects, or names), in order."""
         out = cls()
         out._set([getattr(s, "name", s) for s in declared], [], sums.double())
+        return out
+
+    @classmethod
+    def joined(cls, blocks: list["SufficientStats"]) -> "SufficientStats":
+        """The statistics of consecutive blocks of rows recorded by the same code: each statistic's
+        values concatenated, so that one reduction covers every block, as if they were one."""
+        parts = list(zip(*(b._parts for b in blocks), strict=True))
+        if len(blocks) == 1 or any(p.name != ps[0].name for ps in parts for p in ps):
+            return blocks[0] if len(blocks) == 1 else functools.reduce(cls.merge, blocks, cls())
+        cache: dict[tuple, torch.Tensor] = {}  # restrictions and weights shared in every block stay shared
+
+        def join(xs: list) -> Optional[torch.Tensor]:
+            key = tuple(map(id, xs))
+            if xs[0] is not None and key not in cache:
+                cache[key] = torch.cat([x.reshape(-1) for x in xs])
+            return cache.get(key)
+
+        groups: dict[tuple, list[int]] = {}  # values of one shape in every block: a stack per block, one cat
+        for i, ps in enumerate(parts):
+            groups.setdefault(tuple(p.value.shape for p in ps), []).append(i)
+        values: dict[int, torch.Tensor] = {}
+        for idx in groups.values():  # (dtypes promote exactly: bool < float32 < float64)
+            per_block = [torch.stack([parts[i][k].value for i in idx]).reshape(len(idx), -1) for k in range(len(blocks))]
+            values.update(zip(idx, torch.cat(per_block, dim=1).unbind()))
+        out = cls()
+        out._parts = [_Part(ps[0].kind, ps[0].name, values[i], join([p.rows for p in ps]), join([p.weight for p in ps]))
+                      for i, ps in enumerate(parts)]
         return out
 
     def add(self, stat: Stat, value: torch.Tensor, rows: Optional[torch.Tensor] = None,
