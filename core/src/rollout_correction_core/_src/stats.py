@@ -44,10 +44,11 @@ class _Part:
         self.key = _slot_key(kind, name)
 
 
-@functools.lru_cache(maxsize=None)
-def _slot_key(kind: str, name: str) -> tuple:
+def _slot_key(kind: str, name: str, _keys: dict = {}) -> tuple:  # noqa: B006 (the cache, a plain dict: compile traces it)
     """The slot of a part: sums, then maxima and minima, as declared (ValueError if undeclared)."""
-    return kind != "sum", position(name)
+    if (kind, name) not in _keys:
+        _keys[kind, name] = (kind != "sum", position(name))
+    return _keys[kind, name]
 
 
 def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
