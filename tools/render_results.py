@@ -304,19 +304,23 @@ def gpu_tables(name: str) -> list[str]:
         f"`{s['cuda_tests'][0]['command']}`: {tests}."]
 
 
-def cpu_tables(name: str) -> list[str]:
-    """docs/performance.md's CPU table: the rows of a ``benchmarks/bench_vs_verl.py --json`` run, as that
-    script renders them, with the machine, versions, load and command of the run."""
+def cpu_tables(*names: str) -> list[str]:
+    """docs/performance.md's CPU tables: the rows of ``benchmarks/bench_vs_verl.py --json`` runs, as that
+    script renders them, each with the machine, versions, load and command of its run."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_vs_verl import markdown_tables
 
-    s = load(name)
-    p = s["provenance"]
-    (start, end) = p["load_average"]
-    return markdown_tables(s["rows"]).rstrip("\n").split("\n") + [
-        "", f"`docs/results/{name}`: {p['cpu']} ({p['logical_cpus']} logical CPUs, one thread); torch {p['torch']}, "
-            f"Python {p['python']}; verl {p['verl']}; commit `{p['commit'][:7]}`{' (with local changes)' if p['dirty'] else ''}, "
-            f"{p['date']}; load average {start[0]:.1f} at the start, {end[0]:.1f} at the end; `{p['command']}`."]
+    lines: list[str] = []
+    for name in names:
+        s = load(name)
+        p = s["provenance"]
+        (start, end) = p["load_average"]
+        lines += ([""] if lines else []) + markdown_tables(s["rows"]).rstrip("\n").split("\n") + [
+            "", f"`docs/results/{name}`: {p['cpu']} ({p['logical_cpus']} logical CPUs, one thread); torch {p['torch']}, "
+                f"Python {p['python']}; verl {p['verl']}; commit `{p['commit'][:7]}`"
+                f"{' (with local changes)' if p['dirty'] else ''}, {p['date']}; load average {start[0]:.1f} at the start "
+                f"(the benchmark itself holds one core), {end[0]:.1f} at the end; `{p['command']}`."]
+    return lines
 
 
 #: block name -> (renderer, its results files)
@@ -337,7 +341,7 @@ BLOCKS = {
     "diffusion-all-low-precision": (diffusion_table, ("diffusion_pipeline_all_low_precision.json",)),
     "gpu-h200": (gpu_tables, ("gpu-h200.json",)),
     "gpu-h200-0.3.0": (gpu_tables, ("gpu-h200-0.3.0.json",)),
-    "cpu-0.3.0": (cpu_tables, ("cpu-0.3.0.json",)),
+    "cpu-0.3.0": (cpu_tables, ("cpu-0.3.0.json", "cpu-0.3.0-bf16.json")),
 }
 
 PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
