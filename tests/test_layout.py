@@ -271,3 +271,19 @@ def test_ranks_with_different_configurations_raise_naming_the_slot(split_results
         assert error is not None, f"rank {rank} did not raise"
         assert "'sum is.oob' on rank 2" in error, error
         assert "on ranks 0, 1" in error and "same configuration" in error, error
+
+
+def test_joined_blocks_equal_one_block_and_unlike_blocks_are_merged_by_name():
+    rows = torch.tensor([True, False, True, True, True])
+    whole, a, b = SufficientStats(), SufficientStats(), SufficientStats()
+    x = torch.tensor([1.0, 2.0, -3.0, 4.0, 0.5])
+    for stats, part, r in ((whole, x, rows), (a, x[:2], rows[:2]), (b, x[2:], rows[2:])):
+        stats.add(U.s, part, rows=r)
+        stats.add(U.m_min, part, rows=r)
+    joined = SufficientStats.joined([a, b])
+    assert joined.packed_vector()[:2] == whole.packed_vector()[:2]
+    assert torch.equal(joined.packed_vector()[2], whole.packed_vector()[2])  # 2.5 and −(−3): min −3
+    c = SufficientStats()  # a block that recorded another statistic: merged by name, not mis-paired
+    c.add(U.t, torch.tensor([7.0]))
+    mixed = SufficientStats.joined([a, c])
+    assert mixed.sum(U.s) == 1.0 and mixed.sum(U.t) == 7.0 and mixed.min(U.m_min) == 1.0

@@ -44,11 +44,14 @@ class _Part:
         self.key = _slot_key(kind, name)
 
 
-def _slot_key(kind: str, name: str, _keys: dict = {}) -> tuple:  # noqa: B006 (the cache, a plain dict: compile traces it)
+_SLOT_KEYS: dict[tuple, tuple] = {}  # a plain dict (torch.compile traces it; it warns on an lru_cache)
+
+
+def _slot_key(kind: str, name: str) -> tuple:
     """The slot of a part: sums, then maxima and minima, as declared (ValueError if undeclared)."""
-    if (kind, name) not in _keys:
-        _keys[kind, name] = (kind != "sum", position(name))
-    return _keys[kind, name]
+    if (kind, name) not in _SLOT_KEYS:
+        _SLOT_KEYS[kind, name] = (kind != "sum", position(name))
+    return _SLOT_KEYS[kind, name]
 
 
 def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
@@ -196,9 +199,11 @@ class SufficientStats(_Reading):
     def joined(cls, blocks: list["SufficientStats"]) -> "SufficientStats":
         """The statistics of consecutive blocks of rows recorded by the same code: each statistic's
         values concatenated, so that one reduction covers every block, as if they were one."""
-        parts = list(zip(*(b._parts for b in blocks), strict=True))
-        if len(blocks) == 1 or any(p.name != ps[0].name for ps in parts for p in ps):
-            return blocks[0] if len(blocks) == 1 else functools.reduce(cls.merge, blocks, cls())
+        if len(blocks) == 1:
+            return blocks[0]
+        parts = list(zip(*(b._parts for b in blocks)))
+        if len({len(b._parts) for b in blocks}) > 1 or any(p.name != ps[0].name for ps in parts for p in ps):
+            return functools.reduce(cls.merge, blocks, cls())  # recorded differently: merged by name
         cache: dict[tuple, torch.Tensor] = {}  # restrictions and weights shared in every block stay shared
 
         def join(xs: list) -> Optional[torch.Tensor]:
