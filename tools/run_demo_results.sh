@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The demo's headline results files, in one invocation on one machine and one commit:
 #
-#     tools/run_demo_results.sh OUT WORKERS [--quick]
+#     tools/run_demo_results.sh OUT WORKERS [--quick] [--only SCENARIO[,SCENARIO]]
 #
-# runs the stale, quantized and long scenarios with every method listed below on seeds 0-4 (one
+# runs the stale, quantized and long scenarios (or those named by --only) with every method listed below on seeds 0-4 (one
 # process per run, one torch thread each, all scenarios' runs sharing WORKERS processes, the most
 # expensive first), prints one line per finished run, and writes OUT/demo-stale.json,
 # OUT/demo-quantized.json, OUT/demo-long.json (each a demo summary.json, with its report beside it
@@ -15,13 +15,23 @@
 # --quick runs every scenario at a tiny size (two seeds, a few steps) to check the pipeline end to
 # end; its files are not results. Run from a clean checkout: the files record the commit.
 set -euo pipefail
-if [ $# -lt 2 ]; then
-  echo "usage: tools/run_demo_results.sh OUT WORKERS [--quick]" >&2
-  exit 2
-fi
-OUT=$1 WORKERS=$2 QUICK=${3:-}
+usage="usage: tools/run_demo_results.sh OUT WORKERS [--quick] [--only SCENARIO[,SCENARIO]]"
+if [ $# -lt 2 ]; then echo "$usage" >&2; exit 2; fi
+CMDLINE="tools/run_demo_results.sh $*"
+OUT=$1 WORKERS=$2 QUICK="" ONLY="stale,quantized,long"
+shift 2
 case "$WORKERS" in (''|*[!0-9]*|0) echo "run_demo_results.sh: WORKERS must be a positive integer, got '$WORKERS'" >&2; exit 2;; esac
-case "$QUICK" in (''|--quick) ;; (*) echo "run_demo_results.sh: unknown option '$QUICK' (only --quick)" >&2; exit 2;; esac
+while [ $# -gt 0 ]; do
+  case "$1" in
+    (--quick) QUICK=--quick; shift;;
+    (--only) [ $# -ge 2 ] || { echo "run_demo_results.sh: --only needs a comma-separated list of scenarios" >&2; exit 2; }
+             ONLY=$2; shift 2;;
+    (*) echo "run_demo_results.sh: unknown option '$1'; $usage" >&2; exit 2;;
+  esac
+done
+for s in ${ONLY//,/ }; do
+  case "$s" in (stale|quantized|long) ;; (*) echo "run_demo_results.sh: --only: unknown scenario '$s' (stale, quantized, long)" >&2; exit 2;; esac
+done
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONPATH="$PWD/src:$PWD/core/src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
@@ -35,7 +45,8 @@ from rollout_correction.demo.report import write_report
 from rollout_correction.demo.results import provenance
 from rollout_correction.demo.runner import run_many
 
-out, workers, quick, command = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "--quick", sys.argv[4].strip()
+out, workers, quick, command = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "--quick", sys.argv[5].strip()
+only = sys.argv[4].split(",")
 # Every listed method on five seeds. Aliases at one update per batch (GSPO, CISPO, DPPO-TV/-KL, seq
 # TIS; config.ALIASES) run only in the several-updates table; the newer criteria run in stale. 155
 # runs of 32–38 CPU s each (measured on a 2-core machine under load; benchmarks/demo_step_cost.py):
@@ -51,6 +62,8 @@ parser = argparse.ArgumentParser()
 add_arguments(parser)
 cfgs = []
 for scenario, methods in METHODS.items():
+    if scenario not in only:
+        continue
     argv = ["--scenario", scenario, "--methods", methods, "--seeds", SEEDS, "--workers", str(workers),
             "--threads", "1", "--out", str(out / scenario)]
     if quick:
@@ -81,4 +94,4 @@ if (out / "long" / "by_length.png").is_file():
 cpu = sum(r["cpu_seconds"] for raw in raws for r in raw["results"])
 print(f"done in {time.perf_counter() - t0:.0f} s; {cpu:.0f} CPU s in the runs ({cpu / runs:.1f} per run)", flush=True)
 EOF
-exec python -c "$DRIVER" "$OUT" "$WORKERS" "$QUICK" "tools/run_demo_results.sh $*"
+exec python -c "$DRIVER" "$OUT" "$WORKERS" "$QUICK" "$ONLY" "$CMDLINE"

@@ -72,7 +72,7 @@ def _async_mode_list(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="stale",
                         help="named defaults: stale (fp32 engine 4 optimizer steps behind; default), "
-                             "quantized (3-bit engine, short answers), long (2-bit engine, 16-token answers: "
+                             "quantized (2-bit per-channel engine, short answers), long (2-bit engine, 16-token answers: "
                              "sequence IS against geometric), bf16-long (bf16 engine, long answers), moe")
     parser.add_argument("--quick", action="store_true",
                         help="a short run (1 seed, the reference pair and the recommended correction, few steps) "

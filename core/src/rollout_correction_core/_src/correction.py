@@ -20,12 +20,12 @@ from .alignment import MisalignmentWarning, alignment_metrics, alignment_report,
 from .config import RolloutCorrectionConfig, as_config
 from .constants import METRIC_PREFIX
 from .declared import ALIGN, COUNTS, EXPECT_ZERO, RS
-from .logratio import LogRatioBatch, float_mask, log_ratio_batch, nonfinite_positions
+from .logratio import LogRatioBatch, RowSums, float_mask, log_ratio_batch, nonfinite_positions
 from .m2po import m2po_keep, second_moment
 from .parallel import Parallel, as_parallel, verified
 from .segments import Segments
-from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, metrics_to_floats, nonfinite_metrics,
-                      offpolicy_metrics, prefixed)
+from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, add_row_statistics, metrics_to_floats,
+                      nonfinite_metrics, offpolicy_metrics, prefixed)
 from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
 from .sequence_group import (RowExchange, check_sequence_group, describe, group_ranks, raise_nonfinite,
                              raise_nonfinite_on_any_rank, reduce_owned,
@@ -64,16 +64,16 @@ class CorrectionOutput:
 
 
 def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig, stats: SufficientStats,
-                     advantages: Optional[torch.Tensor] = None) -> tuple[Optional[ISWeights], RejectionResult]:
-    """Weights (before batch normalisation), keep masks, and every local statistic for ``config``
-    (``advantages`` (B, T) or (B,): for ``rollout_rs_rejected_positive_fraction``)."""
+                     advantages: Optional[torch.Tensor] = None, per_row=True) -> tuple[Optional[ISWeights], RejectionResult]:
+    """Weights (before batch normalisation), keep masks, and every local statistic for ``config`` (``advantages``
+    (B, T) or (B,): for ``rollout_rs_rejected_positive_fraction``; ``per_row``: :func:`add_offpolicy_statistics`')."""
     isw = None
     if config.is_spec is not None:
         isw = importance_weights(batch, config.is_spec)
         add_is_statistics(stats, batch, config.is_spec, isw)
     rej = rejection_keep(batch, config.rs_options, config.rollout_token_veto_threshold, stats,
                          config.rollout_token_veto_threshold_high)
-    add_offpolicy_statistics(stats, batch, mismatch=config.mismatch_metrics)
+    add_offpolicy_statistics(stats, batch, config.mismatch_metrics, per_row)
     if config.rs_enabled or advantages is not None:  # rows every criterion rejects in full, and their outcome
         full = (rej.kept_per_row(batch) == 0) & batch.row_valid
         stats.add(RS.rejected_rows, full)
@@ -94,14 +94,17 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig, stat
 
 def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                 config: RolloutCorrectionConfig, row_offset: int = 0, segment_ids: Optional[torch.Tensor] = None,
-                max_segments: Optional[int] = None, advantages: Optional[torch.Tensor] = None):
-    """Everything that touches (B, T) data: weights before normalisation, keep mask, local statistics."""
+                max_segments: Optional[int] = None, advantages: Optional[torch.Tensor] = None, rows=None):
+    """Everything that touches (B, T) data: weights before normalisation, keep mask, local statistics
+    (given a list ``rows``, not :func:`add_row_statistics`'; the block's row sums are appended to it)."""
     batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite,
                             row_offset=row_offset, segment_ids=segment_ids, max_segments=max_segments,
                             log_prob_floor=config.log_prob_floor)
     stats = SufficientStats()
     batch.add_counts(stats)
-    isw, rej = local_correction(batch, config, stats, advantages)
+    isw, rej = local_correction(batch, config, stats, advantages, per_row=rows is None)
+    if rows is not None:
+        rows.append((*batch.sums, batch.row_valid))
     return (isw.weights if isw is not None else None), rej.keep_mask(batch), stats
 
 
@@ -217,18 +220,20 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     device = old_log_prob.device
     weights = torch.empty((B, T), device=device) if config.is_spec is not None else None
     keep = torch.empty((B, T), dtype=response_mask.dtype, device=device)
-    blocks = []
+    blocks, row_parts = [], []  # the per-row statistics are derived once, from every block's row sums
     for start in range(0, B, rows):
         block = slice(start, start + rows)
         seg = segment_ids[block] if segment_ids is not None else None
         seg_count = T if seg is not None and max_segments is None else max_segments  # the whole batch's S
         w, keep[block], local = _block_pass(old_log_prob[block], rollout_log_prob[block], response_mask[block],
                                             config, row_offset=start, segment_ids=seg, max_segments=seg_count,
-                                            advantages=None if advantages is None else advantages[block])
+                                            advantages=None if advantages is None else advantages[block], rows=row_parts)
         if weights is not None:
             weights[block] = w
         blocks.append(local)
-    return weights, keep, SufficientStats.joined(blocks)  # reduced once, over all rows
+    stats, per_row = SufficientStats.joined(blocks), [torch.cat(x) for x in zip(*row_parts)]
+    add_row_statistics(stats, RowSums(*per_row[:-1]), per_row[-1])
+    return weights, keep, stats  # reduced once, over all rows
 
 
 #: How many compiled per-token passes are kept, one per config, the least recently used dropped first.
@@ -359,19 +364,9 @@ def compute_rollout_correction(
         rollout_log_prob: (B, T) log-probs of the sampling engine.
         response_mask: (B, T) bool or 0/1 mask of valid tokens.
         config: a :class:`RolloutCorrectionConfig`; None means metrics only.
-        parallel: :class:`Parallel` (None: one process, whole rows). ``dp_group``: a
-            ``torch.distributed`` group over which the batch is split; batch normalisation and
-            every metric then cover the whole batch (the single-process result).
-            ``cp_group``: a ``torch.distributed`` group over which every sequence is split
-            (context parallelism: Megatron's ``mpu.get_context_parallel_group()``, or Ulysses).
-            Each rank passes its own tokens of the same B rows in the same order, in any layout
-            (a slice, the two zig-zag chunks, padding, an empty slice), every valid token held by
-            exactly one rank. One all-gather of (B, k) per-row partials (never token tensors)
-            makes weights, masks and metrics those of the unsplit sequences (up to rounding); the
-            (B, T_local) outputs cover this rank's tokens. ``dp_group`` is then the data-parallel
-            group without or with context parallelism, or None when the context-parallel group
-            holds the whole batch (see :func:`~rollout_correction_core._src.sequence_group.stats_owner`;
-            a partial overlap raises ValueError). ``check_alignment`` raises with a ``cp_group``.
+        parallel: :class:`Parallel` (None: one process, whole rows): weights, masks and every metric
+            are those of the whole batch, one process's result; with a ``cp_group`` the (B, T_local)
+            outputs cover this rank's tokens, and ``check_alignment`` raises.
         compile: run the per-token pass through ``torch.compile`` (compiled once per config and kept
             for the :data:`COMPILE_CACHE_SIZE` most recent configs; same results as eager; not with
             ``cp_group``, which runs eagerly).

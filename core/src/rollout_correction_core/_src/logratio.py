@@ -40,9 +40,8 @@ __all__ = ["LogRatioBatch", "RowSums", "log_ratio", "log_ratio_batch", "NONFINIT
 NONFINITE_SENTINEL = 1e30
 
 #: Input dtypes whose subtraction promotes to float32 (``torch.sub`` then upcasts as it subtracts).
-_FLOAT32_SUB = {(a, b): torch.promote_types(a, b) == torch.float32
-                for a in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-                for b in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT32_SUB = {(a, b): torch.promote_types(a, b) == torch.float32 for a in _FLOATS for b in _FLOATS}
 
 
 def float_mask(mask: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -93,9 +92,6 @@ class LogRatioBatch:
         bad_rows: (B,) bool, rows dropped for a non-finite value at a valid position.
         sums: the per-row sums (:class:`RowSums`; ``n_row`` and ``row_sum`` name two of them).
         row_valid: (B,) bool, the row has a token used; ``input_rows``: it has a valid input token.
-        row_sum64: (B,) float64 Σ_t log ρ_t.
-        row_means64: (2, B) float64 mean_t log ρ_t and mean_t log π_train per row (0 for empty
-            rows, bounded at ±1e30 per token); None for a batch built from a log-ratio alone.
         old_log_prob, rollout_log_prob: the inputs (None for :meth:`from_log_ratio`).
         rows: the row exchange when the rows are split across a group, else None.
         segment_ids, num_segments: (B, T) int64 segment (turn) of each token, 0 at unused positions,
@@ -115,8 +111,6 @@ class LogRatioBatch:
     sums: RowSums
     row_valid: torch.Tensor
     input_rows: torch.Tensor
-    row_sum64: torch.Tensor
-    row_means64: Optional[torch.Tensor]
     old_log_prob: Optional[torch.Tensor] = None
     rollout_log_prob: Optional[torch.Tensor] = None
     rows: Optional["RowExchange"] = None
@@ -163,12 +157,9 @@ class LogRatioBatch:
         return self.sums.log_ratio / self.sums.n.clamp_min(1.0)
 
     def train_means64(self) -> torch.Tensor:
-        """:attr:`row_means64`, or a ValueError that says how to build a batch that has it."""
-        if self.row_means64 is None:
-            raise ValueError("this LogRatioBatch was built from a log-ratio alone (LogRatioBatch.from_log_ratio); "
-                             "the perplexity metrics need the log-probs: build it with "
-                             "log_ratio_batch(old_log_prob, rollout_log_prob, response_mask)")
-        return self.row_means64
+        """(2, B) float64 mean_t log ρ_t and mean_t log π_train per row (0 for empty rows, bounded at
+        ±1e30 per token), or a ValueError that says how to build a batch that has them."""
+        return row_means64(self.sums)
 
     def log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) float32 log π_train and log π_rollout at the tokens used, 0 elsewhere (whatever the
@@ -404,13 +395,18 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         rows.drop(bad)
     sums = RowSums(*stacked[:3].unbind(), stacked[3] if old is not None else None, *stacked[-2:].unbind(), sum2)
     counted = stacked[:2] > 0
-    sums64 = stacked[:4].double()
-    means64 = None
-    if old is not None:
-        means64 = (sums64[2:4] / sums64[1].clamp_min(1.0)).nan_to_num_(nan=0.0)
-        means64.clamp_(-NONFINITE_SENTINEL, NONFINITE_SENTINEL)  # bounding the mean bounds the sum per token
     return LogRatioBatch(response_mask, input_mask, mask, lr, lrc, ratio, k3, bad, sums, counted[1], counted[0],
-                         sums64[2], means64, old, rollout, rows, sentinel_row=sentinel)
+                         old, rollout, rows, sentinel_row=sentinel)
+
+
+def row_means64(sums: RowSums) -> torch.Tensor:
+    """(2, B) float64 mean log ρ and mean log π_train per row of ``sums`` (0 for empty rows)."""
+    if sums.train is None:
+        raise ValueError("this LogRatioBatch was built from a log-ratio alone (LogRatioBatch.from_log_ratio); the perplexity "
+                         "metrics need the log-probs: log_ratio_batch(old_log_prob, rollout_log_prob, response_mask)")
+    sums64 = torch.stack((sums.n, sums.log_ratio, sums.train)).double()
+    means64 = (sums64[1:] / sums64[0].clamp_min(1.0)).nan_to_num_(nan=0.0)
+    return means64.clamp_(-NONFINITE_SENTINEL, NONFINITE_SENTINEL)  # bounding the mean bounds the sum per token
 
 
 def nonfinite_positions(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,

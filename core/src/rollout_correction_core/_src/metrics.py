@@ -44,7 +44,7 @@ import torch
 
 from .constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
 from .declared import COUNTS, MISMATCH, OFFPOLICY, Stat
-from .logratio import LogRatioBatch, log_ratio_batch, nonfinite_positions
+from .logratio import LogRatioBatch, RowSums, log_ratio_batch, nonfinite_positions, row_means64
 from .parallel import Parallel, as_parallel, verified
 from .validation import check_pair
 from .sequence_group import (RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank,
@@ -58,18 +58,27 @@ __all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_m
 _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
 
 
-def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, mismatch: bool = False) -> None:
-    """Record the sufficient statistics of the off-policy metrics."""
-    rows = batch.row_valid
-    stats.add(OFFPOLICY.sum_lr, batch.row_sum)
-    stats.add(OFFPOLICY.sum_k3, batch.sums.k3)  # Σ_t k3 and Σ_t ρ² per row, from the batch's one reduction
-    stats.add(OFFPOLICY.sum_rho2, batch.sums.ratio2)
+def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, mismatch: bool = False, per_row=True) -> None:
+    """Record the sufficient statistics of the off-policy metrics (without ``per_row``, all but those
+    of :func:`add_row_statistics`, which a blocked pass records once, from its blocks' row sums)."""
+    if per_row:
+        add_row_statistics(stats, batch.sums, batch.row_valid)
+    if mismatch:
+        _add_mismatch_statistics(stats, batch)
+
+
+def add_row_statistics(stats: SufficientStats, sums: RowSums, rows: torch.Tensor) -> None:
+    """The off-policy statistics that are functions of the per-row ``sums``; ``rows``: rows with a token used."""
+    stats.add(OFFPOLICY.sum_lr, sums.log_ratio)
+    stats.add(OFFPOLICY.sum_k3, sums.k3)  # Σ_t k3 and Σ_t ρ² per row, from the batch's one reduction
+    stats.add(OFFPOLICY.sum_rho2, sums.ratio2)
     # The per-row values are computed stacked, so each elementwise step is one operation.
-    means = batch.train_means64()  # float64 (2, B): mean log ρ, mean log π_train
+    means = row_means64(sums)  # float64 (2, B): mean log ρ, mean log π_train
     neg = means.neg()  # d = mean log π_rollout − mean log π_train, −mean log π_train
     d, train_nll = neg[0], neg[1]
     rollout_nll = means[0] - means[1]
-    e = torch.stack([train_nll, rollout_nll, d, batch.row_sum64, batch.row_sum64])
+    sum64 = sums.log_ratio.double()
+    e = torch.stack([train_nll, rollout_nll, d, sum64, sum64])
     e[:2].clamp_(max=_PPL_EXP_MAX)
     e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     e[3].mul_(2.0)
@@ -84,10 +93,8 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, misma
     stats.add(OFFPOLICY.neg_d_max, means[0], rows=rows)  # −d: min d = −max(−d), no negation
     stats.add(OFFPOLICY.ppl_ratio, e[2], rows=rows)
     stats.add(OFFPOLICY.rho2_seq, e[3], rows=rows)
-    stats.add(OFFPOLICY.sum_rho, batch.sums.ratio)
+    stats.add(OFFPOLICY.sum_rho, sums.ratio)
     stats.add(OFFPOLICY.rho_seq, e[4], rows=rows)
-    if mismatch:
-        _add_mismatch_statistics(stats, batch)
 
 
 _LOGP_FLOOR = 1e4

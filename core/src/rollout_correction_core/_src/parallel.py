@@ -21,9 +21,13 @@ class Parallel:
     Attributes:
         dp_group: the data-parallel group: the batch's rows are split over its ranks, and every
             batch statistic (means, fractions, ESS, batch normalisation, M2PO) is reduced over it.
-        cp_group: the context-parallel group: every row's tokens are split over its ranks (each
-            valid token held by exactly one of them), and every per-sequence quantity is
-            reduced over it.
+        cp_group: the context-parallel group (Megatron's ``mpu.get_context_parallel_group()``, or
+            Ulysses): every rank holds its own tokens of the same rows in the same order, in any
+            layout (a slice, the two zig-zag chunks, padding, an empty slice), each valid token held
+            by exactly one rank; one all-gather of (B, k) per-row partials (never token tensors) per
+            pass makes every per-sequence quantity that of the unsplit rows (up to rounding).
+            ``dp_group`` is then the data-parallel group without or with context parallelism, or
+            None when the context-parallel group holds the whole batch (a partial overlap raises).
         verify: when the ranks of each group agree on the layout of the exchange (see :data:`Verify`).
 
     ``Parallel()`` is one process holding whole rows.
