@@ -166,3 +166,21 @@ def test_gpu_results_file_names_its_device_commit_and_command():
     assert all(p.get(k) for k in ("commit", "core_commit", "device", "torch", "cuda", "date", "command"))
     assert len(s["rows"]) == 30 and {r["agreement"].split(",")[0] for r in s["rows"]} == {"mask equal"}
     assert s["cuda_tests"] and all(t["failed"] == 0 and t["passed"] > 0 and t["commit"] for t in s["cuda_tests"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["OUT"], "usage: tools/run_demo_results.sh OUT WORKERS"),
+    (["OUT", "0"], "WORKERS must be a positive integer, got '0'"),
+    (["OUT", "1", "--only", "stale,foo"], "--only: unknown scenario 'foo' (stale, quantized, long)"),
+    (["OUT", "1", "--only"], "--only needs a comma-separated list of scenarios"),
+    (["OUT", "1", "--fast"], "unknown option '--fast'"),
+])
+def test_run_demo_results_refuses_bad_arguments_in_one_line(tmp_path, args, message):
+    import subprocess
+
+    args = [str(tmp_path / a) if a == "OUT" else a for a in args]
+    done = subprocess.run(["bash", str(ROOT / "tools" / "run_demo_results.sh"), *args], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written

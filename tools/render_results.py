@@ -201,7 +201,8 @@ def long_table(name: str) -> list[str]:
         return not_measured(name)
     s = load(name)
     lines = demo_table(name)
-    lxk = [f"{x['label']} {x['length_x_kl']:.1f}" for x in s["methods"].values() if x.get("length_x_kl") is not None]
+    lxk = [f"{x['label']} {x['length_x_kl']:.1f}".replace(" -0.0", " 0.0") for x in s["methods"].values()
+           if x.get("length_x_kl") is not None]  # (on-policy's KL is 0 up to rounding: no "-0.0")
     if lxk:
         lines += ["", f"Response length × per-token mismatch KL over the last tenth of training ({s['config']['digits']} "
                       "tokens): " + ", ".join(lxk) + "."]

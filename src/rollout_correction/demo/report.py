@@ -288,6 +288,8 @@ def _draw(ax, cfg: DemoConfig, raw: dict, stem: str) -> None:
     ax.set_ylabel(ylabel)
     if log:  # symlog: the on-policy gap is ~0 (and may be slightly negative)
         ax.set_yscale("symlog", linthresh=1e-3 if key != "grad_norm" else 1e-2)
+        if key == "grad_norm":  # a norm: no negative ticks where an interval's lower end dips below 0
+            ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
 
 

@@ -393,8 +393,8 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         stacked[1:].masked_fill_(bad, 0.0)
         sum2.masked_fill_(bad, 0.0)
         rows.drop(bad)
-    sums = RowSums(*stacked[:3].unbind(), stacked[3] if old is not None else None, *stacked[-2:].unbind(), sum2)
-    counted = stacked[:2] > 0
+    parts, counted = stacked.unbind(), (stacked[:2] > 0).unbind()
+    sums = RowSums(*parts[:3], parts[3] if old is not None else None, *parts[-2:], sum2)
     return LogRatioBatch(response_mask, input_mask, mask, lr, lrc, ratio, k3, bad, sums, counted[1], counted[0],
                          old, rollout, rows, sentinel_row=sentinel)
 
