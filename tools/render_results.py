@@ -201,11 +201,16 @@ def long_table(name: str) -> list[str]:
         return not_measured(name)
     s = load(name)
     lines = demo_table(name)
-    lxk = [f"{x['label']} {x['length_x_kl']:.1f}".replace(" -0.0", " 0.0") for x in s["methods"].values()
-           if x.get("length_x_kl") is not None]  # (on-policy's KL is 0 up to rounding: no "-0.0")
+    def f(x: float) -> str:  # on-policy's KL is 0 up to rounding: no "-0.0"
+        text = f"{x:.1f}"
+        return "0.0" if text == "-0.0" else text
+
+    n = s["config"]["digits"]
+    lxk = [f"{x['label']} {f(n * x['initial_mismatch_kl'])} → {f(x['length_x_kl'])}" for x in s["methods"].values()
+           if x.get("length_x_kl") is not None and x.get("initial_mismatch_kl") is not None]
     if lxk:
-        lines += ["", f"Response length × per-token mismatch KL over the last tenth of training ({s['config']['digits']} "
-                      "tokens): " + ", ".join(lxk) + "."]
+        lines += ["", f"Response length × per-token mismatch KL, first → last tenth of training ({n} tokens): "
+                  + ", ".join(lxk) + "."]
     if (ROOT / "docs" / "img" / "demo-long-by-length.png").is_file():
         lines += ["", "![ESS of the sequence weight and final exact match against response length]"
                       "(img/demo-long-by-length.png)"]
