@@ -9,13 +9,13 @@ declaration order (each rejection option's after :data:`RS`, by option name), th
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
 from typing import Iterator, NamedTuple, Optional
 
 __all__ = ["Stat", "Family"]  # the library's own families below are internal
 
 _RANKS = itertools.count()
 _POSITIONS: dict[str, tuple] = {}
+_RS_OPTIONS: dict[str, "Family"] = {}  # a plain dict: torch.compile traces it (it warns on an lru_cache)
 
 
 class Stat(NamedTuple):
@@ -62,11 +62,12 @@ OPSM = Family("opsm.", "n_tok n_rows masked seq_masked div_rows div_sum")
 ACTOR = Family("", "ppo_kl pg_clipfrac pg_clipfrac_lower n input_rows bad_rows")
 
 
-@lru_cache(maxsize=None)
 def rs_option(name: str) -> Family:
-    """The statistics of the rejection option ``name`` (``rollout_rs_<name>_*``)."""
-    return Family(f"rs.{name}.", "units sum c_sum c_sum2 high low masked seq_masked seq_sum seq_sum2 seq_high "
-                  "seq_low", "max seq_max", "min seq_min", rank=RS.rank + (name,))
+    """The statistics of the rejection option ``name`` (``rollout_rs_<name>_*``), declared at first use."""
+    if name not in _RS_OPTIONS:
+        _RS_OPTIONS[name] = Family(f"rs.{name}.", "units sum c_sum c_sum2 high low masked seq_masked seq_sum seq_sum2 "
+                                   "seq_high seq_low", "max seq_max", "min seq_min", rank=RS.rank + (name,))
+    return _RS_OPTIONS[name]
 
 
 def position(name: str) -> tuple:
@@ -75,4 +76,3 @@ def position(name: str) -> tuple:
         return _POSITIONS[name.lstrip("-")]
     except KeyError:
         raise ValueError(f"statistic {name!r} is not declared (in _src/declared.py)") from None
-
