@@ -224,7 +224,7 @@ SCENARIOS: dict[str, dict] = {
     "bf16-long": dict(task="sort", digits=16, precision="bf16", quant="none", lag=0, sft_steps=120, steps=300),
     # ``long``: 600 SFT steps make the model sort 16 digits (about 0.9 exact match in a one-seed
     # trial), which puts the 2-bit engine's per-token KL near 2 (L × KL ≈ 30-40); on-policy runs then
-    # improve at lr 1e-4 (at 3e-4 one fell from 0.93 to 0.59), and 150 steps show where each run goes.
+    # improve at lr 1e-4 (a one-seed trial at 3e-4 lost ground), and 150 steps show where each run goes.
     "long": dict(task="sort", digits=16, precision="fp32", quant="int2", granularity="channel", lag=0,
                  sft_steps=600, steps=150, lr=1e-4, eval_every=25, recommended="geo_is",
                  methods=("on_policy", "naive", "token_tis", "seq_is", "geo_is", "geo_rs_long")),
