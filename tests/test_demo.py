@@ -131,13 +131,71 @@ def test_dense_sampling_path_equals_the_models_own_forward_bit_for_bit(dtype, mo
 
     task, model, prompts = _model_and_prompts(32)
     model = model.to(dtype).eval()
-    assert engine._is_dense_llama(model)
+    assert engine.is_dense_llama(model)
     for kw in ({}, {"greedy": True}, {"top_k": 5}):
         fast = sample(model, prompts, task.response_len, generator=torch.Generator().manual_seed(3), **kw)
         with monkeypatch.context() as m:
-            m.setattr(engine, "_is_dense_llama", lambda model: False)
+            m.setattr(engine, "is_dense_llama", lambda model: False)
             own = sample(model, prompts, task.response_len, generator=torch.Generator().manual_seed(3), **kw)
         assert torch.equal(fast[0], own[0]) and torch.equal(fast[1], own[1]), kw
+
+
+def _grouped_batch(prompts_n=4, group=3, seed=0):
+    """``prompts_n`` prompts, each repeated ``group`` times, with random responses."""
+    task = Task("sort", 5)
+    model = build_model("tiny", max_len=task.seq_len + 1, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = task.prompts(task.sample_digits(prompts_n, g)).repeat_interleave(group, dim=0)
+    responses = torch.randint(0, 10, (prompts.shape[0], task.response_len), generator=g)
+    return task, model, prompts, responses
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefix_shared_forward_gives_the_full_forwards_log_probs_and_gradient(seed):
+    """Reading each group's prompt once and its rows on top of the prompt's KV cache gives the
+    log-probs and the parameter gradient of the model's own forward over every row."""
+    task, model, prompts, responses = _grouped_batch(seed=seed)
+    tokens = torch.cat([prompts, responses], 1)
+    coeff = torch.randn(tokens.shape[0], task.response_len, generator=torch.Generator().manual_seed(seed))
+    grads = []
+    for group in (1, 3):
+        model.zero_grad()
+        lp = response_log_probs(model, tokens, task.prompt_len, group_size=group)
+        (lp * coeff).sum().backward()
+        grads.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (full, full_grad), (shared, shared_grad) = grads
+    # The full forward itself (teacher forcing through model(...).logits), computed independently.
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits[:, task.prompt_len - 1:]
+        expected = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(full, expected)
+    assert torch.allclose(shared, full, atol=1e-5, rtol=0), (shared - full).abs().max()
+    for a, b in zip(shared_grad, full_grad):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("kw", [{}, {"greedy": True}, {"top_k": 4}])
+def test_prefix_shared_sampling_gives_the_tokens_of_reading_every_row(kw):
+    task, model, prompts, _ = _grouped_batch(prompts_n=6, group=4)
+    model.eval()
+    every = sample(model, prompts, task.response_len, generator=torch.Generator().manual_seed(5), **kw)
+    shared = sample(model, prompts, task.response_len, generator=torch.Generator().manual_seed(5),
+                    group_size=4, **kw)
+    assert torch.equal(shared[0], every[0])
+    assert torch.allclose(shared[1], every[1], atol=1e-5, rtol=0)
+
+
+def test_prefix_sharing_refuses_rows_that_do_not_share_their_prompt():
+    task, model, prompts, responses = _grouped_batch(prompts_n=2, group=3)
+    tokens = torch.cat([prompts, responses], 1)
+    mixed = tokens.clone()
+    mixed[1, 1] = (mixed[1, 1] + 1) % 10
+    with pytest.raises(ValueError, match="every group of 3 consecutive rows must share one prompt"):
+        response_log_probs(model, mixed, task.prompt_len, group_size=3)
+    with pytest.raises(ValueError, match="group_size \\(4\\) must divide the 6 rows"):
+        response_log_probs(model, tokens, task.prompt_len, group_size=4)
+    with pytest.raises(ValueError, match="must share one prompt"):
+        sample(model, mixed[:, :task.prompt_len], task.response_len, greedy=True, group_size=3)
 
 
 def test_greedy_sampling_is_argmax_of_teacher_forced_logits():

@@ -141,7 +141,8 @@ class BatchSource:
         task = self.task()
         gen = self.generator(index)
         digits = task.sample_digits(self.cfg.prompts, gen).repeat_interleave(self.cfg.samples, dim=0)
-        responses, rollout_log_prob = engine.generate(task.prompts(digits), task.response_len, generator=gen)
+        responses, rollout_log_prob = engine.generate(task.prompts(digits), task.response_len, generator=gen,
+                                                      group_size=self.cfg.samples)
         return Batch(index, version, digits.numpy(), responses.numpy(), rollout_log_prob.numpy())
 
 

@@ -31,8 +31,7 @@ from collections import deque
 
 import torch
 
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
+from rollout_correction.demo.model import dense_forward, expand_cache, group_prompts, is_dense_llama
 from rollout_correction.supports import sampling_support_mask
 
 __all__ = ["PRECISIONS", "QUANTS", "GRANULARITIES", "fake_quantize", "sample", "RolloutEngine"]
@@ -70,7 +69,6 @@ def fake_quantize(weight: torch.Tensor, quant: str, granularity: str = "channel"
     return torch.clamp(torch.round(w / scale), -qmax, qmax) * scale
 
 
-@torch.no_grad()
 def sample(
     model: torch.nn.Module,
     prompts: torch.Tensor,
@@ -80,6 +78,7 @@ def sample(
     top_k: int | None = None,
     top_p: float | None = None,
     kept: list[torch.Tensor] | None = None,
+    group_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache.
 
@@ -92,37 +91,46 @@ def sample(
         The reported log-probs are then those of the truncated distribution, log π_S(y) =
         log π(y) − log π(S) — what engines return as "processed" log-probs.
       kept: if a list is given, the (B, V) bool kept set of every step is appended to it.
+      group_size: G > 1 when every G consecutive rows share their prompt (GRPO's samples of one
+        prompt): a dense model then reads each prompt once and continues every row from its
+        prompt's KV cache (prefix caching; other models read every row), with the same tokens and
+        log-probs up to float rounding.
     Returns:
       responses (B, T) int64 and their log-probabilities log π(yₜ | x, y<ₜ) (B, T) float32,
       computed from the model's own logits (cast to fp32 before the softmax).
     """
     if prompts.dim() != 2:
         raise ValueError(f"prompts must be (B, P), got shape {tuple(prompts.shape)}")
-    forward = _dense_llama_forward if _is_dense_llama(model) else _hf_forward
-    logits, cache = forward(model, prompts, None)
-    tokens, log_probs = [], []
-    for t in range(max_new_tokens):
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        if top_k is not None or top_p is not None:
-            keep = sampling_support_mask(logits, top_k=top_k, top_p=top_p, order="vllm")
-            logp = torch.log_softmax(logp.masked_fill(~keep, -torch.inf), dim=-1)
-            if kept is not None:
-                kept.append(keep)
-        if greedy:
-            nxt = logp.argmax(dim=-1, keepdim=True)
+    # Inference mode skips autograd's bookkeeping on every small operation of the loop; its
+    # tensors cannot enter autograd later, so the caller gets ordinary copies.
+    sets = [] if kept is not None else None
+    with torch.inference_mode():
+        forward = dense_forward if is_dense_llama(model) else _hf_forward
+        if forward is dense_forward and group_size > 1:
+            logits, cache = dense_forward(model, group_prompts(prompts, group_size))
+            logits, cache = logits.repeat_interleave(group_size, dim=0), expand_cache(cache, group_size)
         else:
-            nxt = torch.multinomial(logp.exp(), 1, generator=generator)
-        tokens.append(nxt)
-        log_probs.append(logp.gather(-1, nxt))
-        if t + 1 < max_new_tokens:
-            logits, cache = forward(model, nxt, cache)
-    return torch.cat(tokens, dim=1), torch.cat(log_probs, dim=1)
-
-
-def _is_dense_llama(model: torch.nn.Module) -> bool:
-    from transformers import LlamaForCausalLM
-
-    return type(model) is LlamaForCausalLM and model.config._attn_implementation in ("sdpa", "eager")
+            logits, cache = forward(model, prompts, None)
+        tokens, log_probs = [], []
+        for t in range(max_new_tokens):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            if top_k is not None or top_p is not None:
+                keep = sampling_support_mask(logits, top_k=top_k, top_p=top_p, order="vllm")
+                logp = torch.log_softmax(logp.masked_fill(~keep, -torch.inf), dim=-1)
+                if sets is not None:
+                    sets.append(keep)
+            if greedy:
+                nxt = logp.argmax(dim=-1, keepdim=True)
+            else:
+                nxt = torch.multinomial(logp.exp(), 1, generator=generator)
+            tokens.append(nxt)
+            log_probs.append(logp.gather(-1, nxt))
+            if t + 1 < max_new_tokens:
+                logits, cache = forward(model, nxt, cache)
+        responses, log_probs = torch.cat(tokens, dim=1), torch.cat(log_probs, dim=1)
+    if kept is not None:
+        kept.extend(keep.clone() for keep in sets)
+    return responses.clone(), log_probs.clone()
 
 
 def _hf_forward(model: torch.nn.Module, ids: torch.Tensor, cache):
@@ -132,33 +140,6 @@ def _hf_forward(model: torch.nn.Module, ids: torch.Tensor, cache):
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(ids, use_cache=True, **({cache_arg: cache} if cache is not None else {}))
     return out.logits[:, -1], out[cache_arg]
-
-
-def _dense_llama_forward(model: torch.nn.Module, ids: torch.Tensor, cache):
-    """The same KV-cache step as :func:`_hf_forward` for a dense ``LlamaForCausalLM``, calling its
-    layers' own modules (norms, projections, rotary embedding, MLP) without the model-level
-    wrappers, whose per-call cost dominates at this model size; the logits and sampled tokens are
-    the same bit for bit (tests/test_demo.py). ``cache``: a (key, value) pair per layer, or None."""
-    inner = model.model
-    b, s = ids.shape
-    past = 0 if cache is None else cache[0][0].shape[2]
-    x = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(x, torch.arange(past, past + s).unsqueeze(0))
-    new = []
-    for i, layer in enumerate(inner.layers):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        shape = (b, s, -1, attn.head_dim)
-        q, k = apply_rotary_pos_emb(attn.q_proj(h).view(shape).transpose(1, 2),
-                                    attn.k_proj(h).view(shape).transpose(1, 2), cos, sin)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
-        if cache is not None:
-            k, v = torch.cat([cache[i][0], k], dim=2), torch.cat([cache[i][1], v], dim=2)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=s > 1, scale=attn.scaling)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        new.append((k, v))
-    return model.lm_head(inner.norm(x[:, -1])), new
 
 
 class RolloutEngine:
@@ -208,7 +189,8 @@ class RolloutEngine:
 
     def generate(self, prompts: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,
                  greedy: bool = False, top_k: int | None = None, top_p: float | None = None,
-                 kept: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 kept: list[torch.Tensor] | None = None,
+                 group_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample responses; returns (responses, rollout_log_prob), see :func:`sample`."""
         return sample(self.model, prompts, max_new_tokens, generator=generator, greedy=greedy,
-                      top_k=top_k, top_p=top_p, kept=kept)
+                      top_k=top_k, top_p=top_p, kept=kept, group_size=group_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rollout_correction.demo.task import BOS, VOCAB_SIZE
 
@@ -64,7 +65,64 @@ def build_model(size: str = "tiny", max_len: int = 64, seed: int | None = None) 
     return model
 
 
-def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+def is_dense_llama(model: torch.nn.Module) -> bool:
+    """Whether :func:`dense_forward` serves ``model``: a dense ``LlamaForCausalLM`` (SDPA or eager)."""
+    return type(model) is LlamaForCausalLM and model.config._attn_implementation in ("sdpa", "eager")
+
+
+def dense_forward(model: LlamaForCausalLM, ids: torch.Tensor, cache: list | None = None,
+                  last_only: bool = True) -> tuple[torch.Tensor, list]:
+    """A forward of a dense ``LlamaForCausalLM`` through its layers' own modules (norms,
+    projections, rotary embedding, MLP), without the model-level wrappers, whose per-call cost
+    dominates at the demo's sizes; differentiable.
+
+    ``cache``: a (key, value) pair per layer for the positions before ``ids`` (every row the same
+    length), or None. Returns the logits of the last position (``last_only``) or of every position
+    of ``ids``, and the cache extended by ``ids``. Without a cache, or for one new position, the
+    logits equal the model's own forward bit for bit (tests/test_demo.py).
+    """
+    inner = model.model
+    b, s = ids.shape
+    past = 0 if cache is None else cache[0][0].shape[2]
+    x = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(x, torch.arange(past, past + s).unsqueeze(0))
+    # Causal attention over the cache and the new positions: position past + i sees keys ≤ past + i.
+    mask = torch.ones(s, past + s, dtype=torch.bool).tril(past) if past and s > 1 else None
+    new = []
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        shape = (b, s, -1, attn.head_dim)
+        q, k = apply_rotary_pos_emb(attn.q_proj(h).view(shape).transpose(1, 2),
+                                    attn.k_proj(h).view(shape).transpose(1, 2), cos, sin)
+        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        if cache is not None:
+            k, v = torch.cat([cache[i][0], k], dim=2), torch.cat([cache[i][1], v], dim=2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                             is_causal=not past and s > 1, scale=attn.scaling)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        new.append((k, v))
+    return model.lm_head(inner.norm(x[:, -1] if last_only else x)), new
+
+
+def group_prompts(prompts: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The one prompt of each group of ``group_size`` consecutive rows (rows of a group must share it)."""
+    if group_size < 1 or prompts.shape[0] % group_size:
+        raise ValueError(f"group_size ({group_size}) must divide the {prompts.shape[0]} rows")
+    shared = prompts[::group_size]
+    if not torch.equal(shared.repeat_interleave(group_size, dim=0), prompts):
+        raise ValueError(f"every group of {group_size} consecutive rows must share one prompt")
+    return shared
+
+
+def expand_cache(cache: list, group_size: int) -> list:
+    """A per-group KV cache repeated for every row of its group."""
+    return [tuple(t.repeat_interleave(group_size, dim=0) for t in pair) for pair in cache]
+
+
+def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor, prompt_len: int,
+                       group_size: int = 1) -> torch.Tensor:
     """Log-probabilities of the response tokens under ``model`` (teacher forcing).
 
     log π(yₜ | x, y<ₜ) for every response position t, computed in fp32.
@@ -72,11 +130,23 @@ def response_log_probs(model: torch.nn.Module, tokens: torch.Tensor, prompt_len:
     Args:
       tokens: (B, prompt_len + T) prompt followed by response.
       prompt_len: number of prompt tokens.
+      group_size: G > 1 when every G consecutive rows share their prompt (GRPO's samples of one
+        prompt): a dense model then runs each prompt once and its responses on top of the prompt's
+        KV cache, as a prefix-caching engine does; the log-probs agree with the full forward to
+        float rounding (tests/test_demo.py), the gradient flows through the shared prompt.
     Returns:
       (B, T) float32 log-probabilities (attached to the graph if ``model`` requires grad).
     """
     if tokens.dim() != 2 or tokens.shape[1] <= prompt_len:
         raise ValueError(f"tokens must be (B, prompt_len + T) with T >= 1, got {tuple(tokens.shape)}")
-    logits = model(tokens[:, :-1], use_cache=False).logits[:, prompt_len - 1 :].float()
     targets = tokens[:, prompt_len:]
+    if group_size > 1 and is_dense_llama(model):
+        first, cache = dense_forward(model, group_prompts(tokens[:, :prompt_len], group_size))
+        logits = first.repeat_interleave(group_size, dim=0).unsqueeze(1)
+        if targets.shape[1] > 1:
+            rest, _ = dense_forward(model, targets[:, :-1], expand_cache(cache, group_size), last_only=False)
+            logits = torch.cat([logits, rest], dim=1)
+        logits = logits.float()
+    else:
+        logits = model(tokens[:, :-1], use_cache=False).logits[:, prompt_len - 1 :].float()
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -6,6 +6,7 @@ One GRPO step, top to bottom (``grpo_step``):
 2. it samples G responses for each of P prompts and returns π_rollout log-probs;
 3. rewards are scored exactly;
 4. the trainer recomputes log π_θ in fp32 (π_old is its detached value before the update);
+   engine and trainer read each prompt once for its G responses (prefix sharing);
 5. for methods that reject, ``compute_rollout_correction`` on the whole batch gives the rows
    rejection sampling keeps; group advantages Âᵢ = (rᵢ − mean_g r) / (std_g r + 1e-6) come from
    the library's ``group_advantages`` with baselines over those accepted rows only;
@@ -187,7 +188,7 @@ def train(cfg: DemoConfig, method_name: str, seed: int, sft_state: dict[str, tor
         engine = RolloutEngine(model, cfg.precision, cfg.quant, cfg.lag, cfg.granularity)
     else:
         engine = RolloutEngine(model, "fp32", "none", 0)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)  # one kernel for all parameters
     rc_cfg = correction_config(method)
     # Paired runs: every method of one seed starts from the same SFT weights and sees the same
     # prompts (their own generator, untouched by sampling); only the responses differ.
@@ -230,7 +231,8 @@ def grpo_step(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, engine
     prompts = task.prompts(digits)
     routing = Routing(cfg, method, model, task.prompt_len)
     with routing.engine(engine):
-        responses, rollout_log_prob = engine.generate(prompts, task.response_len, generator=gen)
+        responses, rollout_log_prob = engine.generate(prompts, task.response_len, generator=gen,
+                                                      group_size=cfg.samples)
     return update_policy(cfg, method, rc_cfg, task, model, opt, digits, responses, rollout_log_prob,
                          routing=routing)
 
@@ -253,12 +255,14 @@ def update_policy(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, op
 
     n = tokens.shape[0]
     mb = n // cfg.minibatches
+    # Rows come in groups of ``samples`` sharing a prompt: the forwards read each prompt once.
+    mb_group = cfg.samples if mb % cfg.samples == 0 else 1
     if cfg.minibatches > 1:
         with torch.no_grad(), routing.trainer(slice(None), measure=True):
-            old_all = response_log_probs(model, tokens, task.prompt_len)
+            old_all = response_log_probs(model, tokens, task.prompt_len, cfg.samples)
     else:  # one update per batch: π_old is π_θ before the step, its detached value
         with routing.trainer(slice(None), measure=True):
-            log_prob_all = response_log_probs(model, tokens, task.prompt_len)
+            log_prob_all = response_log_probs(model, tokens, task.prompt_len, cfg.samples)
         old_all = log_prob_all.detach()
     kept = accepted_mask(rc_cfg, old_all, rollout_log_prob, mask)
     advantages = group_advantages(rewards, cfg.samples, kept).unsqueeze(1).expand_as(rollout_log_prob)
@@ -268,7 +272,7 @@ def update_policy(cfg: DemoConfig, method: Method, rc_cfg, task: Task, model, op
         sl = slice(i, i + mb)
         if cfg.minibatches > 1:
             with routing.trainer(sl):
-                log_prob = response_log_probs(model, tokens[sl], task.prompt_len)
+                log_prob = response_log_probs(model, tokens[sl], task.prompt_len, mb_group)
         else:
             log_prob = log_prob_all
         old_log_prob = old_all[sl]
