@@ -1,6 +1,6 @@
 """CPU cost of one demo run under three settings, measured side by side in one process.
 
-    OMP_NUM_THREADS=1 python benchmarks/demo_step_cost.py [REPS] [--scenario stale|quantized|long]
+    OMP_NUM_THREADS=1 python benchmarks/demo_step_cost.py [REPS] [--scenarios stale,quantized,long] [--json FILE]
 
 * former: 32 prompts × 8 samples per GRPO step, an evaluation every 25 steps (21 in a 500-step
   run), sampling and the trainer's forward through the model's own ``forward``;
@@ -13,13 +13,19 @@
 The settings alternate, 10 GRPO steps (decoupled token TIS) and one evaluation (512 prompts,
 trainer only) at a time, so that a shared machine's load falls on all alike; a run is extrapolated
 as its steps + 2 × its evaluations (trainer and engine), without the model set-up (about 1 s).
+``--json`` writes the figures with their provenance (``docs/results/cpu-demo-step-cost.json``, rendered
+in docs/demo.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -65,15 +71,11 @@ class _Applied:
         self.saved.clear()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("reps", type=int, nargs="?", default=5)
-    parser.add_argument("--scenario", default="stale", choices=("stale", "quantized", "long"))
-    args = parser.parse_args()
-    trainer.setup_torch(1)
+def measure(scenario: str, reps: int) -> dict:
+    """Per-setting step and evaluation times (CPU s) of one scenario, and the run they extrapolate to."""
     method = METHODS["token_tis"]
     rc_cfg = trainer.correction_config(method)
-    base = DemoConfig(**SCENARIOS[args.scenario])
+    base = DemoConfig(**SCENARIOS[scenario])
     task = Task(base.task, base.digits, base.reward)
     eval_digits = task.sample_digits(base.eval_prompts, torch.Generator().manual_seed(trainer.EVAL_SEED))
     weights, _ = trainer.sft(base.replace(sft_steps=5), 0, task)
@@ -85,7 +87,7 @@ def main() -> None:
         eng = engine.RolloutEngine(model, cfg.precision, cfg.quant, cfg.lag, cfg.granularity)
         state[name] = (cfg, model, eng, torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=fused),
                        torch.Generator().manual_seed(1), ([], []))
-    for _ in range(args.reps):
+    for _ in range(reps):
         for name, (cfg, model, eng, opt, gen, (steps, evals)) in state.items():
             with _Applied(_patched(*SETTINGS[name][2:4])):
                 c = time.process_time()
@@ -96,17 +98,46 @@ def main() -> None:
                 c = time.process_time()
                 trainer.exact_match(model, task, eval_digits)
                 evals.append(time.process_time() - c)
-    n_steps = base.steps
-    print(f"{args.scenario}: {n_steps} steps per run, medians of {args.reps} (10 steps, 1 evaluation each)")
-    runs = {}
+    out = {"steps": base.steps, "settings": {}}
     for name, (*_, (steps, evals)) in state.items():
+        n_eval = base.steps // (SETTINGS[name][1] or base.eval_every) + 1
         step, evaluation = statistics.median(steps), statistics.median(evals)
-        n_eval = n_steps // (SETTINGS[name][1] or base.eval_every) + 1
-        runs[name] = n_steps * step + 2 * n_eval * evaluation
-        print(f"  {name:8s} {step * 1000:6.1f} ms per GRPO step, {evaluation * 1000:4.0f} ms per evaluation; "
-              f"{n_steps} steps and {n_eval} × 2 evaluations: {runs[name]:5.1f} CPU s")
-    print(f"  former / current: {runs['former'] / runs['current']:.2f}×, "
-          f"direct / current: {runs['direct'] / runs['current']:.2f}×")
+        out["settings"][name] = {"step_s": steps, "eval_s": evals, "evaluations": n_eval,
+                                 "run_cpu_s": base.steps * step + 2 * n_eval * evaluation}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reps", type=int, nargs="?", default=5)
+    parser.add_argument("--scenarios", default="stale", help="comma-separated: stale, quantized, long")
+    parser.add_argument("--json", help="write the figures and their provenance to this file")
+    args = parser.parse_args()
+    scenarios = args.scenarios.split(",")
+    unknown = [s for s in scenarios if s not in ("stale", "quantized", "long")]
+    if unknown or args.reps < 1:
+        parser.error(f"unknown scenario(s) {unknown} (stale, quantized, long)" if unknown else "REPS must be >= 1")
+    trainer.setup_torch(1)
+    load_before = os.getloadavg()
+    results = {}
+    for scenario in scenarios:
+        results[scenario] = r = measure(scenario, args.reps)
+        print(f"{scenario}: {r['steps']} steps per run, medians of {args.reps} (10 steps, 1 evaluation each)")
+        for name, f in r["settings"].items():
+            print(f"  {name:8s} {statistics.median(f['step_s']) * 1000:6.1f} ms per GRPO step, "
+                  f"{statistics.median(f['eval_s']) * 1000:4.0f} ms per evaluation; {r['steps']} steps and "
+                  f"{f['evaluations']} × 2 evaluations: {f['run_cpu_s']:5.1f} CPU s")
+        runs = {name: f["run_cpu_s"] for name, f in r["settings"].items()}
+        print(f"  former / current: {runs['former'] / runs['current']:.2f}×, "
+              f"direct / current: {runs['direct'] / runs['current']:.2f}×", flush=True)
+    if args.json:
+        from rollout_correction.demo.results import provenance
+
+        command = "OMP_NUM_THREADS=1 python benchmarks/demo_step_cost.py " + " ".join(sys.argv[1:])
+        doc = {"provenance": provenance(command, 1, 1), "reps": args.reps,
+               "load_average": {"before": load_before, "after": os.getloadavg()}, "scenarios": results}
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

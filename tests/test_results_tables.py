@@ -184,3 +184,14 @@ def test_run_demo_results_refuses_bad_arguments_in_one_line(tmp_path, args, mess
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_a_value_that_rounds_to_zero_prints_without_a_minus_sign():
+    from rollout_correction.demo.report import _ci, diff_text
+
+    assert diff_text({"n": 5, "mean": -0.001, "ci": (-0.004, 0.003)}) == "+0.00 [+0.00, +0.00]"
+    assert diff_text({"n": 5, "mean": -0.012, "ci": (-0.0449, 0.02)}) == "-0.01 [-0.04, +0.02]"
+    assert diff_text({"n": 1, "mean": -0.004, "ci": None}) == "+0.00"
+    assert _ci({"mean": 0.0, "ci": (-0.0001, 0.0001)}) == "0.00 [0.00, 0.00]"
+    assert _ci({"mean": 0.5, "ci": (-0.25, 1.25)}) == "0.50 [-0.25, 1.25]"
+

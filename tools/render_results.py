@@ -230,21 +230,21 @@ def moe_table(name: str) -> list[str]:
 
 def time_table(*names: str) -> list[str]:
     """Wall and CPU time of each demo invocation behind the tables (from its results file)."""
-    lines = ["| invocation | runs | wall time | CPU s per run (mean) | workers × threads |", "|---|---|---|---|---|"]
+    lines = ["| invocation | scenario | runs | wall time (whole invocation) | CPU s per run: mean (min–max) "
+             "| workers × threads |", "|---|---|---|---|---|---|"]
     for name in names:
         s, total = load(name), None
         p = s["provenance"]
         if "modes" in s:  # --async: one run at a time
-            runs = len(s["runs"])
             total = s["seconds"] if isinstance(s["seconds"], (int, float)) else s["seconds"].get("total")
-            cpu = statistics.fmean(r["cpu_seconds"] for r in s["runs"])
             shape = "1 × 1 (two processes)"
         else:
-            runs = len(s["runs"])
             total = s["seconds"]["total"]
-            cpu = statistics.fmean(r["cpu_seconds"] for r in s["runs"])
             shape = f"{p['workers']} × {p['threads']}"
-        lines.append(f"| `{p['command']}` | {runs} | {int(total // 60)} min {int(total % 60):02d} s | {cpu:.0f} | {shape} |")
+        cpu = [r["cpu_seconds"] for r in s["runs"]]
+        lines.append(f"| `{p['command']}` | {s['config'].get('scenario', '?')} | {len(cpu)} | "
+                     f"{int(total // 60)} min {int(total % 60):02d} s | "
+                     f"{statistics.fmean(cpu):.1f} ({min(cpu):.0f}–{max(cpu):.0f}) | {shape} |")
     return lines + ["", "Measured on " + f"{load(names[0])['provenance']['cpu']} ({load(names[0])['provenance']['logical_cpus']} "
                         "logical CPUs), the figures' own runs (see each results file's provenance)."]
 
@@ -257,6 +257,27 @@ def default_time(name: str) -> list[str]:
             f"took {int(total // 60)} min {int(total % 60):02d} s",
             f"  on two free CPU cores ({p['cpu']}, commit `{p['commit'][:7]}`, `docs/results/{name}`); longer on a busy",
             "  machine. `rollout-correction demo --quick` takes under a minute."]
+
+
+def step_cost_table(name: str) -> list[str]:
+    """docs/demo.md's cost table: per scenario, the CPU time of a GRPO step, of an evaluation and of
+    a run under each setting of ``benchmarks/demo_step_cost.py`` (medians), against the former one."""
+    if not measured(name):
+        return [f"`docs/results/{name}` has not been measured yet: `benchmarks/demo_step_cost.py --json` writes it."]
+    s = load(name)
+    lines = ["| scenario | settings | ms per GRPO step | ms per evaluation | CPU s per run | former ÷ this |",
+             "|---|---|---|---|---|---|"]
+    for scenario, r in s["scenarios"].items():
+        former = r["settings"]["former"]["run_cpu_s"]
+        for setting, f in r["settings"].items():
+            lines.append(f"| {scenario} ({r['steps']} steps) | {setting} | "
+                         f"{statistics.median(f['step_s']) * 1000:.1f} | {statistics.median(f['eval_s']) * 1000:.0f} | "
+                         f"{f['run_cpu_s']:.1f} ({r['steps']} steps + {f['evaluations']} × 2 evaluations) | "
+                         f"{former / f['run_cpu_s']:.2f}× |")
+    before, after = s["load_average"]["before"], s["load_average"]["after"]
+    return lines + ["", f"Medians of {s['reps']} alternations; load average (1 / 5 / 15 min) "
+                        f"{' / '.join(f'{x:.2f}' for x in before)} before, {' / '.join(f'{x:.2f}' for x in after)} "
+                        f"after. `docs/results/{name}`: " + provenance_line(s["provenance"])]
 
 
 def async_table(name: str) -> list[str]:
@@ -337,10 +358,11 @@ BLOCKS = {
     "demo-long": (long_table, ("demo-long.json",)),
     "demo-quantized": (demo_table, ("demo-quantized.json",)),
     "demo-minibatches": (demo_table, ("demo-minibatches.json",)),
-    "demo-time": (time_table, ("demo-stale.json", "demo-quantized.json", "demo-minibatches.json", "demo-moe.json",
-                                  "demo-async.json")),
+    "demo-time": (time_table, ("demo-stale.json", "demo-quantized.json", "demo-long.json", "demo-minibatches.json",
+                               "demo-moe.json", "demo-async.json")),
     "demo-async": (async_table, ("demo-async.json",)),
     "demo-default-time": (default_time, ("demo-default.json",)),
+    "demo-step-cost": (step_cost_table, ("cpu-demo-step-cost.json",)),
     "demo-moe": (moe_table, ("demo-moe.json",)),
     "demo-bf16-long": (demo_table, ("demo-bf16-long.json",)),
     "diffusion-pipeline": (diffusion_table, ("diffusion_pipeline.json",)),

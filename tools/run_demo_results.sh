@@ -49,8 +49,7 @@ out, workers, quick, command = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] 
 only = sys.argv[4].split(",")
 # Every listed method on five seeds. Aliases at one update per batch (GSPO, CISPO, DPPO-TV/-KL, seq
 # TIS; config.ALIASES) run only in the several-updates table; the newer criteria run in stale. 155
-# runs of 32–38 CPU s each (measured on a 2-core machine under load; benchmarks/demo_step_cost.py):
-# about 5,500 CPU s, 6 minutes on 16 workers, plus about a minute for the SFT and the reports.
+# runs; the CPU time each took is in docs/demo.md's Time table (benchmarks/demo_step_cost.py splits it).
 METHODS = {
     "stale": "on_policy,naive,bypass_ppo,token_tis,seq_is_rs,geo_rs,pure_is,icepop,geo_is,opsm,m2po,topr,"
              "binary_kl_rs,veto2,kpop_rs,dp_rs,lp_err_rs,minpro,rollout_is",

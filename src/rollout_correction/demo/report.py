@@ -402,15 +402,21 @@ def _scenario_line(cfg: DemoConfig) -> str:
             f"seeds {list(cfg.seeds)}")
 
 
+def _2f(x: float, signed: bool = False) -> str:
+    """``x`` to two decimals, without a minus sign on a value that rounds to zero ("-0.00")."""
+    x = round(x, 2) + 0.0
+    return f"{x:+.2f}" if signed else f"{x:.2f}"
+
+
 def _pm(s: dict) -> str:
-    return f"{s['mean']:.2f} ± {s['std']:.2f}"
+    return f"{_2f(s['mean'])} ± {_2f(s['std'])}"
 
 
 def _ci(s: dict) -> str:
     """Mean and 95 % interval over seeds, "0.87 [0.82, 0.92]" (the mean alone from one seed)."""
     if s.get("ci") is None:
-        return f"{s['mean']:.2f}"
-    return f"{s['mean']:.2f} [{s['ci'][0]:.2f}, {s['ci'][1]:.2f}]"
+        return _2f(s["mean"])
+    return f"{_2f(s['mean'])} [{_2f(s['ci'][0])}, {_2f(s['ci'][1])}]"
 
 
 def _tie(summary: dict, method: str) -> str:
@@ -427,8 +433,8 @@ def diff_text(d: dict | None) -> str:
     if d is None or d["n"] == 0:
         return "—"
     if d.get("ci") is None:
-        return f"{d['mean']:+.2f}"
-    return f"{d['mean']:+.2f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]"
+        return _2f(d["mean"], signed=True)
+    return f"{_2f(d['mean'], True)} [{_2f(d['ci'][0], True)}, {_2f(d['ci'][1], True)}]"
 
 
 def signs_text(d: dict | None) -> str:
