@@ -13,6 +13,8 @@
 The settings alternate, 10 GRPO steps (decoupled token TIS) and one evaluation (512 prompts,
 trainer only) at a time, so that a shared machine's load falls on all alike; a run is extrapolated
 as its steps + 2 × its evaluations (trainer and engine), without the model set-up (about 1 s).
+Each step is also split into phases (``PHASES``: the CPU time inside the calls named there, the
+rest is ``other``), the profile of a run before and after.
 ``--json`` writes the figures with their provenance (``docs/results/cpu-demo-step-cost.json``, rendered
 in docs/demo.md).
 """
@@ -41,6 +43,35 @@ SETTINGS = {  # name -> (prompts per step, evaluation every k steps (None: the s
     "direct": (16, None, True, False, False),
     "current": (16, None, True, True, True),
 }
+
+
+#: phase -> the calls of a GRPO step whose CPU time it counts, as (owner, attribute); the optimizer's
+#: ``step`` is added per optimizer.
+PHASES = {
+    "sampling": ((engine.RolloutEngine, "generate"),),
+    "weight sync": ((engine.RolloutEngine, "sync"),),
+    "forward": ((trainer, "response_log_probs"),),
+    "backward": ((torch.Tensor, "backward"),),
+    "correction and loss": ((trainer, "accepted_mask"), (trainer, "group_advantages"), (trainer, "policy_loss")),
+    "optimizer": ((torch.nn.utils, "clip_grad_norm_"),),
+    "diagnostics": ((trainer, "weight_ess_by_length"),),
+}
+
+
+def _timed(phases: dict[str, float], opt) -> list[tuple[object, str, object]]:
+    """Patches that add the CPU time of each phase's calls to ``phases`` (applied on top of a setting's)."""
+    def wrap(phase, fn):
+        def timed(*args, **kwargs):
+            c = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[phase] += time.process_time() - c
+        return timed
+
+    calls = [(phase, owner, name) for phase, pairs in PHASES.items() for owner, name in pairs]
+    calls.append(("optimizer", opt, "step"))
+    return [(owner, name, wrap(phase, getattr(owner, name))) for phase, owner, name in calls]
 
 
 def _patched(direct: bool, shared: bool) -> list[tuple[object, str, object]]:
@@ -86,10 +117,10 @@ def measure(scenario: str, reps: int) -> dict:
         model.load_state_dict(weights)
         eng = engine.RolloutEngine(model, cfg.precision, cfg.quant, cfg.lag, cfg.granularity)
         state[name] = (cfg, model, eng, torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=fused),
-                       torch.Generator().manual_seed(1), ([], []))
+                       torch.Generator().manual_seed(1), ([], [], dict.fromkeys(PHASES, 0.0)))
     for _ in range(reps):
-        for name, (cfg, model, eng, opt, gen, (steps, evals)) in state.items():
-            with _Applied(_patched(*SETTINGS[name][2:4])):
+        for name, (cfg, model, eng, opt, gen, (steps, evals, phases)) in state.items():
+            with _Applied(_patched(*SETTINGS[name][2:4])), _Applied(_timed(phases, opt)):
                 c = time.process_time()
                 for _ in range(10):
                     eng.sync(model)
@@ -99,11 +130,14 @@ def measure(scenario: str, reps: int) -> dict:
                 trainer.exact_match(model, task, eval_digits)
                 evals.append(time.process_time() - c)
     out = {"steps": base.steps, "settings": {}}
-    for name, (*_, (steps, evals)) in state.items():
+    for name, (*_, (steps, evals, phases)) in state.items():
         n_eval = base.steps // (SETTINGS[name][1] or base.eval_every) + 1
         step, evaluation = statistics.median(steps), statistics.median(evals)
+        per_step = {phase: t / len(steps) / 10 for phase, t in phases.items()}
+        per_step["other"] = statistics.fmean(steps) - sum(per_step.values())
         out["settings"][name] = {"step_s": steps, "eval_s": evals, "evaluations": n_eval,
-                                 "run_cpu_s": base.steps * step + 2 * n_eval * evaluation}
+                                 "run_cpu_s": base.steps * step + 2 * n_eval * evaluation,
+                                 "phase_s_per_step": per_step}
     return out
 
 
@@ -127,6 +161,7 @@ def main() -> None:
             print(f"  {name:8s} {statistics.median(f['step_s']) * 1000:6.1f} ms per GRPO step, "
                   f"{statistics.median(f['eval_s']) * 1000:4.0f} ms per evaluation; {r['steps']} steps and "
                   f"{f['evaluations']} × 2 evaluations: {f['run_cpu_s']:5.1f} CPU s")
+            print("           " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in f["phase_s_per_step"].items()) + " ms")
         runs = {name: f["run_cpu_s"] for name, f in r["settings"].items()}
         print(f"  former / current: {runs['former'] / runs['current']:.2f}×, "
               f"direct / current: {runs['direct'] / runs['current']:.2f}×", flush=True)

@@ -53,7 +53,9 @@ def test_json_holds_every_setting_with_its_provenance(tmp_path, monkeypatch, cap
     monkeypatch.setattr(sys, "argv", ["demo_step_cost.py", "1", "--scenarios", "long", "--json", str(out)])
     monkeypatch.setitem(B.SCENARIOS, "long", {**B.SCENARIOS["long"], "digits": 4, "steps": 20, "eval_prompts": 16})
     monkeypatch.setattr(B.trainer, "setup_torch", lambda threads: None)  # keep this process's torch settings
+    timed = [getattr(owner, name) for pairs in B.PHASES.values() for owner, name in pairs]
     B.main()
+    assert [getattr(owner, name) for pairs in B.PHASES.values() for owner, name in pairs] == timed
     doc = json.loads(out.read_text())
     assert doc["provenance"]["command"].endswith("1 --scenarios long --json " + str(out))
     r = doc["scenarios"]["long"]
@@ -62,6 +64,10 @@ def test_json_holds_every_setting_with_its_provenance(tmp_path, monkeypatch, cap
         n_eval = 20 // (B.SETTINGS[name][1] or 25) + 1
         assert f["evaluations"] == n_eval
         assert f["run_cpu_s"] == pytest.approx(20 * f["step_s"][0] + 2 * n_eval * f["eval_s"][0])
+        phases = f["phase_s_per_step"]
+        assert set(phases) == set(B.PHASES) | {"other"}
+        assert sum(phases.values()) == pytest.approx(f["step_s"][0])
+        assert phases["sampling"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
     assert "former / current" in capsys.readouterr().out
 
 

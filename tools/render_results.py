@@ -274,6 +274,13 @@ def step_cost_table(name: str) -> list[str]:
                          f"{statistics.median(f['step_s']) * 1000:.1f} | {statistics.median(f['eval_s']) * 1000:.0f} | "
                          f"{f['run_cpu_s']:.1f} ({r['steps']} steps + {f['evaluations']} × 2 evaluations) | "
                          f"{former / f['run_cpu_s']:.2f}× |")
+    phases = list(next(iter(s["scenarios"].values()))["settings"]["current"]["phase_s_per_step"])
+    lines += ["", "Where a step's CPU time goes (ms per GRPO step, means; *other*: rewards, batching, metrics):", "",
+              "| scenario | settings | " + " | ".join(phases) + " |", "|---|---|" + "---|" * len(phases)]
+    for scenario, r in s["scenarios"].items():
+        for setting, f in r["settings"].items():
+            lines.append(f"| {scenario} | {setting} | "
+                         + " | ".join(f"{f['phase_s_per_step'][p] * 1000:.1f}" for p in phases) + " |")
     before, after = s["load_average"]["before"], s["load_average"]["after"]
     return lines + ["", f"Medians of {s['reps']} alternations; load average (1 / 5 / 15 min) "
                         f"{' / '.join(f'{x:.2f}' for x in before)} before, {' / '.join(f'{x:.2f}' for x in after)} "
