@@ -13,6 +13,7 @@
 The settings alternate, 10 GRPO steps (decoupled token TIS) and one evaluation (512 prompts,
 trainer only) at a time, so that a shared machine's load falls on all alike; a run is extrapolated
 as its steps + 2 × its evaluations (trainer and engine), without the model set-up (about 1 s).
+Ratios are medians over the repetitions of each one's paired runs (the machine's speed drifts).
 Each step is also split into phases (``PHASES``: the CPU time inside the calls named there, the
 rest is ``other``), the profile of a run before and after.
 ``--json`` writes the figures with their provenance (``docs/results/cpu-demo-step-cost.json``, rendered
@@ -118,8 +119,11 @@ def measure(scenario: str, reps: int) -> dict:
         eng = engine.RolloutEngine(model, cfg.precision, cfg.quant, cfg.lag, cfg.granularity)
         state[name] = (cfg, model, eng, torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=fused),
                        torch.Generator().manual_seed(1), ([], [], dict.fromkeys(PHASES, 0.0)))
-    for _ in range(reps):
-        for name, (cfg, model, eng, opt, gen, (steps, evals, phases)) in state.items():
+    names = list(state)
+    for rep in range(reps):
+        # Rotate the order each repetition, so that no setting always runs first after the others.
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            cfg, model, eng, opt, gen, (steps, evals, phases) = state[name]
             with _Applied(_patched(*SETTINGS[name][2:4])), _Applied(_timed(phases, opt)):
                 c = time.process_time()
                 for _ in range(10):
@@ -138,7 +142,17 @@ def measure(scenario: str, reps: int) -> dict:
         out["settings"][name] = {"step_s": steps, "eval_s": evals, "evaluations": n_eval,
                                  "run_cpu_s": base.steps * step + 2 * n_eval * evaluation,
                                  "phase_s_per_step": per_step}
+    # The machine's speed drifts (a shared host): the ratio of each repetition's runs, paired.
+    for f in out["settings"].values():
+        f["former_over_this"] = paired_ratios(out["settings"]["former"], f, base.steps)
     return out
+
+
+def paired_ratios(former: dict, this: dict, steps: int) -> list[float]:
+    """former's run cost ÷ this setting's, per repetition (the same 10 steps and evaluation pair)."""
+    def run(f, i):
+        return steps * f["step_s"][i] + 2 * f["evaluations"] * f["eval_s"][i]
+    return [run(former, i) / run(this, i) for i in range(len(this["step_s"]))]
 
 
 def main() -> None:
@@ -162,9 +176,9 @@ def main() -> None:
                   f"{statistics.median(f['eval_s']) * 1000:4.0f} ms per evaluation; {r['steps']} steps and "
                   f"{f['evaluations']} × 2 evaluations: {f['run_cpu_s']:5.1f} CPU s")
             print("           " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in f["phase_s_per_step"].items()) + " ms")
-        runs = {name: f["run_cpu_s"] for name, f in r["settings"].items()}
-        print(f"  former / current: {runs['former'] / runs['current']:.2f}×, "
-              f"direct / current: {runs['direct'] / runs['current']:.2f}×", flush=True)
+        ratio = {name: statistics.median(f["former_over_this"]) for name, f in r["settings"].items()}
+        print(f"  former / current: {ratio['current']:.2f}×, former / direct: {ratio['direct']:.2f}× "
+              "(medians of the paired repetitions)", flush=True)
     if args.json:
         from rollout_correction.demo.results import provenance
 

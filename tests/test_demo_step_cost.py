@@ -68,6 +68,9 @@ def test_json_holds_every_setting_with_its_provenance(tmp_path, monkeypatch, cap
         assert set(phases) == set(B.PHASES) | {"other"}
         assert sum(phases.values()) == pytest.approx(f["step_s"][0])
         assert phases["sampling"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
+    assert r["settings"]["former"]["former_over_this"] == [1.0]
+    assert r["settings"]["current"]["former_over_this"] == pytest.approx(
+        [r["settings"]["former"]["run_cpu_s"] / r["settings"]["current"]["run_cpu_s"]])
     assert "former / current" in capsys.readouterr().out
 
 

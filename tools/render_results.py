@@ -265,15 +265,15 @@ def step_cost_table(name: str) -> list[str]:
     if not measured(name):
         return [f"`docs/results/{name}` has not been measured yet: `benchmarks/demo_step_cost.py --json` writes it."]
     s = load(name)
-    lines = ["| scenario | settings | ms per GRPO step | ms per evaluation | CPU s per run | former ÷ this |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| scenario | settings | ms per GRPO step | ms per evaluation | CPU s per run | "
+             "former ÷ this, paired: median (min–max) |", "|---|---|---|---|---|---|"]
     for scenario, r in s["scenarios"].items():
-        former = r["settings"]["former"]["run_cpu_s"]
         for setting, f in r["settings"].items():
+            ratios = f["former_over_this"]
             lines.append(f"| {scenario} ({r['steps']} steps) | {setting} | "
                          f"{statistics.median(f['step_s']) * 1000:.1f} | {statistics.median(f['eval_s']) * 1000:.0f} | "
                          f"{f['run_cpu_s']:.1f} ({r['steps']} steps + {f['evaluations']} × 2 evaluations) | "
-                         f"{former / f['run_cpu_s']:.2f}× |")
+                         f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f}) |")
     phases = list(next(iter(s["scenarios"].values()))["settings"]["current"]["phase_s_per_step"])
     lines += ["", "Where a step's CPU time goes (ms per GRPO step, means; *other*: rewards, batching, metrics):", "",
               "| scenario | settings | " + " | ".join(phases) + " |", "|---|---|" + "---|" * len(phases)]
@@ -282,7 +282,8 @@ def step_cost_table(name: str) -> list[str]:
             lines.append(f"| {scenario} | {setting} | "
                          + " | ".join(f"{f['phase_s_per_step'][p] * 1000:.1f}" for p in phases) + " |")
     before, after = s["load_average"]["before"], s["load_average"]["after"]
-    return lines + ["", f"Medians of {s['reps']} alternations; load average (1 / 5 / 15 min) "
+    return lines + ["", f"Medians of {s['reps']} repetitions (10 steps and one evaluation of each setting, "
+                        "the order rotated); load average (1 / 5 / 15 min) "
                         f"{' / '.join(f'{x:.2f}' for x in before)} before, {' / '.join(f'{x:.2f}' for x in after)} "
                         f"after. `docs/results/{name}`: " + provenance_line(s["provenance"])]
 
