@@ -195,3 +195,21 @@ def test_a_value_that_rounds_to_zero_prints_without_a_minus_sign():
     assert _ci({"mean": 0.0, "ci": (-0.0001, 0.0001)}) == "0.00 [0.00, 0.00]"
     assert _ci({"mean": 0.5, "ci": (-0.25, 1.25)}) == "0.50 [-0.25, 1.25]"
 
+
+def test_demo_step_cost_file_names_its_commit_and_recomputes():
+    s = json.loads((ROOT / "docs" / "results" / "cpu-demo-step-cost.json").read_text(encoding="utf-8"))
+    assert set(s["provenance"]) == set(PROVENANCE_FIELDS) and s["provenance"]["dirty"] is False
+    assert s["provenance"]["command"].startswith("OMP_NUM_THREADS=1 python benchmarks/demo_step_cost.py")
+    for r in s["scenarios"].values():
+        assert set(r["settings"]) == {"former", "direct", "current"}
+        for f in r["settings"].values():
+            assert len(f["step_s"]) == len(f["eval_s"]) == s["reps"]
+            step, evaluation = sorted(f["step_s"]), sorted(f["eval_s"])
+            median = lambda v: (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2  # noqa: E731
+            assert f["run_cpu_s"] == pytest.approx(r["steps"] * median(step) + 2 * f["evaluations"] * median(evaluation))
+            run = lambda g, i: r["steps"] * g["step_s"][i] + 2 * g["evaluations"] * g["eval_s"][i]  # noqa: E731
+            assert f["former_over_this"] == pytest.approx(
+                [run(r["settings"]["former"], i) / run(f, i) for i in range(s["reps"])])
+            phases = f["phase_s_per_step"]
+            assert min(v for k, v in phases.items() if k != "other") > 0
+            assert sum(phases.values()) == pytest.approx(sum(step) / len(step))
