@@ -1,6 +1,8 @@
 """CPU cost of one demo run under three settings, measured side by side in one process.
 
-    OMP_NUM_THREADS=1 python benchmarks/demo_step_cost.py [REPS] [--scenarios stale,quantized,long] [--json FILE]
+    OMP_NUM_THREADS=1 python benchmarks/demo_step_cost.py [REPS] [--scenarios S1,S2,...] [--json FILE]
+
+REPS repetitions (default 5); the scenarios among stale (default), quantized and long.
 
 * former: 32 prompts × 8 samples per GRPO step, an evaluation every 25 steps (21 in a 500-step
   run), sampling and the trainer's forward through the model's own ``forward``;
@@ -53,7 +55,8 @@ PHASES = {
     "weight sync": ((engine.RolloutEngine, "sync"),),
     "forward": ((trainer, "response_log_probs"),),
     "backward": ((torch.Tensor, "backward"),),
-    "correction and loss": ((trainer, "accepted_mask"), (trainer, "group_advantages"), (trainer, "policy_loss")),
+    "correction and loss": ((trainer, "accepted_mask"), (trainer, "group_advantages"),
+                            (trainer, "policy_loss")),
     "optimizer": ((torch.nn.utils, "clip_grad_norm_"),),
     "diagnostics": ((trainer, "weight_ess_by_length"),),
 }
@@ -164,7 +167,8 @@ def main() -> None:
     scenarios = args.scenarios.split(",")
     unknown = [s for s in scenarios if s not in ("stale", "quantized", "long")]
     if unknown or args.reps < 1:
-        parser.error(f"unknown scenario(s) {unknown} (stale, quantized, long)" if unknown else "REPS must be >= 1")
+        parser.error(f"unknown scenario(s) {unknown} (stale, quantized, long)" if unknown
+                     else "REPS must be >= 1")
     trainer.setup_torch(1)
     load_before = os.getloadavg()
     results = {}
@@ -175,7 +179,8 @@ def main() -> None:
             print(f"  {name:8s} {statistics.median(f['step_s']) * 1000:6.1f} ms per GRPO step, "
                   f"{statistics.median(f['eval_s']) * 1000:4.0f} ms per evaluation; {r['steps']} steps and "
                   f"{f['evaluations']} × 2 evaluations: {f['run_cpu_s']:5.1f} CPU s")
-            print("           " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in f["phase_s_per_step"].items()) + " ms")
+            phases = ", ".join(f"{k} {v * 1000:.1f}" for k, v in f["phase_s_per_step"].items())
+            print(f"           {phases} ms")
         ratio = {name: statistics.median(f["former_over_this"]) for name, f in r["settings"].items()}
         print(f"  former / current: {ratio['current']:.2f}×, former / direct: {ratio['direct']:.2f}× "
               "(medians of the paired repetitions)", flush=True)

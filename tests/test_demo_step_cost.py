@@ -51,7 +51,8 @@ def test_each_setting_takes_its_own_path_and_restores_the_code(monkeypatch):
 def test_json_holds_every_setting_with_its_provenance(tmp_path, monkeypatch, capsys):
     out = tmp_path / "cost.json"
     monkeypatch.setattr(sys, "argv", ["demo_step_cost.py", "1", "--scenarios", "long", "--json", str(out)])
-    monkeypatch.setitem(B.SCENARIOS, "long", {**B.SCENARIOS["long"], "digits": 4, "steps": 20, "eval_prompts": 16})
+    tiny = {**B.SCENARIOS["long"], "digits": 4, "steps": 20, "eval_prompts": 16}
+    monkeypatch.setitem(B.SCENARIOS, "long", tiny)
     monkeypatch.setattr(B.trainer, "setup_torch", lambda threads: None)  # keep this process's torch settings
     timed = [getattr(owner, name) for pairs in B.PHASES.values() for owner, name in pairs]
     B.main()

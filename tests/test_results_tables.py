@@ -206,8 +206,10 @@ def test_demo_step_cost_file_names_its_commit_and_recomputes():
             assert len(f["step_s"]) == len(f["eval_s"]) == s["reps"]
             step, evaluation = sorted(f["step_s"]), sorted(f["eval_s"])
             median = lambda v: (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2  # noqa: E731
-            assert f["run_cpu_s"] == pytest.approx(r["steps"] * median(step) + 2 * f["evaluations"] * median(evaluation))
-            run = lambda g, i: r["steps"] * g["step_s"][i] + 2 * g["evaluations"] * g["eval_s"][i]  # noqa: E731
+            expected = r["steps"] * median(step) + 2 * f["evaluations"] * median(evaluation)
+            assert f["run_cpu_s"] == pytest.approx(expected)
+            def run(g, i):
+                return r["steps"] * g["step_s"][i] + 2 * g["evaluations"] * g["eval_s"][i]
             assert f["former_over_this"] == pytest.approx(
                 [run(r["settings"]["former"], i) / run(f, i) for i in range(s["reps"])])
             phases = f["phase_s_per_step"]
