@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -187,13 +188,14 @@ def test_run_demo_results_refuses_bad_arguments_in_one_line(tmp_path, args, mess
 
 
 def test_a_value_that_rounds_to_zero_prints_without_a_minus_sign():
-    from rollout_correction.demo.report import _ci, diff_text
+    from rollout_correction.demo.report import _ci, diff_text, fixed
 
     assert diff_text({"n": 5, "mean": -0.001, "ci": (-0.004, 0.003)}) == "+0.00 [+0.00, +0.00]"
     assert diff_text({"n": 5, "mean": -0.012, "ci": (-0.0449, 0.02)}) == "-0.01 [-0.04, +0.02]"
     assert diff_text({"n": 1, "mean": -0.004, "ci": None}) == "+0.00"
     assert _ci({"mean": 0.0, "ci": (-0.0001, 0.0001)}) == "0.00 [0.00, 0.00]"
     assert _ci({"mean": 0.5, "ci": (-0.25, 1.25)}) == "0.50 [-0.25, 1.25]"
+    assert fixed(-0.04, 1) == "0.0" and fixed(-0.06, 1) == "-0.1" and fixed(0.0, 1, signed=True) == "+0.0"
 
 
 def test_demo_step_cost_file_names_its_commit_and_recomputes():
@@ -204,9 +206,8 @@ def test_demo_step_cost_file_names_its_commit_and_recomputes():
         assert set(r["settings"]) == {"former", "direct", "current"}
         for f in r["settings"].values():
             assert len(f["step_s"]) == len(f["eval_s"]) == s["reps"]
-            step, evaluation = sorted(f["step_s"]), sorted(f["eval_s"])
-            median = lambda v: (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2  # noqa: E731
-            expected = r["steps"] * median(step) + 2 * f["evaluations"] * median(evaluation)
+            median = statistics.median
+            expected = r["steps"] * median(f["step_s"]) + 2 * f["evaluations"] * median(f["eval_s"])
             assert f["run_cpu_s"] == pytest.approx(expected)
             def run(g, i):
                 return r["steps"] * g["step_s"][i] + 2 * g["evaluations"] * g["eval_s"][i]
@@ -214,4 +215,4 @@ def test_demo_step_cost_file_names_its_commit_and_recomputes():
                 [run(r["settings"]["former"], i) / run(f, i) for i in range(s["reps"])])
             phases = f["phase_s_per_step"]
             assert min(v for k, v in phases.items() if k != "other") > 0
-            assert sum(phases.values()) == pytest.approx(sum(step) / len(step))
+            assert sum(phases.values()) == pytest.approx(statistics.fmean(f["step_s"]))

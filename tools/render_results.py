@@ -38,7 +38,8 @@ RESULTS = ROOT / "docs" / "results"
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "core" / "src")]  # the toolkit and the core, from this checkout
 
 from rollout_correction.demo.report import (  # noqa: E402
-    TABLE_HEADER, _ci, _kl, _tie, claims_text, diff_text, finals, paired, provenance_line, signs_text, table_rows)
+    TABLE_HEADER, _ci, _kl, _tie, claims_text, diff_text, finals, fixed, paired, provenance_line, signs_text,
+    table_rows)
 
 BEGIN = re.compile(r"^<!-- results: ([\w.-]+) -->$")
 END = "<!-- /results -->"
@@ -201,12 +202,9 @@ def long_table(name: str) -> list[str]:
         return not_measured(name)
     s = load(name)
     lines = demo_table(name)
-    def f(x: float) -> str:  # on-policy's KL is 0 up to rounding: no "-0.0"
-        text = f"{x:.1f}"
-        return "0.0" if text == "-0.0" else text
-
-    n = s["config"]["digits"]
-    lxk = [f"{x['label']} {f(n * x['initial_mismatch_kl'])} → {f(x['length_x_kl'])}" for x in s["methods"].values()
+    n = s["config"]["digits"]  # on-policy's KL is 0 up to rounding: ``fixed`` prints no "-0.0"
+    lxk = [f"{x['label']} {fixed(n * x['initial_mismatch_kl'], 1)} → {fixed(x['length_x_kl'], 1)}"
+           for x in s["methods"].values()
            if x.get("length_x_kl") is not None and x.get("initial_mismatch_kl") is not None]
     if lxk:
         lines += ["", f"Response length × per-token mismatch KL, first → last tenth of training ({n} tokens): "

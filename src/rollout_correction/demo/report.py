@@ -402,21 +402,21 @@ def _scenario_line(cfg: DemoConfig) -> str:
             f"seeds {list(cfg.seeds)}")
 
 
-def _2f(x: float, signed: bool = False) -> str:
-    """``x`` to two decimals, without a minus sign on a value that rounds to zero ("-0.00")."""
-    x = round(x, 2) + 0.0
-    return f"{x:+.2f}" if signed else f"{x:.2f}"
+def fixed(x: float, digits: int = 2, signed: bool = False) -> str:
+    """``x`` to ``digits`` decimals, without a minus sign on a value that rounds to zero ("-0.00")."""
+    x = round(x, digits) + 0.0
+    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
 
 
 def _pm(s: dict) -> str:
-    return f"{_2f(s['mean'])} ± {_2f(s['std'])}"
+    return f"{fixed(s['mean'])} ± {fixed(s['std'])}"
 
 
 def _ci(s: dict) -> str:
     """Mean and 95 % interval over seeds, "0.87 [0.82, 0.92]" (the mean alone from one seed)."""
     if s.get("ci") is None:
-        return _2f(s["mean"])
-    return f"{_2f(s['mean'])} [{_2f(s['ci'][0])}, {_2f(s['ci'][1])}]"
+        return fixed(s["mean"])
+    return f"{fixed(s['mean'])} [{fixed(s['ci'][0])}, {fixed(s['ci'][1])}]"
 
 
 def _tie(summary: dict, method: str) -> str:
@@ -433,8 +433,9 @@ def diff_text(d: dict | None) -> str:
     if d is None or d["n"] == 0:
         return "—"
     if d.get("ci") is None:
-        return _2f(d["mean"], signed=True)
-    return f"{_2f(d['mean'], True)} [{_2f(d['ci'][0], True)}, {_2f(d['ci'][1], True)}]"
+        return fixed(d["mean"], signed=True)
+    low, high = (fixed(x, signed=True) for x in d["ci"])
+    return f"{fixed(d['mean'], signed=True)} [{low}, {high}]"
 
 
 def signs_text(d: dict | None) -> str:
