@@ -167,8 +167,9 @@ def main() -> None:
     scenarios = args.scenarios.split(",")
     unknown = [s for s in scenarios if s not in ("stale", "quantized", "long")]
     if unknown or args.reps < 1:
-        parser.error(f"unknown scenario(s) {unknown} (stale, quantized, long)" if unknown
-                     else "REPS must be >= 1")
+        problem = (f"unknown scenario(s) {unknown}; choose from stale, quantized, long" if unknown
+                   else "REPS must be >= 1")
+        parser.exit(2, f"demo_step_cost.py: {problem}\n")
     trainer.setup_torch(1)
     load_before = os.getloadavg()
     results = {}

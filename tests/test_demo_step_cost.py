@@ -80,4 +80,5 @@ def test_bad_scenario_is_one_line_and_exit_2(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         B.main()
     assert e.value.code == 2
-    assert "unknown scenario(s) ['foo']" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == "demo_step_cost.py: unknown scenario(s) ['foo']; choose from stale, quantized, long\n"
