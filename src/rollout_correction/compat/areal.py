@@ -162,11 +162,12 @@ def apply_rejection_sampling(proximal_logprobs: torch.Tensor, old_logprobs: torc
     valid = mask.bool()
     weights_call = {} if exchanged else settings  # one core call unless the criterion needs the exchanged pair
     out = compute_rollout_correction(prox, behave, mask, config=RolloutCorrectionConfig(**_weight_settings(c),
-                                                                                         **weights_call))
+                                                                                         **weights_call,
+                                                                                         log_prob_ceiling=None))
     keep = out.response_mask.bool()
     if exchanged:
-        keep &= compute_rollout_correction(behave, prox, mask, config=RolloutCorrectionConfig(**settings)
-                                           ).response_mask.bool()
+        keep &= compute_rollout_correction(behave, prox, mask, config=RolloutCorrectionConfig(
+            **settings, log_prob_ceiling=None)).response_mask.bool()
     weight = out.weights
     n_valid = int(valid.sum())
     if c["action"] == "mask":

@@ -180,7 +180,7 @@ def compute_train_infer_correction(
     base = response_mask.long()
     T = base.shape[-1]
     batch = log_ratio_batch(old_log_probs, infer_log_probs, base, segment_ids=segment_ids_from_mask(base),
-                            max_segments=max_runs(T))
+                            max_segments=max_runs(T), log_prob_ceiling=None)  # ROLL does not check log-probs ≤ 0
     valid = batch.input_mask
     n_valid = valid.sum()
     samples = (batch.row_total(valid) > 0).sum().clamp_min(1) if global_valid_samples is None else global_valid_samples

@@ -124,7 +124,8 @@ class _Call:
 
     def __init__(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, **settings: Any) -> None:
         self.mask = mask
-        self.out = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(**settings))
+        self.out = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(
+            **settings, log_prob_ceiling=None))  # SkyRL does not check that a log-prob is ≤ 0
         self.floats = self.out.metrics_as_floats()
         self.batch = mask.shape[0]
         rows_in = int((mask > 0).any(-1).sum()) if mask.numel() else 0

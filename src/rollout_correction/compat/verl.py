@@ -133,7 +133,7 @@ def _resolve_group(process_group: Any, batch_normalize: bool) -> Optional[object
 def _is_config(rollout_is: Optional[str], rollout_is_threshold: Any,
                rollout_is_batch_normalize: bool = False) -> RolloutCorrectionConfig:
     return RolloutCorrectionConfig(rollout_is=rollout_is, rollout_is_threshold=_threshold(rollout_is_threshold),
-                                   rollout_is_batch_normalize=rollout_is_batch_normalize)
+                                   rollout_is_batch_normalize=rollout_is_batch_normalize, log_prob_ceiling=None)
 
 
 def _unprefix(metrics: dict[str, float]) -> dict[str, float]:
@@ -177,6 +177,7 @@ def compute_rollout_correction_and_rejection_mask(
         rollout_is_batch_normalize=bool(rollout_is_batch_normalize),
         rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold,
+        log_prob_ceiling=None,  # verl does not check that a log-prob is ≤ 0
     )
     cfg.refuse_segments("verl's compute_rollout_correction_and_rejection_mask signature")
     group = _resolve_group(process_group, cfg.is_spec is not None and cfg.is_spec.batch_normalize)

@@ -122,7 +122,7 @@ def check_alignment(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     all-reduced over ``process_group`` first, and with ``warn`` warn (:class:`MisalignmentWarning`)
     on a shift; ``shift_ratio``, ``min_pairs``, ``min_aligned_mae``: the rule of the module docstring."""
     sums = SufficientStats.from_vector(list(ALIGN), alignment_statistics(old_log_prob, rollout_log_prob, response_mask))
-    reduced = sums.all_reduce(process_group)  # a checked collective (the same object without a group)
+    reduced = sums.all_reduce(process_group, ("alignment",))  # a checked collective (the same object without a group)
     stats = torch.stack([reduced.sum(k) for k in ALIGN])
     report = alignment_report(stats, shift_ratio=shift_ratio, min_pairs=min_pairs, min_aligned_mae=min_aligned_mae)
     if warn and report.misaligned:

@@ -166,6 +166,11 @@ class RolloutCorrectionConfig(Presets, Loading):
         LOG_PROB_FLOOR, "number < 0 or null", "a log-prob (old or rollout) at or below it at a valid position is an "
         "engine's sentinel (vLLM's −9999), not a log-prob: handled as non-finite under on_nonfinite and counted "
         "in sentinel_token_fraction. null: no floor.")
+    log_prob_ceiling: Optional[float] = _key(
+        0.0, "number ≥ 0 or null", "a log-prob (old, rollout, or π_θ in the loss) above it at a valid position is no "
+        "probability: handled as non-finite under on_nonfinite (the row is dropped and counted in "
+        "nonfinite_seq_fraction, or the call raises). null: no check (the drop-ins of rollout_correction.compat, "
+        "as their engines do not check).")
     rollout_rs_all_rejected: WarnOrRaise = _key(
         "warn", "warn, raise", "when rejection drops every sequence of the batch: warn (when the metrics are read "
         "as floats; no extra host read) or raise ValueError (one host read per call).")
@@ -212,6 +217,10 @@ class RolloutCorrectionConfig(Presets, Loading):
         if floor is not None and not as_float("log_prob_floor", floor) < 0:
             raise invalid("log_prob_floor", floor, "expected a number < 0 (a log-prob at or below it is a "
                           "sentinel), e.g. -1000, or null to disable")
+        ceiling = self.log_prob_ceiling
+        if ceiling is not None and not 0 <= as_float("log_prob_ceiling", ceiling) < math.inf:
+            raise invalid("log_prob_ceiling", ceiling, "expected a finite number ≥ 0 (a log-prob above it is no "
+                          "probability), e.g. 0, or null to disable")
         delta, tau = self.rollout_opsm_delta, self.rollout_m2po_threshold
         if delta is not None and not math.isfinite(as_float("rollout_opsm_delta", delta)):
             raise invalid("rollout_opsm_delta", delta, "expected a finite number, e.g. 0.05")

@@ -30,6 +30,7 @@ from .rejection import RejectionResult, rejection_keep, rs_metrics, veto_metrics
 from .sequence_group import (RowExchange, check_sequence_group, describe, group_ranks, raise_nonfinite,
                              raise_nonfinite_on_any_rank, reduce_owned,
                              stats_owner)
+from .agreement import agreed_setting
 from .stats import SufficientStats, Value, maximum, safe_div
 from .validation import check_pair, check_segment_ids, first_nonfinite
 from .weights import ISWeights, add_is_statistics, batch_norm_factor, importance_weights, is_metrics
@@ -99,7 +100,7 @@ def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, resp
     (given a list ``rows``, not :func:`add_row_statistics`'; the block's row sums are appended to it)."""
     batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite,
                             row_offset=row_offset, segment_ids=segment_ids, max_segments=max_segments,
-                            log_prob_floor=config.log_prob_floor)
+                            log_prob_floor=config.log_prob_floor, log_prob_ceiling=config.log_prob_ceiling)
     stats = SufficientStats()
     batch.add_counts(stats)
     isw, rej = local_correction(batch, config, stats, advantages, per_row=rows is None)
@@ -164,7 +165,8 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
                          "sequence_group; run the alignment check on whole sequences (rollout-correction "
                          "diagnose, or a call without sequence_group) and set check_alignment=False here")
     batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=config.on_nonfinite, rows=rows,
-                            segment_ids=segment_ids, max_segments=max_segments, log_prob_floor=config.log_prob_floor)
+                            segment_ids=segment_ids, max_segments=max_segments, log_prob_floor=config.log_prob_floor,
+                            log_prob_ceiling=config.log_prob_ceiling)
     stats = SufficientStats()
     batch.add_counts(stats)
     isw, rej = local_correction(batch, config, stats, advantages)
@@ -183,7 +185,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         groups = (process_group,)
     else:
         groups = (process_group, rows.group)
-    reduced = reduce_owned(stats, process_group, owner)  # agreed over process_group before M2PO's collectives
+    reduced = reduce_owned(stats, process_group, owner, _what(config, advantages))  # agreed before M2PO's
     out = _finish(reduced, None if weights is None else weights.clone(), keep, old_log_prob, rollout_log_prob,
                   config, groups, response_mask.dtype)
     out = _checked(out, config, reduced, old_log_prob, rollout_log_prob, response_mask)
@@ -268,12 +270,22 @@ def _finish(stats: SufficientStats, weights: Optional[torch.Tensor], keep: torch
     metrics = Metrics.derived(stats, functools.partial(correction_metrics, config=config))
     if weights is not None and config.is_spec.batch_normalize:
         weights = weights.div_(batch_norm_factor(stats, config.is_spec))
-    if config.rollout_m2po_threshold is not None:
+    if stats.verdict is not None:  # the ranks' agreement is not known here: nothing is learned unless they agreed
+        keep = keep * stats.verdict.factor()
+        weights = None if weights is None else weights.mul_(stats.verdict.factor())
+    # M2PO's collectives run as the group agreed (this rank's own setting unless it is known to differ)
+    tau = agreed_setting(stats.verdict, "rollout_m2po_threshold", config.rollout_m2po_threshold)
+    if tau is not None:
         kept = keep > 0
-        keep, m2po = m2po_keep(second_moment(old_log_prob, rollout_log_prob, kept), kept,
-                               float(config.rollout_m2po_threshold), groups)
-        metrics.update(prefixed(m2po))
+        keep, m2po = m2po_keep(second_moment(old_log_prob, rollout_log_prob, kept), kept, float(tau), groups)
+        if config.rollout_m2po_threshold is not None:
+            metrics.update(prefixed(m2po))
     return CorrectionOutput(weights, keep.to(mask_dtype), metrics)
+
+
+def _what(config: RolloutCorrectionConfig, advantages: Optional[torch.Tensor]) -> list[str]:
+    """What the ranks of a call's reduction agree on: the call, every configuration key, the advantages."""
+    return describe("compute_rollout_correction", config, advantages=advantages is not None)
 
 
 def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Value]:
@@ -388,7 +400,7 @@ def compute_rollout_correction(
     if config.on_nonfinite == "raise" and (process_group is not None or sequence_group is not None):
         check_pair(old_log_prob, rollout_log_prob, response_mask)
         raise_nonfinite_on_any_rank(nonfinite_positions(old_log_prob, rollout_log_prob, response_mask,
-                                                        config.log_prob_floor), "log-prob", process_group, sequence_group)
+                                                        config.log_prob_floor, config.log_prob_ceiling), "log-prob", process_group, sequence_group)
     if sequence_group is not None:
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
@@ -408,7 +420,7 @@ def compute_rollout_correction(
         else:
             weights, keep, stats = _blocked_local_pass(old_log_prob, rollout_log_prob, response_mask, config,
                                                        segment_ids, max_segments, advantages)
-        stats = stats.all_reduce(process_group)
+        stats = stats.all_reduce(process_group, _what(config, advantages))
         out = _finish(stats, weights, keep, old_log_prob, rollout_log_prob, config, (process_group,),
                       response_mask.dtype)
         if config.check_alignment:  # the warning needs the values: one sync, only with this option
@@ -434,7 +446,7 @@ class CorrectionAccumulator(Accumulator):
                  on_batch: Optional[BatchHook] = None) -> None:
         self.config = as_config(config)
         self.on_batch = on_batch
-        super().__init__(self.config.on_nonfinite, self.config.log_prob_floor)
+        super().__init__(self.config.on_nonfinite, self.config.log_prob_floor, self.config.log_prob_ceiling)
 
     def record(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
         isw, rej = local_correction(batch, self.config, stats)
@@ -443,3 +455,6 @@ class CorrectionAccumulator(Accumulator):
 
     def finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
         return correction_metrics(stats, self.config)
+
+    def settings(self) -> list[str]:
+        return describe(type(self).__name__, self.config)

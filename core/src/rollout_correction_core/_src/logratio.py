@@ -8,7 +8,7 @@ Non-finite input. NaN / ±inf are replaced by ±1e30 and multiplied by the 0/1 m
 padding reaches a sum; a valid position holding a non-finite value (or |log ρ| ≥ 1e30) makes its
 row *bad*: the row is dropped (mask 0, every sum 0) or, with ``on_nonfinite="raise"``, a
 ValueError names it. A log-prob ≤ ``log_prob_floor`` (old or rollout) is an engine's sentinel
-and counts as non-finite. Rows are dropped arithmetically, never by a data-dependent branch, so
+and counts as non-finite; so does a log-prob > ``log_prob_ceiling`` (0: no probability has one). Rows are dropped arithmetically, never by a data-dependent branch, so
 the pass does not wait for the device.
 
 Split rows. With ``rows`` (a :class:`~rollout_correction_core._src.sequence_group.RowExchange`) each rank
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -265,7 +265,8 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
                     on_nonfinite: str = "reject", rows: Optional["RowExchange"] = None,
                     row_offset: int = 0, segment_ids: Optional[torch.Tensor] = None,
                     max_segments: Optional[int] = None,
-                    log_prob_floor: Optional[float] = LOG_PROB_FLOOR) -> LogRatioBatch:
+                    log_prob_floor: Optional[float] = LOG_PROB_FLOOR,
+                    log_prob_ceiling: Optional[float] = 0.0) -> LogRatioBatch:
     """log ρ_t = log π_train(y_t) − log π_rollout(y_t) on the valid tokens, and the per-row sums.
 
     Args:
@@ -283,6 +284,8 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
             T); ignored at masked positions. None: every row is one segment.
         log_prob_floor: a log-prob ≤ this at a valid position is an engine sentinel, handled as
             non-finite and counted (``sentinel_token_fraction``); None: no floor.
+        log_prob_ceiling: a log-prob > this at a valid position is no probability, handled as
+            non-finite; None: no check.
     """
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     segments = check_segment_ids(segment_ids, response_mask, max_segments, row_offset)
@@ -295,7 +298,7 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     else:
         lr = slots[2].copy_(old_log_prob).sub_(rollout_log_prob)
     batch = _build(lr, response_mask, on_nonfinite, row_offset, old_log_prob, rollout_log_prob, rows, slots=slots,
-                   floor=log_prob_floor)
+                   floor=log_prob_floor, ceiling=log_prob_ceiling)
     if segments is None:
         return batch
     ids, S = segments
@@ -325,7 +328,7 @@ def _sanitised(x: torch.Tensor, nan: float = NONFINITE_SENTINEL) -> torch.Tensor
     return x.nan_to_num_(nan=nan, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
 
 
-def _host_value(x: torch.Tensor, read: Callable[[], float]) -> Optional[float]:
+def _host_value(x: torch.Tensor, read: Callable[[], Any]) -> Optional[Any]:
     """``read()`` where a read costs nothing (eager, ``x`` on the CPU), else None. The pass skips work
     whose result the value fixes; on a device and under torch.compile it does that work arithmetically."""
     return None if torch.compiler.is_compiling() or x.device.type != "cpu" else read()
@@ -334,16 +337,21 @@ def _host_value(x: torch.Tensor, read: Callable[[], float]) -> Optional[float]:
 def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row_offset: int,
            old: Optional[torch.Tensor] = None, rollout: Optional[torch.Tensor] = None,
            rows: Optional["RowExchange"] = None, source: Optional[torch.Tensor] = None,
-           slots: Optional[torch.Tensor] = None, floor: Optional[float] = None) -> LogRatioBatch:
+           slots: Optional[torch.Tensor] = None, floor: Optional[float] = None,
+           ceiling: Optional[float] = None) -> LogRatioBatch:
     """The batch from a float32 log-ratio ``lr`` that this function may overwrite (``source``: the
     caller's log-ratio, for messages), held in slot 2 of ``slots`` (:func:`_slots`) when given:
     input mask, mask, log ρ, [masked log π_train,] k3, ρ, the order of :class:`RowSums`."""
     B, T = response_mask.shape
     last = 0 if slots is None else slots.shape[0]  # k3 and ρ in the last two slots
     input_mask = float_mask(response_mask, out=_slot(slots, 0))
-    sentinel = None
+    sentinel, low, high = None, None, None
+    if old is not None:  # the least and largest log-prob of either side, where reading them is free
+        low, high = (_host_value(lr, lambda: torch.stack([torch.minimum(old.amin(), rollout.amin()), torch.maximum(
+            old.amax(), rollout.amax())]).tolist()) or (None, None)) if old.numel() else (0.0, 0.0)
+        if ceiling is not None and not (high is not None and high <= ceiling):  # no probability: non-finite
+            lr.masked_fill_(torch.maximum(old, rollout) > ceiling, NONFINITE_SENTINEL)
     if floor is not None and old is not None:  # engine sentinels: made non-finite, counted per row
-        low = _host_value(lr, lambda: float(torch.minimum(old.amin(), rollout.amin()))) if old.numel() else 0.0
         if low is not None and low > floor:  # every log-prob above the floor (a NaN minimum: unknown)
             sentinel = torch.zeros(B, dtype=torch.float32, device=lr.device)
         else:  # a finite value at or below the floor (−inf is non-finite, not a sentinel)
@@ -410,11 +418,15 @@ def row_means64(sums: RowSums) -> torch.Tensor:
 
 
 def nonfinite_positions(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                        response_mask: torch.Tensor, log_prob_floor: Optional[float] = LOG_PROB_FLOOR) -> torch.Tensor:
+                        response_mask: torch.Tensor, log_prob_floor: Optional[float] = LOG_PROB_FLOOR,
+                        log_prob_ceiling: Optional[float] = 0.0) -> torch.Tensor:
     """(B, T) bool: valid positions whose log-ratio is NaN or has |log-ratio| ≥ 1e30, or holding a
-    log-prob ≤ ``log_prob_floor`` (the positions that drop a row, or raise with ``on_nonfinite="raise"``)."""
+    log-prob > ``log_prob_ceiling`` or ≤ ``log_prob_floor`` (the positions that drop a row, or raise with
+    ``on_nonfinite="raise"``)."""
     lr = old_log_prob.float() - rollout_log_prob.float()
     bad = ~(lr.abs() < NONFINITE_SENTINEL)
+    if log_prob_ceiling is not None:
+        bad |= torch.maximum(old_log_prob, rollout_log_prob) > log_prob_ceiling
     if log_prob_floor is not None:
         bad |= (old_log_prob <= log_prob_floor) | (rollout_log_prob <= log_prob_floor)
     return (response_mask != 0) & bad
@@ -430,6 +442,6 @@ def _nonfinite_error(lr: torch.Tensor, input_mask: torch.Tensor, bad_rows: torch
     else:
         values = f"log_ratio={source[b, t].item()}"
     return ValueError(f"non-finite log-prob at valid position (row {b + row_offset}, column {t}; "
-                      f"|log-ratio| ≥ 1e30 and a log-prob ≤ log_prob_floor, an engine's sentinel, count as "
-                      f"non-finite): {values}; "
+                      f"|log-ratio| ≥ 1e30, a log-prob > log_prob_ceiling (0: no probability) and a log-prob ≤ "
+                      f"log_prob_floor, an engine's sentinel, count as non-finite): {values}; "
                       "fix the producer, or set on_nonfinite='reject' to drop such sequences")

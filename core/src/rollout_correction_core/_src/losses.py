@@ -28,7 +28,8 @@ from typing import Callable, Literal, Optional, Union, get_args
 
 import torch
 
-from .config import LossType, RolloutCorrectionConfig, as_config
+from .agreement import agreed_setting, latest
+from .config import ConfigError, LossType, RolloutCorrectionConfig, as_config
 from .constants import SAFETY_BOUND
 from .correction import RowValues, compute_rollout_correction, correction_pass
 from .metrics import Metrics, prefixed
@@ -312,7 +313,8 @@ def compute_policy_loss(
 
     Decoupled (``config.bypass_mode`` False): PPO clip against ``old_log_prob``, the per-token loss
     multiplied by ``rollout_is_weights`` if given, else by the correction (weights and rejection
-    mask) of ``old_log_prob`` vs ``rollout_log_prob`` computed here; with neither, plain PPO.
+    mask) of ``old_log_prob`` vs ``rollout_log_prob`` computed here; with neither, plain PPO, and a
+    config that asks for a correction or its diagnostics raises ConfigError naming the missing input.
 
     Bypass (``config.bypass_mode`` True): π_old := π_rollout (``rollout_log_prob``, or
     ``old_log_prob`` when the trainer already substituted it); the correction of π_θ (``log_prob``,
@@ -361,13 +363,15 @@ def compute_policy_loss(
             raise ValueError("decoupled mode needs old_log_prob; set bypass_mode=True to clip against "
                              "rollout_log_prob instead")
         rollout, prox = rollout_log_prob, old_log_prob
+        if rollout is None and rollout_is_weights is None:
+            _refuse_uncorrected(config)
     check_same([("log_prob", log_prob), ("old_log_prob" if not bypass else "rollout_log_prob", prox),
                 ("advantages", advantages), ("response_mask", response_mask),
                 ("rollout_log_prob", rollout_log_prob), ("rollout_is_weights", rollout_is_weights)],
                float_names=("log_prob", "old_log_prob", "rollout_log_prob", "advantages", "rollout_is_weights"))
     if config.on_nonfinite == "raise" and (process_group is not None or sequence_group is not None):
         raise_nonfinite_on_any_rank(_nonfinite_inputs(response_mask, log_prob, prox, rollout, advantages,
-                                                      rollout_is_weights, config.log_prob_floor), "loss input",
+                                                      rollout_is_weights, config), "loss input",
                                     process_group, sequence_group)
     owner = None
     if sequence_group is not None:
@@ -386,14 +390,29 @@ def compute_policy_loss(
     return result
 
 
-def _nonfinite_inputs(response_mask, log_prob, prox, rollout, advantages, rollout_is_weights, floor) -> torch.Tensor:
+def _refuse_uncorrected(config: RolloutCorrectionConfig) -> None:
+    """Decoupled mode without ``rollout_log_prob`` or ``rollout_is_weights`` is plain PPO: a config that asks
+    for a correction or its diagnostics then raises ConfigError naming what is missing."""
+    asked = [f"{k}={getattr(config, k)!r}" for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold",
+             "rollout_token_veto_threshold_high", "rollout_m2po_threshold", "expect_zero_atol")
+             if getattr(config, k) is not None] + [f"{k}=True" for k in ("check_alignment", "mismatch_metrics")
+                                                  if getattr(config, k)]
+    if asked:
+        raise ConfigError(f"compute_policy_loss got neither rollout_log_prob nor rollout_is_weights, but the config "
+                          f"sets {', '.join(asked)}: pass rollout_log_prob (the correction is computed here) or "
+                          "rollout_is_weights (computed before, with the response mask it returned)")
+
+
+def _nonfinite_inputs(response_mask, log_prob, prox, rollout, advantages, rollout_is_weights, config) -> torch.Tensor:
     """(B, T) bool: valid positions where an input the loss reads is not finite, or where the
     log-ratio against the rollout log-probs is (the positions that raise with ``on_nonfinite="raise"``)."""
     bad = ~torch.isfinite(log_prob.detach()) | ~torch.isfinite(prox) | ~torch.isfinite(advantages)
+    if config.log_prob_ceiling is not None:  # no probability
+        bad |= torch.maximum(log_prob.detach(), prox) > config.log_prob_ceiling
     if rollout_is_weights is not None:
         bad |= ~torch.isfinite(rollout_is_weights)
     if rollout is not None:
-        bad |= nonfinite_positions(prox, rollout, response_mask, floor)
+        bad |= nonfinite_positions(prox, rollout, response_mask, config.log_prob_floor, config.log_prob_ceiling)
     return bad & (response_mask != 0)
 
 
@@ -419,8 +438,14 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
     else:
         bad_rows = torch.zeros(B, dtype=torch.bool, device=log_prob.device)
     floor = config.log_prob_floor if rollout is not None else None
-    sentinel = input_valid & ((prox <= floor) | (rollout <= floor)) if floor is not None else input_valid & False
-    bad_rows = rows.max(bad_rows | sentinel.any(-1))  # an engine sentinel drops its row, as in the correction
+    # a log-prob above the ceiling (no probability) or an engine sentinel drops its row, as in the correction
+    ceiling = config.log_prob_ceiling
+    sentinel = torch.maximum(masked[0], masked[1]) > ceiling if ceiling is not None else input_valid & False
+    if rollout is not None and ceiling is not None:
+        sentinel |= input_valid & (rollout > ceiling)
+    if floor is not None:
+        sentinel |= input_valid & ((prox <= floor) | (rollout <= floor))
+    bad_rows = rows.max(bad_rows | sentinel.any(-1))
     input_rows = rows.max(input_valid.any(-1))
     rows.drop(bad_rows)
     if config.on_nonfinite == "raise" and rows.final:
@@ -430,7 +455,7 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
             raise_nonfinite(bad_rows, what)
         pos = first_nonfinite(input_valid & ~torch.isfinite(masked).all(0) | sentinel)
         if pos is not None:
-            raise ValueError(f"non-finite {what} (or a log-prob ≤ log_prob_floor={floor}, an engine's sentinel) "
+            raise ValueError(f"non-finite {what} (or a log-prob > log_prob_ceiling={ceiling}, or ≤ log_prob_floor={floor}) "
                              f"at valid position (row {pos[0]}, column {pos[1]}); set on_nonfinite='reject' to "
                              "drop such rows")
     valid = input_valid.masked_fill(bad_rows.unsqueeze(-1), False)
@@ -454,9 +479,11 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
         metrics.update(corr.metrics)
     if rollout_is_weights is not None and not bypass:
         weights = clean[3]
-    if config.rollout_opsm_delta is not None:  # whole rows only (refused with a sequence group)
+    # OPSM (whole rows only: refused with a sequence group), its collective as the group agreed
+    delta = agreed_setting(latest(process_group), "rollout_opsm_delta", config.rollout_opsm_delta)
+    if delta is not None:
         behaviour = rollout if rollout is not None else prox_s
-        row_keep, opsm = compute_opsm(lp, behaviour, adv, mask, float(config.rollout_opsm_delta), process_group)
+        row_keep, opsm = compute_opsm(lp, behaviour, adv, mask, float(delta), process_group)
         mask = mask & row_keep.unsqueeze(-1)
         metrics.update(prefixed(opsm))
     in_loss = _LossRows.whole(mask) if rows.group is None else _LossRows.split(rows, valid, values)

@@ -49,6 +49,7 @@ from .parallel import Parallel, as_parallel, verified
 from .validation import check_pair
 from .sequence_group import (RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank,
                              reduce_owned, stats_owner)
+from .agreement import LayoutMismatchError
 from .stats import HostStats, SufficientStats, Value, clamp, safe_div, sqrt0, where
 
 __all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics", "mismatch_metrics",
@@ -335,9 +336,17 @@ class Metrics(MutableMapping):
         if extra_t:
             packed.append(torch.stack([self._extra[k].detach().reshape(()).to(torch.float64, copy=False)
                                        .to(packed[0].device if packed else self._extra[k].device) for k in extra_t]))
+        verdicts = [s.verdict for s, _, _ in self._sources if s.verdict is not None]
+        packed += [v.vec for v in verdicts]  # the ranks' agreement (:mod:`.agreement`), read with the statistics
         if len(packed) > 1:
             packed = [torch.cat([p.to(packed[0].device) for p in packed])]
-        values = iter(packed[0].tolist() if packed else [])  # zip takes a name first: no value is skipped
+        values = packed[0].tolist() if packed else []
+        for v in reversed(verdicts):
+            v.values = v.values or values[len(values) - v.vec.numel():]
+            del values[len(values) - v.vec.numel():]
+            if not v.read():
+                raise LayoutMismatchError(v.message())
+        values = iter(values)  # zip takes a name first: no value is skipped
         out: dict[str, float] = {}
         for names_s, names_m, derive, prefix in layout:
             host = HostStats(dict(zip(names_s, values)), dict(zip(names_m, values)))
@@ -405,15 +414,17 @@ class Accumulator:
     gives exactly what one call on the concatenated batch would give. A subclass defines
     ``record(stats, batch)`` (a chunk's statistics) and ``finalize(stats)`` (unprefixed metrics)."""
 
-    def __init__(self, on_nonfinite: str = "reject", log_prob_floor: Optional[float] = LOG_PROB_FLOOR) -> None:
+    def __init__(self, on_nonfinite: str = "reject", log_prob_floor: Optional[float] = LOG_PROB_FLOOR,
+                 log_prob_ceiling: Optional[float] = 0.0) -> None:
         self.stats = SufficientStats()
-        self.on_nonfinite, self.log_prob_floor = on_nonfinite, log_prob_floor
+        self.on_nonfinite, self.log_prob_floor, self.log_prob_ceiling = on_nonfinite, log_prob_floor, log_prob_ceiling
 
     def update(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                response_mask: torch.Tensor) -> None:
         """Add a chunk of whole rows."""
         self.update_batch(log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=self.on_nonfinite,
-                                          log_prob_floor=self.log_prob_floor))
+                                          log_prob_floor=self.log_prob_floor,
+                                          log_prob_ceiling=self.log_prob_ceiling))
 
     def update_batch(self, batch: LogRatioBatch) -> None:
         """Add a chunk already wrapped in a :class:`LogRatioBatch` (several accumulators may share one)."""
@@ -434,12 +445,16 @@ class Accumulator:
         parallel = as_parallel(parallel)
         if parallel.cp_group is not None:
             raise ValueError("an accumulator adds chunks of whole rows: it takes no cp_group")
-        stats = SufficientStats().merge(self.stats).all_reduce(parallel.dp_group)
+        stats = SufficientStats().merge(self.stats).all_reduce(parallel.dp_group, self.settings())
         return prefixed(self.finalize(stats))
 
     def finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
         """The family's metrics (unprefixed names) from reduced statistics."""
         raise NotImplementedError
+
+    def settings(self) -> list[str]:
+        """What the ranks of a reduction agree on besides the layout (:mod:`.agreement`): the accumulator."""
+        return [type(self).__name__]
 
 
 class OffPolicyAccumulator(Accumulator):

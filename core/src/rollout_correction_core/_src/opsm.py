@@ -72,7 +72,7 @@ def compute_opsm(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advanta
     stats.add(OPSM.seq_masked, dropped)
     stats.add(OPSM.div_rows, has)
     stats.add(OPSM.div_sum, torch.where(has, res.divergence.double(), 0.0))
-    stats.all_reduce(process_group)
+    stats.all_reduce(process_group, ("opsm", f"delta={delta!r}"))
     return res.row_keep, {
         "opsm_masked_fraction": safe_div(stats.sum(OPSM.masked), stats.sum(OPSM.n_tok)),
         "opsm_seq_masked_fraction": safe_div(stats.sum(OPSM.seq_masked), stats.sum(OPSM.n_rows)),

@@ -6,11 +6,14 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
+from .agreement import verifying
+
 __all__ = ["Parallel", "Verify"]
 
-#: When the ranks of a group agree on what a collective will exchange: at the first call for a
-#: (group, layout) pair (``"once"``, then cached), or before every call (``"always"``, for configs
-#: that change between calls while debugging).
+#: When the ranks of a group agree on what a collective will exchange: at every call (``"always"``,
+#: the default; no host sync in correct use on a device, see :mod:`.agreement`), or the first time a
+#: (group, layout) is seen and trusted after (``"once"``: faster, unsafe under configurations that
+#: change between calls).
 Verify = Literal["once", "always"]
 
 
@@ -28,14 +31,14 @@ class Parallel:
             pass makes every per-sequence quantity that of the unsplit rows (up to rounding).
             ``dp_group`` is then the data-parallel group without or with context parallelism, or
             None when the context-parallel group holds the whole batch (a partial overlap raises).
-        verify: when the ranks of each group agree on the layout of the exchange (see :data:`Verify`).
+        verify: when the ranks of each group agree on what they exchange (see :data:`Verify`).
 
     ``Parallel()`` is one process holding whole rows.
     """
 
     dp_group: Optional[object] = None
     cp_group: Optional[object] = None
-    verify: Verify = "once"
+    verify: Verify = "always"
 
     def __post_init__(self) -> None:
         if self.verify not in ("once", "always"):
@@ -54,17 +57,12 @@ def as_parallel(parallel: Optional[Parallel]) -> Parallel:
 
 
 def verified(fn: Callable) -> Callable:
-    """``fn(..., parallel=...)`` run under its ``parallel.verify`` setting (agreement before every
-    collective with ``"always"``; once per group and exchange by default)."""
-    from .stats import _VERIFY  # the setting ``agree`` reads, innermost call last
-
+    """``fn(..., parallel=...)`` run under its ``parallel.verify`` setting (a context variable: each
+    thread and task keeps its own)."""
     @functools.wraps(fn)
     def call(*args, parallel: Optional[Parallel] = None, **kwargs):
         parallel = as_parallel(parallel)
-        _VERIFY.append(parallel.verify)
-        try:
+        with verifying(parallel.verify):
             return fn(*args, parallel=parallel, **kwargs)
-        finally:
-            _VERIFY.pop()
 
     return call

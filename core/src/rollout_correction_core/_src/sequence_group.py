@@ -24,7 +24,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from .stats import SufficientStats, agree
+from .agreement import agree
+from .stats import SufficientStats
 
 __all__ = ["RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
            "raise_nonfinite_on_any_rank"]
@@ -88,13 +89,15 @@ def stats_owner(sequence_group: object, process_group: Optional[object]) -> Opti
         "mpu.get_data_parallel_group(with_context_parallel=True))")
 
 
-def reduce_owned(stats: SufficientStats, process_group: Optional[object], owner: Optional[bool]) -> SufficientStats:
-    """``stats`` reduced over ``process_group``, counted once per sequence (``owner``: stats_owner)."""
+def reduce_owned(stats: SufficientStats, process_group: Optional[object], owner: Optional[bool],
+                 what: Sequence[str] = ("statistics",)) -> SufficientStats:
+    """``stats`` reduced over ``process_group``, counted once per sequence (``owner``: stats_owner);
+    ``what`` as for :meth:`SufficientStats.all_reduce`."""
     sums, maxes = stats.sums, stats.maxes
     if owner is False:  # another rank of the sequence group counts these sequences
         sums = {k: torch.zeros_like(v) for k, v in sums.items()}
         maxes = {k: torch.full_like(v, -torch.inf) for k, v in maxes.items()}
-    return SufficientStats.from_values(sums, maxes).all_reduce(process_group if owner is not None else None)
+    return SufficientStats.from_values(sums, maxes).all_reduce(process_group if owner is not None else None, what)
 
 
 def raise_nonfinite(bad_rows: torch.Tensor, what: str = "log-prob") -> None:
@@ -119,7 +122,7 @@ def raise_nonfinite_on_any_rank(bad: torch.Tensor, what: str, process_group: Opt
     seq, dp = _multi_rank(sequence_group), _multi_rank(process_group)
     if not (seq or dp):
         return
-    for group, name in ((sequence_group, "sequence_group"), (process_group, "process_group")):
+    for group, name in ((sequence_group, "cp_group"), (process_group, "dp_group")):
         if _multi_rank(group):  # agreed first: a rank that skips this check is met by its own agreement
             agree(group, [f"on_nonfinite='raise': the {what}"], name, bad.device)
     dist = _dist()
@@ -227,7 +230,7 @@ class RowExchange:
                 raise RuntimeError(f"per-row partials must be (B,) or (k, B) with B = {B}, got {tuple(p.shape)}")
         device = self._parts[0][1].device if self._parts else None
         agree(self.group, self.what + [f"rows {B}", "partials " + " ".join(
-            f"{op}{'' if p.dim() == 1 else p.shape[0]}" for op, p in self._parts)], "sequence_group", device)
+            f"{op}{'' if p.dim() == 1 else p.shape[0]}" for op, p in self._parts)], "cp_group", device)
         if B == 0 or not self._parts:  # agreed: no rank has rows (or partials), every reduction is empty
             self._values = [p.detach() for _, p in self._parts]
             return

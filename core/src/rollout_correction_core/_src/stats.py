@@ -8,9 +8,9 @@ process group takes two collectives (SUM, MAX), reading every value on the host 
 
 The **layout** of that vector is the declaration's (:mod:`.declared`): the recorded statistics,
 sums then maxima, in declared order, whatever rows, segments or shapes a rank holds. A rank with
-nothing in a slot contributes the reduction's identity (0 for a sum, −inf for a maximum). Before
-the first reduction of a layout over a process group the ranks agree on its fingerprint
-(:func:`check_layout`) or raise :class:`LayoutMismatchError` naming the first differing slot.
+nothing in a slot contributes the reduction's identity (0 for a sum, −inf for a maximum). Every
+reduction over a process group is agreed across its ranks, at every call (:mod:`.agreement`): a
+mismatch of layout or settings raises :class:`LayoutMismatchError` on every rank.
 
 Values are derived by plain functions that work on :class:`SufficientStats` (0-d device tensors,
 no sync) and on :class:`HostStats` (Python floats in float64) alike: ``safe_div``, ``where``,
@@ -20,13 +20,13 @@ no sync) and on :class:`HostStats` (Python floats in float64) alike: ``safe_div`
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
-import weakref
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
+from .agreement import (LayoutMismatchError, Record, Verdict, agree, check_pending, defer, fingerprint, forget,
+                        mismatch_message, record, recorded, verify_setting)
 from .declared import Stat, position
 
 __all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
@@ -86,61 +86,35 @@ def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
     return torch.stack([slot[i] for i in range(len(parts))])
 
 
-class LayoutMismatchError(ValueError):
-    """The ranks of a group are about to exchange different things (different configurations, row
-    counts or partials): a positional collective would mis-pair or add unlike quantities."""
-
-
-#: Per process group (held weakly: a destroyed group is not kept alive), the fingerprints its ranks agreed on.
-_AGREED: "weakref.WeakKeyDictionary[object, set[int]]" = weakref.WeakKeyDictionary()
-_VERIFY = ["once"]
-
-
-def agree(group: object, lines: list[str], name: str, device: Optional[torch.device] = None) -> None:
-    """Confirm that every rank of ``group`` (``name`` in errors) is about to exchange the same ``lines``:
-    one all-reduce (MAX of a fingerprint and its negation) the first time a (group, lines) is seen (every
-    time within a call with ``Parallel(verify="always")``). On a mismatch every rank raises :class:`LayoutMismatchError`
-    naming the group's ranks, the first differing line and who holds what."""
-    import torch.distributed as dist
-
-    digest = hashlib.blake2b("\n".join(lines).encode(), digest_size=8).digest()
-    fp = int.from_bytes(digest, "little") >> 2  # the same in every process; −fp fits an int64
-    try:
-        seen = _AGREED.setdefault(group, set())
-    except TypeError:  # not weakly referenceable: agreed every time
-        seen = set()
-    if fp in seen and _VERIFY[-1] == "once":
-        return
-    if device is None or device.type == "meta":
-        nccl = "nccl" in str(dist.get_backend(group))
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    both = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # (max, −min) of the fingerprints
-    high, neg_low = both.tolist()
-    if high == fp == -neg_low:
-        seen.add(fp)
-        return
-    ranks = list(dist.get_process_group_ranks(group))
-    layouts: list = [None] * len(ranks)
-    dist.all_gather_object(layouts, lines, group=group)
-    first = next(i for i in range(max(map(len, layouts)))
-                 if len({lay[i] if i < len(lay) else None for lay in layouts}) > 1)
-    holders: dict[str, list[int]] = {}
-    for rank, lay in zip(ranks, layouts):
-        holders.setdefault(lay[first] if first < len(lay) else "nothing", []).append(rank)
-    sides = "; ".join(f"{line!r} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
-                      for line, rs in holders.items())
-    raise LayoutMismatchError(
-        f"the ranks of {name} {ranks} are about to exchange different things: {sides}. A collective pairs the "
-        "ranks' values position by position, so every rank must call with the same configuration (and "
-        "max_segments), and every rank of a sequence_group with the same rows in the same order")
-
-
 def check_layout(sum_names: list, max_names: list, device: Optional[torch.device], process_group) -> None:
     """Confirm that every rank of ``process_group`` packs the same declared slots (:func:`agree` on
     ``sum <name>``, ``max <name>``, ``min <name>`` in slot order)."""
-    slots = [f"sum {n}" for n in sum_names] + [f"min {n[1:]}" if n.startswith("-") else f"max {n}" for n in max_names]
-    agree(process_group, slots, "process_group", device)
+    agree(process_group, _slot_lines(sum_names, max_names), "dp_group", device)
+
+
+def _slot_lines(sum_names, max_names) -> list[str]:
+    return [f"sum {n}" for n in sum_names] + [f"min {n[1:]}" if n.startswith("-") else f"max {n}" for n in max_names]
+
+
+def _exchange(packed: torch.Tensor, k: int, group: object) -> torch.Tensor:
+    """SUM over ``group`` of ``packed[:k]`` and MAX of the rest, in place (−inf carried through the MAX)."""
+    import torch.distributed as dist
+
+    if k:
+        dist.all_reduce(packed[:k], op=dist.ReduceOp.SUM, group=group)
+    if packed.numel() > k:
+        # -inf is not transported reliably by every backend; use the float64 lowest value.
+        lowest = torch.finfo(torch.float64).min
+        maxes = packed[k:]
+        maxes.clamp_min_(lowest)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        maxes.masked_fill_(maxes <= lowest, -math.inf)
+    return packed
+
+
+def reads_are_free(device: torch.device) -> bool:
+    """Whether the host reads a value of ``device`` without a device sync (eager, on the CPU)."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 class _Reading:
@@ -177,6 +151,7 @@ class SufficientStats(_Reading):
         self._max_names: list[str] = []
         self._vec: Optional[torch.Tensor] = None  # (K + M,) float64: sums, then maxima
         self._views: Optional[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = None
+        self.verdict: Optional[Verdict] = None  # an agreement across ranks not known on the host (:mod:`.agreement`)
 
     @classmethod
     def from_values(cls, sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor]) -> "SufficientStats":
@@ -309,31 +284,61 @@ class SufficientStats(_Reading):
             self._accumulate(list(names_s), list(names_m), vec)
         return self
 
-    def all_reduce(self, process_group: Optional[object] = None) -> "SufficientStats":
-        """Reduce in place over ``process_group`` with one SUM and one MAX collective, after
-        :func:`check_layout`."""
+    def all_reduce(self, process_group: Optional[object] = None,
+                   what: Sequence[str] = ("statistics",)) -> "SufficientStats":
+        """Reduce in place over ``process_group`` with one SUM and one MAX collective, agreed across its
+        ranks at every call (:mod:`.agreement`). ``what``: the exchange's kind (its first line, e.g. the
+        call) and the settings that decide the values (configuration, thresholds), as lines."""
         import torch.distributed as dist
 
         if process_group is None or not (dist.is_available() and dist.is_initialized()):
             return self
         self._settle()
-        check_layout(self._sum_names, self._max_names, None if self._vec is None else self._vec.device,
-                     process_group)
-        if self._vec is None:
+        check_pending(process_group)
+        device = self._vec.device if self._vec is not None else _group_device(process_group)
+        what = list(what)
+        lines = what + _slot_lines(self._sum_names, self._max_names)
+        fp, kind = fingerprint(lines), what[0]
+        agreed = recorded(process_group, kind) if verify_setting() == "always" else None
+        if agreed is None:  # the first exchange of its kind, or verify="once": agreed explicitly
+            agree(process_group, lines, "dp_group", device)
+            if verify_setting() == "always":
+                record(process_group, kind, Record(tuple(what), fp, tuple(self._sum_names), tuple(self._max_names)))
+            if self._vec is not None:
+                self._set(self._sum_names, self._max_names, _exchange(self._vec.clone(), len(self._sum_names),
+                                                                      process_group))
             return self
-        packed = self._vec.clone()
-        k = len(self._sum_names)
-        if k:
-            dist.all_reduce(packed[:k], op=dist.ReduceOp.SUM, group=process_group)
-        if self._max_names:
-            # -inf is not transported reliably by every backend; use the float64 lowest value.
-            lowest = torch.finfo(torch.float64).min
-            maxes = packed[k:]
-            maxes.clamp_min_(lowest)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=process_group)
-            maxes.masked_fill_(maxes <= lowest, -math.inf)
-        self._set(self._sum_names, self._max_names, packed)
+        own = (tuple(self._sum_names), tuple(self._max_names)) == (agreed.sums, agreed.maxes)
+        k, m = len(agreed.sums), len(agreed.maxes)
+        body = self._vec if own and self._vec is not None else torch.tensor(
+            [0.0] * k + [-math.inf] * m, dtype=torch.float64, device=device)
+        verdict = Verdict(process_group, kind, what, fp, agreed, changed=fp != agreed.fp)
+        packed = _exchange(torch.cat((body, verdict.slots(device))), k, process_group)
+        verdict.vec = packed[k + m:]
+        if verdict.changed or reads_are_free(device):  # this rank reads the verdict (free, or its own change)
+            if verdict.read():
+                if verdict.changed:  # every rank changed to the same settings: the group agrees on them
+                    record(process_group, kind, Record(tuple(what), fp, tuple(self._sum_names),
+                                                       tuple(self._max_names)))
+                    if not own:  # the new layout, exchanged once more by every rank
+                        return self.all_reduce(process_group, what)
+                self._set(self._sum_names, self._max_names, packed[:k + m])
+                return self
+            if verdict.everyone_read(reads_are_free(device)):
+                forget(process_group)
+                raise LayoutMismatchError(mismatch_message(process_group, "dp_group", lines, gather=True))
+        elif own:
+            self._set(self._sum_names, self._max_names, packed[:k + m])
+        defer(verdict)  # a mismatch not yet known here: the outputs are zeroed by it, and it is raised later
+        self.verdict = verdict
         return self
+
+
+def _group_device(group: object) -> torch.device:
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
+        else torch.device("cpu")
 
 
 class HostStats(_Reading):
