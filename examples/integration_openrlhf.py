@@ -115,11 +115,13 @@ def main() -> None:
 
     B, T = 4, 200
     rollout = -torch.rand(B, T) - 0.1
-    old = rollout + 0.1 * torch.randn(B, T)
+    old = (rollout + 0.1 * torch.randn(B, T)).clamp(max=0.0)  # log-probs are ≤ 0
     # Row 0: one token with log-ratio +100, the rest slightly negative. Its geometric-mean ratio is
     # inside [0.5, 5] both raw (OpenRLHF) and with each log-ratio clamped to ±20 (ours), so both
     # accept the row; OpenRLHF then multiplies the loss by exp(100) = inf in fp32.
-    old[0] = rollout[0] + torch.tensor([100.0] + [-99.0 / (T - 1)] * (T - 1))
+    # (Both log-probs stay ≤ 0: the row is moved down before its rollout log-probs are set.)
+    old[0] = old[0] - 1.0
+    rollout[0] = old[0] - torch.tensor([100.0] + [-99.0 / (T - 1)] * (T - 1))
     # Row 3: every ratio e^-3, outside the band: the sequence is rejected.
     old[3] = rollout[3] - 3.0
     advantages = torch.randn(B, 1).expand(B, T).clone()
@@ -131,7 +133,7 @@ def main() -> None:
     print("action tokens OpenRLHF counts:", int(mask.sum()), "->", int(experience.action_mask.sum()))
     print("rejected token fraction per sample:", experience.info["rollout_corr/openrlhf_rejected_token_fraction"].tolist())
     for name, fn, m in (("OpenRLHF seq-mask-tis", theirs, mask), ("rollout-correction", ours, experience.action_mask)):
-        log_probs = (old + 0.05 * torch.randn(B, T)).requires_grad_(True)
+        log_probs = (old + 0.05 * torch.randn(B, T)).clamp(max=0.0).requires_grad_(True)
         # four values up to OpenRLHF 0.11.1, five (is_filter_ratio last) in 0.11.2
         loss = fn(log_probs, old, advantages, action_mask=m, rollout_log_probs=rollout)[0]
         loss.backward()

@@ -35,7 +35,7 @@ def main() -> None:
 
     lengths = [5, 8, 3, 6]
     rollout = [-torch.rand(n) - 0.1 for n in lengths]
-    train = [r + 0.15 * torch.randn(n) for r, n in zip(rollout, lengths)]  # a bf16-vs-fp32 sized gap
+    train = [(r + 0.15 * torch.randn(n)).clamp(max=0.0) for r, n in zip(rollout, lengths)]  # a bf16-vs-fp32 sized gap
     train[3] = train[3].clone()
     train[3][2] = rollout[3][2] - 12.0  # one catastrophic token: ratio e⁻¹² < 1e-4 → the veto drops sample 3
     masks = [torch.ones(n) for n in lengths]

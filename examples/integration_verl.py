@@ -49,8 +49,8 @@ def main() -> None:
 
     # One batch: 3 prompts × 4 responses; one response is far off-policy and gets rejected.
     B, T = 12, 10
-    rollout = -torch.rand(B, T) - 0.1
-    old = rollout + 0.05 * torch.randn(B, T)
+    rollout = -torch.rand(B, T) - 0.7
+    old = (rollout + 0.05 * torch.randn(B, T)).clamp(max=0.0)  # log-probs are ≤ 0
     old[5] = rollout[5] + 0.6
     rewards = torch.zeros(B, T)
     rewards[:, -1] = torch.randint(0, 3, (B,)).float()
@@ -77,7 +77,7 @@ def main() -> None:
     from verl.utils.config import omega_conf_to_dataclass
 
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
-    log_prob = (old + 0.1 * torch.randn(B, T)).requires_grad_(True)
+    log_prob = (old + 0.1 * torch.randn(B, T)).clamp(max=0.0).requires_grad_(True)
     args = (old, log_prob, adv, batch.batch["response_mask"], "token-mean", actor, batch.batch["rollout_is_weights"])
     ours, ours_metrics = core_algos.get_policy_loss_fn(rc_verl.LOSS_NAME)(*args)
     theirs, theirs_metrics = core_algos.get_policy_loss_fn("vanilla")(*args)

@@ -42,7 +42,7 @@ def rank_main(case: str, rank: int, port: int, out: str) -> None:
                            timeout=datetime.timedelta(seconds=DEADLINE_S))
     gen = torch.Generator().manual_seed(7)
     old = -torch.rand(4, 6, generator=gen) * 2
-    rollout = old + 0.3 * torch.randn(4, 6, generator=gen)
+    rollout = (old + 0.3 * torch.randn(4, 6, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.ones(4, 6)
     mask[:, 3 * (1 - rank):3 * (2 - rank)] = 0  # each rank holds its half of every row
     k2 = RolloutCorrectionConfig(rollout_is="token", rollout_rs="seq_sum_k2", rollout_rs_threshold=0.5)

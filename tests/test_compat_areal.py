@@ -173,7 +173,7 @@ def test_areals_actor_loss_on_the_drop_in_equals_its_own(config):
     for seed in range(4):
         prox, old, mask, _ = _batch(seed, packed=False)
         mask = mask.bool()
-        logprobs = (prox + 0.1 * torch.randn(prox.shape, generator=torch.Generator().manual_seed(seed))).requires_grad_()
+        logprobs = (prox + 0.1 * torch.randn(prox.shape, generator=torch.Generator().manual_seed(seed))).clamp(max=0.0).requires_grad_()
         adv = torch.randn(prox.shape, generator=torch.Generator().manual_seed(seed + 1))
         losses = []
         for fn in (mine, theirs):

@@ -67,7 +67,7 @@ def make_rows(dp_rank: int):
     """The rows of one data-parallel rank (deterministic)."""
     gen = torch.Generator().manual_seed(4321 + dp_rank)
     old = -torch.rand(ROWS, LENGTH, generator=gen) * 3.0 - 0.05
-    rollout = old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen)
+    rollout = (old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     lengths = torch.randint(3, LENGTH + 1, (ROWS,), generator=gen)
     lengths[2] = 0  # no valid token
     lengths[4] = LENGTH  # no padding

@@ -219,7 +219,7 @@ def test_what_if_metrics_equal_compute_rollout_correction(tmp_path):
 def test_presets_sharing_weights_and_masks_are_computed_once():
     g = torch.Generator().manual_seed(0)
     roll = -torch.rand(8, 12, generator=g)
-    old = roll + 0.1 * torch.randn(8, 12, generator=g)
+    old = (roll + 0.1 * torch.randn(8, 12, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     diag = diagnose_tensors(old, roll, torch.ones(8, 12), presets=["decoupled_seq_is", "bypass_pg_is", "pg_is"])
     by = {e["preset"]: e for e in diag.profile.what_if}
     assert by["bypass_pg_is"]["same_as"] == "decoupled_seq_is"
@@ -278,7 +278,7 @@ def test_own_statistics_match_direct_numpy(tmp_path):
 def test_rows_with_nonfinite_log_probs_are_excluded_and_counted():
     g = torch.Generator().manual_seed(4)
     roll = -torch.rand(10, 6, generator=g)
-    old = roll + 0.05 * torch.randn(10, 6, generator=g)
+    old = (roll + 0.05 * torch.randn(10, 6, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.ones(10, 6)
     old[2, 3] = float("nan")
     roll[7, 0] = float("-inf")

@@ -117,8 +117,13 @@ def test_veto_fraction_and_positive_log_probs():
     v = {h.name: h for h in diag.health}
     assert v["veto fraction (rows with a token ρ < 0.0001)"].value == pytest.approx(0.2)
     assert v["veto fraction (rows with a token ρ < 0.0001)"].verdict == "warn"
-    probs = diagnose_tensors(old.exp(), roll.exp(), mask, presets=[])  # probabilities, not log-probs
-    assert {h.name: h.verdict for h in probs.health}["tokens with log-prob > 0"] == "fail"
+    with pytest.raises(ValueError, match="every row holds a value > 0, which no log-probability is"):
+        diagnose_tensors(old.exp(), roll.exp(), mask, presets=[])  # probabilities, not log-probs
+    half = old.clone()
+    half[::2] = half[::2].exp()  # every other row holds probabilities: those rows are dropped and counted
+    diag = diagnose_tensors(half, roll, mask, presets=[])
+    check = {h.name: h for h in diag.health}["tokens with log-prob > 0"]
+    assert check.verdict == "fail" and check.value > 0
 
 
 def test_one_token_shift_is_flagged():
@@ -240,7 +245,7 @@ def test_html_renders_in_headless_chromium(tmp_path, written):
 def test_cli_on_a_file(tmp_path, capsys):
     g = torch.Generator().manual_seed(5)
     roll = -torch.rand(30, 16, generator=g)
-    old = roll + 0.02 * torch.randn(30, 16, generator=g)
+    old = (roll + 0.02 * torch.randn(30, 16, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     path = tmp_path / "dump.pt"
     torch.save({"lp_roll": roll, "lp_old": old, "lens": torch.full((30,), 16)}, path)
     out = tmp_path / "rep"

@@ -78,11 +78,11 @@ SPLITS = {
 def make_batch():
     gen = torch.Generator().manual_seed(1234)
     old = -torch.rand(ROWS, LENGTH, generator=gen) * 3.0 - 0.05
-    rollout = old + 0.35 * torch.randn(ROWS, LENGTH, generator=gen)
+    rollout = (old + 0.35 * torch.randn(ROWS, LENGTH, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     lengths = torch.randint(1, LENGTH + 1, (ROWS,), generator=gen)
     lengths[list(EMPTY_ROWS)] = 0
     mask = (torch.arange(LENGTH)[None, :] < lengths[:, None]).float()
-    log_prob = old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen)
+    log_prob = (old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     adv = torch.randn(ROWS, 1, generator=gen).expand(ROWS, LENGTH).contiguous()
     return old, rollout, mask, log_prob, adv
 

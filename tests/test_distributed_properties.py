@@ -325,8 +325,8 @@ def data_parallel_batches(case: dict) -> list[dict]:
     out = []
     for d, (B, T) in enumerate(zip(case["rows"], case["widths"])):
         old = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3.0 - 0.02
-        rollout = old + 0.4 * torch.randn(B, T, generator=gen, dtype=torch.float64)
-        log_prob = old + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+        rollout = (old + 0.4 * torch.randn(B, T, generator=gen, dtype=torch.float64)).clamp(max=0.0)
+        log_prob = (old + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)).clamp(max=0.0)
         if case["per_token_adv"]:
             adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
         else:

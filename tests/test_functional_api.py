@@ -27,7 +27,7 @@ B, T = 12, 9
 def _inputs(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g) * 3 - 0.05
-    rollout = old + 0.3 * torch.randn(B, T, generator=g)
+    rollout = (old + 0.3 * torch.randn(B, T, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.rand(B, T, generator=g) > 0.2
     mask[3] = False  # an empty row
     return old, rollout, mask
@@ -135,7 +135,7 @@ def test_policy_loss_terms_compose_to_compute_policy_loss(loss_type):
     old, rollout, mask = _inputs(3)
     g = torch.Generator().manual_seed(4)
     adv = torch.randn(B, T, generator=g)
-    lp = (old + 0.1 * torch.randn(B, T, generator=g))
+    lp = (old + 0.1 * torch.randn(B, T, generator=g)).clamp(max=0.0)
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3",
                                   rollout_rs_threshold=0.05, loss_type=loss_type)
     settings = PolicyLoss(ClipRange(0.2, 0.28, 3.0), Aggregation("seq-mean-token-mean"))

@@ -16,7 +16,7 @@ from rollout_correction import RolloutCorrectionConfig, compute_rollout_correcti
 
 PRESET_NAMES = ["disabled", "decoupled_token_is", "decoupled_seq_is_rs", "decoupled_token_icepop", "geo_mis",
                 "decoupled_k3_rs_token_tis", "seq_is_rs"]
-ODD_VALUES = [math.nan, math.inf, -math.inf, -5000.0, -1000.0, -999.5, 1e31, -1e31, 3.0, -30.0]
+ODD_VALUES = [math.nan, math.inf, -math.inf, -5000.0, -1000.0, -999.5, 1e31, -1e31, 3.0, -30.0, 1e-7]
 
 
 def _batch(seed: int, dtype: torch.dtype):
@@ -26,7 +26,7 @@ def _batch(seed: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(seed)
     B, T = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 12, (1,), generator=g))
     old = -torch.rand(B, T, generator=g) * 3
-    roll = old + 0.2 * torch.randn(B, T, generator=g)
+    roll = (old + 0.2 * torch.randn(B, T, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.rand(B, T, generator=g) > 0.3
     mask[int(torch.randint(0, B, (1,), generator=g))] = False
     for x in (old, roll):
@@ -52,12 +52,12 @@ def _same_bits(got, expected) -> None:
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_the_shortcuts_give_the_bits_of_the_arithmetic_path(monkeypatch, name, dtype):
     cfg = RolloutCorrectionConfig.from_preset(name)
-    reads = []
+    reads, extremes = [], []
     real = logratio._host_value
 
     def spy(x, read):
         value = real(x, read)
-        reads.append(value)
+        (extremes if isinstance(value, list) else reads).append(value)
         return value
 
     for seed in range(40):
@@ -68,8 +68,10 @@ def test_the_shortcuts_give_the_bits_of_the_arithmetic_path(monkeypatch, name, d
         arithmetic = compute_rollout_correction(old, roll, mask, config=cfg)
         _same_bits(fast, arithmetic)
     # both outcomes of every shortcut were exercised: a block with a sentinel and one without (the
-    # smallest log-prob read), and a largest |log ρ| within ±20 (no clamp), beyond it, and NaN
-    assert any(v <= -1000 for v in reads) and any(-1000 < v < 0 for v in reads)
+    # smallest log-prob read), with a log-prob > 0 and without (the largest), and a largest |log ρ|
+    # within ±20 (no clamp), beyond it, and NaN
+    assert any(lo <= -1000 for lo, _ in extremes) and any(-1000 < lo < 0 for lo, _ in extremes)
+    assert any(hi > 0 for _, hi in extremes) and any(hi <= 0 for _, hi in extremes)
     assert any(0 <= v <= 20 for v in reads) and any(20 < v < 1e30 for v in reads)
     assert any(math.isnan(v) for v in reads)
 

@@ -35,8 +35,8 @@ CLI = ["--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--algo.advantage.estima
 def _batch(B=5, T=6, seed=0, scale=0.3):
     g = torch.Generator().manual_seed(seed)
     rollout = -torch.rand(B, T, generator=g) - 0.1
-    old = rollout + scale * torch.randn(B, T, generator=g)
-    log_probs = (old + 0.1 * torch.randn(B, T, generator=g)).requires_grad_(True)
+    old = (rollout + scale * torch.randn(B, T, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
+    log_probs = (old + 0.1 * torch.randn(B, T, generator=g)).clamp(max=0.0).requires_grad_(True)
     adv = torch.randn(B, 1, generator=g).expand(B, T).clone()
     mask = torch.ones(B, T)
     for i in range(B):
@@ -87,8 +87,8 @@ def test_seq_mask_tis_matches_openrlhf_when_nothing_is_out_of_band():
 
 def test_seq_mask_tis_rejected_rows_leave_the_denominator():
     log_probs, old, rollout, adv, mask = _batch(scale=0.2)
-    old = old.clone()
-    old[1] = rollout[1] + 3.0  # every ratio e³ ≈ 20 > 5: the row's geometric mean is out of band
+    rollout = rollout.clone()
+    rollout[1] = old[1] - 3.0  # every ratio e³ ≈ 20 > 5: the row's geometric mean is out of band
     batch = (log_probs, old, rollout, adv, mask)
     (l_t, *_), _ = _run(_theirs("seq-mask-tis", 0.5, 5.0), *batch)
     loss = _ours("seq-mask-tis", 0.5, 5.0)
@@ -102,11 +102,11 @@ def test_seq_mask_tis_rejected_rows_leave_the_denominator():
 def test_seq_mask_tis_overflow_is_fixed():
     log_probs, old, rollout, adv, mask = _batch(B=3, T=200, scale=0.0)
     mask = torch.ones_like(mask)
-    old = old.clone()
+    old, rollout = old.clone() - 1.0, rollout.clone() - 1.0
     # Row 0: one token with log ρ = +100 and 199 tokens at −99/199. The geometric-mean ratio lies in
     # [0.5, 5] raw (OpenRLHF: e^(1/200)) and with per-token log-ratios clamped to ±20 (ours:
     # e^(−79/200) ≈ 0.67), so both accept the row; OpenRLHF then multiplies by exp(100) = inf.
-    old[0] = rollout[0] + torch.tensor([100.0] + [-99.0 / 199] * 199)
+    rollout[0] = old[0] - torch.tensor([100.0] + [-99.0 / 199] * 199)  # log-probs stay ≤ 0
     adv[0] = 1.0
     batch = (log_probs, old, rollout, adv, mask)
     (l_t, *_), g_t = _run(_theirs("seq-mask-tis", 0.5, 5.0), *batch)

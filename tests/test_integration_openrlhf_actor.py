@@ -150,7 +150,7 @@ def _batch(seed=0):
         seq[i, P + n:] = 0
     with torch.no_grad():
         old = (TinyPolicy().token_log_probs(seq, A) + 0.1 * torch.randn(N, A, generator=g)) * mask
-    rollout = old + 0.15 * torch.randn(N, A, generator=g)
+    rollout = (old + 0.15 * torch.randn(N, A, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     rollout[2] -= 3.0
     rollout[5] += 3.0
     rollout[0, 1] -= 1.5

@@ -228,7 +228,7 @@ def _samples(seed=0, lengths=(3, 5, 2, 4, 9), scale=0.6, tool_gap=True):
     train, rollout, masks = [], [], []
     for i, n in enumerate(lengths):
         r = -torch.rand(n, generator=g) - 0.1
-        train.append(r + scale * torch.randn(n, generator=g))
+        train.append((r + scale * torch.randn(n, generator=g)).clamp(max=0.0))  # log-probs are ≤ 0
         rollout.append(r)
         m = torch.ones(n)
         if tool_gap and i == 1:
@@ -446,7 +446,7 @@ def _cp_batch():
     train, rollout, masks = [], [], []
     for i, n in enumerate(response_lengths):
         r = -torch.rand(n, generator=g) - 0.1
-        train.append(r + 0.5 * torch.randn(n, generator=g))
+        train.append((r + 0.5 * torch.randn(n, generator=g)).clamp(max=0.0))  # log-probs are ≤ 0
         rollout.append(r)
         m = torch.ones(n)
         if n > 8:
@@ -539,11 +539,12 @@ def test_context_parallel_equals_whole_responses(cp, tmp_path):
                 # slime's CP reducer: Σ_i Σ_{local t} x·mask / (full mask total of sample i)
                 local_masks = [m[i] for m, i in zip(masks, idx)]
                 reduced[k] += float(sum_of_sample_mean(v, local_n, local_masks, [m.sum() for m in masks]))
-            # exactly one collective: an all-gather over the CP group of (B, k) per-sample scalars
-            assert len(calls) == 1 and calls[0][0] in ("all_gather_single", "all_gather_into_tensor"), calls
-            # the first call of a new exchange adds the one all-reduce by which the ranks agree on it
-            assert first_calls in (calls, [("all_reduce", True, None)] + calls), first_calls
-            assert calls[0][1] and calls[0][2] % len(resps) == 0 and calls[0][2] // len(resps) <= 64, calls
+            # two collectives: the all-reduce by which the CP ranks agree on the exchange (at every call:
+            # the row count is data), and an all-gather over the CP group of (B, k) per-sample scalars
+            assert [c[0] for c in calls][:1] == ["all_reduce"] and len(calls) == 2, calls
+            assert calls[1][0] in ("all_gather_single", "all_gather_into_tensor"), calls
+            assert first_calls == calls, first_calls
+            assert calls[1][1] and calls[1][2] % len(resps) == 0 and calls[1][2] // len(resps) <= 64, calls
         for k, v in whole_metrics.items():
             want = float(sum_of_sample_mean(torch.cat(v), resps, masks))
             assert reduced[k] == pytest.approx(want, rel=1e-5, abs=1e-6), (opts, k)

@@ -32,7 +32,7 @@ def _tensors(B=6, T=8, seed=0, scale=0.3):
     g = torch.Generator().manual_seed(seed)
     rollout = -torch.rand(B, T, generator=g) * 1.5 - 0.05
     old = rollout + scale * torch.randn(B, T, generator=g)
-    log_prob = (old + 0.2 * torch.randn(B, T, generator=g)).requires_grad_(True)
+    log_prob = (old + 0.2 * torch.randn(B, T, generator=g)).clamp(max=0.0).requires_grad_(True)
     adv = torch.randn(B, 1, generator=g).expand(B, T).clone()
     mask = torch.ones(B, T)
     for i in range(B):

@@ -78,7 +78,7 @@ def _rollout_batch(seed: int, rows: int = 8, length: int = 7):
     lengths = torch.randint(2, length + 1, (rows,), generator=gen)
     mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
     old = -torch.rand(rows, length, generator=gen) * 3.0 - 0.01
-    rollout = old + 0.12 * torch.randn(rows, length, generator=gen)
+    rollout = (old + 0.12 * torch.randn(rows, length, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     score = torch.randint(0, 2, (rows,), generator=gen).float()
     scores = torch.zeros(rows, length).scatter(1, (lengths - 1)[:, None], score[:, None])
     uid = torch.arange(rows) // GROUP
@@ -380,7 +380,7 @@ def test_docs_headline_lines_on_verls_default_trainer(transfer_queue, monkeypatc
         micro_batches, _ = ENGINE_UTILS.prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)
 
         gen = torch.Generator().manual_seed(0)
-        log_prob = ((old + 0.1 * torch.randn(old.shape, generator=gen)) * mask).requires_grad_(True)  # π_θ
+        log_prob = ((old + 0.1 * torch.randn(old.shape, generator=gen)) * mask).clamp(max=0.0).requires_grad_(True)  # π_θ
         results, start = [], 0
         for micro in micro_batches:
             rows = range(start, start + len(micro))

@@ -158,7 +158,7 @@ LAYOUTS = {
 def make_batch():
     gen = torch.Generator().manual_seed(30)
     old = -torch.rand(B_ALL, T_ALL, generator=gen) * 3 - 0.05
-    rollout = old + 0.5 * torch.randn(B_ALL, T_ALL, generator=gen)
+    rollout = (old + 0.5 * torch.randn(B_ALL, T_ALL, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     lengths = torch.randint(4, T_ALL + 1, (B_ALL,), generator=gen)
     lengths[5] = 0  # a row without a valid token
     mask = (torch.arange(T_ALL)[None] < lengths[:, None]).float()

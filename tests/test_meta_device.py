@@ -51,7 +51,7 @@ def meta(dtype=torch.float32, shape=(B, T), requires_grad=False) -> torch.Tensor
 def cpu_batch(dtype=torch.float32, mask_dtype=torch.bool, shape=(B, T)):
     gen = torch.Generator().manual_seed(0)
     old = -torch.rand(shape, generator=gen) * 3
-    rollout = old + 0.2 * torch.randn(shape, generator=gen)
+    rollout = (old + 0.2 * torch.randn(shape, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.rand(shape, generator=gen) < 0.8
     return old.to(dtype), rollout.to(dtype), mask.to(mask_dtype)
 

@@ -28,8 +28,8 @@ OPSM = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rol
 def make_batch():
     gen = torch.Generator().manual_seed(77)
     old = -torch.rand(ROWS, LENGTH, generator=gen) * 2 - 0.05
-    rollout = old + 0.25 * torch.randn(ROWS, LENGTH, generator=gen) * torch.rand(ROWS, 1, generator=gen)
-    lp = old + 0.05 * torch.randn(ROWS, LENGTH, generator=gen)
+    rollout = (old + 0.25 * torch.randn(ROWS, LENGTH, generator=gen) * torch.rand(ROWS, 1, generator=gen)).clamp(max=0.0)
+    lp = (old + 0.05 * torch.randn(ROWS, LENGTH, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = (torch.arange(LENGTH)[None] < torch.randint(1, LENGTH + 1, (ROWS,), generator=gen)[:, None]).float()
     adv = torch.randn(ROWS, 1, generator=gen).expand(ROWS, LENGTH).contiguous()
     return old, rollout, lp, mask, adv

@@ -51,8 +51,8 @@ def batch():
     gen = torch.Generator().manual_seed(39)
     B, T = 6, 10
     rollout = -torch.rand(B, T, generator=gen) * 2 - 0.05
-    old = rollout + 0.25 * torch.randn(B, T, generator=gen)
-    log_prob = old + 0.2 * torch.randn(B, T, generator=gen)
+    old = (rollout + 0.25 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
+    log_prob = (old + 0.2 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     adv = torch.randn(B, 1, generator=gen).expand(B, T).contiguous()
     lengths = torch.tensor([10, 7, 4, 9, 1, 6])
     mask = torch.arange(T) < lengths[:, None]

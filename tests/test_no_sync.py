@@ -99,7 +99,7 @@ CONFIGS = {
 def _inputs(B=12, T=20, seed=0, bad=True):
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=gen) * 3
-    rollout = old + 0.3 * torch.randn(B, T, generator=gen)
+    rollout = (old + 0.3 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     lengths = torch.randint(0, T + 1, (B,), generator=gen)
     lengths[1] = 0  # an empty row
     mask = torch.arange(T)[None, :] < lengths[:, None]
@@ -196,7 +196,7 @@ def test_policy_loss_has_no_sync_and_one_read(case):
     cfg = rc.RolloutCorrectionConfig.from_dict(settings)
     old, rollout, mask = _inputs(seed=7)
     gen = torch.Generator().manual_seed(8)
-    log_prob = (old + 0.1 * torch.randn(old.shape, generator=gen)).requires_grad_(True)
+    log_prob = (old + 0.1 * torch.randn(old.shape, generator=gen)).clamp(max=0.0).requires_grad_(True)
     adv = torch.randn(old.shape, generator=gen)
     kwargs = {"rollout_log_prob": rollout} if with_rollout else {"rollout_is_weights": torch.rand(old.shape) + 0.5}
     rc.compute_policy_loss(log_prob, old, adv, mask, config=cfg, **kwargs)
@@ -219,7 +219,7 @@ def test_policy_loss_has_no_sync_and_one_read(case):
 def test_actor_metrics_by_hand():
     old, rollout, mask = _inputs(seed=9, bad=False)
     gen = torch.Generator().manual_seed(10)
-    log_prob = old + 0.5 * torch.randn(old.shape, generator=gen)
+    log_prob = (old + 0.5 * torch.randn(old.shape, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     adv = torch.randn(old.shape, generator=gen)
     _, metrics = rc.compute_policy_loss(
         log_prob, old, adv, mask, config=rc.RolloutCorrectionConfig.disabled(),

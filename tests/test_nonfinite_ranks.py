@@ -27,10 +27,10 @@ CONFIG = RolloutCorrectionConfig.from_dict({"rollout_is": "sequence", "rollout_i
 def _batch(rank: int, bad: tuple | None):
     gen = torch.Generator().manual_seed(100 + rank)
     old = -torch.rand(B, T, generator=gen) * 3
-    rollout = old + 0.1 * torch.randn(B, T, generator=gen)
+    rollout = (old + 0.1 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.ones(B, T)
     mask[:, 7:] = 0
-    log_prob = old + 0.05 * torch.randn(B, T, generator=gen)
+    log_prob = (old + 0.05 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     adv = torch.randn(B, 1, generator=gen).expand(B, T).contiguous()
     if bad is not None and bad[0] == rank:
         name, value = bad[1], bad[2]

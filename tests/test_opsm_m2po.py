@@ -78,7 +78,7 @@ def test_opsm_matches_trl_get_off_policy_mask(seed, delta):
     gen = torch.Generator().manual_seed(seed)
     B, T = 24, 13
     lp = -torch.rand(B, T, generator=gen) * 3
-    rollout = lp + 0.2 * torch.randn(B, T, generator=gen) + 0.05 * torch.randn(B, 1, generator=gen)
+    rollout = (lp + 0.2 * torch.randn(B, T, generator=gen) + 0.05 * torch.randn(B, 1, generator=gen)).clamp(max=0.0)
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
     mask = (torch.arange(T)[None] < lengths[:, None]).float()
     adv_rows = torch.randn(B, generator=gen)
@@ -148,7 +148,7 @@ def test_m2po_ties_are_kept_or_masked_together():
 def test_m2po_matches_brute_force(seed, tau):
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(9, 15, generator=gen) * 2
-    rollout = old + 0.3 * torch.randn(9, 15, generator=gen) * torch.rand(9, 1, generator=gen)
+    rollout = (old + 0.3 * torch.randn(9, 15, generator=gen) * torch.rand(9, 1, generator=gen)).clamp(max=0.0)
     keep = torch.rand(9, 15, generator=gen) > 0.2
     m2 = second_moment(old, rollout, keep)
     out, metrics = m2po_keep(m2, keep, tau)
@@ -174,8 +174,8 @@ from rollout_correction import ConfigError  # noqa: E402
 def _batch(seed=3, B=8, T=6):
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=gen) * 2 - 0.05
-    rollout = old + 0.3 * torch.randn(B, T, generator=gen)
-    lp = old + 0.1 * torch.randn(B, T, generator=gen)
+    rollout = (old + 0.3 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
+    lp = (old + 0.1 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=gen)[:, None]).float()
     adv = torch.randn(B, 1, generator=gen).expand(B, T).contiguous()
     return old, rollout, lp, mask, adv

@@ -69,13 +69,13 @@ def test_packed_input_errors():
     with pytest.raises(ValueError, match="exactly one of lengths= or cu_seqlens="):
         compute_rollout_correction_packed(old, rollout, lengths=torch.tensor(LENGTHS),
                                           cu_seqlens=torch.tensor([0, 3, 3, 5, 9]))
-    with pytest.raises(ValueError, match="lengths sum to 8 but the packed tensors hold 9"):
+    with pytest.raises(ValueError, match="must start at 0, never decrease and end at the 9 tokens"):
         compute_rollout_correction_packed(old, rollout, lengths=torch.tensor([3, 1, 4]))
-    with pytest.raises(ValueError, match="cu_seqlens must start at 0 and be non-decreasing"):
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease"):
         compute_rollout_correction_packed(old, rollout, cu_seqlens=torch.tensor([0, 5, 3, 9]))
     with pytest.raises(ValueError, match="1-D"):
         compute_rollout_correction_packed(old.view(3, 3), rollout.view(3, 3), lengths=torch.tensor([3, 3, 3]))
-    with pytest.raises(ValueError, match="response_mask shape \\(8,\\)"):
+    with pytest.raises(ValueError, match="response_mask has shape \\(8,\\); the packed inputs hold 9 tokens"):
         compute_rollout_correction_packed(old, rollout, lengths=torch.tensor(LENGTHS),
                                           response_mask=valid[:8])
 
@@ -85,7 +85,7 @@ def test_packed_inputs_equal_the_padded_form():
     lengths = torch.tensor([5, 0, 8, 3])
     N = int(lengths.sum())
     old = -torch.rand(N, generator=gen) * 2
-    rollout = old + 0.3 * torch.randn(N, generator=gen)
+    rollout = (old + 0.3 * torch.randn(N, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     ids = torch.randint(0, 3, (N,), generator=gen)
     cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.4, rollout_rs="segment_mean_k3",
                                   rollout_rs_threshold=0.02)
@@ -99,6 +99,6 @@ def test_packed_inputs_equal_the_padded_form():
     torch.testing.assert_close(packed.weights, padded.weights[mask])
     assert torch.equal(packed.response_mask, padded.response_mask[mask])
     assert 0 < int(packed.response_mask.sum()) < N  # the option acts
-    with pytest.raises(ValueError, match="segment_ids must be a tensor shaped like the packed"):
+    with pytest.raises(ValueError, match=r"Segments.ids has shape \(15,\); the packed inputs hold 16 tokens"):
         compute_rollout_correction_packed(
             old, rollout, config=cfg, lengths=lengths, segments=Segments(ids[:-1]))

@@ -48,7 +48,7 @@ def _actor_config(loss_mode, loss_agg_mode, global_batch_info=None):
 def _inputs(seed, batch=10, length=11):
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(batch, length, generator=gen) * 2.5 - 0.02
-    rollout = old + 0.4 * torch.randn(batch, length, generator=gen)
+    rollout = (old + 0.4 * torch.randn(batch, length, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     log_prob = (old + 0.7 * torch.randn(batch, length, generator=gen)
                 + 0.3 * torch.randn(batch, 1, generator=gen)).clamp(max=-1e-3)
     lengths = torch.randint(2, length + 1, (batch,), generator=gen)

@@ -93,7 +93,7 @@ def test_segment_rejection_by_hand():
 def test_without_segment_ids_a_row_is_one_segment():
     gen = torch.Generator().manual_seed(3)
     old = -torch.rand(6, 9, generator=gen) * 2
-    rollout = old + 0.3 * torch.randn(6, 9, generator=gen)
+    rollout = (old + 0.3 * torch.randn(6, 9, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = (torch.rand(6, 9, generator=gen) > 0.2).float()
     mask[1] = 0
     for seg_cfg, seq_cfg in (
@@ -158,7 +158,7 @@ def test_segment_level_equals_the_sequence_level_on_segments_as_rows(seed):
     gen = torch.Generator().manual_seed(seed)
     B, T, S = 5, 11, 4
     old = -torch.rand(B, T, generator=gen) * 2 - 0.05
-    rollout = old + 0.4 * torch.randn(B, T, generator=gen)
+    rollout = (old + 0.4 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = (torch.rand(B, T, generator=gen) > 0.25).float()
     ids = torch.randint(0, S, (B, T), generator=gen)
     ids = torch.where(mask > 0, ids, torch.randint(-5, 50, (B, T), generator=gen))  # ignored where masked
@@ -188,7 +188,7 @@ def test_segment_options_combine_with_row_and_token_options():
     gen = torch.Generator().manual_seed(9)
     B, T = 4, 10
     old = -torch.rand(B, T, generator=gen) * 2
-    rollout = old + 0.3 * torch.randn(B, T, generator=gen)
+    rollout = (old + 0.3 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.ones(B, T)
     ids = torch.arange(T).div(3, rounding_mode="floor").expand(B, T)
     both = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0,
@@ -233,7 +233,7 @@ def test_blocked_pass_equals_one_block(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     B, T = 13, 8
     old = -torch.rand(B, T, generator=gen) * 2
-    rollout = old + 0.3 * torch.randn(B, T, generator=gen)
+    rollout = (old + 0.3 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = (torch.rand(B, T, generator=gen) > 0.2).float()
     ids = torch.randint(0, 3, (B, T), generator=gen)
     cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.4, rollout_is_batch_normalize=True,
@@ -255,7 +255,7 @@ def test_policy_loss_uses_segment_weights():
     gen = torch.Generator().manual_seed(2)
     B, T = 3, 7
     old = -torch.rand(B, T, generator=gen) * 2
-    rollout = old + 0.3 * torch.randn(B, T, generator=gen)
+    rollout = (old + 0.3 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     adv = torch.randn(B, T, generator=gen)
     mask = torch.ones(B, T)
     ids = torch.tensor([0, 0, 0, 1, 1, 2, 2]).expand(B, T)
@@ -293,7 +293,7 @@ CONFIGS = {
 def make_rows(dp_rank: int):
     gen = torch.Generator().manual_seed(77 + dp_rank)
     old = -torch.rand(ROWS, LENGTH, generator=gen) * 2 - 0.05
-    rollout = old + 0.35 * torch.randn(ROWS, LENGTH, generator=gen)
+    rollout = (old + 0.35 * torch.randn(ROWS, LENGTH, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     lengths = torch.randint(3, LENGTH + 1, (ROWS,), generator=gen)
     lengths[1] = 0
     mask = (torch.arange(LENGTH)[None, :] < lengths[:, None]).float()
@@ -436,7 +436,7 @@ def test_compiled_pass_equals_eager():
     gen = torch.Generator().manual_seed(11)
     B, T = 4, 9
     rollout = -torch.rand(B, T, generator=gen) * 2
-    old = rollout + 0.3 * torch.randn(B, T, generator=gen)
+    old = (rollout + 0.3 * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.rand(B, T, generator=gen) > 0.2
     old[0, 0], mask[0, 0] = float("nan"), True  # a dropped row
     ids = torch.randint(0, 3, (B, T), generator=gen)

@@ -154,7 +154,7 @@ def test_loss_with_recomputed_proximal_matches_the_formula_and_gradient():
     g = torch.Generator().manual_seed(0)
     behav = -torch.rand(3, 5, generator=g) * 2
     prox = behav + 0.3 * torch.randn(3, 5, generator=g)
-    base = prox + 0.1 * torch.randn(3, 5, generator=g)
+    base = (prox + 0.1 * torch.randn(3, 5, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     adv = torch.randn(3, 5, generator=g)
     mask = torch.ones(3, 5)
     mask[2, 3:] = 0
@@ -218,7 +218,7 @@ def test_loss_guards():
 def _split_batch():
     g = torch.Generator().manual_seed(5)
     old = -torch.rand(7, 6, generator=g) * 3
-    roll = old + 0.2 * torch.randn(7, 6, generator=g)
+    roll = (old + 0.2 * torch.randn(7, 6, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = (torch.rand(7, 6, generator=g) < 0.8).long()
     mask[3] = 0
     versions = torch.randint(0, 6, (7, 6), generator=g)

@@ -97,11 +97,11 @@ def compute_rollout_correction_packed(old_log_prob, rollout_log_prob, *, config=
 
 
 def compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask, *, parallel=None, on_nonfinite="reject",
-                              mismatch_metrics=False, **deprecated):
+                              mismatch_metrics=False, segments=None, **deprecated):
     """:func:`rollout_correction_core.compute_offpolicy_metrics` (0.2 keywords: module docstring)."""
     kw = _migrate("compute_offpolicy_metrics", deprecated, {"parallel": parallel}, {"parallel": _TOPOLOGY})
     return core.compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=on_nonfinite,
-                                          mismatch_metrics=mismatch_metrics, **kw)
+                                          mismatch_metrics=mismatch_metrics, segments=segments, **kw)
 
 
 def compute_policy_loss(log_prob, old_log_prob, advantages, response_mask, *, config=None, rollout_log_prob=None,
@@ -119,11 +119,12 @@ def compute_policy_loss(log_prob, old_log_prob, advantages, response_mask, *, co
                                     loss=loss if loss is not None else PolicyLoss(), **kw)
 
 
-def agg_loss(loss_mat, loss_mask, aggregation=None, *, parallel=None, count_mask=None, **deprecated):
+def agg_loss(loss_mat, loss_mask, aggregation=None, *, parallel=None, count_mask=None, segments=None, **deprecated):
     """:func:`rollout_correction_core.agg_loss` (0.2 keywords: module docstring)."""
     kw = _migrate("agg_loss", deprecated, {"aggregation": aggregation, "parallel": parallel},
                   {"aggregation": _AGGREGATION, "parallel": {"sequence_group": "cp_group"}})
-    return core.agg_loss(loss_mat, loss_mask, kw.pop("aggregation") or Aggregation(), count_mask=count_mask, **kw)
+    return core.agg_loss(loss_mat, loss_mask, kw.pop("aggregation") or Aggregation(), count_mask=count_mask,
+                         segments=segments, **kw)
 
 
 def ppo_clip_loss(log_prob, prox_log_prob, advantages, clip=None, **deprecated):

@@ -1,6 +1,7 @@
-"""Variable-length (packed) inputs: flat token tensors with ``cu_seqlens`` or ``lengths``. The flat
-stream is scattered into a (B, T_max) layout once, the usual computation runs, and the results are
-gathered back: identical numbers to the padded form, by construction.
+"""Variable-length (packed) inputs: flat token tensors with ``cu_seqlens`` or ``lengths``. The core
+takes packed batches itself (``Segments(cu_seqlens=...)``); :func:`compute_rollout_correction_packed`
+is the same call with per-sequence ``lengths`` accepted too, and the index helpers serve the adapters
+that pad an engine's packed layout themselves.
 """
 
 from __future__ import annotations
@@ -65,33 +66,18 @@ def compute_rollout_correction_packed(
     ``segments``: :class:`Segments` with (N,) ``ids``, the segment (turn) of each token, as for
     :func:`compute_rollout_correction` (``count`` defaults to the longest sequence's length).
     """
-    segment_ids = segments.ids if segments is not None else None
     if (lengths is None) == (cu_seqlens is None):
         raise ValueError("give exactly one of lengths= or cu_seqlens=")
-    if lengths is None:
-        lengths = lengths_from_cu_seqlens(cu_seqlens)
+    if lengths is not None:
+        if lengths.dim() != 1:
+            raise ValueError(f"lengths must be 1-D (one length per sequence), got shape {tuple(lengths.shape)}")
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     if old_log_prob.dim() != 1 or old_log_prob.shape != rollout_log_prob.shape:
         raise ValueError(f"packed log-probs must be 1-D and equal in shape, got {tuple(old_log_prob.shape)} "
                          f"and {tuple(rollout_log_prob.shape)}")
-    n = int(lengths.sum())
-    if n != old_log_prob.numel():
-        raise ValueError(f"lengths sum to {n} but the packed tensors hold {old_log_prob.numel()} tokens")
     if response_mask is None:
         response_mask = torch.ones_like(old_log_prob, dtype=torch.bool)
-    elif response_mask.shape != old_log_prob.shape:
-        raise ValueError(f"response_mask shape {tuple(response_mask.shape)} does not match the packed "
-                         f"log-probs {tuple(old_log_prob.shape)}")
-    if segment_ids is not None and (not isinstance(segment_ids, torch.Tensor)
-                                    or segment_ids.shape != old_log_prob.shape):
-        got = tuple(segment_ids.shape) if isinstance(segment_ids, torch.Tensor) else type(segment_ids).__name__
-        raise ValueError(f"segment_ids must be a tensor shaped like the packed log-probs "
-                         f"{tuple(old_log_prob.shape)}, got {got}")
-    rows, cols, T = pack_index(lengths.to(old_log_prob.device))
-    B = lengths.numel()
-    out = compute_rollout_correction(
-        to_padded(old_log_prob, rows, cols, B, T), to_padded(rollout_log_prob, rows, cols, B, T),
-        to_padded(response_mask, rows, cols, B, T, fill=False if response_mask.dtype == torch.bool else 0),
-        config=config, parallel=parallel,
-        segments=None if segments is None else Segments(to_padded(segment_ids, rows, cols, B, T), segments.count))
-    weights = out.weights[rows, cols] if out.weights is not None else None
-    return CorrectionOutput(weights, out.response_mask[rows, cols], out.metrics)
+    return compute_rollout_correction(
+        old_log_prob, rollout_log_prob, response_mask, config=config, parallel=parallel,
+        segments=Segments(None if segments is None else segments.ids, None if segments is None else segments.count,
+                          cu_seqlens=cu_seqlens))

@@ -33,6 +33,9 @@ class Diagnosis:
 def _finish(profile: MismatchProfile, source: dict) -> Diagnosis:
     if profile.counters.rows == 0:
         raise ValueError(f"{source.get('path', 'input')}: no rows to diagnose")
+    if profile.counters.tokens == 0 and profile.counters.tokens_positive_log_prob:
+        raise ValueError(f"{source.get('path', 'input')}: every row holds a value > 0, which no log-probability "
+                         "is: these columns hold something else (probabilities? logits?)")
     if profile.counters.tokens == 0:
         raise ValueError(
             f"{source.get('path', 'input')}: no valid response token (every row is empty, masked out, or "

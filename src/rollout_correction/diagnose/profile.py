@@ -95,7 +95,7 @@ class Counters:
     rows_empty: int = 0  # rows with no valid token
     rows_nonfinite: int = 0  # rows excluded: NaN / ±inf log-prob at a valid position
     tokens: int = 0  # valid tokens in the rows used
-    tokens_positive_log_prob: int = 0  # log-prob > 1e-3 (not a log-probability)
+    tokens_positive_log_prob: int = 0  # valid input tokens with a log-prob > 0 (not a log-probability)
     tokens_identical: int = 0  # log ρ exactly 0
     tokens_rollout_higher: int = 0  # log π_rollout > log π_train (log ρ < 0)
     rows_vetoed: int = 0  # rows with a token ρ < VETO_THRESHOLD (unclamped)
@@ -280,13 +280,14 @@ class MismatchProfile:
         lengths = batch.n_row
         has = batch.row_valid
         c.rows_empty += int((~has & ~bad_row).sum())
+        # a log-prob > 0 is no probability: the core drops its row (counted above); counted here on the input
+        c.tokens_positive_log_prob += int((((old32 > 0) | (roll32 > 0)) & (mask_in != 0)).sum())
         valid_lr = lr[mask]
         n_tok = int(valid_lr.numel())
         if n_tok == 0:
             return
         c.tokens += n_tok
         c.max_length = max(c.max_length, int(lengths.max()))
-        c.tokens_positive_log_prob += int((((old32 > 1e-3) | (roll32 > 1e-3)) & mask).sum())
         c.tokens_identical += int((valid_lr == 0).sum())
         c.tokens_rollout_higher += int((valid_lr < 0).sum())
         catastrophic = mask & (lr < math.log(VETO_THRESHOLD))

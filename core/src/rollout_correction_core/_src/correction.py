@@ -22,6 +22,7 @@ from .constants import METRIC_PREFIX
 from .declared import ALIGN, COUNTS, EXPECT_ZERO, RS
 from .logratio import LogRatioBatch, RowSums, float_mask, log_ratio_batch, nonfinite_positions
 from .m2po import m2po_keep, second_moment
+from .packing import packable
 from .parallel import Parallel, as_parallel, verified
 from .segments import Segments
 from .metrics import (Accumulator, Metrics, add_offpolicy_statistics, add_row_statistics, metrics_to_floats,
@@ -352,6 +353,7 @@ def _checked(out: CorrectionOutput, config: RolloutCorrectionConfig, stats, old:
 
 
 @verified
+@packable("old_log_prob", "rollout_log_prob", "response_mask", "advantages")
 def compute_rollout_correction(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
@@ -384,7 +386,9 @@ def compute_rollout_correction(
             ``cp_group``, which runs eagerly).
         segments: :class:`Segments` of multi-turn rows, for ``rollout_is="segment"`` and the
             ``segment_*`` rejection options (None: every row is one segment). Per-segment values
-            are (B, ``segments.count``) tensors, so no shape depends on the data.
+            are (B, ``segments.count``) tensors, so no shape depends on the data. With
+            ``segments.cu_seqlens`` the inputs are packed, (1, N) or (N,), and so are the weights and
+            the mask (:mod:`~rollout_correction_core._src.packing`); ``advantages`` then (1, N), (N,) or (B,).
         advantages: optional (B, T) or (B,) advantages (a row's is its mean over valid tokens): with
             them ``rollout_rs_rejected_positive_fraction``, the share of fully rejected rows with A > 0.
     Returns:

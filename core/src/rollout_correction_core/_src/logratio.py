@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 import torch
 
 from .constants import LOG_PROB_FLOOR, SAFETY_BOUND
+from .packing import packable
 from .segments import Segments, segment_sums
 from .stats import SufficientStats
 from .declared import COUNTS
@@ -305,9 +306,12 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     return dataclasses.replace(batch, segment_ids=ids, num_segments=S)
 
 
-def log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+@packable("old_log_prob", "rollout_log_prob", "response_mask")
+def log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+              segments: Optional[Segments] = None) -> torch.Tensor:
     """log ρ_t = old_log_prob − rollout_log_prob, (B, T) float32 clamped to ±20; 0 outside
-    ``response_mask`` and in rows with a non-finite value at a valid position (module docstring)."""
+    ``response_mask`` and in rows with a non-finite value at a valid position (module docstring).
+    ``segments`` with ``cu_seqlens``: packed (1, N) / (N,) inputs and output, a sequence dropped whole."""
     return log_ratio_batch(old_log_prob, rollout_log_prob, response_mask).log_ratio_clamped
 
 

@@ -34,6 +34,7 @@ from .constants import SAFETY_BOUND
 from .correction import RowValues, compute_rollout_correction, correction_pass
 from .metrics import Metrics, prefixed
 from .opsm import compute_opsm
+from .packing import packable
 from .parallel import Parallel, as_parallel, verified
 from .segments import Segments
 from .policy_losses import cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, topr_loss
@@ -94,8 +95,10 @@ def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
 
 
 @verified
+@packable("loss_mat", "loss_mask", "count_mask")
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, aggregation: Aggregation = Aggregation(), *,
-             parallel: Optional[Parallel] = None, count_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+             parallel: Optional[Parallel] = None, count_mask: Optional[torch.Tensor] = None,
+             segments: Optional[Segments] = None) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss over the valid (non-zero mask) tokens.
 
     * token-mean:              Σ_{i,t} ℓ / N_tok
@@ -120,6 +123,9 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, aggregation: Aggre
     sequences (one all-gather of B scalars) and the result is this rank's share: the shares add up
     over the group to the unsplit loss, and each rank's gradient is the unsplit gradient on its
     tokens. S must then be given (``scale_factor``): T here is only this rank's slice.
+
+    ``segments``: :class:`Segments` with ``cu_seqlens`` for a packed (1, N) / (N,) ``loss_mat``: the
+    sequences are those of ``cu_seqlens`` (and T, the default S, the longest of them or ``max_seqlen``).
     """
     if aggregation.mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={aggregation.mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
@@ -219,9 +225,11 @@ def _per_token_loss(loss_type: str, lp: torch.Tensor, prox: torch.Tensor, adv: t
     return ppo_clip_loss(lp, prox, adv, clip)
 
 
+@packable("log_prob", "prox_log_prob", "advantages", "mask", "weights")
 def policy_loss_term(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor,
                      mask: torch.Tensor, weights: Optional[torch.Tensor] = None, *, loss_type: LossType = "ppo_clip",
-                     clip: ClipRange = ClipRange()) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                     clip: ClipRange = ClipRange(), segments: Optional[Segments] = None
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The per-token loss ℓ_t of ``loss_type`` times sg(w_t), 0 outside ``mask``: PPO clip (module
     docstring), ``"reinforce"`` −A_t log π_θ(y_t), and GSPO / CISPO / DPPO / TOPR / rollout-IS
     (:mod:`~rollout_correction_core._src.policy_losses`); aggregate it with :func:`agg_loss`. All
@@ -229,6 +237,8 @@ def policy_loss_term(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advant
     bypass mode), ``advantages``, ``mask`` the tokens in the loss (after rejection), ``weights`` w_t
     (None: 1). Returns (ℓ, clipped, clipped_lower): the indicators of ``actor/pg_clipfrac`` /
     ``actor/pg_clipfrac_lower`` ((B, T) bool; None for REINFORCE; TOPR: (B,) tapered, None).
+    ``segments`` with ``cu_seqlens``: packed (1, N) / (N,) inputs and per-token outputs (GSPO's and TOPR's
+    sequences are those of ``cu_seqlens``).
     """
     check_same([("log_prob", log_prob), ("prox_log_prob", prox_log_prob), ("advantages", advantages),
                 ("mask", mask), ("weights", weights)],
@@ -296,6 +306,7 @@ def _actor_metrics(stats) -> dict[str, Value]:
 
 
 @verified
+@packable("log_prob", "old_log_prob", "advantages", "response_mask", "rollout_log_prob", "rollout_is_weights")
 def compute_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: Optional[torch.Tensor],

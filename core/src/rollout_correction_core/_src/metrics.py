@@ -45,7 +45,9 @@ import torch
 from .constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
 from .declared import COUNTS, MISMATCH, OFFPOLICY, Stat
 from .logratio import LogRatioBatch, RowSums, log_ratio_batch, nonfinite_positions, row_means64
+from .packing import packable
 from .parallel import Parallel, as_parallel, verified
+from .segments import Segments
 from .validation import check_pair
 from .sequence_group import (RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank,
                              reduce_owned, stats_owner)
@@ -369,9 +371,11 @@ def metrics_to_floats(metrics: Mapping[str, Union[torch.Tensor, float]]) -> dict
 
 
 @verified
+@packable("old_log_prob", "rollout_log_prob", "response_mask")
 def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                               response_mask: torch.Tensor, *, parallel: Optional[Parallel] = None,
-                              on_nonfinite: str = "reject", mismatch_metrics: bool = False) -> dict[str, torch.Tensor]:
+                              on_nonfinite: str = "reject", mismatch_metrics: bool = False,
+                              segments: Optional[Segments] = None) -> dict[str, torch.Tensor]:
     """Off-policy diagnostics of π_train vs π_rollout, keys ``rollout_corr/<name>``.
 
     Args:
@@ -383,6 +387,8 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
             parallelism), as in :func:`rollout_correction_core.compute_rollout_correction`.
         mismatch_metrics: also the 10 mismatch metrics (|p_train − p_rollout|, Pearson, JS, |Δ log p|
             tails; module docstring), about 15 more per-token passes.
+        segments: :class:`~rollout_correction_core.Segments` with ``cu_seqlens`` for packed (1, N) / (N,)
+            inputs (the turns are not used here).
     Returns:
         dict of 0-d float64 tensors (formulas in the module docstring).
     """

@@ -38,6 +38,7 @@ import torch
 from .config import RolloutCorrectionConfig, RSOption
 from .declared import COUNTS, RS, VETO, VETO_HIGH, rs_option
 from .logratio import LogRatioBatch, segmented_batch
+from .packing import packable
 from .segments import Segments
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
 
@@ -209,11 +210,13 @@ def rejection_keep(batch: LogRatioBatch, options: tuple[RSOption, ...], veto_thr
     return RejectionResult(token_keep, row_keep, segment_keep)
 
 
+@packable("old_log_prob", "rollout_log_prob", "response_mask")
 def rejection_mask(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                    criterion: str, threshold: Union[float, str], segments: Optional[Segments] = None) -> torch.Tensor:
     """(B, T) float32 0/1: the valid tokens that ``criterion`` (a ``rollout_rs`` option such as
     ``"seq_mean_k3"``, or several joined by commas) keeps at ``threshold`` (its upper bound, or a
-    ``"lo_hi"`` band; module docstring) for π_train (``old_log_prob``) vs π_rollout."""
+    ``"lo_hi"`` band; module docstring) for π_train (``old_log_prob``) vs π_rollout. ``segments``: the
+    turns, for the ``segment_*`` options; with ``cu_seqlens``, packed (1, N) / (N,) inputs and mask."""
     options = RolloutCorrectionConfig(rollout_rs=criterion, rollout_rs_threshold=threshold).rs_options
     batch = segmented_batch(old_log_prob, rollout_log_prob, response_mask, segments)
     return rejection_keep(batch, options, None).keep_mask(batch)

@@ -18,13 +18,22 @@ __all__ = ["Segments", "segment_sums", "segment_ids_from_mask", "max_runs"]
 
 @dataclass(frozen=True, eq=False)
 class Segments:
-    """The segments (turns) of multi-turn rows: ``ids`` (B, T) integers, the valid tokens of a row
-    with equal id form one segment, ids in [0, ``count``) at valid positions (ignored elsewhere);
-    ``count`` the static number S of ids (default T; required with a context-parallel group, whose
-    ids are global within the row)."""
+    """How a batch's tokens group into sequences and turns.
 
-    ids: torch.Tensor
+    Turns (segments) of multi-turn rows: ``ids`` (B, T) integers, the valid tokens of a row with equal
+    id form one segment, ids in [0, ``count``) at valid positions (ignored elsewhere); ``count`` the
+    static number S of ids (default T; required with a context-parallel group, whose ids are global
+    within the row). None: every row is one segment.
+
+    Packed sequences (:mod:`~rollout_correction_core._src.packing`): ``cu_seqlens`` (B + 1,) integer
+    offsets of B sequences laid end to end in (1, N) or (N,) inputs (flash-attn's convention), and
+    ``max_seqlen`` the longest (optional: read from ``cu_seqlens`` when not given, one host read). The
+    inputs and outputs are then packed, ``ids`` too; the results are those of the padded (B, T) form."""
+
+    ids: Optional[torch.Tensor] = None
     count: Optional[int] = None
+    cu_seqlens: Optional[torch.Tensor] = None
+    max_seqlen: Optional[int] = None
 
 
 def segment_sums(x: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:

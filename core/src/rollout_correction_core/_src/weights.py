@@ -38,6 +38,7 @@ from .config import SEGMENT_IS_LEVELS, IsLevel, IsMode, ISSpec, RolloutCorrectio
 from .constants import SAFETY_BOUND
 from .declared import COUNTS, IS
 from .logratio import LogRatioBatch, segmented_batch
+from .packing import packable
 from .segments import Segments
 from .stats import SufficientStats, Value, clamp, exp, safe_div, seq_summary, sqrt0, where
 
@@ -103,12 +104,14 @@ def importance_weights(batch: LogRatioBatch, spec: ISSpec) -> ISWeights:
     return ISWeights(weights=batch.expand_rows(row_w), row_log=row_log, row_raw=row_raw, row_weight=row_w)
 
 
+@packable("old_log_prob", "rollout_log_prob", "response_mask")
 def is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                level: IsLevel = "token", mode: IsMode = "truncate", upper: float = 2.0, lower: Optional[float] = None,
                segments: Optional[Segments] = None) -> torch.Tensor:
     """Bounded IS weights w (B, T) float32 of π_train (``old_log_prob``) to π_rollout at ``level``,
     bounded by ``mode`` within [``lower``, ``upper``] (module docstring), before batch normalisation;
-    0 at invalid positions. ``segments``: the turns, for the segment levels."""
+    0 at invalid positions. ``segments``: the turns, for the segment levels; with ``cu_seqlens``, packed
+    (1, N) / (N,) inputs and weights."""
     spec = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=upper, rollout_is_threshold_lower=lower,
                                    rollout_is_mode=mode).is_spec
     batch = segmented_batch(old_log_prob, rollout_log_prob, response_mask, segments)
