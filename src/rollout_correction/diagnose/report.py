@@ -60,6 +60,10 @@ METRIC_HELP = {
     "log_prob_abs_diff_max": "largest |Δ|",
     "log_prob_abs_diff_gt1": "share of tokens with |Δ| > 1",
     "log_prob_abs_diff_gt2": "share of tokens with |Δ| > 2",
+    # ratio bands (MaxText #5231), ρ = π_train / π_rollout
+    "ratio_band_tight_fraction": "share of tokens with ρ in [0.999, 1.002]",
+    "ratio_band_1pct_fraction": "share of tokens with |ρ − 1| ≤ 0.01",
+    "ratio_band_5pct_fraction": "share of tokens with |ρ − 1| ≤ 0.05",
 }
 
 
@@ -385,7 +389,8 @@ def write_report(diag: Diagnosis, out_dir: str) -> dict[str, str]:
 
 _KEY_METRICS = ("kl", "k3_kl", "chi2_token", "chi2_seq", "ppl_ratio", "log_ppl_abs_diff", "training_ppl",
                 "rollout_ppl", "routing_match", "routing_token_differs",
-                "prob_abs_diff_mean", "prob_abs_diff_max", "prob_pearson", "js_divergence", "log_prob_abs_diff_gt2")
+                "prob_abs_diff_mean", "prob_abs_diff_max", "prob_pearson", "js_divergence", "log_prob_abs_diff_gt2",
+                "ratio_band_tight_fraction", "ratio_band_1pct_fraction", "ratio_band_5pct_fraction")
 
 
 def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> None:
