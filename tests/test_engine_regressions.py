@@ -113,6 +113,27 @@ def test_expected_response_length_bad_values():
         RolloutCorrectionConfig.decoupled_seq_is().length_limits(drift=0.0)
 
 
+def test_diagnose_names_the_length_where_sequence_bounds_are_crossed(tmp_path):
+    """Without a configured length, diagnose reads it off the dump: at 300 tokens a mean log-ratio of
+    0.005 (the dump's own |kl| is smaller) crosses the sequence-level bounds of the ∏ρ presets from 139
+    tokens on; at 64 it does not."""
+    from rollout_correction.diagnose import diagnose_tensors, summary_dict, write_report
+
+    gen = torch.Generator().manual_seed(0)
+    for length, noted in ((300, True), (64, False)):
+        rollout = -torch.rand(32, length, generator=gen) * 2 - 0.1
+        old = rollout - 0.004 + 0.01 * torch.randn(32, length, generator=gen)  # |kl| ≈ 0.004 < 0.005
+        diag = diagnose_tensors(old, rollout, torch.ones(32, length), presets=[])
+        notes = summary_dict(diag)["recommendation"]["notes"]
+        if not noted:
+            assert notes == []
+            continue
+        assert len(notes) == 1 and "from 139 tokens on" in notes[0] and "average 300 tokens" in notes[0]
+        assert "decoupled_seq_is_rs" in notes[0] and "decoupled_geo_is" not in notes[0]
+        write_report(diag, str(tmp_path))
+        assert "**Response length.**" in (tmp_path / "report.md").read_text(encoding="utf-8")
+
+
 # ---------------------------------------------------------------------------------------- NeMo-RL #4154
 
 def _masked_garbage(value: float):

@@ -24,13 +24,13 @@ the package's private modules; the versioning policy (docs/api.md) covers them.
 * **Alignment** — the one-token shift detector (:func:`alignment_report`, :func:`check_alignment`).
 * **Segments** — :func:`segment_sums` (per-(row, segment) sums), :func:`segment_ids_from_mask`
   (segments as the runs of a mask) and :func:`max_runs` (a static bound on their number).
-* **Config types** — :class:`ISSpec` (resolved IS settings), :class:`RSOption` and the literal
-  types of the config's fields.
+* **Config types** — :class:`ISSpec` (resolved IS settings), :class:`RSOption`, the literal
+  types of the config's fields, and :data:`DRIFT`, the per-token log-ratio ``length_limits`` assumes.
 """
 
 from ._src.alignment import (AlignmentReport, MisalignmentWarning, alignment_metrics, alignment_report,
                              alignment_statistics, check_alignment)
-from ._src.config import (RS_OPTIONS, DivergenceEstimator, ISSpec, IsLevel, IsMode, LossDenominator, LossType,
+from ._src.config import (DRIFT, RS_OPTIONS, DivergenceEstimator, ISSpec, IsLevel, IsMode, LossDenominator, LossType,
                           NonFinitePolicy, RsAggregation, RSOption, WarnOrRaise)
 from ._src.correction import BatchHook, RowValues, correction_metrics, correction_pass, local_correction
 from ._src.logratio import NONFINITE_SENTINEL, LogRatioBatch, RowSums, float_mask, log_ratio_batch, nonfinite_positions
@@ -69,5 +69,5 @@ __all__ = [
     "segment_sums", "segment_ids_from_mask", "max_runs",
     # config types
     "ISSpec", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
-    "LossDenominator", "WarnOrRaise",
+    "LossDenominator", "WarnOrRaise", "DRIFT",
 ]
