@@ -6,7 +6,7 @@ prime-rl publishes no package on PyPI, so the files are read from a checkout nam
 and #3586 later made IPO the only default with 0.3 and no KL term). The two files are checked
 against their SHA-256 at that commit, so a checkout at another commit fails loudly instead of
 comparing against different code. The test that uses them is marked ``nightly``
-(docs/validation.md, "prime-rl").
+(docs/methods.md, "prime-rl's losses").
 
 Executed unmodified:
 
@@ -52,7 +52,8 @@ def source_root() -> Path:
     """The checkout (the directory holding ``src/prime_rl``), its two files checked."""
     root = os.environ.get(_SOURCE)
     if not root:
-        pytest.skip(f"{_SOURCE} is not set: point it at a prime-rl checkout at {COMMIT} (docs/validation.md)")
+        pytest.skip(f"{_SOURCE} is not set: point it at a prime-rl checkout at {COMMIT} "
+                    "(docs/methods.md, \"prime-rl's losses\")")
     root = Path(root)
     for rel, digest in SHA256.items():
         path = root / rel

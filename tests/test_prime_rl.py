@@ -2,7 +2,7 @@
 
 prime-rl's files come from a checkout at the commit :data:`prime_rl_reference.COMMIT`, named by
 ``$ROLLOUT_CORRECTION_PRIME_RL_SOURCE`` (prime-rl is not on PyPI, so CI cannot fetch them; the suite
-is ``nightly``: docs/validation.md says how to run it). The fast suite's hand-computed cases of the
+is ``nightly``: docs/methods.md, "prime-rl's losses", says how to run it). The fast suite's hand-computed cases of the
 same formulas are in tests/test_prime_rl_presets.py.
 
 At that commit prime-rl's IPO is, per sample, ℓ_t = −keep_t·A_t·r_t + kl_tau·(log r_t)² on its loss
