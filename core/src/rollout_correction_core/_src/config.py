@@ -376,7 +376,7 @@ class RolloutCorrectionConfig(Presets, Loading):
             bounds = [(math.log(spec.upper), d)] + ([(-math.log(spec.lower), d)] if spec.lower else [])
             settings.append((f"rollout_is='sequence' ({spec.mode}, bounds {spec.lower or 0:g}, {spec.upper:g})", bounds,
                              "rejects whole batches" if spec.mode == "mask" else
-                             f"bounds every sequence weight of a batch at {spec.upper:g}, telling none apart"))
+                             "bounds every sequence weight of a batch alike, telling none apart"))
         per_token = {"k1": d, "k2": d * d / 2, "k3": math.expm1(d) - d}  # k3: the larger of +d's and −d's
         for o in self.rs_options:
             if o.agg == "seq_sum" and o.estimator in per_token:
