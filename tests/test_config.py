@@ -20,7 +20,7 @@ DEFAULTS = {
     "loss_type": "ppo_clip", "on_nonfinite": "reject", "check_alignment": False, "mismatch_metrics": False,
     "rollout_opsm_delta": None, "rollout_m2po_threshold": None, "rollout_token_veto_threshold_high": None,
     "loss_denominator": None, "log_prob_floor": -1000.0, "rollout_rs_all_rejected": "warn", "expect_zero_atol": None,
-    "expect_zero_action": "raise",
+    "expect_zero_action": "raise", "expected_response_length": None,
 }
 
 GEO = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}
@@ -33,6 +33,7 @@ ICEPOP = {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}
 SEQ_TIS, TOK_TIS = ("sequence", "truncate", None, 2.0), ("token", "truncate", None, 2.0)
 GEO_RS, K3_RS = ("seq_mean_k1", 0.999, 1.001), ("seq_mean_k3", None, 0.01)
 VETO = {"rollout_token_veto_threshold": 1e-4}
+PRIME_RL = {"bypass_mode": True, "loss_type": "ratio_pg", "loss_denominator": "valid"}
 
 # preset -> (keys that differ from the defaults, resolved IS (level, mode, lower, upper) or None,
 #            resolved RS [(option, ratio lower or None, upper)] — ratio bounds for k1, one bound for k2/k3)
@@ -100,6 +101,11 @@ PRESETS = {
     "bypass_cispo": ({"bypass_mode": True, "loss_type": "cispo"}, None, []),
     "decoupled_geo_rs_wide": ({"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.99_1.01"}, None,
                               [("seq_mean_k1", 0.99, 1.01)]),
+    # prime-rl's losses: −A·r on the tokens a probability (IPO) or log-ratio (IcePop) gate keeps
+    "prime_rl_ipo": ({**PRIME_RL, "rollout_rs": "token_dp", "rollout_rs_threshold": "-0.3_0.3"}, None,
+                     [("token_dp", None, 0.3)]),
+    "prime_rl_icepop": ({**PRIME_RL, "rollout_rs": "token_k1", "rollout_rs_threshold": "0.2_5.0"}, None,
+                        [("token_k1", 0.2, 5.0)]),
 }
 
 
@@ -115,7 +121,7 @@ def _resolved_rs(cfg):
 
 def test_preset_table_covers_every_preset():
     assert sorted(C.preset_names()) == sorted(PRESETS)
-    assert len(C.preset_names()) == 43
+    assert len(C.preset_names()) == 45
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

@@ -17,7 +17,8 @@ Four gloo ranks (one thread each) are started once per test process and fed many
   valid position on one rank, garbage (NaN, ±inf, huge values) in the padding; the columns of each row split contiguously at
   drawn cuts (empty slices included) or zig-zag (2·CP chunks).
 
-Asserted on every rank against one process holding the whole batch (padded to the largest width):
+Asserted on every rank against one process holding the whole batch (padded to the largest width),
+after checking that every effective sample size lies in [0, 1] on both:
 the keep mask bit for bit; weights within rtol 1e-5 / atol 1e-6; every ``rollout_corr/*`` metric
 (of ``compute_rollout_correction`` and of ``compute_policy_loss``) within rel 1e-5 / abs 1e-6;
 the loss with global denominators (``global_num_tokens`` / ``global_num_seqs``: the summed rank
@@ -461,6 +462,8 @@ def run_case(get_pool, case: dict) -> None:
         else:
             torch.testing.assert_close(torch.from_numpy(got["weights"])[:, real], part(torch.from_numpy(expected["weights"])),
                                        rtol=1e-5, atol=1e-6, msg=lambda m: f"{ctx} weights: {m}")
+        for metrics in (expected["metrics"], expected["loss_metrics"], got["metrics"], got["loss_metrics"]):
+            _ess_within_one(metrics, ctx)
         _same(expected["metrics"], got["metrics"], f"{ctx} correction metrics")
         _same({k: v for k, v in expected["loss_metrics"].items() if not k.startswith("actor/")},
               {k: v for k, v in got["loss_metrics"].items() if not k.startswith("actor/")}, f"{ctx} loss metrics")
@@ -476,6 +479,16 @@ def run_case(get_pool, case: dict) -> None:
                                    rtol=1e-5, atol=1e-6, msg=lambda m: f"{ctx} gradient: {m}")
         total += got["loss"]
     assert total == pytest.approx(expected["loss"], **TOL), (total, expected["loss"])
+
+
+#: Effective sample sizes, fractions of the sample: in [0, 1] in every layout (miles #3230 logged 1.25
+#: from per-sample sums divided by a rollout count).
+ESS_METRICS = ("rollout_corr/rollout_is_eff_sample_size", "rollout_corr/rollout_is_seq_raw_ess")
+
+
+def _ess_within_one(metrics: dict, context: str) -> None:
+    for k in ESS_METRICS:
+        assert k not in metrics or 0.0 <= metrics[k] <= 1.0, f"{context}: {k} = {metrics[k]!r} outside [0, 1]"
 
 
 def _same(expected: dict, got: dict, context: str) -> None:

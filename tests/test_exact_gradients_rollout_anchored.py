@@ -1,6 +1,6 @@
-"""SkyRL's rollout-anchored losses, its geometric band, KPop and NeMo-RL's log-prob error against
-their exact expectations on the enumerable toy (the setting of tests/test_exact_gradients.py:
-every sequence one row, advantages scaled by μ(y)·B, ``seq-mean-token-sum``, so the library's
+"""SkyRL's rollout-anchored losses, its geometric band, KPop, NeMo-RL's log-prob error and prime-rl's
+IPO and IcePop against their exact expectations on the enumerable toy (the setting of
+tests/test_exact_gradients.py: every sequence one row, advantages scaled by μ(y)·B, ``seq-mean-token-sum``, so the library's
 gradient is an exact expectation under the behaviour policy μ).
 
 Bypass mode throughout: r_t = π_θ(y_t)/μ(y_t), ∇_t the score of token t; B/K the rescaling when K
@@ -41,6 +41,28 @@ def test_rollout_is(toy):
                               clip=ClipRange(1 - lo, hi - 1))
     assert_grad(actual, expected)
     assert rel_err(expected, exact_policy_gradient(toy.theta, toy.space, toy.adv)) > 1e-2
+
+
+def test_prime_rl_ipo(toy):
+    """g = Σ_y μ(y) A(y) Σ_t r_t 1[|π_θ(y_t) − μ(y_t)| ≤ δ] ∇_t: prime-rl's IPO, the ratio's own gradient
+    on the tokens whose probability moved at most δ (rejected tokens stay counted: no rescaling)."""
+    valid, muA, r = _bypass(toy)
+    dp = toy.tok(toy.theta).exp() - toy.tok(toy.mu).exp()
+    delta = between(dp.abs(), 0.5, valid)
+    keep = dp.abs() <= delta
+    assert (keep & valid).any() and (~keep & valid).any()
+    actual = library_gradient(toy, RolloutCorrectionConfig.prime_rl_ipo(threshold=delta))
+    assert_grad(actual, from_coefficients(toy, muA * r * keep))
+
+
+def test_prime_rl_icepop(toy):
+    """g = Σ_y μ(y) A(y) Σ_t r_t 1[lo ≤ r_t ≤ hi] ∇_t: prime-rl's IcePop."""
+    valid, muA, r = _bypass(toy)
+    lo, hi = between(r, 0.2, valid), between(r, 0.8, valid)
+    keep = (r >= lo) & (r <= hi)
+    assert (keep & valid).any() and (~keep & valid).any()
+    actual = library_gradient(toy, RolloutCorrectionConfig.prime_rl_icepop(threshold=hi, threshold_lower=lo))
+    assert_grad(actual, from_coefficients(toy, muA * r * keep))
 
 
 def test_cispo_anchored_on_the_rollout_policy(toy):

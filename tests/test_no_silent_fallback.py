@@ -21,7 +21,7 @@ import torch
 from rollout_correction_core import (Aggregation, ClipRange, ConfigError, PolicyLoss, RolloutCorrectionConfig,
                                      Segments, agg_loss, compute_policy_loss, compute_rollout_correction, ppo_clip_loss)
 from rollout_correction_core.primitives import (RS_OPTIONS, IsLevel, LossType, cispo_loss, dppo_loss, gspo_loss,
-                                                rollout_is_loss, topr_loss)
+                                                ratio_pg_loss, rollout_is_loss, topr_loss)
 from rollout_correction_core.vocabulary import LEGACY_RS
 
 LOSS_TYPES = get_args(LossType)
@@ -73,6 +73,8 @@ def _per_token(loss_type, lp, prox, adv, keep):
         return dppo_loss(lp, prox, adv, loss_type[5:], **CLIP, clip_ratio_c=3.0)[0]
     if loss_type == "topr":
         return topr_loss(lp, prox, adv, keep)[0]
+    if loss_type == "ratio_pg":
+        return ratio_pg_loss(lp, prox, adv)
     assert loss_type == "rollout_is"
     return rollout_is_loss(lp, prox, adv, **CLIP)[0]
 

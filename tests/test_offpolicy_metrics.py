@@ -16,7 +16,8 @@ NAMES = ["training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "roll
          "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
          "rollout_is_raw_mean", "rollout_is_seq_raw_mean", "chi2_token_sn", "chi2_seq_sn", "prob_abs_diff_mean", "prob_abs_diff_max", "prob_abs_diff_std", "prob_pearson", "log_prob_pearson",
          "js_divergence", "log_prob_abs_diff_seq_mean", "log_prob_abs_diff_max", "log_prob_abs_diff_gt1",
-         "log_prob_abs_diff_gt2"]
+         "log_prob_abs_diff_gt2", "ratio_band_tight_fraction", "ratio_band_1pct_fraction",
+         "ratio_band_5pct_fraction"]
 
 # Two real rows and one all-padding row holding values that would wreck every statistic.
 OLD = [[-1.0, -2.0, 7.0], [-0.5, -0.5, -0.5], [5.0, 5.0, 5.0]]
@@ -77,6 +78,8 @@ def _expected_mismatch():
         "js_divergence": sum(js(a, b) for a, b in zip(q, p)) / 5,
         "log_prob_abs_diff_seq_mean": ((0.5 + 0.5) / 2 + (0.5 + 0.25 + 0.0) / 3) / 2,
         "log_prob_abs_diff_max": 0.5, "log_prob_abs_diff_gt1": 0.0, "log_prob_abs_diff_gt2": 0.0,
+        # log ρ = 0.5, −0.5, 0.5, −0.25, 0: only the last token lies in any of the bands
+        "ratio_band_tight_fraction": 1 / 5, "ratio_band_1pct_fraction": 1 / 5, "ratio_band_5pct_fraction": 1 / 5,
     }
 
 

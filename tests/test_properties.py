@@ -362,6 +362,10 @@ def _direct_mismatch(rows):
         "log_prob_abs_diff_max": max(map(abs, flat32)),
         "log_prob_abs_diff_gt1": sum(abs(x) > 1 for x in flat32) / n,
         "log_prob_abs_diff_gt2": sum(abs(x) > 2 for x in flat32) / n,
+        # ratio bands: the fp32 Δ against the bounds' logs as float32 (what the comparison rounds them to)
+        **{f"ratio_band_{name}_fraction": sum(float(np.float32(math.log(lo))) <= x <= float(np.float32(math.log(hi)))
+                                              for x in flat32) / n
+           for name, (lo, hi) in (("tight", (0.999, 1.002)), ("1pct", (0.99, 1.01)), ("5pct", (0.95, 1.05)))},
     }
 
 

@@ -28,7 +28,11 @@ remove them on exit.
 
 Under replay the router still computes its own probabilities p, so the gate values of the recorded
 experts R are sᵢ = p_i (/ Σ_{j∈R} p_j), a differentiable function of the router weights: the router
-keeps learning. Positions the record does not hold, and padding (the forward's ``attention_mask``
+keeps learning. Gate replay (``replay_routing(..., gates="recorded")``; prime-rl #3509 / #3523, "Total
+Router Recall") replays the recorded gate values too, in fp32 as recorded, with the router frozen:
+the forward then combines the same experts with the same weights as the recording one, whatever the
+trainer's router weights are (prime-rl #3524: router weights downcast to bf16 in the weight transfer
+gave k3 0 → 0.055 within 3 steps). Positions the record does not hold, and padding (the forward's ``attention_mask``
 is 0 there), are never replayed. :func:`routing_agreement` measures two records against each other
 with the library's exact, data-parallel reductions, and :func:`routing_confidence` the top-k
 probability mass Σ_{i∈I} p_i each side's routers put on their choice (prime-rl #2545).
@@ -42,18 +46,19 @@ the same way as in an fp32 trainer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-from rollout_correction import METRIC_PREFIX, ShapeMismatchError
+from rollout_correction import METRIC_PREFIX, ConfigError, ShapeMismatchError
 from rollout_correction.reductions import SufficientStats, safe_div
 
 __all__ = ["RoutingRecord", "RecordingHandle", "Router", "find_routers", "record_routing", "replay_routing",
            "gate_weights", "routing_agreement", "routing_confidence", "routing_mask_from_response",
-           "UnsupportedModelError", "RoutingMismatchError", "ROUTING_METRICS"]
+           "UnsupportedModelError", "RoutingMismatchError", "ROUTING_METRICS", "GATE_SOURCES"]
 
 #: The metrics :func:`routing_agreement` returns (besides the per-layer ones), unprefixed.
 ROUTING_METRICS = ("routing_match", "routing_overlap", "routing_token_differs", "routing_tokens")
@@ -83,11 +88,15 @@ class RoutingRecord:
         positions to the router's own choice and agreement skips them.
       topk_mass: (B, T, L) float32 Σ_{i∈I} p_i, the router probability of the selected experts
         (:func:`record_routing` records it; engines' formats carry none: None).
+      gates: (B, T, L, K) float32 gate values of ``experts``, in the same order: the weights the
+        forward combined the experts' outputs with (:func:`record_routing` records them; verl's and
+        slime's formats carry none: None). ``replay_routing(..., gates="recorded")`` replays them.
     """
 
     experts: torch.Tensor
     valid: torch.Tensor
     topk_mass: Optional[torch.Tensor] = None
+    gates: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.experts.dim() != 4:
@@ -101,21 +110,33 @@ class RoutingRecord:
         if self.topk_mass is not None and tuple(self.topk_mass.shape) != tuple(self.experts.shape[:3]):
             raise RoutingMismatchError(f"topk_mass must be (rows, positions, layers) = {tuple(self.experts.shape[:3])}, "
                                        f"got {tuple(self.topk_mass.shape)}")
+        if self.gates is not None and (tuple(self.gates.shape) != tuple(self.experts.shape)
+                                       or self.gates.dtype != torch.float32):
+            raise RoutingMismatchError(f"gates must be float32 (rows, positions, layers, top_k) = "
+                                       f"{tuple(self.experts.shape)}, got {self.gates.dtype} {tuple(self.gates.shape)}")
 
     def _with(self, experts: torch.Tensor, valid: torch.Tensor, select) -> "RoutingRecord":
-        """A record of ``experts`` / ``valid`` whose ``topk_mass`` is ``select`` of this one's."""
-        return RoutingRecord(experts, valid, None if self.topk_mass is None else select(self.topk_mass))
+        """A record of ``experts`` / ``valid`` whose ``topk_mass`` and ``gates`` are ``select`` of this one's."""
+        return RoutingRecord(experts, valid, *(None if t is None else select(t) for t in (self.topk_mass, self.gates)))
+
+    def describe(self) -> str:
+        """``(rows, positions, layers, top_k) = (…)`` and what it holds, for messages."""
+        held = ", ".join(name for name in ("topk_mass", "gates") if getattr(self, name) is not None) or "expert ids only"
+        return f"(rows, positions, layers, top_k) = {tuple(self.experts.shape)}, holding {held}"
 
     @classmethod
-    def from_experts(cls, experts: torch.Tensor, valid: Optional[torch.Tensor] = None) -> "RoutingRecord":
-        """A record from a (B, T, L, K) integer tensor; ``valid`` (B, T) defaults to every position."""
+    def from_experts(cls, experts: torch.Tensor, valid: Optional[torch.Tensor] = None,
+                     gates: Optional[torch.Tensor] = None) -> "RoutingRecord":
+        """A record from a (B, T, L, K) integer tensor; ``valid`` (B, T) defaults to every position;
+        ``gates`` (B, T, L, K), the experts' gate values (an engine that returns them), as float32."""
         experts = torch.as_tensor(experts)
         if experts.dim() != 4:
             raise RoutingMismatchError(f"experts must be (rows, positions, layers, top_k), got shape "
                                        f"{tuple(experts.shape)}")
         if valid is None:
             valid = torch.ones(experts.shape[:2], dtype=torch.bool, device=experts.device)
-        return cls(experts.long(), torch.as_tensor(valid, device=experts.device).bool())
+        gates = None if gates is None else torch.as_tensor(gates, device=experts.device).float()
+        return cls(experts.long(), torch.as_tensor(valid, device=experts.device).bool(), gates=gates)
 
     # -- shape ---------------------------------------------------------------------------
     @property
@@ -170,7 +191,7 @@ class RoutingRecord:
         experts[m], valid[m] = self.experts[0], self.valid[0]
 
         def scatter(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_zeros((*m.shape, self.num_layers))
+            out = t.new_zeros((*m.shape, *t.shape[2:]))
             out[m] = t[0]
             return out
 
@@ -184,9 +205,9 @@ class RoutingRecord:
         shapes = {tuple(r.experts.shape[1:]) for r in records}
         if len(shapes) > 1:
             raise RoutingMismatchError(f"records to stack differ in (positions, layers, top_k): {sorted(shapes)}")
-        masses = [r.topk_mass for r in records]
-        mass = torch.cat(masses) if all(m is not None for m in masses) else None
-        return RoutingRecord(torch.cat([r.experts for r in records]), torch.cat([r.valid for r in records]), mass)
+        extra = [[getattr(r, name) for r in records] for name in ("topk_mass", "gates")]
+        extra = [torch.cat(ts) if all(t is not None for t in ts) else None for ts in extra]
+        return RoutingRecord(torch.cat([r.experts for r in records]), torch.cat([r.valid for r in records]), *extra)
 
     # -- engines' formats ----------------------------------------------------------------
     @classmethod
@@ -469,6 +490,7 @@ class _Recorder(_Calls):
         self.segments: list[list[RoutingRecord]] = []   # per fresh forward: (B, S_i) pieces
         self._layers: list[torch.Tensor] = []
         self._masses: list[torch.Tensor] = []
+        self._gates: list[torch.Tensor] = []
         self._padding: Optional[torch.Tensor] = None  # of the forward whose layers are being collected
         self._length = 0
 
@@ -486,13 +508,14 @@ class _Recorder(_Calls):
         self._length += s
 
     def hook(self, router: Router, out):
-        logits, _, idx = out
+        logits, scores, idx = out
         b, s = self.tokens(idx.shape[0], router)
         if router.layer != len(self._layers):
             raise RoutingMismatchError(f"router {router.name} ran out of order (layer {router.layer} after "
                                        f"{len(self._layers)} layers of this forward)")
         idx = idx.detach().long()
         self._layers.append(idx.reshape(b, s, -1))
+        self._gates.append(scores.detach().float().reshape(b, s, -1))  # exact: fp32 holds every bf16 / fp16 value
         p = torch.softmax(logits.detach().float(), dim=-1)
         self._masses.append(p.gather(-1, idx).sum(-1).reshape(b, s))
         return out
@@ -505,15 +528,16 @@ class _Recorder(_Calls):
             valid = torch.ones(experts.shape[:2], dtype=torch.bool, device=experts.device)
             if self._padding is not None:
                 valid = ~self._padding.to(experts.device)
-            self.segments[-1].append(RoutingRecord(experts, valid, torch.stack(self._masses, dim=2)))
-            self._layers, self._masses = [], []
+            self.segments[-1].append(RoutingRecord(experts, valid, torch.stack(self._masses, dim=2),
+                                                   torch.stack(self._gates, dim=2)))
+            self._layers, self._masses, self._gates = [], [], []
 
     def record(self) -> RoutingRecord:
         self._flush()
         if not self.segments:
             raise RoutingMismatchError("nothing was recorded: no forward of the model ran inside record_routing")
-        parts = [RoutingRecord(torch.cat([p.experts for p in seg], dim=1), torch.cat([p.valid for p in seg], dim=1),
-                               torch.cat([p.topk_mass for p in seg], dim=1)) for seg in self.segments]
+        parts = [RoutingRecord(*(torch.cat([getattr(p, name) for p in seg], dim=1)
+                                 for name in ("experts", "valid", "topk_mass", "gates"))) for seg in self.segments]
         return RoutingRecord.cat(parts)
 
 
@@ -546,7 +570,8 @@ def record_routing(model: torch.nn.Module, *, router_fp32: bool = False) -> Iter
     is 0 are marked not valid (never replayed, skipped by the agreement). A packed forward (one row
     of concatenated sequences) gives a (1, N, L, K) record (:meth:`RoutingRecord.unpack` restores
     the rows). The record's ``topk_mass`` is each router's probability of its own top-k set, for
-    :func:`routing_confidence`.
+    :func:`routing_confidence`; its ``gates`` are the gate values each router returned for its top-k
+    set, stored in fp32 (every bf16 / fp16 value exactly), for ``replay_routing(..., gates="recorded")``.
 
     Args:
       model: the model whose routers to record.
@@ -570,10 +595,11 @@ def record_routing(model: torch.nn.Module, *, router_fp32: bool = False) -> Iter
 
 
 class _Replayer(_Calls):
-    def __init__(self, model: torch.nn.Module, routers: list[Router], record: RoutingRecord):
+    def __init__(self, model: torch.nn.Module, routers: list[Router], record: RoutingRecord, gates: str):
         super().__init__(model)
         self.routers = routers
         self.record = record
+        self.recorded_gates = gates == "recorded"
 
     def on_call(self) -> None:
         b, s = self.shape
@@ -596,7 +622,12 @@ class _Replayer(_Calls):
             valid = valid & ~self.padding.to(valid.device)
         valid = valid.reshape(b * s, 1).to(idx.device)
         chosen = torch.where(valid, rec, idx.long())
-        return logits, gate_weights(logits, chosen, router.renormalize).to(scores.dtype), chosen.to(idx.dtype)
+        if not self.recorded_gates:
+            return logits, gate_weights(logits, chosen, router.renormalize).to(scores.dtype), chosen.to(idx.dtype)
+        # the router frozen: the recorded gate values where replayed, the router's own elsewhere, no gradient
+        recorded = self.record.gates[:, sl, router.layer].reshape(b * s, -1).to(device=scores.device)
+        gates = torch.where(valid, recorded.to(scores.dtype), scores.detach())
+        return logits.detach(), gates, chosen.to(idx.dtype)
 
 
 def gate_weights(router_logits: torch.Tensor, experts: torch.Tensor, renormalize: bool) -> torch.Tensor:
@@ -614,12 +645,22 @@ def gate_weights(router_logits: torch.Tensor, experts: torch.Tensor, renormalize
     return p / p.sum(-1, keepdim=True) if renormalize else p
 
 
+#: The values of ``replay_routing``'s ``gates``: the router's own gate values over the replayed experts
+#: (R3 as the engines ship it), or the record's (gate replay, "Total Router Recall").
+GATE_SOURCES = ("recomputed", "recorded")
+
+
 @contextlib.contextmanager
 def replay_routing(model: torch.nn.Module, record: RoutingRecord, mask: Optional[torch.Tensor] = None, *,
-                   router_fp32: bool = False) -> Iterator[None]:
+                   router_fp32: bool = False, gates: str = "recomputed") -> Iterator[None]:
     """Make every router of ``model`` select the experts in ``record`` for the forwards run inside
-    the block; the gate values are :func:`gate_weights` of the router's own logits over those
-    experts (renormalised where the architecture renormalises), so gradients reach the router.
+    the block. With ``gates="recomputed"`` (the default) the gate values are :func:`gate_weights` of
+    the router's own logits over those experts (renormalised where the architecture renormalises),
+    so gradients reach the router. With ``gates="recorded"`` they are the record's own (``record.gates``,
+    the values the recording forward combined the experts with), and the router is frozen: its
+    outputs are detached, so no gradient reaches it (prime-rl #3509 / #3523); replaying the ids and
+    the gates of a record reproduces the recording forward's output bit for bit whatever the router's
+    weights have become, where replaying the ids alone leaves the gates to them.
 
     A forward of (B, S) tokens replays rows 0..B−1 of the record at positions [c, c + S), where c
     is the KV cache's length (0 for a teacher-forced forward): slice the record by rows for
@@ -630,13 +671,22 @@ def replay_routing(model: torch.nn.Module, record: RoutingRecord, mask: Optional
     routers compute their logits (and so the positions not replayed, and every gate value) in fp32.
 
     Raises:
-      RoutingMismatchError: rows, positions, layers or top-k of the record do not fit.
+      ConfigError: ``gates`` is not one of :data:`GATE_SOURCES`.
+      RoutingMismatchError: rows, positions, layers or top-k of the record do not fit, or
+        ``gates="recorded"`` with a record that holds no gate values.
       UnsupportedModelError: the model's routers do not follow the top-k router convention.
     """
+    if gates not in GATE_SOURCES:
+        raise ConfigError(f"replay_routing: gates={gates!r} is invalid; choose one of {list(GATE_SOURCES)}")
     if not isinstance(record, RoutingRecord):
         raise TypeError(f"record must be a RoutingRecord, got {type(record).__name__}")
+    if gates == "recorded" and record.gates is None:
+        raise RoutingMismatchError(
+            f"replay_routing(gates='recorded'): the routing record passed as `record` ({record.describe()}) holds "
+            "no gate values; record_routing records them (verl's and slime's expert-id formats carry none), or "
+            "replay the ids alone with gates='recomputed'")
     if mask is not None:
-        record = RoutingRecord(record.experts, record.valid & _layout_mask(mask, record), record.topk_mass)
+        record = dataclasses.replace(record, valid=record.valid & _layout_mask(mask, record))
     routers = find_routers(model)
     if record.num_layers != len(routers):
         raise RoutingMismatchError(f"the routing record has {record.num_layers} layers, {_model_name(model)} has "
@@ -648,7 +698,7 @@ def replay_routing(model: torch.nn.Module, record: RoutingRecord, mask: Optional
     e = min(r.num_experts for r in routers)
     if record.experts.numel() and (int(record.experts.min()) < 0 or int(record.experts.max()) >= e):
         raise RoutingMismatchError(f"the routing record names experts outside [0, {e})")
-    replayer = _Replayer(model, routers, record)
+    replayer = _Replayer(model, routers, record, gates)
     with _hooked(model, replayer, routers, replayer.hook, prepend=False, router_fp32=router_fp32):
         yield
 
@@ -679,6 +729,9 @@ def routing_agreement(record_a: RoutingRecord | torch.Tensor, record_b: RoutingR
       routing_match_layer{l} = Σₙ [Aₙₗ = Bₙₗ] / N,   routing_overlap_layer{l} likewise
       routing_token_differs  = Σₙ [∃l: Aₙₗ ≠ Bₙₗ] / N              (tokens routed differently anywhere)
       routing_tokens         = N
+      routing_gate_abs_diff  = Σ_{nl: Aₙₗ = Bₙₗ} Σ_{e∈Aₙₗ} |gᵃₙₗₑ − gᵇₙₗₑ| / (K · #{nl: Aₙₗ = Bₙₗ})
+                               (when both records hold gate values: the mean difference of the gate
+                               values of the same experts, over the (token, layer) pairs routed alike)
 
     With ``process_group`` the sums are all-reduced first, so every rank gets the values of the
     whole batch, however it was split (one collective, no host sync). Values over an empty set are 0.
@@ -699,9 +752,16 @@ def routing_agreement(record_a: RoutingRecord | torch.Tensor, record_b: RoutingR
     w = keep.double().unsqueeze(-1)
     names = ["tokens", "token_differs"] + [f"match{l}" for l in range(a.num_layers)] \
         + [f"overlap{l}" for l in range(a.num_layers)]
-    vec = torch.cat([keep.double().sum().reshape(1), (keep & ~same_set.all(-1)).double().sum().reshape(1),
-                     (same_set.double() * w).sum((0, 1)), (overlap * w).sum((0, 1))])
-    stats = SufficientStats.from_vector(names, vec).all_reduce(process_group)
+    parts = [keep.double().sum().reshape(1), (keep & ~same_set.all(-1)).double().sum().reshape(1),
+             (same_set.double() * w).sum((0, 1)), (overlap * w).sum((0, 1))]
+    gated = a.gates is not None and b.gates is not None
+    if gated:  # the gates of the same experts, aligned by expert id, where the sets match
+        ga = a.gates.gather(-1, ea.argsort(-1))
+        gb = b.gates.to(ga.device).gather(-1, eb.argsort(-1))
+        alike = same_set.double() * w
+        names += ["gate_pairs", "gate_diff"]
+        parts += [alike.sum().reshape(1), ((ga - gb).abs().double().mean(-1) * alike).sum().reshape(1)]
+    stats = SufficientStats.from_vector(names, torch.cat(parts)).all_reduce(process_group)
     s = stats.sums
     n, layers = s["tokens"], a.num_layers
     out = {"routing_tokens": n, "routing_token_differs": safe_div(s["token_differs"], n)}
@@ -712,6 +772,8 @@ def routing_agreement(record_a: RoutingRecord | torch.Tensor, record_b: RoutingR
     for l in range(layers):
         out[f"routing_match_layer{l}"] = match[l]
         out[f"routing_overlap_layer{l}"] = over[l]
+    if gated:
+        out["routing_gate_abs_diff"] = safe_div(s["gate_diff"], s["gate_pairs"])
     return {METRIC_PREFIX + name: torch.as_tensor(v, dtype=torch.float64) for name, v in out.items()}
 
 

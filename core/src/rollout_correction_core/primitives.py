@@ -20,17 +20,17 @@ the package's private modules; the versioning policy (docs/api.md) covers them.
   (:func:`add_offpolicy_statistics`, :func:`offpolicy_metrics`, :func:`mismatch_metrics`,
   :func:`nonfinite_metrics`, :func:`prefixed`, :class:`Accumulator`).
 * **Sequence masks and policy-loss terms** — M2PO (:func:`m2po_keep`, :func:`second_moment`),
-  OPSM (:func:`opsm_keep`, :func:`compute_opsm`), GSPO / CISPO / DPPO / TOPR per-token losses.
+  OPSM (:func:`opsm_keep`, :func:`compute_opsm`), GSPO / CISPO / DPPO / TOPR / ratio-PG per-token losses.
 * **Alignment** — the one-token shift detector (:func:`alignment_report`, :func:`check_alignment`).
 * **Segments** — :func:`segment_sums` (per-(row, segment) sums), :func:`segment_ids_from_mask`
   (segments as the runs of a mask) and :func:`max_runs` (a static bound on their number).
-* **Config types** — :class:`ISSpec` (resolved IS settings), :class:`RSOption` and the literal
-  types of the config's fields.
+* **Config types** — :class:`ISSpec` (resolved IS settings), :class:`RSOption`, the literal
+  types of the config's fields, and :data:`DRIFT`, the per-token log-ratio ``length_limits`` assumes.
 """
 
 from ._src.alignment import (AlignmentReport, MisalignmentWarning, alignment_metrics, alignment_report,
                              alignment_statistics, check_alignment)
-from ._src.config import (RS_OPTIONS, DivergenceEstimator, ISSpec, IsLevel, IsMode, LossDenominator, LossType,
+from ._src.config import (DRIFT, RS_OPTIONS, DivergenceEstimator, ISSpec, IsLevel, IsMode, LossDenominator, LossType,
                           NonFinitePolicy, RsAggregation, RSOption, WarnOrRaise)
 from ._src.correction import BatchHook, RowValues, correction_metrics, correction_pass, local_correction
 from ._src.logratio import NONFINITE_SENTINEL, LogRatioBatch, RowSums, float_mask, log_ratio_batch, nonfinite_positions
@@ -39,8 +39,8 @@ from ._src.m2po import m2po_keep, second_moment
 from ._src.metrics import (Accumulator, Metrics, add_offpolicy_statistics, mismatch_metrics, nonfinite_metrics,
                            offpolicy_metrics, prefixed)
 from ._src.opsm import OPSMResult, compute_opsm, opsm_keep
-from ._src.policy_losses import (cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, sequence_advantage, topr_loss,
-                                 topr_weights)
+from ._src.policy_losses import (cispo_loss, dppo_loss, gspo_loss, ratio_pg_loss, rollout_is_loss, sequence_advantage,
+                                 topr_loss, topr_weights)
 from ._src.segments import max_runs, segment_ids_from_mask, segment_sums
 from ._src.rejection import (PROB_CLAMP, RejectionResult, option_keep, rejection_keep, rs_metrics, rs_option_metrics,
                              token_divergence, veto_metrics)
@@ -61,7 +61,7 @@ __all__ = [
     "Accumulator",
     # sequence masks and policy-loss terms
     "m2po_keep", "second_moment", "OPSMResult", "opsm_keep", "compute_opsm", "sequence_advantage", "gspo_loss",
-    "cispo_loss", "dppo_loss", "topr_loss", "topr_weights", "rollout_is_loss", "LossAggMode",
+    "cispo_loss", "dppo_loss", "topr_loss", "topr_weights", "rollout_is_loss", "ratio_pg_loss", "LossAggMode",
     # alignment
     "MisalignmentWarning", "AlignmentReport", "alignment_statistics", "alignment_metrics", "alignment_report",
     "check_alignment",
@@ -69,5 +69,5 @@ __all__ = [
     "segment_sums", "segment_ids_from_mask", "max_runs",
     # config types
     "ISSpec", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
-    "LossDenominator", "WarnOrRaise",
+    "LossDenominator", "WarnOrRaise", "DRIFT",
 ]

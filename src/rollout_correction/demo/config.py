@@ -98,6 +98,12 @@ METHODS.update({m.name: m for m in (
            "PPO-clip term", options=(("rollout_is", "prefix_min"),)),
     Method("rollout_is", "rollout-IS loss", "bypass_rollout_is", True,
            "REINFORCE with r = π_θ/π_rollout set to 0 outside (1 − ε, 1 + ε) (π_old := π_rollout)"),
+    # prime-rl's losses (its default IPO, #3418 / #3586, and its IcePop, #3526): −A·r with r = π_θ/π_rollout
+    # carrying the gradient, on the tokens a gate keeps, divided by every valid token.
+    Method("prime_rl_ipo", "prime-rl IPO", "prime_rl_ipo", True,
+           "−A·π_θ/π_rollout on the tokens with |π_θ − π_rollout| ≤ 0.3 (π_old := π_rollout; prime-rl's default)"),
+    Method("prime_rl_icepop", "prime-rl IcePop", "prime_rl_icepop", True,
+           "−A·π_θ/π_rollout on the tokens whose ratio lies in [0.2, 5], tested on its log (π_old := π_rollout)"),
     # The ``long`` scenario's geometric RS: its band fits 16 tokens of a 2-bit engine (docs/demo.md).
     Method("geo_rs_long", "geometric RS, band [0.5, 2]", "decoupled_geo_rs", True,
            "reject sequences whose geometric-mean ratio exp(mean log ρₜ) leaves [0.5, 2]; no IS weights",

@@ -60,7 +60,7 @@ def health_checks(res: ProfileResult) -> list[Check]:
     checks.append(_check(
         "k3 per token vs published healthy runs", k3, k3 > ELEVATED_K3, f"≤ {ELEVATED_K3:g}",
         f"the gap is above every published healthy run (NeMo-RL KL ≈ 1e-3, Nemotron gen_kl 0.0027, DeepSeek-V4 "
-        f"k3 0.0052; docs/metrics.md): look for its cause (precision, quantisation, kernels, sampling "
+        f"k3 0.0052, verl #7519's bf16 DAPO run kl 0.0089; docs/metrics.md): look for its cause (precision, quantisation, kernels, sampling "
         "parameters, weight sync) before relying on correction",
         "within the range published healthy runs report"))
     chi2 = m[f"{P}chi2_token"]

@@ -33,9 +33,11 @@ good proximal policy and bypass mode saves the extra forward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from rollout_correction import METRIC_PREFIX
+from rollout_correction import METRIC_PREFIX, RolloutCorrectionConfig
+from rollout_correction_core.primitives import DRIFT
+from rollout_correction_core.vocabulary import PRESETS
 
 from .profile import ProfileResult
 
@@ -61,9 +63,9 @@ TAIL_ROWS = 0.01
 #: what exact engines reach (|Δ| ≤ 1e-6 gives k3 ≈ Δ²/2 ≤ 5e-13).
 TINY_K3 = 1e-5
 TINY_SEQ_ESS = 0.99
-#: ELEVATED_K3 (a health check, not a case of the rule): twice the largest published healthy
-#: figure (DeepSeek-V4's k3 0.0052), so a run above it is outside every published healthy run
-#: although below the severe level.
+#: ELEVATED_K3 (a health check, not a case of the rule): above every published healthy figure (the
+#: largest: verl #7519's bf16 DAPO run, kl 0.0089 at its last step; DeepSeek-V4's k3 0.0052), below
+#: verl #7519's FP8-tensorwise run at its last step (kl 0.0313): tests/test_published_figures.py.
 ELEVATED_K3 = 0.01
 SEQ_ESS = 0.8
 SEQ_RS_ESS = 0.5
@@ -77,9 +79,35 @@ class Recommendation:
     case: str
     reason: str
     inputs: dict[str, float]
+    notes: list[str] = field(default_factory=list)
 
 
 def recommend(res: ProfileResult) -> Recommendation:
+    """The preset the rule (module docstring) picks, with :func:`length_notes` on the dump's lengths."""
+    rec = _rule(res)
+    c = res.counters
+    rec.notes = length_notes(c.tokens / c.rows_used if c.rows_used else 0.0, res.metrics[f"{P}kl"])
+    return rec
+
+
+def length_notes(mean_length: float, kl: float) -> list[str]:
+    """What a config's ``expected_response_length`` would warn about, from the measured lengths: the
+    presets whose sequence-level (∏ρ_t) bounds a mean per-token log-ratio of 0.005 (or the measured
+    |kl|, if larger) crosses before the dump's mean response length, grouped by the length where it
+    starts (:meth:`RolloutCorrectionConfig.length_limits`)."""
+    drift = max(DRIFT, abs(kl))
+    starts: dict[int, set[str]] = {}
+    for name in (n for n, p in PRESETS.items() if p.alias_of is None):
+        for _, length, _ in RolloutCorrectionConfig.from_preset(name).length_limits(drift):
+            starts.setdefault(length, set()).add(name)
+    return [f"responses average {mean_length:.0f} tokens, and a mean per-token log-ratio of {drift:.3g} crosses the "
+            f"sequence-level (∏ρ) bounds of {', '.join(sorted(names))} from {length} tokens on: those presets would "
+            "truncate every sequence weight or reject whole batches here; prefer a geometric or token level, and "
+            "give the config expected_response_length to be warned when it is built"
+            for length, names in sorted(starts.items()) if length <= mean_length]
+
+
+def _rule(res: ProfileResult) -> Recommendation:
     m, lv, c = res.metrics, res.levels, res.counters
     kl, k3, chi2 = m[f"{P}kl"], m[f"{P}k3_kl"], m[f"{P}chi2_token"]
     seq_ess = lv["sequence"]["ess"]

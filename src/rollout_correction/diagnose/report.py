@@ -60,6 +60,10 @@ METRIC_HELP = {
     "log_prob_abs_diff_max": "largest |Δ|",
     "log_prob_abs_diff_gt1": "share of tokens with |Δ| > 1",
     "log_prob_abs_diff_gt2": "share of tokens with |Δ| > 2",
+    # ratio bands (MaxText #5231), ρ = π_train / π_rollout
+    "ratio_band_tight_fraction": "share of tokens with ρ in [0.999, 1.002]",
+    "ratio_band_1pct_fraction": "share of tokens with |ρ − 1| ≤ 0.01",
+    "ratio_band_5pct_fraction": "share of tokens with |ρ − 1| ≤ 0.05",
 }
 
 
@@ -112,7 +116,7 @@ def summary_dict(diag: Diagnosis) -> dict:
     c = res.counters
     out: dict = dict(res.metrics)
     out["recommended_preset"] = rec.preset
-    out["recommendation"] = {"case": rec.case, "reason": rec.reason, "inputs": rec.inputs}
+    out["recommendation"] = {"case": rec.case, "reason": rec.reason, "inputs": rec.inputs, "notes": rec.notes}
     out["health"] = [ch.as_dict() for ch in diag.health]
     out["health_verdict"] = diag.worst_verdict
     out["weights"] = res.levels
@@ -164,6 +168,8 @@ def build_blocks(diag: Diagnosis, figures: list[str]) -> list[tuple]:
     blocks.append(("p", f"**Recommended preset: `{rec.preset}`** (rule: *{rec.case}*). {reason}."))
     blocks.append(("p", f"Use it with `RolloutCorrectionConfig.from_preset(\"{rec.preset}\")`. The rule is "
                         "documented in docs/diagnose.md; the what-if table below shows every preset on this data."))
+    for note in rec.notes:
+        blocks.append(("p", f"**Response length.** {note[:1].upper() + note[1:]}."))
 
     blocks.append(("h2", "Health checks"))
     blocks.append(("table", ["check", "value", "healthy", "verdict", "meaning"],
@@ -385,7 +391,8 @@ def write_report(diag: Diagnosis, out_dir: str) -> dict[str, str]:
 
 _KEY_METRICS = ("kl", "k3_kl", "chi2_token", "chi2_seq", "ppl_ratio", "log_ppl_abs_diff", "training_ppl",
                 "rollout_ppl", "routing_match", "routing_token_differs",
-                "prob_abs_diff_mean", "prob_abs_diff_max", "prob_pearson", "js_divergence", "log_prob_abs_diff_gt2")
+                "prob_abs_diff_mean", "prob_abs_diff_max", "prob_pearson", "js_divergence", "log_prob_abs_diff_gt2",
+                "ratio_band_tight_fraction", "ratio_band_1pct_fraction", "ratio_band_5pct_fraction")
 
 
 def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> None:
@@ -406,6 +413,8 @@ def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> Non
         if res.sentinels.get("tokens"):
             print(f"engine sentinels (log-prob ≤ {res.sentinels['floor']:g}): {describe(res.sentinels)}", file=file)
         print(f"recommended preset: {rec.preset} — {rec.reason}", file=file)
+        for note in rec.notes:
+            print(f"note: {note}", file=file)
         return
     console = Console(file=file)
     if not console.is_terminal:  # a log: wide enough for every table whole (a terminal: its own width)
@@ -445,6 +454,8 @@ def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> Non
                   _fmt(e["rejected_seq_fraction"]), _fmt(e["ess"]))
     console.print(w)
     console.print(f"[bold green]Recommended preset: {rec.preset}[/] — {rec.reason}")
+    for note in rec.notes:
+        console.print(f"[yellow]Response length[/]: {note}")
     if out_dir:
         console.print(f"Report: {os.path.join(out_dir, 'report.html')} · {os.path.join(out_dir, 'report.md')} · "
                       f"{os.path.join(out_dir, 'summary.json')}")

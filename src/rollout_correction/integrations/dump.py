@@ -90,7 +90,16 @@ class StepDump:
         if isinstance(old_log_probs, torch.Tensor) and old_log_probs.dim() == 2:
             old_log_probs, rollout_log_probs, response_mask = (list(t.unbind(0)) for t in
                                                               (old_log_probs, rollout_log_probs, response_mask))
-        for o, r, m in zip(old_log_probs, rollout_log_probs, response_mask):
+        rows = list(zip(old_log_probs, rollout_log_probs, response_mask))
+        if not len(old_log_probs) == len(rollout_log_probs) == len(response_mask) == len(rows):
+            raise ValueError(f"old_log_probs, rollout_log_probs and response_mask hold {len(old_log_probs)}, "
+                             f"{len(rollout_log_probs)} and {len(response_mask)} rows; they must hold the same rows")
+        for i, (o, r, m) in enumerate(rows):
+            if not o.numel() == r.numel() == m.numel():  # never truncated or padded to fit (Megatron-LM #7015)
+                raise ValueError(f"row {len(self._rows) + i} of this dump: the trainer's log-probs hold {o.numel()} "
+                                 f"tokens, the engine's {r.numel()} and the response mask {m.numel()}; align them "
+                                 "token by token before dumping")
+        for o, r, m in rows:
             self._rows.append((o.detach().reshape(-1).to("cpu"), r.detach().reshape(-1).to("cpu"),
                                m.detach().reshape(-1).to("cpu") != 0))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union, get_args
 
@@ -23,7 +24,7 @@ __all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISS
 
 IsLevel = Literal["token", "sequence", "geometric", "segment", "segment_geometric", "prefix_min"]
 IsMode = Literal["truncate", "clip", "mask"]
-LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr", "rollout_is"]
+LossType = Literal["ppo_clip", "reinforce", "gspo", "cispo", "dppo_tv", "dppo_kl", "topr", "rollout_is", "ratio_pg"]
 NonFinitePolicy = Literal["reject", "raise"]
 RsAggregation = Literal["token", "seq_sum", "seq_mean", "seq_max", "segment_sum", "segment_mean", "segment_max"]
 DivergenceEstimator = Literal["k1", "k2", "k3", "tv", "binary_kl"]
@@ -33,6 +34,8 @@ LossDenominator = Literal["kept", "valid"]
 WarnOrRaise = Literal["warn", "raise"]
 
 _IS_LEVELS, _IS_MODES = get_args(IsLevel), get_args(IsMode)
+#: The mean per-token log-ratio :meth:`RolloutCorrectionConfig.length_limits` assumes: common between engines.
+DRIFT = 0.005
 #: Losses defined on the ratio π_θ/π_rollout only (no π_old): they need ``bypass_mode=True``.
 _BYPASS_ONLY_LOSSES = ("reinforce", "topr", "rollout_is")
 
@@ -144,7 +147,8 @@ class RolloutCorrectionConfig(Presets, Loading):
         "only: pure IS); GSPO (PPO clip on exp(mean log r)); CISPO −sg(clip r)·A·log π_θ; DPPO-TV / DPPO-KL "
         "(truncated-ratio REINFORCE masked outside a probability-difference / binary-KL trust region); TOPR "
         "(bypass only: weight 1 for A ≥ 0, min(∏r, 1) for A < 0); rollout_is (bypass only: −sg(r·1[1−ε_lo < r < "
-        "1+ε_hi])·A·log π_θ, SkyRL's / GLM-5's). In decoupled mode the IS weights multiply the loss; in bypass "
+        "1+ε_hi])·A·log π_θ, SkyRL's / GLM-5's); ratio_pg −A·r with r unclipped and carrying the gradient "
+        "(prime-rl's policy term). In decoupled mode the IS weights multiply the loss; in bypass "
         "mode r = π_θ/π_rollout. See policy_losses.py.")
     rollout_opsm_delta: Optional[float] = _key(
         None, "number or null", "off-policy sequence masking (DeepSeek-V3.2): drop a sequence with advantage < 0 "
@@ -187,8 +191,12 @@ class RolloutCorrectionConfig(Presets, Loading):
     mismatch_metrics: bool = _key(
         False, "true, false", "also compute the mismatch metrics other engines log: |p_train − p_rollout| "
         "mean/max/std, the Pearson correlation of probabilities and of log-probs, a JS estimate, slime's "
-        "mean |Δ log p|, max |Δ log p| and the share of tokens with |Δ log p| > 1, > 2 (about 15 more "
-        "per-token passes; no sync).")
+        "mean |Δ log p|, max |Δ log p|, the share of tokens with |Δ log p| > 1, > 2, and the shares of tokens "
+        "whose ratio lies in [0.999, 1.002], ±1 %, ±5 % (about 20 more per-token passes; no sync).")
+    expected_response_length: Optional[int] = _key(
+        None, "positive integer or null", "typical response length in tokens: at construction, a UserWarning for "
+        "each sequence-level (∏ρ_t) bound or rejection threshold that a mean per-token log-ratio of ±0.005 "
+        "crosses at this length, naming the length from which it does (length_limits).")
 
     # Resolved settings, derived in __post_init__.
     is_spec: Optional[ISSpec] = field(init=False, repr=False, compare=False, default=None)
@@ -247,6 +255,15 @@ class RolloutCorrectionConfig(Presets, Loading):
         for name, value in (("rollout_is_threshold", is_threshold), ("rollout_rs_threshold", rs_threshold),
                             ("is_spec", is_spec), ("rs_options", rs_options)):
             object.__setattr__(self, name, value)
+        length = self.expected_response_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise invalid("expected_response_length", length, "expected a positive integer (tokens), or null")
+        for what, limit, verb in self.length_limits() if length is not None else ():
+            if limit <= length:
+                warnings.warn(f"{what} is crossed by a mean per-token log-ratio of ±{DRIFT} from {limit} tokens on: "
+                              f"at expected_response_length={length} it {verb} (TRL #7120: 0.005 × 300 tokens gives "
+                              "∏ρ = 4.48); use a length-normalised level (rollout_is='geometric', seq_mean_*) or a "
+                              "token level", UserWarning, stacklevel=3)
 
     def _resolve_is(self) -> tuple[Any, Optional[ISSpec]]:
         """(the threshold as held, the resolved spec)."""
@@ -354,6 +371,33 @@ class RolloutCorrectionConfig(Presets, Loading):
         option = RSOption(name, *RS_OPTIONS[name], -math.log(upper), -math.log(lower) if lower else math.inf,
                           legacy=mode)
         return (None if given is None else upper), (option,)
+
+    def length_limits(self, drift: Optional[float] = None) -> list[tuple[str, int, str]]:
+        """(setting, L, what it does) for each sequence-level product setting that a mean per-token
+        log-ratio of ±``drift`` (default :data:`DRIFT`) crosses from L tokens on: L·drift past a log
+        bound of ``rollout_is="sequence"``, or L × the per-token k1 / k2 / k3 past a ``seq_sum_*`` bound."""
+        d = DRIFT if drift is None else as_float("drift", drift)
+        if not 0 < d < math.inf:
+            raise ValueError(f"drift={drift!r}: expected a positive mean per-token log-ratio, e.g. 0.005")
+        settings = []  # (setting, [(bound on the sum, growth per token)], what crossing does)
+        spec = self.is_spec
+        if spec is not None and spec.level == "sequence":
+            bounds = [(math.log(spec.upper), d)] + ([(-math.log(spec.lower), d)] if spec.lower else [])
+            settings.append((f"rollout_is='sequence' ({spec.mode}, bounds {spec.lower or 0:g}, {spec.upper:g})", bounds,
+                             "rejects whole batches" if spec.mode == "mask" else
+                             "bounds every sequence weight of a batch alike, telling none apart"))
+        per_token = {"k1": d, "k2": d * d / 2, "k3": math.expm1(d) - d}  # k3: the larger of +d's and −d's
+        for o in self.rs_options:
+            if o.agg == "seq_sum" and o.estimator in per_token:
+                lower = [] if o.stat_lower is None else [(-o.stat_lower, d)]  # k1: −log hi
+                settings.append((f"rollout_rs option {o.name!r}", [(o.stat_upper, per_token[o.estimator])] + lower,
+                                 "rejects whole batches"))
+        out = []
+        for what, bounds, verb in settings:
+            lengths = [math.floor(b / v) + 1 for b, v in bounds if 0 < b < math.inf]
+            if lengths:
+                out.append((what, min(lengths), verb))
+        return out
 
     # ------------------------------------------------------------------ derived flags
     @property

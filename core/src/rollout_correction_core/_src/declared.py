@@ -55,6 +55,8 @@ VETO_HIGH = Family("veto_high.", "tok rows")
 OFFPOLICY = Family("op.", "sum_lr sum_k3 sum_rho2 train_log_ppl train_ppl roll_log_ppl roll_ppl d abs_d ppl_ratio "
                    "rho2_seq sum_rho rho_seq", "d_max neg_d_max")
 MISMATCH = Family("mm.", "q p qq pp qp lq lp lqlq lplp lqlp d dd js gt1 gt2 a_seq", "d_max a_max")
+#: Valid tokens whose ratio lies in each band of :data:`metrics.RATIO_BANDS` (with ``mismatch_metrics``).
+RATIO_BANDS = Family("band.", "tight pct1 pct5")
 EXPECT_ZERO = Family("ez.", maxes="max_abs")
 ALIGN = Family("align.", "n d0 late early")
 OPSM = Family("opsm.", "n_tok n_rows masked seq_masked div_rows div_sum")

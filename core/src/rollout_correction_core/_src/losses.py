@@ -37,7 +37,7 @@ from .opsm import compute_opsm
 from .packing import packable
 from .parallel import Parallel, as_parallel, verified
 from .segments import Segments
-from .policy_losses import cispo_loss, dppo_loss, gspo_loss, rollout_is_loss, topr_loss
+from .policy_losses import cispo_loss, dppo_loss, gspo_loss, ratio_pg_loss, rollout_is_loss, topr_loss
 from .logratio import nonfinite_positions
 from .sequence_group import RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank, stats_owner
 from .declared import ACTOR
@@ -209,6 +209,8 @@ def _per_token_loss(loss_type: str, lp: torch.Tensor, prox: torch.Tensor, adv: t
     clip_ratio_low, clip_ratio_high, clip_ratio_c = clip.low, clip.high, clip.dual
     if loss_type == "reinforce":  # bypass mode only (the config refuses it in decoupled mode)
         return -adv * lp, None, None
+    if loss_type == "ratio_pg":
+        return ratio_pg_loss(lp, prox, adv), None, None
     if loss_type == "topr":
         return (*topr_loss(lp, prox, adv, valid, **seq_values), None)
     if loss_type == "gspo":

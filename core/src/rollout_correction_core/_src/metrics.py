@@ -32,6 +32,8 @@ p_t = π_rollout(y_t), the log-probs bounded to [−1e4, 0] first: a value above
 * ``log_prob_abs_diff_seq_mean`` = mean_seq(mean_t |Δ_t|) (slime's ``train_rollout_logprob_abs_diff``)
 * ``log_prob_abs_diff_max`` = max_tok |Δ_t|;  ``log_prob_abs_diff_gt1`` / ``_gt2`` = share of tokens with
   |Δ_t| > 1 / > 2
+* ``ratio_band_tight_fraction`` / ``_1pct_`` / ``_5pct_`` = share of tokens with ρ_t in [0.999, 1.002] /
+  [0.99, 1.01] / [0.95, 1.05] (MaxText's bands), tested on the float32 log ρ_t against the bounds' logs
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
-from .declared import COUNTS, MISMATCH, OFFPOLICY, Stat
+from .declared import COUNTS, MISMATCH, OFFPOLICY, RATIO_BANDS, Stat
 from .logratio import LogRatioBatch, RowSums, log_ratio_batch, nonfinite_positions, row_means64
 from .packing import packable
 from .parallel import Parallel, as_parallel, verified
@@ -123,6 +125,25 @@ def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     stats.add(MISMATCH.a_seq, a_row, rows=batch.row_valid)
     for stat, x in ((MISMATCH.d_max, d), (MISMATCH.a_max, a)):  # ≥ 0 and 0 where unused (no column: 0)
         stats.add(stat, batch.reduce_max(x.amax(-1) if x.shape[-1] else x.sum(-1)), rows=batch.row_valid)
+    _add_ratio_band_statistics(stats, batch)
+
+
+#: The ratio bands (lower, upper) of the ``ratio_band_*_fraction`` metrics, in RATIO_BANDS's order.
+RATIO_BANDS_BOUNDS = ((0.999, 1.002), (0.99, 1.01), (0.95, 1.05))
+
+
+def _add_ratio_band_statistics(stats: SufficientStats, batch: LogRatioBatch) -> None:
+    """Per-row counts of the valid tokens with log(lo) ≤ log ρ_t ≤ log(hi), for each band."""
+    for stat, (lo, hi) in zip(RATIO_BANDS, RATIO_BANDS_BOUNDS):
+        outside = batch.above(batch.log_ratio, math.log(hi)).add_(batch.below(batch.log_ratio, math.log(lo)))
+        stats.add(stat, batch.reduce_sum((batch.mask - outside).sum(-1).double()))
+
+
+def ratio_band_metrics(stats) -> dict[str, Value]:
+    """``ratio_band_{tight,1pct,5pct}_fraction``: the share of valid tokens in each band; 0 when empty."""
+    n_tok = stats.sum(COUNTS.n_tok)
+    return {f"ratio_band_{name}_fraction": safe_div(stats.sum(stat), n_tok)
+            for name, stat in zip(("tight", "1pct", "5pct"), RATIO_BANDS)}
 
 
 #: Other engines' names for the same quantities: engine -> {their name: our unprefixed name}. verl:
@@ -212,6 +233,7 @@ def offpolicy_metrics(stats) -> dict[str, Value]:
         "chi2_token_sn": _chi2_sn(stats.sum(OFFPOLICY.sum_rho), stats.sum(OFFPOLICY.sum_rho2), n_tok),
         "chi2_seq_sn": _chi2_sn(stats.sum(OFFPOLICY.rho_seq), stats.sum(OFFPOLICY.rho2_seq), n_rows),
         **(mismatch_metrics(stats) if stats.has(MISMATCH.q) else {}),
+        **(ratio_band_metrics(stats) if stats.has(RATIO_BANDS.tight) else {}),
     }
 
 

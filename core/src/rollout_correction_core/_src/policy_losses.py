@@ -26,6 +26,8 @@ decoupled mode, π_rollout in bypass mode), clamped to ±20 before ``exp``; A_t 
 * rollout-IS (GLM-5 tech report §4.1.2; SkyRL's ``policy_loss_type="rollout_is"``), in bypass mode
   (π_prox = π_rollout): REINFORCE with the ratio zeroed outside the open band (1 − ε_lo, 1 + ε_hi),
       ℓ_t = −sg(r_t · 1[1 − ε_lo < r_t < 1 + ε_hi]) · A_t · log π_θ(y_t)
+* ratio-PG (prime-rl's policy term, ``ipo_loss_fn``): the ratio itself, unclipped, with gradient,
+      ℓ_t = −A_t · r_t      (∇ℓ_t = −A_t · r_t · ∇log π_θ(y_t))
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from .constants import SAFETY_BOUND
 
 __all__ = ["sequence_advantage", "gspo_loss", "cispo_loss", "dppo_loss", "topr_loss", "topr_weights",
-           "rollout_is_loss"]
+           "rollout_is_loss", "ratio_pg_loss"]
 
 
 def _log_ratio(log_prob: torch.Tensor, prox_log_prob: torch.Tensor) -> torch.Tensor:
@@ -131,3 +133,8 @@ def rollout_is_loss(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, adva
     r = _log_ratio(log_prob, rollout_log_prob).exp().detach()
     inside = (r > 1.0 - clip_ratio_low) & (r < 1.0 + clip_ratio_high)
     return -(torch.where(inside, r, 0.0) * advantages) * log_prob, ~inside
+
+
+def ratio_pg_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """ratio-PG per-token loss −A_t·r_t (module docstring), r_t carrying the gradient."""
+    return -advantages * _log_ratio(log_prob, prox_log_prob).exp()

@@ -224,6 +224,20 @@ class Presets:
         """Geometric RS with SkyRL's band: reject sequences whose exp(mean log ρ_t) leaves [0.99, 1.01]."""
         return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
 
+    # prime-rl's losses: IPO, its only default (#3418; δ = 0.3, no KL term, #3586), and IcePop (#3526).
+    # Both are −A·r with r = π_θ/π_rollout on the tokens a gate keeps; prime-rl divides by every valid token.
+    @preset
+    def prime_rl_ipo(cls, threshold: float = 0.3) -> RolloutCorrectionConfig:
+        """prime-rl's IPO: −A·r on the tokens with |π_θ(y_t) − π_rollout(y_t)| ≤ δ (token_dp, unclamped)."""
+        return cls(rollout_rs="token_dp", rollout_rs_threshold=threshold, bypass_mode=True, loss_type="ratio_pg",
+                   loss_denominator="valid")
+
+    @preset
+    def prime_rl_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.2) -> RolloutCorrectionConfig:
+        """prime-rl's IcePop: −A·r on the tokens with lo ≤ r ≤ hi, tested on log r (token_k1)."""
+        return cls(rollout_rs="token_k1", rollout_rs_threshold=f"{threshold_lower}_{threshold}", bypass_mode=True,
+                   loss_type="ratio_pg", loss_denominator="valid")
+
     @preset
     def disabled(cls) -> RolloutCorrectionConfig:
         """Metrics only: no weights, no rejection."""

@@ -202,8 +202,9 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     """``rollout_is_*`` metrics from reduced statistics (values before batch normalisation).
 
     mean / std / ESS are token-weighted over valid tokens (every level): std = sqrt(E[w²] − E[w]²),
-    ESS = 1 / E[(w / (E[w] + 1e-8))²] = (E[w] + 1e-8)² / E[w²] (0 when every weight is 0). max / min:
-    over valid tokens, or (sequence / geometric) exp of the extreme log weight clamped to ±20.
+    ESS = min(1, 1 / E[(w / (E[w] + 1e-8))²]) = min(1, (E[w] + 1e-8)² / E[w²]) (0 when every weight
+    is 0). max / min: over valid tokens, or (sequence / geometric) exp of the extreme log weight
+    clamped to ±20.
     fraction_high / fraction_low: share of raw (safety-bounded, unbounded) weights above U / below L
     (tokens or sequences). seq_*: statistics of the per-row mean weight over sequences with ≥ 1 valid
     token; seq_fraction_* use the raw per-row mean. Sequence / geometric levels also report the row
@@ -217,7 +218,7 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     mean = safe_div(stats.sum(IS.sum_w), n_tok)
     ew2 = safe_div(stats.sum(IS.sum_w2), n_tok)
     std = where(n_tok > 1, sqrt0(ew2 - mean * mean), 0.0)
-    ess = safe_div((mean + 1e-8) ** 2, ew2)
+    ess = clamp(safe_div((mean + 1e-8) ** 2, ew2), hi=1.0)  # ≤ 1 (the 1e-8 and rounding would pass it)
     m: dict[str, Value] = {"rollout_is_mean": mean, "rollout_is_std": std, "rollout_is_eff_sample_size": ess}
     if spec.level in TOKEN_WEIGHT_LEVELS:
         m["rollout_is_max"] = where(n_tok > 0, stats.max(IS.max), 0.0)
@@ -239,7 +240,7 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     m["rollout_is_seq_fraction_low"] = safe_div(stats.sum(IS.seq_low), n_rows)
     if spec.level not in TOKEN_WEIGHT_LEVELS:
         raw_sum, raw_sum2 = stats.sum(IS.raw_sum), stats.sum(IS.raw_sum2)
-        m["rollout_is_seq_raw_ess"] = safe_div(raw_sum * raw_sum, n_rows * raw_sum2)
+        m["rollout_is_seq_raw_ess"] = clamp(safe_div(raw_sum * raw_sum, n_rows * raw_sum2), hi=1.0)
         m["rollout_is_seq_log_mean"] = safe_div(stats.sum(IS.log_sum), n_rows)
         m["rollout_is_seq_collapsed_fraction"] = safe_div(stats.sum(IS.collapsed), n_rows)
     if spec.mode == "mask":
