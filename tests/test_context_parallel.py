@@ -346,7 +346,7 @@ def run_grid(cp: int, dp: int, names: list[str], losses: list[str], tmp_path, th
     for rank in range(world):
         errors = per_rank[rank]["errors"]
         assert "check_alignment" in errors["alignment"], errors
-        assert "loss_scale_factor" in errors["sum_norm"], errors
+        assert "aggregation.scale_factor" in errors["sum_norm"], errors
         assert "not available in compute_policy_loss with sequence_group" in errors["opsm"], errors
         if rank // cp == 0:
             assert "non-finite" in errors["raise"] and "row 6" in errors["raise"], errors

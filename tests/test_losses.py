@@ -46,9 +46,9 @@ def test_ppo_clip_asymmetric_range_and_dual_constant():
 
 def test_ppo_clip_rejects_invalid_constants():
     x = torch.zeros(1, 1)
-    with pytest.raises(ValueError, match="clip_ratio_c"):
+    with pytest.raises(ValueError, match=r"ppo_clip_loss: clip\.dual=1\.0 is invalid: the dual-clip constant c must be > 1"):
         ppo_clip_loss(x, x, x, clip=ClipRange(dual=1.0))
-    with pytest.raises(ValueError, match="clip ratios"):
+    with pytest.raises(ValueError, match=r"ppo_clip_loss: clip\.low=-0\.1, clip\.high=0\.2 are invalid: clip ratios"):
         ppo_clip_loss(x, x, x, clip=ClipRange(low=-0.1))
 
 
@@ -81,7 +81,7 @@ def test_agg_loss_modes_and_denominators(mode, kwargs, expected):
 
 
 def test_agg_loss_rejects_unknown_mode():
-    with pytest.raises(ValueError, match="loss_agg_mode='mean'.*token-mean"):
+    with pytest.raises(ValueError, match="agg_loss: aggregation.mode='mean' is invalid.*token-mean"):
         agg_loss(torch.zeros(1, 1), torch.ones(1, 1), aggregation=Aggregation("mean"))
 
 

@@ -85,10 +85,11 @@ def test_policy_states_the_deprecation_rule():
     assert "docs/api.md" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
-@pytest.mark.parametrize("module", SEAMS + EXTENSIONS)
+@pytest.mark.parametrize("module", SEAMS[1:] + EXTENSIONS)
 def test_reference_page_lists_every_public_name(module):
-    """docs/api.md has a section per public module of the core and per extension of the toolkit
-    whose table names every name of its ``__all__``, and no name that is not there."""
+    """docs/api.md has a section per provisional module of the core (its seams) and per extension of
+    the toolkit whose table names every name of its ``__all__``, and no name that is not there. (The
+    root's names are the promised ones, each with its signature: tests/test_promises.py.)"""
     page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     section = page.split(f"### `{module}`\n", 1)[1].split("\n### ", 1)[0]
     listed = re.findall(r"^\| `([\w.]+)` \|", section, flags=re.M)

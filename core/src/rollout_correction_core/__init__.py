@@ -1,6 +1,8 @@
 """rollout-correction: keep LLM reinforcement learning correct when the tokens were sampled by a
-different engine than the one computing gradients. The public surface is the names below."""
+different engine than the one computing gradients. The public surface is the names below: the
+promise of docs/api.md (semantic versioning, a deprecation release before a name goes)."""
 
+from ._src.alignment import MisalignmentWarning
 from ._src.config import ConfigError, MissingSettingError, RolloutCorrectionConfig, as_config
 from ._src.config_io import settings_dict
 from ._src.constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
@@ -14,6 +16,7 @@ from ._src.metrics import (ENGINE_METRIC_NAMES, OffPolicyAccumulator, compute_of
 from ._src.parallel import Parallel
 from ._src.rejection import rejection_mask
 from ._src.segments import Segments, max_runs, segment_ids_from_mask
+from ._src.stats import LayoutMismatchError
 from ._src.validation import ShapeMismatchError
 from ._src.weights import is_weights
 
@@ -27,6 +30,8 @@ __all__ = [
     "ShapeMismatchError",
     "MismatchError",
     "MismatchWarning",
+    "LayoutMismatchError",
+    "MisalignmentWarning",
     "as_config",
     "settings_dict",
     "Parallel",

@@ -3,7 +3,7 @@
 ``compute_rollout_correction`` and ``compute_policy_loss`` (package root) are the entry points
 most code needs. The names here are the pieces they are built from, public so that an adapter
 (an engine's drop-in, a custom hook, a diagnostics reader) can compose them without reaching into
-the package's private modules; the versioning policy (docs/api.md) covers them.
+the package's private modules; provisional (docs/api.md), a minor release may change them.
 
 * **Log ratios** — :func:`log_ratio_batch` makes the one pass every estimator shares and returns a
   :class:`LogRatioBatch` (per-token log ρ, the valid mask, per-row sums :class:`RowSums`).

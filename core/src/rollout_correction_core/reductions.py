@@ -15,7 +15,7 @@ library does (a routing-agreement rate, a per-step metric).
 * Checks at the door — :func:`check_pair`, :func:`check_same`, :func:`check_segment_ids`,
   :func:`first_nonfinite`; a bad shape raises :class:`ShapeMismatchError`.
 
-Covered by the versioning policy (docs/api.md).
+Provisional (docs/api.md): a minor release may change these names without a deprecation release.
 """
 
 from ._src.declared import Family, Stat

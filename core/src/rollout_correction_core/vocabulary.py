@@ -11,7 +11,7 @@ onto :class:`~rollout_correction_core.RolloutCorrectionConfig`.
 * Presets — :data:`PRESETS` (name → :class:`Preset`), :func:`preset`; ``Presets`` and ``Loading``
   are the mixins ``RolloutCorrectionConfig`` is built from.
 
-Covered by the versioning policy (docs/api.md).
+Provisional (docs/api.md): a minor release may change these names without a deprecation release.
 """
 
 from ._src.config_io import Loading

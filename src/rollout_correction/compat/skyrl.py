@@ -56,7 +56,7 @@ import torch
 
 from .. import RolloutCorrectionConfig, compute_policy_loss, compute_rollout_correction
 from .. import config_value as _get
-from ..vocabulary import ConfigError, as_float
+from rollout_correction_core.vocabulary import ConfigError, as_float
 from rollout_correction_core import Aggregation, ClipRange, PolicyLoss
 
 __all__ = ["off_policy_correction_enabled", "compute_tis_ratio", "compute_outlier_token_mask", "compute_token_mask",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 __all__ = ["SAFETY_BOUND", "METRIC_PREFIX", "LOG_PROB_FLOOR"]
 
 #: Log-space clamp applied before every ``exp``: weights, metrics and losses live in
@@ -14,3 +16,10 @@ METRIC_PREFIX = "rollout_corr/"
 #: A log-prob at or below this is an engine's sentinel (vLLM's −9999), not a log-prob: handled as
 #: non-finite (``log_prob_floor``).
 LOG_PROB_FLOOR = -1000.0
+
+
+def warn_deprecated(old: str, new: str, stacklevel: int = 3) -> None:
+    """A ``DeprecationWarning`` that ``old`` goes in 0.4 and ``new`` replaces it, pointing at the code
+    that used ``old`` (``stacklevel`` 3: the caller of the function that calls this one)."""
+    warnings.warn(f"{old} is deprecated since 0.3 and will be removed in 0.4; use {new}", DeprecationWarning,
+                  stacklevel=stacklevel)

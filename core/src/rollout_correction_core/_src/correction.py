@@ -382,8 +382,10 @@ def compute_rollout_correction(
             are those of the whole batch, one process's result; with a ``cp_group`` the (B, T_local)
             outputs cover this rank's tokens, and ``check_alignment`` raises.
         compile: run the per-token pass through ``torch.compile`` (compiled once per config and kept
-            for the :data:`COMPILE_CACHE_SIZE` most recent configs; same results as eager; not with
-            ``cp_group``, which runs eagerly).
+            for the :data:`COMPILE_CACHE_SIZE` most recent configs; not with ``cp_group``, which runs
+            eagerly). Equal to eager up to the order of float32 sums: masks equal, weights within
+            rtol 1e-6 / atol 1e-7, metrics within 1e-6 + 1e-5·|value| (docs/api.md, "compile=True
+            against eager"; a statistic within rounding of its threshold may decide differently).
         segments: :class:`Segments` of multi-turn rows, for ``rollout_is="segment"`` and the
             ``segment_*`` rejection options (None: every row is one segment). Per-segment values
             are (B, ``segments.count``) tensors, so no shape depends on the data. With

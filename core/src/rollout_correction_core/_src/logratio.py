@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
-from .constants import LOG_PROB_FLOOR, SAFETY_BOUND
+from .constants import LOG_PROB_FLOOR, SAFETY_BOUND, warn_deprecated
 from .packing import packable
 from .segments import Segments, segment_sums
 from .stats import SufficientStats
@@ -161,6 +161,19 @@ class LogRatioBatch:
         """(2, B) float64 mean_t log ρ_t and mean_t log π_train per row (0 for empty rows, bounded at
         ±1e30 per token), or a ValueError that says how to build a batch that has them."""
         return row_means64(self.sums)
+
+    # 0.2's fields, deprecated since 0.3 and removed in 0.4
+    @property
+    def row_sum64(self) -> torch.Tensor:
+        """Deprecated (removed in 0.4): (B,) float64 Σ_t log ρ_t, ``row_sum`` in float64."""
+        warn_deprecated("LogRatioBatch.row_sum64", "LogRatioBatch.row_sum (float32; .double() for float64)")
+        return self.sums.log_ratio.double()
+
+    @property
+    def row_means64(self) -> Optional[torch.Tensor]:
+        """Deprecated (removed in 0.4): :meth:`train_means64`, None for a batch built from a log-ratio alone."""
+        warn_deprecated("LogRatioBatch.row_means64", "LogRatioBatch.train_means64()")
+        return None if self.sums.train is None else row_means64(self.sums)
 
     def log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) float32 log π_train and log π_rollout at the tokens used, 0 elsewhere (whatever the

@@ -94,6 +94,35 @@ def _count(value: Count, local: torch.Tensor) -> torch.Tensor:
     return den.clamp_min(1.0)
 
 
+def _check_clip(func: str, arg: str, clip: ClipRange, loss_type: str = "ppo_clip") -> None:
+    """Raise, naming ``func``'s argument ``arg``, unless ``clip`` is a :class:`ClipRange` ``loss_type`` takes."""
+    if not isinstance(clip, ClipRange):
+        raise TypeError(f"{func}: {arg}={clip!r} is not a ClipRange; pass ClipRange(low, high, dual)")
+    if not (clip.low >= 0 and clip.high >= 0):
+        raise ValueError(f"{func}: {arg}.low={clip.low}, {arg}.high={clip.high} are invalid: clip ratios must be ≥ 0")
+    if loss_type == "ppo_clip" and not clip.dual > 1.0:
+        raise ValueError(f"{func}: {arg}.dual={clip.dual} is invalid: the dual-clip constant c must be > 1")
+
+
+def _check_aggregation(func: str, arg: str, agg: Aggregation, split: bool) -> None:
+    """Raise, naming ``func``'s argument ``arg``, unless ``agg`` is an :class:`Aggregation` that applies
+    (``split``: the rows are split across a context-parallel group)."""
+    if not isinstance(agg, Aggregation):
+        raise TypeError(f"{func}: {arg}={agg!r} is not an Aggregation; pass Aggregation(mode, ...)")
+    if agg.mode not in LOSS_AGG_MODES:
+        raise ValueError(f"{func}: {arg}.mode={agg.mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
+    if agg.dp_size > 1:
+        needed = {"token-mean": "global_num_tokens", "token-sum": None}.get(agg.mode, "global_num_seqs")
+        if needed is not None and getattr(agg, needed) is None:
+            raise ValueError(f"{func}: {arg}.mode={agg.mode!r} with {arg}.dp_size={agg.dp_size} needs "
+                             f"{arg}.{needed}: scaling a local mean by dp_size would give every rank the wrong "
+                             "gradient scale")
+    if split and agg.mode == "seq-mean-token-sum-norm" and agg.scale_factor is None:
+        raise ValueError(f"{func}: {arg}.mode='seq-mean-token-sum-norm' with a cp_group needs {arg}.scale_factor "
+                         "(e.g. the maximum response length): this rank holds only a slice of each sequence, so its "
+                         "width is not the sequence length")
+
+
 @verified
 @packable("loss_mat", "loss_mask", "count_mask")
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, aggregation: Aggregation = Aggregation(), *,
@@ -127,9 +156,8 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, aggregation: Aggre
     ``segments``: :class:`Segments` with ``cu_seqlens`` for a packed (1, N) / (N,) ``loss_mat``: the
     sequences are those of ``cu_seqlens`` (and T, the default S, the longest of them or ``max_seqlen``).
     """
-    if aggregation.mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={aggregation.mode!r} is invalid; allowed: {list(LOSS_AGG_MODES)}")
     sequence_group = as_parallel(parallel).cp_group
+    _check_aggregation("agg_loss", "aggregation", aggregation, split=sequence_group is not None)
     check_same([("loss_mat", loss_mat), ("loss_mask", loss_mask), ("count_mask", count_mask)],
                float_names=("loss_mat",))
     valid = loss_mask.bool()
@@ -142,26 +170,16 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, aggregation: Aggre
         rows = RowExchange(sequence_group, describe("agg_loss", loss_agg_mode=aggregation.mode))
         for _ in rows.passes():
             n_row = rows.sum(counted.sum(-1, dtype=torch.float64))
-    return _aggregate(loss_mat, valid, n_row, aggregation, split=sequence_group is not None, counted=counted)
+    return _aggregate(loss_mat, valid, n_row, aggregation, counted=counted)
 
 
 def _aggregate(loss_mat: torch.Tensor, valid: torch.Tensor, n_row: Optional[torch.Tensor], agg: Aggregation,
-               split: bool, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+               counted: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`agg_loss` with the per-row counted-token counts ``n_row`` (B,) of the whole sequences
     (None for token-mean / token-sum on whole sequences: the total of ``counted``, default ``valid``,
-    is counted here)."""
+    is counted here); ``agg`` checked by :func:`_check_aggregation`."""
     loss_agg_mode, global_num_tokens, global_num_seqs = agg.mode, agg.global_num_tokens, agg.global_num_seqs
     dp_size, loss_scale_factor = agg.dp_size, agg.scale_factor
-    if dp_size > 1:
-        needed = {"token-mean": ("global_num_tokens", global_num_tokens)}.get(
-            loss_agg_mode, ("global_num_seqs", global_num_seqs) if loss_agg_mode != "token-sum" else None)
-        if needed is not None and needed[1] is None:
-            raise ValueError(f"loss_agg_mode={loss_agg_mode!r} with dp_size={dp_size} needs {needed[0]}: "
-                             "scaling a local mean by dp_size would give every rank the wrong gradient scale")
-    if split and loss_agg_mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
-        raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' with sequence_group needs loss_scale_factor "
-                         "(e.g. the maximum response length): this rank holds only a slice of each sequence, "
-                         "so its width is not the sequence length")
     lm = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
     if loss_agg_mode == "token-sum":
         return lm.sum() * dp_size if dp_size != 1 else lm.sum()
@@ -185,11 +203,8 @@ def ppo_clip_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advantage
     """Per-token PPO-clip loss with dual clip (module docstring; ε_lo, ε_hi, c from ``clip``): (loss
     (B, T), clipped (B, T) bool, the clipped branch is active, clipped_lower (B, T) bool, the dual
     clip is active)."""
+    _check_clip("ppo_clip_loss", "clip", clip)
     clip_ratio_low, clip_ratio_high, clip_ratio_c = clip.low, clip.high, clip.dual
-    if not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c={clip_ratio_c} is invalid: the dual-clip constant must be > 1")
-    if clip_ratio_low < 0 or clip_ratio_high < 0:
-        raise ValueError(f"clip ratios must be ≥ 0, got low={clip_ratio_low}, high={clip_ratio_high}")
     ratio = (log_prob - prox_log_prob).clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
     neg_adv = -advantages
     l1 = neg_adv * ratio
@@ -246,7 +261,8 @@ def policy_loss_term(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, advant
                 ("mask", mask), ("weights", weights)],
                float_names=("log_prob", "prox_log_prob", "advantages", "weights"))
     if loss_type not in get_args(LossType):
-        raise ValueError(f"loss_type={loss_type!r} is invalid; allowed: {list(get_args(LossType))}")
+        raise ValueError(f"policy_loss_term: loss_type={loss_type!r} is invalid; allowed: {list(get_args(LossType))}")
+    _check_clip("policy_loss_term", "clip", clip, loss_type)
     valid = mask.bool()
     zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
     lp, prox, adv = (torch.where(valid, x, zero) for x in (log_prob, prox_log_prob.detach(), advantages.detach()))
@@ -366,6 +382,11 @@ def compute_policy_loss(
     parallel = as_parallel(parallel)
     process_group, sequence_group = parallel.dp_group, parallel.cp_group
     bypass = config.bypass_mode
+    if not isinstance(loss, PolicyLoss):
+        raise TypeError(f"compute_policy_loss: loss={loss!r} is not a PolicyLoss; pass PolicyLoss(clip, aggregation)")
+    _check_clip("compute_policy_loss", "loss.clip", loss.clip,
+                config.loss_type if bypass or config.loss_type != "reinforce" else "ppo_clip")
+    _check_aggregation("compute_policy_loss", "loss.aggregation", loss.aggregation, split=sequence_group is not None)
     if bypass:
         rollout = rollout_log_prob if rollout_log_prob is not None else old_log_prob
         if rollout is None:
@@ -536,5 +557,5 @@ def _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollou
     sums = torch.stack(per_row + [kept, input_rows, bad_rows]).sum(-1)  # a bad row has a valid input token
     actor = SufficientStats.from_vector(declared + [ACTOR.n, ACTOR.input_rows, ACTOR.bad_rows], sums)
     metrics.add_derived(actor, _actor_metrics, prefix="")
-    loss = _aggregate(pg, mask, counted, s.aggregation, split=rows.group is not None)
+    loss = _aggregate(pg, mask, counted, s.aggregation)
     return loss, metrics

@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, MutableMapping
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Union, get_args
 
 import torch
 
+from .config import NonFinitePolicy
 from .constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
 from .declared import COUNTS, MISMATCH, OFFPOLICY, RATIO_BANDS, Stat
 from .logratio import LogRatioBatch, RowSums, log_ratio_batch, nonfinite_positions, row_means64
@@ -414,6 +415,9 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
     Returns:
         dict of 0-d float64 tensors (formulas in the module docstring).
     """
+    if on_nonfinite not in get_args(NonFinitePolicy):
+        raise ValueError(f"compute_offpolicy_metrics: on_nonfinite={on_nonfinite!r} is invalid; allowed: "
+                         f"{list(get_args(NonFinitePolicy))}")
     parallel = as_parallel(parallel)
     process_group, sequence_group = parallel.dp_group, parallel.cp_group
     if on_nonfinite == "raise" and (process_group is not None or sequence_group is not None):
@@ -444,6 +448,9 @@ class Accumulator:
 
     def __init__(self, on_nonfinite: str = "reject", log_prob_floor: Optional[float] = LOG_PROB_FLOOR,
                  log_prob_ceiling: Optional[float] = 0.0) -> None:
+        if on_nonfinite not in get_args(NonFinitePolicy):
+            raise ValueError(f"{type(self).__name__}: on_nonfinite={on_nonfinite!r} is invalid; allowed: "
+                             f"{list(get_args(NonFinitePolicy))}")
         self.stats = SufficientStats()
         self.on_nonfinite, self.log_prob_floor, self.log_prob_ceiling = on_nonfinite, log_prob_floor, log_prob_ceiling
 

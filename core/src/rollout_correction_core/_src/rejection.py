@@ -35,12 +35,13 @@ from typing import Optional, Union
 
 import torch
 
-from .config import RolloutCorrectionConfig, RSOption
+from .config import RS_OPTIONS, RolloutCorrectionConfig, RSOption
 from .declared import COUNTS, RS, VETO, VETO_HIGH, rs_option
 from .logratio import LogRatioBatch, segmented_batch
 from .packing import packable
 from .segments import Segments
 from .stats import SufficientStats, Value, safe_div, seq_summary, sqrt0, where
+from .validation import arguments_of
 
 __all__ = ["token_divergence", "PROB_CLAMP", "RejectionResult", "option_keep", "rejection_keep", "rejection_mask", "rs_option_metrics",
            "rs_metrics", "veto_metrics"]
@@ -217,7 +218,11 @@ def rejection_mask(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, r
     ``"seq_mean_k3"``, or several joined by commas) keeps at ``threshold`` (its upper bound, or a
     ``"lo_hi"`` band; module docstring) for π_train (``old_log_prob``) vs π_rollout. ``segments``: the
     turns, for the ``segment_*`` options; with ``cu_seqlens``, packed (1, N) / (N,) inputs and mask."""
-    options = RolloutCorrectionConfig(rollout_rs=criterion, rollout_rs_threshold=threshold).rs_options
+    if not isinstance(criterion, str):
+        raise TypeError(f"rejection_mask: criterion={criterion!r} is invalid; allowed: a criterion such as "
+                        f"'seq_mean_k3', or several joined by commas, of {sorted(RS_OPTIONS)}")
+    with arguments_of("rejection_mask", {"rollout_rs": "criterion", "rollout_rs_threshold": "threshold"}):
+        options = RolloutCorrectionConfig(rollout_rs=criterion, rollout_rs_threshold=threshold).rs_options
     batch = segmented_batch(old_log_prob, rollout_log_prob, response_mask, segments)
     return rejection_keep(batch, options, None).keep_mask(batch)
 

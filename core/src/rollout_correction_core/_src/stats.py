@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import functools
 import math
+from types import SimpleNamespace
 from typing import Optional, Sequence, Union
 
 import torch
 
 from .agreement import (LayoutMismatchError, Record, Verdict, agree, check_pending, defer, fingerprint, forget,
                         mismatch_message, record, recorded, verify_setting)
-from .declared import Stat, position
+from .constants import warn_deprecated
+from .declared import Family, Stat, position
 
 __all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
 
@@ -117,17 +119,39 @@ def reads_are_free(device: torch.device) -> bool:
     return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+def _slot_name(reading: object, stat: Stat, method: str) -> str:
+    """The slot name of ``stat``; a plain name (0.2's form, deprecated) is its own slot name."""
+    if isinstance(stat, str):
+        method = f"{type(reading).__name__}.{method}"
+        warn_deprecated(f"{method}(name)", f"{method}(stat) with a declared Stat", stacklevel=4)
+        return stat
+    return stat.name
+
+
+def _declared(name: str, reduce: str) -> Stat:
+    """0.2's ``add_<reduce>(name, ...)`` (deprecated): the :class:`Stat` ``name``, declared at its first
+    use when the library does not declare it (its slot then follows the slots declared before)."""
+    warn_deprecated(f"SufficientStats.add_{reduce}(name, ...)", "SufficientStats.add(stat, ...) with a Stat "
+                    "declared by reductions.Family", stacklevel=4)
+    try:
+        position(name)
+    except ValueError:
+        kind = {"sum": "sums", "max": "maxes", "min": "mins"}[reduce]
+        Family("", **{kind: name})
+    return Stat(name, reduce)
+
+
 class _Reading:
     """The value of a declared :class:`Stat` over the ``sums`` and ``maxes`` mappings."""
 
     def sum(self, stat: Stat) -> Value:
-        return self.sums[stat.name]
+        return self.sums[_slot_name(self, stat, "sum")]
 
     def max(self, stat: Stat) -> Value:
-        return self.maxes[stat.name]
+        return self.maxes[_slot_name(self, stat, "max")]
 
     def min(self, stat: Stat) -> Value:
-        return -self.maxes["-" + stat.name]
+        return -self.maxes["-" + _slot_name(self, stat, "min")]
 
     def has(self, stat: Stat) -> bool:
         """Whether ``stat`` was recorded."""
@@ -207,6 +231,20 @@ class SufficientStats(_Reading):
             raise ValueError(f"{stat.name}: only a sum takes a weight")
         name = "-" + stat.name if stat.reduce == "min" else stat.name
         self._parts.append(_Part(stat.reduce, name, value, rows, weight))
+
+    # 0.2's recording by name, deprecated since 0.3 and removed in 0.4: add() with a declared Stat.
+    def add_sum(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None,
+                weight: Optional[torch.Tensor] = None) -> None:
+        """Deprecated (removed in 0.4): :meth:`add` with a declared sum :class:`Stat`."""
+        self.add(_declared(name, "sum"), value, rows, weight)
+
+    def add_max(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
+        """Deprecated (removed in 0.4): :meth:`add` with a declared max :class:`Stat`."""
+        self.add(_declared(name, "max"), value, rows)
+
+    def add_min(self, name: str, value: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
+        """Deprecated (removed in 0.4): :meth:`add` with a declared min :class:`Stat`."""
+        self.add(_declared(name, "min"), value, rows)
 
     def _set(self, sum_names: list[str], max_names: list[str], vec: Optional[torch.Tensor]) -> None:
         self._sum_names, self._max_names, self._vec = sum_names, max_names, vec
@@ -389,7 +427,12 @@ def maximum(a: Value, b: Value) -> Value:
 def seq_summary(stats, family, n_rows: Value, center: float) -> dict[str, Value]:
     """mean, unbiased std, max, min and max |x − center| of the per-row values recorded as the
     ``family``'s ``seq_sum``, ``seq_sum2``, ``seq_max`` and ``seq_min``; all 0 when ``n_rows`` is 0,
-    std 0 when it is 1."""
+    std 0 when it is 1. (0.2's ``key``, a name, deprecated: the statistics ``<key>_sum``, ``_sum2``, …)"""
+    if isinstance(family, str):
+        warn_deprecated("seq_summary(stats, key, ...)", "seq_summary(stats, family, ...) with a Family that "
+                        "declares seq_sum, seq_sum2, seq_max and seq_min")
+        family = SimpleNamespace(**{f"seq_{k}": Stat(f"{family}_{k}", r) for k, r in
+                                    (("sum", "sum"), ("sum2", "sum"), ("max", "max"), ("min", "min"))})
     s, s2 = stats.sum(family.seq_sum), stats.sum(family.seq_sum2)
     mean = safe_div(s, n_rows)
     var = safe_div(s2 - s * mean, n_rows - 1)

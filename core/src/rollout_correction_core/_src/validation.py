@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import re
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 
@@ -94,3 +96,16 @@ def check_segment_ids(segment_ids: Optional[torch.Tensor], response_mask: torch.
                              f"{pos[1]}) is outside [0, {S}); ids must be non-negative and below max_segments "
                              f"(default: the number of columns)")
     return ids, S
+
+
+@contextmanager
+def arguments_of(func: str, arguments: dict[str, str]) -> Iterator[None]:
+    """Around a ``RolloutCorrectionConfig`` that ``func`` builds from its arguments: the config's error,
+    of the same type, naming ``func`` and its arguments (``arguments``: config key → argument name)."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        text = re.sub(r"^RolloutCorrectionConfig\.", "", str(error))
+        for key in sorted(arguments, key=len, reverse=True):
+            text = re.sub(rf"\b{key}\b", arguments[key], text)
+        raise type(error)(f"{func}: {text}") from None

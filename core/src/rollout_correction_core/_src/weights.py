@@ -30,17 +30,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, get_args
 
 import torch
 
-from .config import SEGMENT_IS_LEVELS, IsLevel, IsMode, ISSpec, RolloutCorrectionConfig
+from .config import SEGMENT_IS_LEVELS, ConfigError, IsLevel, IsMode, ISSpec, RolloutCorrectionConfig
 from .constants import SAFETY_BOUND
 from .declared import COUNTS, IS
 from .logratio import LogRatioBatch, segmented_batch
 from .packing import packable
 from .segments import Segments
 from .stats import SufficientStats, Value, clamp, exp, safe_div, seq_summary, sqrt0, where
+from .validation import arguments_of
 
 __all__ = ["ISWeights", "is_weights", "importance_weights", "bound_weights", "add_is_statistics", "is_metrics",
            "batch_norm_factor"]
@@ -112,8 +113,12 @@ def is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respo
     bounded by ``mode`` within [``lower``, ``upper``] (module docstring), before batch normalisation;
     0 at invalid positions. ``segments``: the turns, for the segment levels; with ``cu_seqlens``, packed
     (1, N) / (N,) inputs and weights."""
-    spec = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=upper, rollout_is_threshold_lower=lower,
-                                   rollout_is_mode=mode).is_spec
+    if level not in get_args(IsLevel):
+        raise ConfigError(f"is_weights: level={level!r} is invalid: allowed values are {list(get_args(IsLevel))}")
+    with arguments_of("is_weights", {"rollout_is": "level", "rollout_is_mode": "mode", "rollout_is_threshold": "upper",
+                                     "rollout_is_threshold_lower": "lower"}):
+        spec = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=upper, rollout_is_threshold_lower=lower,
+                                       rollout_is_mode=mode).is_spec
     batch = segmented_batch(old_log_prob, rollout_log_prob, response_mask, segments)
     return importance_weights(batch, spec).weights
 
