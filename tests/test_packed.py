@@ -1,5 +1,7 @@
 """Packed (flat, variable-length) inputs give exactly the padded-form results."""
 
+import math
+
 import pytest
 import torch
 
@@ -102,3 +104,92 @@ def test_packed_inputs_equal_the_padded_form():
     with pytest.raises(ValueError, match=r"Segments.ids has shape \(15,\); the packed inputs hold 16 tokens"):
         compute_rollout_correction_packed(
             old, rollout, config=cfg, lengths=lengths, segments=Segments(ids[:-1]))
+
+
+# --------------------------------------------------------------- packed batches in the core, property
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from rollout_correction_core import Aggregation, PolicyLoss, compute_policy_loss, metrics_to_floats  # noqa: E402
+
+PRESETS = ["decoupled_token_is", "decoupled_seq_is_rs", "geo_mis", "decoupled_k3_rs_token_tis", "seq_is_rs",
+           "decoupled_token_icepop", "ppo_is_bypass", "pure_is"]
+
+
+def _scatter(flat, lengths, T, fill=0):
+    """The padded (B, T) form of a packed (N,) tensor, written row by row."""
+    out = torch.full((len(lengths), T), fill, dtype=flat.dtype)
+    start = 0
+    for i, n in enumerate(lengths):
+        out[i, :n] = flat[start:start + n]
+        start += n
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 7), min_size=1, max_size=6), seed=st.integers(0, 2**16),
+       preset=st.sampled_from(PRESETS), mode=st.sampled_from(["token-mean", "seq-mean-token-mean",
+                                                             "seq-mean-token-sum-norm"]),
+       give_max=st.booleans())
+def test_packed_batches_equal_their_padded_form(lengths, seed, preset, mode, give_max):
+    """Weights, mask, every metric, the loss and its gradient of a packed batch are those of its padded
+    form, for random lengths (empty sequences included), with and without ``max_seqlen``."""
+    g = torch.Generator().manual_seed(seed)
+    N, T = sum(lengths), max(lengths) + (2 if give_max else 0)
+    rollout = -torch.rand(N, generator=g) * 3 - 0.01
+    old = (rollout + 0.3 * torch.randn(N, generator=g)).clamp(max=0.0)
+    lp = (old + 0.2 * torch.randn(N, generator=g)).clamp(max=0.0)
+    adv = torch.randn(N, generator=g)
+    mask = torch.rand(N, generator=g) > 0.15
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    seg = Segments(cu_seqlens=cu, max_seqlen=T if give_max else None)
+    cfg = RolloutCorrectionConfig.from_preset(preset)
+    packed = compute_rollout_correction(old, rollout, mask, config=cfg, segments=seg)
+    padded = compute_rollout_correction(_scatter(old, lengths, T), _scatter(rollout, lengths, T),
+                                        _scatter(mask, lengths, T, False), config=cfg)
+    if padded.weights is None:
+        assert packed.weights is None
+    else:
+        assert torch.equal(_scatter(packed.weights, lengths, T), padded.weights)
+    assert torch.equal(_scatter(packed.response_mask, lengths, T, False), padded.response_mask)
+    assert packed.metrics_as_floats() == padded.metrics_as_floats()
+    loss = PolicyLoss(aggregation=Aggregation(mode))
+    x = lp.clone().unsqueeze(0).requires_grad_(True)
+    ours, m1 = compute_policy_loss(x, old.unsqueeze(0), adv.unsqueeze(0), mask.unsqueeze(0), config=cfg,
+                                   rollout_log_prob=rollout.unsqueeze(0), loss=loss, segments=seg)
+    y = _scatter(lp, lengths, T).requires_grad_(True)
+    theirs, m2 = compute_policy_loss(y, _scatter(old, lengths, T), _scatter(adv, lengths, T),
+                                     _scatter(mask, lengths, T, False), config=cfg,
+                                     rollout_log_prob=_scatter(rollout, lengths, T), loss=loss)
+    assert torch.equal(ours, theirs)
+    ours.backward()
+    theirs.backward()
+    assert torch.equal(_scatter(x.grad[0], lengths, T), y.grad)
+    assert metrics_to_floats(m1) == metrics_to_floats(m2)
+
+
+def test_a_packed_sequence_level_weight_is_per_sequence():
+    """A sequence-level weight of a packed batch is one per packed sequence, never one for the pack."""
+    old = torch.tensor([-1.0, -1.0, -2.0, -2.0, -2.0])
+    rollout = torch.tensor([-1.5, -1.5, -2.0, -2.0, -2.0])  # sequence 0: ∏ρ = e^1; sequence 1: 1
+    seg = Segments(cu_seqlens=torch.tensor([0, 2, 5]))
+    cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=10.0)
+    w = compute_rollout_correction(old, rollout, torch.ones(5, dtype=torch.bool), config=cfg, segments=seg).weights
+    torch.testing.assert_close(w, torch.tensor([math.e, math.e, 1.0, 1.0, 1.0]))
+    rs = RolloutCorrectionConfig(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0")
+    keep = compute_rollout_correction(old, rollout, torch.ones(5), config=rs, segments=seg).response_mask
+    assert keep.tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]  # e^1 > 2 rejects sequence 0 only
+
+
+def test_packed_layout_errors_name_the_problem():
+    old = -torch.rand(5)
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, never decrease and end at the 5 tokens"):
+        compute_rollout_correction(old, old, torch.ones(5), segments=Segments(cu_seqlens=torch.tensor([0, 2, 4])))
+    with pytest.raises(ValueError, match=r"max_seqlen=2 is shorter than the longest sequence \(3 tokens\)"):
+        compute_rollout_correction(old, old, torch.ones(5),
+                                   segments=Segments(cu_seqlens=torch.tensor([0, 3, 5]), max_seqlen=2))
+    with pytest.raises(ValueError, match=r"must be \(1, N\) or \(N,\), got \(5, 1\)"):
+        compute_rollout_correction(old[:, None], old[:, None], torch.ones(5, 1),
+                                   segments=Segments(cu_seqlens=torch.tensor([0, 5])))
+    with pytest.raises(ValueError, match="1-D integer tensor of B \\+ 1 offsets"):
+        compute_rollout_correction(old, old, torch.ones(5), segments=Segments(cu_seqlens=torch.tensor([0.0, 5.0])))

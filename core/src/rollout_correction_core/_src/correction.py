@@ -18,7 +18,6 @@ import torch
 
 from .alignment import MisalignmentWarning, alignment_metrics, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
-from .constants import METRIC_PREFIX
 from .declared import ALIGN, COUNTS, EXPECT_ZERO, RS
 from .logratio import LogRatioBatch, RowSums, float_mask, log_ratio_batch, nonfinite_positions
 from .m2po import m2po_keep, second_moment
