@@ -212,10 +212,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: ``_src`` by its name there (``config``), of the core's public modules as ``core`` /
 #: ``core.<seam>``, of the toolkit by its name below ``rollout_correction`` (``__init__`` its root).
 LAYERS: list[tuple[str, str, list[str]]] = [
-    ("declarations", "constants; the declared statistics", ["constants", "declared"]),
+    ("declarations", "constants; the declared statistics; the agreement across ranks",
+     ["constants", "declared", "agreement"]),
     ("foundations", "input checks, statistics, config words", ["validation", "stats", "_src", "vocab", "segments"]),
     ("config parts", "presets; loading", ["presets", "config_io"]),
-    ("config, groups", "config; topology; context-parallel row exchange", ["config", "parallel", "sequence_group"]),
+    ("config, groups", "config; topology; context-parallel row exchange; packed rows",
+     ["config", "parallel", "sequence_group", "packing"]),
     ("per-token pieces", "log-ratio, loss terms, alignment",
      ["logratio", "policy_losses", "m2po", "alignment"]),
     ("estimators", "IS weights, rejection, metrics, masking",

@@ -23,7 +23,8 @@ the package's private modules; provisional (docs/api.md), a minor release may ch
   OPSM (:func:`opsm_keep`, :func:`compute_opsm`), GSPO / CISPO / DPPO / TOPR / ratio-PG per-token losses.
 * **Alignment** — the one-token shift detector (:func:`alignment_report`, :func:`check_alignment`).
 * **Segments** — :func:`segment_sums` (per-(row, segment) sums), :func:`segment_ids_from_mask`
-  (segments as the runs of a mask) and :func:`max_runs` (a static bound on their number).
+  (segments as the runs of a mask) and :func:`max_runs` (a static bound on their number);
+  :class:`Packing`, the padded layout of a packed batch (``Segments.cu_seqlens``).
 * **Config types** — :class:`ISSpec` (resolved IS settings), :class:`RSOption`, the literal
   types of the config's fields, and :data:`DRIFT`, the per-token log-ratio ``length_limits`` assumes.
 """
@@ -39,6 +40,7 @@ from ._src.m2po import m2po_keep, second_moment
 from ._src.metrics import (Accumulator, Metrics, add_offpolicy_statistics, mismatch_metrics, nonfinite_metrics,
                            offpolicy_metrics, prefixed)
 from ._src.opsm import OPSMResult, compute_opsm, opsm_keep
+from ._src.packing import Packing
 from ._src.policy_losses import (cispo_loss, dppo_loss, gspo_loss, ratio_pg_loss, rollout_is_loss, sequence_advantage,
                                  topr_loss, topr_weights)
 from ._src.segments import max_runs, segment_ids_from_mask, segment_sums
@@ -66,7 +68,7 @@ __all__ = [
     "MisalignmentWarning", "AlignmentReport", "alignment_statistics", "alignment_metrics", "alignment_report",
     "check_alignment",
     # segments
-    "segment_sums", "segment_ids_from_mask", "max_runs",
+    "segment_sums", "segment_ids_from_mask", "max_runs", "Packing",
     # config types
     "ISSpec", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
     "LossDenominator", "WarnOrRaise", "DRIFT",

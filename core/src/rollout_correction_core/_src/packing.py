@@ -24,7 +24,7 @@ import torch
 
 from .segments import Segments
 
-__all__ = ["Packing"]
+__all__ = ["Packing"]  # packable: the decorator of the entry points
 
 
 class Packing:
