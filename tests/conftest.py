@@ -26,7 +26,8 @@ def batch_from_ratios(rows, T=None, pad_ratio=100.0, empty_rows=0, dtype=torch.f
         for t, rho in enumerate(r):
             log_ratio[i, t] = math.log(rho)
             mask[i, t] = True
-    rollout = (-0.5 - 0.25 * torch.arange(T, dtype=torch.float64)).expand(B, T)
+    # log-probs are ≤ 0: the rollout's lowered by the largest log-ratio, so that π_old's stay below 0 too
+    rollout = (-0.5 - 0.25 * torch.arange(T, dtype=torch.float64) - log_ratio.max().clamp_min(0.0)).expand(B, T)
     old = rollout + log_ratio
     return old.to(dtype), rollout.to(dtype).contiguous(), mask.to(mask_dtype)
 

@@ -26,7 +26,7 @@ def _cfg(name):
 def _clean(B=3, T=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     rollout = -torch.rand(B, T, generator=g) * 2 - 0.1
-    old = rollout + torch.randn(B, T, generator=g) * 0.1
+    old = (rollout + torch.randn(B, T, generator=g) * 0.1).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[0, 3] = False
     return old, rollout, mask
@@ -112,7 +112,7 @@ def test_nonfinite_with_raise_names_row_and_column():
         compute_offpolicy_metrics(old, rollout, mask, on_nonfinite="raise")
     lp = old.clone()
     with pytest.raises(ValueError, match=r"row 2, column 1"):
-        compute_policy_loss(lp, rollout, torch.ones(3, 4), mask, config=cfg)
+        compute_policy_loss(lp, rollout, torch.ones(3, 4), mask, config=cfg, rollout_log_prob=rollout)
 
 
 def test_nonfinite_in_policy_loss_inputs_drops_the_row():

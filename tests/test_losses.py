@@ -21,7 +21,7 @@ DUAL = [[False, False, False, False], [False, False, True, True]]
 
 
 def _ppo_batch():
-    prox = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.5, -1.0, -2.0, -0.25]])
+    prox = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.5, -1.0, -2.0, -0.25]]) - 2.0  # π_θ's stay ≤ 0 too
     log_prob = (prox + torch.tensor(R).log()).requires_grad_(True)
     return log_prob, prox, torch.tensor(A)
 

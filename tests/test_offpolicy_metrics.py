@@ -178,16 +178,16 @@ def test_all_masked_batch_gives_zero_metrics():
 
 
 def test_mismatch_metrics_stay_finite_on_log_probs_that_are_no_probabilities():
-    """Positive log-probs beyond float32's exp range and huge negative ones: every metric finite, the
-    log-probs bounded to [−1e4, 0] (0 and 1 as probabilities)."""
+    """Positive log-probs beyond float32's exp range and huge negative ones, with the floor and the ceiling
+    off: every metric finite, the log-probs bounded to [−1e4, 0] (0 and 1 as probabilities)."""
     old = torch.tensor([[100.0, -1.0, -1e20], [50.0, -2.0, -3.0]])
     roll = torch.tensor([[100.0, -1.5, -1e20], [49.0, -2.0, -3.0]])
-    acc = OffPolicyAccumulator(mismatch_metrics=True, log_prob_floor=None)  # −1e20 taken as a log-prob
+    acc = OffPolicyAccumulator(mismatch_metrics=True, log_prob_floor=None, log_prob_ceiling=None)  # all taken
     acc.update(old, roll, torch.ones(2, 3))
     got = metrics_to_floats(acc.compute())
     assert all(math.isfinite(v) for v in got.values()), got
     assert got[P + "prob_abs_diff_max"] == pytest.approx(math.exp(-1.0) - math.exp(-1.5), rel=1e-6)
     assert got[P + "log_prob_abs_diff_max"] == pytest.approx(1.0)
-    # with the default floor, −1e20 is an engine's sentinel: its row is dropped and counted
+    # by default −1e20 is an engine's sentinel and a log-prob > 0 no probability: both rows are dropped, counted
     floored = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.ones(2, 3), mismatch_metrics=True))
-    assert floored[P + "nonfinite_seq_fraction"] == 0.5 and floored[P + "sentinel_token_fraction"] == pytest.approx(1 / 6)
+    assert floored[P + "nonfinite_seq_fraction"] == 1.0 and floored[P + "sentinel_token_fraction"] == pytest.approx(1 / 6)

@@ -237,7 +237,10 @@ _PENDING: "weakref.WeakKeyDictionary[object, list[Verdict]]" = weakref.WeakKeyDi
 
 def defer(verdict: Verdict) -> None:
     """Keep ``verdict`` for the group's next exchange; a device verdict is copied to pinned memory
-    behind an event, so that reading it then waits for nothing queued after this exchange."""
+    behind an event, so that reading it then waits for nothing queued after this exchange. (A meta tensor
+    holds no value to check.)"""
+    if verdict.vec.device.type == "meta":
+        return
     if verdict.values is None and verdict.vec.device.type == "cuda":
         verdict._host = torch.empty(verdict.vec.shape, dtype=torch.float64, pin_memory=True)
         verdict._host.copy_(verdict.vec, non_blocking=True)

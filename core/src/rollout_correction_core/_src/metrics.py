@@ -496,8 +496,8 @@ class OffPolicyAccumulator(Accumulator):
     """Streaming :func:`compute_offpolicy_metrics` (with the mismatch metrics if ``mismatch_metrics``)."""
 
     def __init__(self, on_nonfinite: str = "reject", mismatch_metrics: bool = False,
-                 log_prob_floor: Optional[float] = LOG_PROB_FLOOR) -> None:
-        super().__init__(on_nonfinite, log_prob_floor)
+                 log_prob_floor: Optional[float] = LOG_PROB_FLOOR, log_prob_ceiling: Optional[float] = 0.0) -> None:
+        super().__init__(on_nonfinite, log_prob_floor, log_prob_ceiling)
         self.mismatch_metrics = mismatch_metrics
 
     def record(self, stats: SufficientStats, batch: LogRatioBatch) -> None:

@@ -353,7 +353,7 @@ class SufficientStats(_Reading):
         verdict = Verdict(process_group, kind, what, fp, agreed, changed=fp != agreed.fp)
         packed = _exchange(torch.cat((body, verdict.slots(device))), k, process_group)
         verdict.vec = packed[k + m:]
-        if verdict.changed or reads_are_free(device):  # this rank reads the verdict (free, or its own change)
+        if (verdict.changed and device.type != "meta") or reads_are_free(device):  # free, or its own change
             if verdict.read():
                 if verdict.changed:  # every rank changed to the same settings: the group agrees on them
                     record(process_group, kind, Record(tuple(what), fp, tuple(self._sum_names),
