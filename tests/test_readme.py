@@ -36,8 +36,8 @@ def test_demo_command_is_the_one_the_demo_page_and_ci_use():
     # .ci/run installs the same torch, and the core and the toolkit from this checkout the same way,
     # with an extra that includes the demo's requirements
     (pin,) = re.findall(r"torch==([\d.]+)", install)
-    assert re.findall(r'^python -m pip install -q "torch==([\d.]+)"$', CI, re.M) == [pin]
-    assert re.search(r'^python -m pip install -q -e \./core -e "\.\[dev\]"$', CI, re.M)
+    assert re.findall(r'^python -m pip install -q -c "\$CONSTRAINTS" "torch==([\d.]+)"$', CI, re.M) == [pin]
+    assert re.search(r'^python -m pip install -q -c "\$CONSTRAINTS" -e \./core -e "\.\[dev\]"$', CI, re.M)
     import tomllib
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
