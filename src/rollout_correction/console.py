@@ -6,6 +6,7 @@ new report folder for each invocation.
   ``rollout-correction`` command prints its message on one line and exits 2.
 * :class:`ProgressLines` — without a terminal (``| tee``, CI, ``nohup``), one plain line per
   finished unit with the elapsed time and an ETA; no carriage returns, no colour codes.
+* :data:`LOG_WIDTH` — without a terminal, no table is wider than this (100 columns).
 * :func:`report_folder` — ``<default>/<date>-<time>/`` with ``<default>/latest`` pointing at it,
   or an explicit folder that is refused when it holds another run's report.
 """
@@ -20,7 +21,12 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-__all__ = ["ArgumentParser", "CommandError", "ProgressLines", "clock", "is_terminal", "one_line", "report_folder"]
+__all__ = ["LOG_WIDTH", "ArgumentParser", "CommandError", "ProgressLines", "clock", "is_terminal", "one_line",
+           "report_folder"]
+
+#: The widest a table's line gets without a terminal (a pipe, ``tee``, CI): a wider table is printed
+#: as one block per row, or its cells wrap.
+LOG_WIDTH = 100
 
 
 class CommandError(Exception):

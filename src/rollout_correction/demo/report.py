@@ -648,9 +648,9 @@ def _per_seed_table(cfg: DemoConfig, summary: dict, header: str, cell) -> list[s
 
 
 def print_table(summary: dict, console=None) -> None:
-    """The summary table and the checks. In a log (not a terminal: a pipe, ``tee``, CI) nothing is
-    wrapped or cut: the table takes the width it needs and each line stays one line; in a terminal
-    too narrow for it, one block per method."""
+    """The summary table and the checks. The table is whole where it fits (a terminal's width; in a
+    log, a pipe, ``tee`` or CI, :data:`~rollout_correction.console.LOG_WIDTH` columns), one block per
+    method otherwise; the claims are one line each."""
     from rich.console import Console
 
     console = console or Console()
@@ -662,10 +662,14 @@ def print_table(summary: dict, console=None) -> None:
 
 
 def print_fitted(console, title: str, header: list[str], rows: list[list[str]]) -> None:
-    """A table that is never cut: whole in a log (:func:`print_unwrapped`); in a terminal narrower
-    than the table, one block per row (its first cell, then ``header: value`` lines)."""
+    """A table that is never cut: whole when it fits the width it may take (a terminal's own, or
+    :data:`~rollout_correction.console.LOG_WIDTH` columns without a terminal, where rich would assume
+    80 and wrap the cells), otherwise one block per row (its first cell, then ``header: value``
+    lines)."""
     from rich.markup import escape
     from rich.table import Table
+
+    from rollout_correction.console import LOG_WIDTH
 
     table = Table(title=title)
     for i, h in enumerate(header):
@@ -673,10 +677,10 @@ def print_fitted(console, title: str, header: list[str], rows: list[list[str]]) 
     for r in rows:
         table.add_row(*r)
     need = console.measure(table, options=console.options.update_width(1000)).maximum
-    if not (console.is_terminal and need > console.width):
+    if need <= (console.width if console.is_terminal else LOG_WIDTH):
         print_unwrapped(console, table)
         return
-    console.print(title, markup=False)
+    console.print(title, markup=False, soft_wrap=not console.is_terminal)
     for r in rows:
         console.print(f"[bold]{escape(r[0])}[/bold]", soft_wrap=True)
         for h, cell in zip(header[1:], r[1:]):
@@ -684,7 +688,9 @@ def print_fitted(console, title: str, header: list[str], rows: list[list[str]]) 
 
 
 def print_unwrapped(console, renderable) -> None:
-    """Print in full width when the console is not a terminal (rich assumes 80 columns there)."""
+    """Print in full width when the console is not a terminal (rich assumes 80 columns there): a
+    line of text stays one line, a table takes the width it needs (:func:`print_fitted` keeps it
+    within :data:`~rollout_correction.console.LOG_WIDTH`)."""
     if console.is_terminal:
         console.print(renderable)
     elif isinstance(renderable, str):
