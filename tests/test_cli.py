@@ -152,6 +152,24 @@ def test_progress_lines_count_elapsed_and_eta():
     assert [clock(x) for x in (0, 59.4, 61, 3599, 3600 * 2 + 61)] == ["0s", "59s", "1m01s", "59m59s", "2h01m"]
 
 
+def test_progress_lines_weigh_units_by_their_expected_cost():
+    """Two cheap units (cost 1) then two expensive ones (cost 9): after the cheap ones the ETA is
+    the time per cost unit times the cost left, not the time per unit times the units left."""
+    import io
+
+    t = iter([0.0, 2.0, 4.0, 22.0, 40.0])   # start; the cheap units end at 2 and 4 s, the others at 22 and 40 s
+    out = io.StringIO()
+    p = ProgressLines(4, stream=out, now=lambda: next(t), total_cost=20.0)
+    assert p.finished("warm start 0", cost=1.0).endswith("elapsed 2s  ETA 38s")   # 2 s / 1 × 19 left
+    assert p.finished("warm start 1", cost=1.0).endswith("elapsed 4s  ETA 36s")   # 4 s / 2 × 18 left
+    assert p.finished("run 0", cost=9.0).endswith("elapsed 22s  ETA 18s")         # 22 s / 11 × 9 left
+    assert p.finished("run 1", cost=9.0).endswith("elapsed 40s  done")
+    # resumed: one expensive unit was done before this invocation; it is done but not in the rate
+    t = iter([0.0, 3.0])
+    p = ProgressLines(3, done=1, total_cost=19.0, done_cost=9.0, stream=out, now=lambda: next(t))
+    assert p.finished("warm start", cost=1.0) == "[2/3] warm start  elapsed 3s  ETA 27s"  # 3 s / 1 × 9 left
+
+
 def test_quick_demo_prints_a_line_per_finished_unit_through_a_pipe(tmp_path):
     """The tiniest demo in a subprocess with a pipe for stdout: the lines arrive one per unit,
     plain text, with elapsed time and ETA; then the report lands in demo-report/<date>-<time>/."""

@@ -206,6 +206,29 @@ def test_greedy_sampling_is_argmax_of_teacher_forced_logits():
     assert torch.equal(logits.argmax(-1), responses)
 
 
+def test_demo_units_are_weighed_by_their_expected_cost():
+    """The default demo (5 seeds × 5 methods): an SFT warm start costs 60 steps × 64 sequences plus
+    one evaluation of 512 prompts at 0.4; a GRPO run 500 steps × 16 × 8 sequences plus 11 evaluations
+    (steps 0, 50, …, 500) with the trainer and the engine. With the warm starts done after 5.5 s, the
+    ETA is 5.5 s × (25 runs) / (5 warm starts) in cost, about 7.8 minutes, not 27.5 s (5.5 s per 5
+    units × 25 units left, as when every unit counted alike)."""
+    import io
+
+    from rollout_correction.console import ProgressLines
+    from rollout_correction.demo.runner import unit_costs
+
+    sft, run = unit_costs(DemoConfig())
+    assert sft == pytest.approx(60 * 64 + 0.4 * 512)                 # 4044.8
+    assert run == pytest.approx(500 * 16 * 8 + 0.4 * 2 * 11 * 512)   # 68505.6
+    assert unit_costs(DemoConfig(steps=40, eval_every=20))[1] == pytest.approx(40 * 128 + 0.4 * 2 * 3 * 512)
+    assert unit_costs(DemoConfig(steps=45, eval_every=20))[1] == pytest.approx(45 * 128 + 0.4 * 2 * 4 * 512)
+    t = iter([0.0, 1.1, 2.2, 3.3, 4.4, 5.5])
+    p = ProgressLines(30, stream=io.StringIO(), now=lambda: next(t), total_cost=5 * sft + 25 * run)
+    lines = [p.finished(f"SFT warm start · seed {s}", cost=sft) for s in range(5)]
+    # 5.5 × (25 · 68505.6) / (5 · 4044.8) = 465.8 s
+    assert lines[-1] == "[ 5/30] SFT warm start · seed 4  elapsed 6s  ETA 7m46s"
+
+
 def test_config_validation_names_the_problem():
     with pytest.raises(ValueError, match="unknown method"):
         DemoConfig(methods=("naive", "magic"))

@@ -69,23 +69,31 @@ class ProgressLines:
 
         [ 3/21] naive PPO · seed 0  0.71  elapsed 1m02s  ETA 6m10s
 
-    The ETA is the mean time per unit finished in this invocation times the units left (units
-    already done when it started, e.g. resumed runs, count as done but not in the rate).
+    The ETA is the time per unit of expected cost finished in this invocation times the cost left.
+    Units are weighed by their expected cost (``cost`` of :meth:`finished`, ``total_cost`` for all
+    of them; by default 1 each, i.e. units count alike), so that a few cheap units first (a warm
+    start) do not make the long ones after them look short. Units already done when it started
+    (e.g. resumed runs, ``done`` of them costing ``done_cost``) count as done but not in the rate.
     """
 
     def __init__(self, total: int, done: int = 0, stream: TextIO | None = None,
-                 now: Callable[[], float] = time.perf_counter):
+                 now: Callable[[], float] = time.perf_counter, total_cost: float | None = None,
+                 done_cost: float | None = None):
         self.total, self.done, self._start_done = total, done, done
+        self.total_cost = float(total if total_cost is None else total_cost)
+        self.done_cost = float(done if done_cost is None else done_cost)
+        self._start_cost = self.done_cost
         self._stream, self._now = stream, now
         self._t0 = now()
 
-    def finished(self, label: str, detail: str = "") -> str:
-        """Count one finished unit and print its line; returns the line."""
+    def finished(self, label: str, detail: str = "", cost: float = 1.0) -> str:
+        """Count one finished unit of expected ``cost`` and print its line; returns the line."""
         self.done += 1
+        self.done_cost += cost
         elapsed = self._now() - self._t0
-        rate = elapsed / max(1, self.done - self._start_done)
+        rate = elapsed / max(self.done_cost - self._start_cost, 1e-12)
         left = self.total - self.done
-        eta = f"ETA {clock(rate * left)}" if left > 0 else "done"
+        eta = f"ETA {clock(rate * max(self.total_cost - self.done_cost, 0.0))}" if left > 0 else "done"
         width = len(str(self.total))
         line = one_line(f"[{self.done:>{width}}/{self.total}] {label} {detail}")
         line = f"{line}  elapsed {clock(elapsed)}  {eta}"
