@@ -81,6 +81,19 @@ def test_diagnose_bad_files_are_one_line_and_exit_2(bad_files, tmp_path, capsys,
     _one_line_error(proc, *words)
 
 
+@pytest.mark.parametrize("certify", [False, True], ids=["diagnose", "certify"])
+@pytest.mark.parametrize("name", ["missing.parquet", "x.pt", "truncated.pt", "empty-folder"])
+def test_diagnose_makes_no_report_folder_for_a_file_it_cannot_read(bad_files, tmp_path, capsys, monkeypatch,
+                                                                   name, certify):
+    """A missing or unreadable dump: exit 2 and nothing on disk, neither a ``diagnose_report/<time>/``
+    folder (nor ``latest`` pointing at one) nor an explicit ``--out``."""
+    (bad_files / "empty-folder").mkdir(exist_ok=True)
+    args = ["diagnose", str(bad_files / name)] + (["--certify"] if certify else [])
+    _one_line_error(_main(args, capsys, tmp_path, monkeypatch), name)
+    _one_line_error(_main(args + ["--out", "rep"], capsys, tmp_path, monkeypatch), name)
+    assert not list(tmp_path.iterdir())
+
+
 def test_debug_shows_the_traceback(bad_files, tmp_path):
     proc = _cli("diagnose", str(bad_files / "x.pt"), "--out", str(tmp_path / "rep"), "--debug", cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "not a readable torch.save file" in proc.stderr

@@ -8,7 +8,8 @@ new report folder for each invocation.
   finished unit with the elapsed time and an ETA; no carriage returns, no colour codes.
 * :data:`LOG_WIDTH` — without a terminal, no table is wider than this (100 columns).
 * :func:`report_folder` — ``<default>/<date>-<time>/`` with ``<default>/latest`` pointing at it,
-  or an explicit folder that is refused when it holds another run's report.
+  or an explicit folder that is refused when it holds another run's report
+  (:func:`refuse_held_folder`, which a command may call before it reads its input).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 __all__ = ["LOG_WIDTH", "ArgumentParser", "CommandError", "ProgressLines", "clock", "is_terminal", "one_line",
-           "report_folder"]
+           "refuse_held_folder", "report_folder"]
 
 #: The widest a table's line gets without a terminal (a pipe, ``tee``, CI): a wider table is printed
 #: as one block per row, or its cells wrap.
@@ -105,6 +106,19 @@ def _stamp(now: datetime.datetime) -> str:
     return now.strftime("%Y%m%d-%H%M%S")
 
 
+def refuse_held_folder(out: str | Path | None, markers: tuple[str, ...], force: bool = False) -> None:
+    """Raise :class:`CommandError` when the explicit folder ``out`` already holds one of ``markers``
+    (another run's report) and not ``force``; nothing is created. A command that reads its input
+    before it makes its report folder calls this first, so that a folder in use is refused before
+    the work."""
+    if out is None or force:
+        return
+    held = [m for m in markers if (Path(out) / m).exists()]
+    if held:
+        raise CommandError(f"{out} already holds a report ({held[0]}); give another --out, or --force to write "
+                           f"over it")
+
+
 def report_folder(out: str | None, default: str, markers: tuple[str, ...], force: bool = False,
                   reuse: bool = False, now: datetime.datetime | None = None) -> Path:
     """The folder a command writes its report into, created.
@@ -117,10 +131,7 @@ def report_folder(out: str | None, default: str, markers: tuple[str, ...], force
     """
     if out is not None:
         path = Path(out)
-        held = [m for m in markers if (path / m).exists()]
-        if held and not (force or reuse):
-            raise CommandError(f"{path} already holds a report ({held[0]}); give another --out, or --force to "
-                               f"write over it")
+        refuse_held_folder(path, markers, force=force or reuse)
         path.mkdir(parents=True, exist_ok=True)
         return path
     base = Path(default)
