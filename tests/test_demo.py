@@ -516,6 +516,20 @@ def test_summary_table_in_a_log_is_at_most_100_columns():
     assert block.startswith("  trainer final [95 % CI]: 0.75 [0.63, 0.87]\n") and "  tied with best (paired): yes" in block
 
 
+@pytest.mark.parametrize("growth, words", [
+    (4.756671289155859, "grows ×4.8"),            # docs/results/demo-stale.json: 0.0xx → 4.8 × that
+    (0.7054473032318747, "falls by 29 %"),        # docs/results/demo-long.json: a fall, 1 − 0.705 = 29 %
+    (1.02, "stays level (×1.02)"), (0.97, "stays level (×0.97)"), (0.0, "falls by 100 %"),
+])
+def test_naive_kl_change_is_called_a_rise_or_a_fall(growth, words):
+    from rollout_correction.demo.report import claims_text
+
+    summary = _methods_summary(("on_policy", "naive"))
+    summary["methods"]["naive"]["kl_growth"] = growth
+    (line,) = [x for x in claims_text(summary) if x.startswith("Naive PPO's mismatch KL")]
+    assert line == f"Naive PPO's mismatch KL {words} from the first to the last tenth of training."
+
+
 def test_a_table_that_fits_100_columns_prints_whole_in_a_log():
     """Rich assumes 80 columns without a terminal and would wrap a 90-column table; up to 100 it
     prints whole, one line per row."""

@@ -473,6 +473,16 @@ TABLE_HEADER = ["method", "preset", "trainer final [95 % CI]", "− naive, paire
 _TERMINAL_COLUMNS = (0, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
 
+def kl_trend(growth: float) -> str:
+    """A change of the mismatch KL by the factor ``growth`` (last over first), in words: a rise
+    "grows ×4.8", a fall "falls by 29 %" (never "grows ×0.7"), and within 5 % "stays level (×1.02)"."""
+    if growth >= 1.05:
+        return f"grows ×{growth:.1f}"
+    if growth <= 0.95:
+        return f"falls by {100 * (1 - growth):.0f} %"
+    return f"stays level (×{growth:.2f})"
+
+
 def claims_text(summary: dict) -> list[str]:
     """The pre-declared claims in words, with their paired intervals and sign counts."""
     c = claims(summary)
@@ -491,7 +501,7 @@ def claims_text(summary: dict) -> list[str]:
         lines.append(f"- {name} − naive PPO > 0: {word} — paired difference {diff_text(d)} over {d['n']} seeds, "
                      f"{d['above']} of {d['n']} seeds above naive ({d['verdict']}).")
     if c["naive_kl_growth"] is not None and c["naive_kl_growth"] == c["naive_kl_growth"]:
-        lines.append(f"Naive PPO's mismatch KL grows ×{c['naive_kl_growth']:.1f} from the first to the last tenth "
+        lines.append(f"Naive PPO's mismatch KL {kl_trend(c['naive_kl_growth'])} from the first to the last tenth "
                      "of training.")
     judged = [r for r in c["claims"] if r["evaluated"]]
     lines.append("Both claims hold." if c["all_hold"] else
