@@ -81,6 +81,19 @@ def test_diagnose_bad_files_are_one_line_and_exit_2(bad_files, tmp_path, capsys,
     _one_line_error(proc, *words)
 
 
+@pytest.mark.parametrize("certify", [False, True], ids=["diagnose", "certify"])
+@pytest.mark.parametrize("name", ["missing.parquet", "x.pt", "truncated.pt", "empty-folder"])
+def test_diagnose_makes_no_report_folder_for_a_file_it_cannot_read(bad_files, tmp_path, capsys, monkeypatch,
+                                                                   name, certify):
+    """A missing or unreadable dump: exit 2 and nothing on disk, neither a ``diagnose_report/<time>/``
+    folder (nor ``latest`` pointing at one) nor an explicit ``--out``."""
+    (bad_files / "empty-folder").mkdir(exist_ok=True)
+    args = ["diagnose", str(bad_files / name)] + (["--certify"] if certify else [])
+    _one_line_error(_main(args, capsys, tmp_path, monkeypatch), name)
+    _one_line_error(_main(args + ["--out", "rep"], capsys, tmp_path, monkeypatch), name)
+    assert not list(tmp_path.iterdir())
+
+
 def test_debug_shows_the_traceback(bad_files, tmp_path):
     proc = _cli("diagnose", str(bad_files / "x.pt"), "--out", str(tmp_path / "rep"), "--debug", cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "not a readable torch.save file" in proc.stderr
@@ -150,6 +163,24 @@ def test_progress_lines_count_elapsed_and_eta():
     assert p.finished("on-policy · seed 0") == "[4/4] on-policy · seed 0  elapsed 1m00s  done"
     assert out.getvalue().count("\n") == 3 and "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
     assert [clock(x) for x in (0, 59.4, 61, 3599, 3600 * 2 + 61)] == ["0s", "59s", "1m01s", "59m59s", "2h01m"]
+
+
+def test_progress_lines_weigh_units_by_their_expected_cost():
+    """Two cheap units (cost 1) then two expensive ones (cost 9): after the cheap ones the ETA is
+    the time per cost unit times the cost left, not the time per unit times the units left."""
+    import io
+
+    t = iter([0.0, 2.0, 4.0, 22.0, 40.0])   # start; the cheap units end at 2 and 4 s, the others at 22 and 40 s
+    out = io.StringIO()
+    p = ProgressLines(4, stream=out, now=lambda: next(t), total_cost=20.0)
+    assert p.finished("warm start 0", cost=1.0).endswith("elapsed 2s  ETA 38s")   # 2 s / 1 × 19 left
+    assert p.finished("warm start 1", cost=1.0).endswith("elapsed 4s  ETA 36s")   # 4 s / 2 × 18 left
+    assert p.finished("run 0", cost=9.0).endswith("elapsed 22s  ETA 18s")         # 22 s / 11 × 9 left
+    assert p.finished("run 1", cost=9.0).endswith("elapsed 40s  done")
+    # resumed: one expensive unit was done before this invocation; it is done but not in the rate
+    t = iter([0.0, 3.0])
+    p = ProgressLines(3, done=1, total_cost=19.0, done_cost=9.0, stream=out, now=lambda: next(t))
+    assert p.finished("warm start", cost=1.0) == "[2/3] warm start  elapsed 3s  ETA 27s"  # 3 s / 1 × 9 left
 
 
 def test_quick_demo_prints_a_line_per_finished_unit_through_a_pipe(tmp_path):

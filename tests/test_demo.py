@@ -206,6 +206,29 @@ def test_greedy_sampling_is_argmax_of_teacher_forced_logits():
     assert torch.equal(logits.argmax(-1), responses)
 
 
+def test_demo_units_are_weighed_by_their_expected_cost():
+    """The default demo (5 seeds × 5 methods): an SFT warm start costs 60 steps × 64 sequences plus
+    one evaluation of 512 prompts at 0.4; a GRPO run 500 steps × 16 × 8 sequences plus 11 evaluations
+    (steps 0, 50, …, 500) with the trainer and the engine. With the warm starts done after 5.5 s, the
+    ETA is 5.5 s × (25 runs) / (5 warm starts) in cost, about 7.8 minutes, not 27.5 s (5.5 s per 5
+    units × 25 units left, as when every unit counted alike)."""
+    import io
+
+    from rollout_correction.console import ProgressLines
+    from rollout_correction.demo.runner import unit_costs
+
+    sft, run = unit_costs(DemoConfig())
+    assert sft == pytest.approx(60 * 64 + 0.4 * 512)                 # 4044.8
+    assert run == pytest.approx(500 * 16 * 8 + 0.4 * 2 * 11 * 512)   # 68505.6
+    assert unit_costs(DemoConfig(steps=40, eval_every=20))[1] == pytest.approx(40 * 128 + 0.4 * 2 * 3 * 512)
+    assert unit_costs(DemoConfig(steps=45, eval_every=20))[1] == pytest.approx(45 * 128 + 0.4 * 2 * 4 * 512)
+    t = iter([0.0, 1.1, 2.2, 3.3, 4.4, 5.5])
+    p = ProgressLines(30, stream=io.StringIO(), now=lambda: next(t), total_cost=5 * sft + 25 * run)
+    lines = [p.finished(f"SFT warm start · seed {s}", cost=sft) for s in range(5)]
+    # 5.5 × (25 · 68505.6) / (5 · 4044.8) = 465.8 s
+    assert lines[-1] == "[ 5/30] SFT warm start · seed 4  elapsed 6s  ETA 7m46s"
+
+
 def test_config_validation_names_the_problem():
     with pytest.raises(ValueError, match="unknown method"):
         DemoConfig(methods=("naive", "magic"))
@@ -456,32 +479,75 @@ def test_claims_are_declared_and_judged_on_paired_intervals():
     assert [r["evaluated"] for r in one["claims"]] == [False, False] and one["all_hold"] is False
 
 
-def test_summary_table_reads_whole_in_a_log():
-    """Through a pipe rich assumes 80 columns; the table must not wrap or cut method names."""
+def _methods_summary(names, rewards=(0.8, 0.7, 0.75)) -> dict:
+    from rollout_correction.demo.results import interval
+
+    methods = {m: {"label": METHODS[m].label, "preset": METHODS[m].preset, "final_reward": interval(list(rewards)),
+                   "best_reward": interval([0.8, 0.8, 0.8]), "final_engine_reward": interval([0.7, 0.7, 0.7]),
+                   "initial_mismatch_kl": 0.01, "final_mismatch_kl": 0.02, "kl_growth": 2.0, "collapsed": 0, "runs": 3,
+                   "seconds": interval([45.0, 46.0, 47.0])} for m in names}
+    runs = [{"method": m, "seed": k, "final_reward": v} for m in methods for k, v in enumerate(rewards)]
+    return {"methods": methods, "runs": runs, "config": {"recommended": None}}
+
+
+def test_summary_table_in_a_log_is_at_most_100_columns():
+    """Without a terminal (output captured, as through a pipe) the 10-column table, about 215
+    columns whole, is one block per method: no line wider than 100, nothing wrapped or cut, every
+    header and value whole."""
     import io
 
     from rich.console import Console
 
-    from rollout_correction.demo.report import print_table
-    from rollout_correction.demo.results import interval
+    from rollout_correction.demo.report import TABLE_HEADER, _TERMINAL_COLUMNS, print_table
 
-    methods = {m: {"label": METHODS[m].label, "preset": METHODS[m].preset, "final_reward": interval([0.8, 0.7, 0.75]),
-                   "best_reward": interval([0.8, 0.8, 0.8]), "final_engine_reward": interval([0.7, 0.7, 0.7]),
-                   "initial_mismatch_kl": 0.01, "final_mismatch_kl": 0.02, "kl_growth": 2.0, "collapsed": 0, "runs": 3,
-                   "seconds": interval([45.0, 46.0, 47.0])} for m in ("on_policy", "cispo", "binary_kl_rs")}
-    runs = [{"method": m, "seed": k, "final_reward": v} for m in methods for k, v in enumerate([0.8, 0.7, 0.75])]
-    summary = {"methods": methods, "runs": runs, "config": {"recommended": None}}
+    summary = _methods_summary(("on_policy", "cispo", "binary_kl_rs"))
     out = io.StringIO()
-    console = Console(file=out, width=80)
+    console = Console(file=out)
     assert not console.is_terminal
     print_table(summary, console)
     text = out.getvalue()
-    assert "…" not in text
-    table = [line for line in text.splitlines() if "│" in line]
-    for m in methods.values():
-        assert sum(m["label"] in line for line in table) == 1, m["label"]
-    row = next(line for line in text.splitlines() if "binary-KL RS + token TIS" in line)
-    assert "0.75 [0.63, 0.87]" in row and "yes" in row
+    table = text.split("Recommended before running")[0].splitlines()
+    assert max(len(line) for line in table) <= 100 and "…" not in text and "│" not in text
+    for m in summary["methods"].values():
+        assert table.count(m["label"]) == 1, m["label"]
+    for i in _TERMINAL_COLUMNS[1:]:
+        assert text.count(f"  {TABLE_HEADER[i]}: ") == 3, TABLE_HEADER[i]
+    block = text.split("binary-KL RS + token TIS\n", 1)[1]
+    assert block.startswith("  trainer final [95 % CI]: 0.75 [0.63, 0.87]\n") and "  tied with best (paired): yes" in block
+
+
+@pytest.mark.parametrize("growth, words", [
+    (4.756671289155859, "grows ×4.8"),            # docs/results/demo-stale.json: 0.0xx → 4.8 × that
+    (0.7054473032318747, "falls by 29 %"),        # docs/results/demo-long.json: a fall, 1 − 0.705 = 29 %
+    (1.02, "stays level (×1.02)"), (0.97, "stays level (×0.97)"), (0.0, "falls by 100 %"),
+])
+def test_naive_kl_change_is_called_a_rise_or_a_fall(growth, words):
+    from rollout_correction.demo.report import claims_text
+
+    summary = _methods_summary(("on_policy", "naive"))
+    summary["methods"]["naive"]["kl_growth"] = growth
+    (line,) = [x for x in claims_text(summary) if x.startswith("Naive PPO's mismatch KL")]
+    assert line == f"Naive PPO's mismatch KL {words} from the first to the last tenth of training."
+
+
+def test_a_table_that_fits_100_columns_prints_whole_in_a_log():
+    """Rich assumes 80 columns without a terminal and would wrap a 90-column table; up to 100 it
+    prints whole, one line per row."""
+    import io
+
+    from rich.console import Console
+
+    from rollout_correction.demo.report import print_fitted
+
+    header = ["method", "a rather long first column header", "another long column header here"]
+    rows = [["naive PPO", "0.123456789 [0.1, 0.2]", "0.987654321 [0.9, 1.0]"], ["token TIS", "0.5", "0.6"]]
+    out = io.StringIO()
+    console = Console(file=out)
+    print_fitted(console, "title", header, rows)
+    lines = out.getvalue().splitlines()
+    assert 80 < max(len(line) for line in lines) <= 100
+    assert sum("naive PPO" in line and "0.123456789 [0.1, 0.2]" in line and "0.987654321" in line
+               for line in lines) == 1
 
 
 def test_summary_table_stacks_in_a_narrow_terminal():

@@ -44,7 +44,8 @@ torch.set_num_threads(1)
 
 FAST = settings(max_examples=200, deadline=None, derandomize=True, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-NIGHTLY = settings(max_examples=10_000, deadline=None, print_blob=True,
+# Random seeds (the suite's profile derandomizes: conftest.py), no example database.
+NIGHTLY = settings(max_examples=10_000, deadline=None, print_blob=True, derandomize=False, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 PRESETS = RolloutCorrectionConfig.preset_names()

@@ -6,8 +6,10 @@ new report folder for each invocation.
   ``rollout-correction`` command prints its message on one line and exits 2.
 * :class:`ProgressLines` — without a terminal (``| tee``, CI, ``nohup``), one plain line per
   finished unit with the elapsed time and an ETA; no carriage returns, no colour codes.
+* :data:`LOG_WIDTH` — without a terminal, no table is wider than this (100 columns).
 * :func:`report_folder` — ``<default>/<date>-<time>/`` with ``<default>/latest`` pointing at it,
-  or an explicit folder that is refused when it holds another run's report.
+  or an explicit folder that is refused when it holds another run's report
+  (:func:`refuse_held_folder`, which a command may call before it reads its input).
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-__all__ = ["ArgumentParser", "CommandError", "ProgressLines", "clock", "is_terminal", "one_line", "report_folder"]
+__all__ = ["LOG_WIDTH", "ArgumentParser", "CommandError", "ProgressLines", "clock", "is_terminal", "one_line",
+           "refuse_held_folder", "report_folder"]
+
+#: The widest a table's line gets without a terminal (a pipe, ``tee``, CI): a wider table is printed
+#: as one block per row, or its cells wrap.
+LOG_WIDTH = 100
 
 
 class CommandError(Exception):
@@ -63,23 +70,31 @@ class ProgressLines:
 
         [ 3/21] naive PPO · seed 0  0.71  elapsed 1m02s  ETA 6m10s
 
-    The ETA is the mean time per unit finished in this invocation times the units left (units
-    already done when it started, e.g. resumed runs, count as done but not in the rate).
+    The ETA is the time per unit of expected cost finished in this invocation times the cost left.
+    Units are weighed by their expected cost (``cost`` of :meth:`finished`, ``total_cost`` for all
+    of them; by default 1 each, i.e. units count alike), so that a few cheap units first (a warm
+    start) do not make the long ones after them look short. Units already done when it started
+    (e.g. resumed runs, ``done`` of them costing ``done_cost``) count as done but not in the rate.
     """
 
     def __init__(self, total: int, done: int = 0, stream: TextIO | None = None,
-                 now: Callable[[], float] = time.perf_counter):
+                 now: Callable[[], float] = time.perf_counter, total_cost: float | None = None,
+                 done_cost: float | None = None):
         self.total, self.done, self._start_done = total, done, done
+        self.total_cost = float(total if total_cost is None else total_cost)
+        self.done_cost = float(done if done_cost is None else done_cost)
+        self._start_cost = self.done_cost
         self._stream, self._now = stream, now
         self._t0 = now()
 
-    def finished(self, label: str, detail: str = "") -> str:
-        """Count one finished unit and print its line; returns the line."""
+    def finished(self, label: str, detail: str = "", cost: float = 1.0) -> str:
+        """Count one finished unit of expected ``cost`` and print its line; returns the line."""
         self.done += 1
+        self.done_cost += cost
         elapsed = self._now() - self._t0
-        rate = elapsed / max(1, self.done - self._start_done)
+        rate = elapsed / max(self.done_cost - self._start_cost, 1e-12)
         left = self.total - self.done
-        eta = f"ETA {clock(rate * left)}" if left > 0 else "done"
+        eta = f"ETA {clock(rate * max(self.total_cost - self.done_cost, 0.0))}" if left > 0 else "done"
         width = len(str(self.total))
         line = one_line(f"[{self.done:>{width}}/{self.total}] {label} {detail}")
         line = f"{line}  elapsed {clock(elapsed)}  {eta}"
@@ -89,6 +104,19 @@ class ProgressLines:
 
 def _stamp(now: datetime.datetime) -> str:
     return now.strftime("%Y%m%d-%H%M%S")
+
+
+def refuse_held_folder(out: str | Path | None, markers: tuple[str, ...], force: bool = False) -> None:
+    """Raise :class:`CommandError` when the explicit folder ``out`` already holds one of ``markers``
+    (another run's report) and not ``force``; nothing is created. A command that reads its input
+    before it makes its report folder calls this first, so that a folder in use is refused before
+    the work."""
+    if out is None or force:
+        return
+    held = [m for m in markers if (Path(out) / m).exists()]
+    if held:
+        raise CommandError(f"{out} already holds a report ({held[0]}); give another --out, or --force to write "
+                           f"over it")
 
 
 def report_folder(out: str | None, default: str, markers: tuple[str, ...], force: bool = False,
@@ -103,10 +131,7 @@ def report_folder(out: str | None, default: str, markers: tuple[str, ...], force
     """
     if out is not None:
         path = Path(out)
-        held = [m for m in markers if (path / m).exists()]
-        if held and not (force or reuse):
-            raise CommandError(f"{path} already holds a report ({held[0]}); give another --out, or --force to "
-                               f"write over it")
+        refuse_held_folder(path, markers, force=force or reuse)
         path.mkdir(parents=True, exist_ok=True)
         return path
     base = Path(default)

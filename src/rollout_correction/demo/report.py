@@ -473,6 +473,16 @@ TABLE_HEADER = ["method", "preset", "trainer final [95 % CI]", "− naive, paire
 _TERMINAL_COLUMNS = (0, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
 
+def kl_trend(growth: float) -> str:
+    """A change of the mismatch KL by the factor ``growth`` (last over first), in words: a rise
+    "grows ×4.8", a fall "falls by 29 %" (never "grows ×0.7"), and within 5 % "stays level (×1.02)"."""
+    if growth >= 1.05:
+        return f"grows ×{growth:.1f}"
+    if growth <= 0.95:
+        return f"falls by {100 * (1 - growth):.0f} %"
+    return f"stays level (×{growth:.2f})"
+
+
 def claims_text(summary: dict) -> list[str]:
     """The pre-declared claims in words, with their paired intervals and sign counts."""
     c = claims(summary)
@@ -491,7 +501,7 @@ def claims_text(summary: dict) -> list[str]:
         lines.append(f"- {name} − naive PPO > 0: {word} — paired difference {diff_text(d)} over {d['n']} seeds, "
                      f"{d['above']} of {d['n']} seeds above naive ({d['verdict']}).")
     if c["naive_kl_growth"] is not None and c["naive_kl_growth"] == c["naive_kl_growth"]:
-        lines.append(f"Naive PPO's mismatch KL grows ×{c['naive_kl_growth']:.1f} from the first to the last tenth "
+        lines.append(f"Naive PPO's mismatch KL {kl_trend(c['naive_kl_growth'])} from the first to the last tenth "
                      "of training.")
     judged = [r for r in c["claims"] if r["evaluated"]]
     lines.append("Both claims hold." if c["all_hold"] else
@@ -648,9 +658,9 @@ def _per_seed_table(cfg: DemoConfig, summary: dict, header: str, cell) -> list[s
 
 
 def print_table(summary: dict, console=None) -> None:
-    """The summary table and the checks. In a log (not a terminal: a pipe, ``tee``, CI) nothing is
-    wrapped or cut: the table takes the width it needs and each line stays one line; in a terminal
-    too narrow for it, one block per method."""
+    """The summary table and the checks. The table is whole where it fits (a terminal's width; in a
+    log, a pipe, ``tee`` or CI, :data:`~rollout_correction.console.LOG_WIDTH` columns), one block per
+    method otherwise; the claims are one line each."""
     from rich.console import Console
 
     console = console or Console()
@@ -662,10 +672,14 @@ def print_table(summary: dict, console=None) -> None:
 
 
 def print_fitted(console, title: str, header: list[str], rows: list[list[str]]) -> None:
-    """A table that is never cut: whole in a log (:func:`print_unwrapped`); in a terminal narrower
-    than the table, one block per row (its first cell, then ``header: value`` lines)."""
+    """A table that is never cut: whole when it fits the width it may take (a terminal's own, or
+    :data:`~rollout_correction.console.LOG_WIDTH` columns without a terminal, where rich would assume
+    80 and wrap the cells), otherwise one block per row (its first cell, then ``header: value``
+    lines)."""
     from rich.markup import escape
     from rich.table import Table
+
+    from rollout_correction.console import LOG_WIDTH
 
     table = Table(title=title)
     for i, h in enumerate(header):
@@ -673,10 +687,10 @@ def print_fitted(console, title: str, header: list[str], rows: list[list[str]]) 
     for r in rows:
         table.add_row(*r)
     need = console.measure(table, options=console.options.update_width(1000)).maximum
-    if not (console.is_terminal and need > console.width):
+    if need <= (console.width if console.is_terminal else LOG_WIDTH):
         print_unwrapped(console, table)
         return
-    console.print(title, markup=False)
+    console.print(title, markup=False, soft_wrap=not console.is_terminal)
     for r in rows:
         console.print(f"[bold]{escape(r[0])}[/bold]", soft_wrap=True)
         for h, cell in zip(header[1:], r[1:]):
@@ -684,7 +698,9 @@ def print_fitted(console, title: str, header: list[str], rows: list[list[str]]) 
 
 
 def print_unwrapped(console, renderable) -> None:
-    """Print in full width when the console is not a terminal (rich assumes 80 columns there)."""
+    """Print in full width when the console is not a terminal (rich assumes 80 columns there): a
+    line of text stays one line, a table takes the width it needs (:func:`print_fitted` keeps it
+    within :data:`~rollout_correction.console.LOG_WIDTH`)."""
     if console.is_terminal:
         console.print(renderable)
     elif isinstance(renderable, str):

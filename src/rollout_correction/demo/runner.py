@@ -21,6 +21,25 @@ from rollout_correction.demo.task import Task
 from rollout_correction.demo.trainer import setup_torch, sft, train
 
 
+# The expected cost of a unit of work, for the ETA of the progress lines, in sequences processed:
+# an SFT step trains on ``sft_batch`` sequences, a GRPO step samples and trains on ``prompts ×
+# samples``, and an evaluation generates greedily for ``eval_prompts`` prompts (once after the warm
+# start; in a GRPO run every ``eval_every`` steps and at the end, with the trainer and the engine).
+# On the CPU a sequence costs about the same in an SFT step as in a GRPO step, and an evaluation
+# prompt about EVAL_WEIGHT of that (the trainer's own functions on one thread, default and long
+# scenarios). Counting each unit alike made the ETA after the warm starts (about 1/17 of a run each
+# by default) several times too short.
+EVAL_WEIGHT = 0.4
+
+
+def unit_costs(cfg: DemoConfig) -> tuple[float, float]:
+    """The expected cost of one SFT warm start and of one GRPO run, in sequences processed."""
+    evaluations = len({*range(0, cfg.steps, cfg.eval_every), cfg.steps})
+    sft = cfg.sft_steps * cfg.sft_batch + EVAL_WEIGHT * cfg.eval_prompts
+    run = cfg.steps * cfg.prompts * cfg.samples + EVAL_WEIGHT * 2 * evaluations * cfg.eval_prompts
+    return sft, run
+
+
 def _init_worker(threads: int) -> None:
     setup_torch(threads)
 
@@ -80,15 +99,17 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = F
     jobs = [(m, s) for s in cfg.seeds for m in cfg.methods]
     done = {(m, s): r for m, s in jobs if resume and (r := _load_run(cfg, m, s)) is not None}
     columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    log = ProgressLines(len(cfg.seeds) + len(jobs), done=len(done)) if lines else None
+    sft_cost, run_cost = unit_costs(cfg)
+    log = ProgressLines(len(cfg.seeds) + len(jobs), done=len(done), total_cost=len(cfg.seeds) * sft_cost +
+                        len(jobs) * run_cost, done_cost=len(done) * run_cost) if lines else None
 
-    def finished(label: str, detail: str = "") -> None:
+    def finished(label: str, detail: str = "", cost: float = sft_cost) -> None:
         if log is not None:
-            log.finished(label, detail)
+            log.finished(label, detail, cost)
 
     def finished_run(r: dict) -> None:
         final = r.get("evals", {}).get("trainer") or [float("nan")]
-        finished(f"{METHODS[r['method']].label} · seed {r['seed']}", f"final exact match {final[-1]:.3f}")
+        finished(f"{METHODS[r['method']].label} · seed {r['seed']}", f"final exact match {final[-1]:.3f}", run_cost)
 
     with Progress(*columns, disable=not show_progress or lines, transient=False) as bars:
         sft_bar = bars.add_task("SFT warm start (per seed)", total=len(cfg.seeds))

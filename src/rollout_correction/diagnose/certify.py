@@ -177,7 +177,11 @@ def print_certificate(cert: Certificate, paths: list[str], file=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=file, width=110)
+    from rollout_correction.console import LOG_WIDTH
+
+    console = Console(file=file)
+    if not console.is_terminal:  # a log: the table within LOG_WIDTH (a terminal: its own width)
+        console.width = LOG_WIDTH
     within = "bit for bit" if cert.atol is None else f"within |Δ| ≤ {cert.atol:g} (largest {cert.max_abs_diff:.3g})"
     if cert.passed:
         console.print(f"[bold green]PASS[/bold green] {cert.path}: rollout and trainer log-probs agree {within} "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from rollout_correction.console import CommandError, report_folder
+from rollout_correction.console import CommandError, refuse_held_folder, report_folder
 
 from .engines import ENGINES
 from .readers import FORMATS, Columns
@@ -83,16 +83,18 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("give a FILE to diagnose, or --example")
     if getattr(args, "atol", None) is not None and not args.certify:
         raise CommandError("--atol applies to --certify only")
-    out = str(report_folder(args.out, DEFAULT_OUT, REPORT_MARKERS, force=args.force))
-    if args.example:
+    if args.example:  # the input is generated into the report folder
         from .example import write_example
 
-        os.makedirs(out, exist_ok=True)
+        out = _report_folder(args)
         path = os.path.join(out, "example_rollouts.parquet")
         if not args.quiet:
             print(f"generating {args.example_rows} responses with a bf16, int4-weight rollout engine "
                   f"→ {path}", flush=True)
         write_example(path, n_rows=args.example_rows)
+    else:  # a folder in use is refused now; the report folder is made once the input has been read
+        refuse_held_folder(args.out, REPORT_MARKERS, force=args.force)
+        out = None
     columns = Columns(
         rollout_log_probs=args.rollout_col, old_log_probs=args.old_col, response_mask=_none(args.mask_col),
         lengths=_none(args.lengths_col), rewards=_none(args.rewards_col), policy_version=_none(args.version_col),
@@ -103,10 +105,15 @@ def run(args: argparse.Namespace) -> int:
     # a bad file raises ValueError / FileNotFoundError: one line and exit 2 at the command line (cli.py)
     diag = diagnose_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, presets=presets,
                          engine=args.engine, progress=None if args.quiet else _file_lines())
+    out = out or _report_folder(args)
     write_report(diag, out)
     if not args.quiet:
         print_summary(diag, out)
     return 0
+
+
+def _report_folder(args: argparse.Namespace) -> str:
+    return str(report_folder(args.out, DEFAULT_OUT, REPORT_MARKERS, force=args.force))
 
 
 def _file_lines():
@@ -125,13 +132,14 @@ def _file_lines():
     return progress
 
 
-def _certify(path: str, columns: Columns, args: argparse.Namespace, out: str) -> int:
-    """The zero-diff certificate of ``path``: 0 when it passes, 1 when a token differs, 2 on an error."""
+def _certify(path: str, columns: Columns, args: argparse.Namespace, out: str | None) -> int:
+    """The zero-diff certificate of ``path``: 0 when it passes, 1 when a token differs, 2 on an error.
+    The report folder (``out``, or a new one) is made once the file has been read."""
     from .certify import certify_file, print_certificate, write_certificate
 
     cert = certify_file(path, columns, chunk_rows=args.chunk_rows, fmt=args.format, engine=args.engine,
                         atol=getattr(args, "atol", None))
-    paths = write_certificate(cert, out)
+    paths = write_certificate(cert, out or _report_folder(args))
     if not args.quiet:
         print_certificate(cert, paths)
     return 0 if cert.passed else 1

@@ -17,6 +17,7 @@ from dataclasses import asdict
 import numpy as np
 
 from rollout_correction import METRIC_PREFIX
+from rollout_correction.console import LOG_WIDTH
 
 from .diagnosis import Diagnosis
 from .profile import HEALTHY_BAND, VETO_THRESHOLD
@@ -417,8 +418,8 @@ def print_summary(diag: Diagnosis, out_dir: str | None = None, file=None) -> Non
             print(f"note: {note}", file=file)
         return
     console = Console(file=file)
-    if not console.is_terminal:  # a log: wide enough for every table whole (a terminal: its own width)
-        console.width = 110
+    if not console.is_terminal:  # a log: the tables within LOG_WIDTH (a terminal: its own width)
+        console.width = LOG_WIDTH
     mean_len = c.tokens / c.rows_used if c.rows_used else 0.0
     console.print(f"[bold]Rollout mismatch diagnosis[/bold] · {c.rows:,} rows · {c.tokens:,} tokens · "
                   f"mean length {mean_len:.1f}")
