@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout_correction import (LOSS_AGG_MODES, RolloutCorrectionConfig, compute_offpolicy_metrics,
+from rollout_correction import (LOSS_AGG_MODES, ConfigError, RolloutCorrectionConfig, compute_offpolicy_metrics,
                                 compute_policy_loss, compute_rollout_correction, metrics_to_floats)
 from rollout_correction.advantages import group_advantages
 from rollout_correction.packed import compute_rollout_correction_packed
@@ -110,7 +110,8 @@ def configs(draw):
     if draw(st.booleans()):
         cfg = cfg.replace(rollout_is_batch_normalize=True) if cfg.rollout_is else cfg
     return cfg.replace(on_nonfinite=draw(st.sampled_from(["reject", "reject", "raise"])),
-                       log_prob_floor=draw(st.sampled_from([-1000.0, -1000.0, None, -50.0])))
+                       log_prob_floor=draw(st.sampled_from([-1000.0, -1000.0, None, -50.0])),
+                       log_prob_ceiling=draw(st.sampled_from([0.0, 0.0, None])))
 
 
 def _finite(name, t):
@@ -140,15 +141,18 @@ def _sentinel(x, floor):
     return torch.zeros(x.shape, dtype=torch.bool) if floor is None else x <= floor
 
 
-def _bad_rows(old, roll, mask, floor=-1000.0):
-    """Rows with a non-finite input (or an overflowing difference) or a sentinel at a valid position."""
+def _bad_rows(old, roll, mask, floor=-1000.0, ceiling=0.0):
+    """Rows with a non-finite input (or an overflowing difference), a sentinel, or a log-prob above the
+    ceiling (no probability) at a valid position."""
     bad = _nonfinite(old.float() - roll.float()) | _sentinel(old, floor) | _sentinel(roll, floor)
+    if ceiling is not None:
+        bad |= (old.float() > ceiling) | (roll.float() > ceiling)
     return ((mask != 0) & bad).any(-1)
 
 
 def _correct_or_raise(old, roll, mask, cfg):
     """The correction, or None after checking that ``on_nonfinite="raise"`` raised as it must."""
-    if cfg.on_nonfinite == "raise" and bool(_bad_rows(old, roll, mask, cfg.log_prob_floor).any()):
+    if cfg.on_nonfinite == "raise" and bool(_bad_rows(old, roll, mask, cfg.log_prob_floor, cfg.log_prob_ceiling).any()):
         with pytest.raises(ValueError, match="non-finite"):
             compute_rollout_correction(old, roll, mask, config=cfg)
         return None
@@ -158,7 +162,7 @@ def _correct_or_raise(old, roll, mask, cfg):
 def check_correction(data):
     old, roll, mask = data.draw(batches())
     cfg = data.draw(configs())
-    bad = _bad_rows(old, roll, mask, cfg.log_prob_floor)
+    bad = _bad_rows(old, roll, mask, cfg.log_prob_floor, cfg.log_prob_ceiling)
     out = _correct_or_raise(old, roll, mask, cfg)
     if out is None:
         return
@@ -211,9 +215,18 @@ def check_policy_loss(data):
         bad |= valid & (_nonfinite(train - roll.float()) | _sentinel(log_prob.detach(), cfg.log_prob_floor))
     elif use_rollout and weights is None:  # the correction compares π_old with π_rollout
         bad |= valid & _nonfinite(old.float() - roll.float())
+    if cfg.log_prob_ceiling is not None:  # a log-prob above the ceiling is no probability: it drops its row
+        bad |= valid & ((train > cfg.log_prob_ceiling) | (prox.float() > cfg.log_prob_ceiling))
+        bad |= valid & (roll.float() > cfg.log_prob_ceiling) if use_rollout else False
     bad_rows = bad.any(-1)
     kwargs = dict(rollout_log_prob=roll if use_rollout else None, rollout_is_weights=weights,
                   loss=PolicyLoss(aggregation=Aggregation(agg)))
+    asks = cfg.rollout_is or cfg.rs_enabled or cfg.rollout_m2po_threshold is not None or \
+        cfg.expect_zero_atol is not None or cfg.check_alignment or cfg.mismatch_metrics
+    if not cfg.bypass_mode and not use_rollout and weights is None and asks:
+        with pytest.raises(ConfigError, match="got neither rollout_log_prob nor rollout_is_weights"):
+            compute_policy_loss(log_prob, old, adv, mask, config=cfg, **kwargs)
+        return  # a correction without its inputs is refused, never plain PPO
     if cfg.on_nonfinite == "raise" and bool(bad_rows.any()):
         with pytest.raises(ValueError, match="non-finite"):
             compute_policy_loss(log_prob, old, adv, mask, config=cfg, **kwargs)
@@ -398,7 +411,7 @@ def check_segments(data):
         bad_ids[b, t] = data.draw(st.sampled_from([-1, top, top + 7]))
         with pytest.raises(ValueError, match="segment id"):
             compute_rollout_correction(old, roll, mask, config=cfg, segments=Segments(bad_ids, count=S))
-    bad = _bad_rows(old, roll, mask)
+    bad = _bad_rows(old, roll, mask, cfg.log_prob_floor, cfg.log_prob_ceiling)
     if cfg.on_nonfinite == "raise" and bool(bad.any()):
         with pytest.raises(ValueError, match="non-finite"):
             compute_rollout_correction(old, roll, mask, config=cfg, **kw)
@@ -417,7 +430,7 @@ def check_segments(data):
         return
     log_prob = roll.clone().float().nan_to_num(0.0).requires_grad_(True)
     adv = torch.ones(B, T)
-    bad_loss = _bad_rows(log_prob.detach(), roll, mask)
+    bad_loss = _bad_rows(log_prob.detach(), roll, mask, cfg.log_prob_floor, cfg.log_prob_ceiling)
     if cfg.on_nonfinite == "raise" and bool(bad_loss.any()):
         return
     loss, metrics = compute_policy_loss(log_prob, None, adv, mask, config=cfg, rollout_log_prob=roll, **kw)

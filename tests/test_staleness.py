@@ -153,7 +153,7 @@ def _hand_loss(log_prob, prox, behav, adv, mask, cap=2.0, eps=0.2):
 def test_loss_with_recomputed_proximal_matches_the_formula_and_gradient():
     g = torch.Generator().manual_seed(0)
     behav = -torch.rand(3, 5, generator=g) * 2
-    prox = behav + 0.3 * torch.randn(3, 5, generator=g)
+    prox = (behav + 0.3 * torch.randn(3, 5, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     base = (prox + 0.1 * torch.randn(3, 5, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     adv = torch.randn(3, 5, generator=g)
     mask = torch.ones(3, 5)
@@ -193,7 +193,7 @@ def test_loss_uses_per_token_versions_and_rejects_stale_samples():
     expected = torch.where(unclipped, -w * r, torch.zeros(3)) / 3  # d(−A·w·r)/d log π_θ over 3 tokens
     torch.testing.assert_close(lp.grad[0], expected)
     naive_lp = base.clone().requires_grad_(True)
-    naive, _ = compute_policy_loss(naive_lp, behav, adv, mask, config=cfg)
+    naive, _ = compute_policy_loss(naive_lp, behav, adv, mask)  # plain PPO against π_behav
     naive.backward()
     assert naive_lp.grad[1].abs().max() > 0
     assert (naive_lp.grad[0] - lp.grad[0]).abs().max() > 1e-3

@@ -303,8 +303,10 @@ def compute_staleness_policy_loss(
     corr = compute_rollout_correction(
         prox, rollout_log_prob, mask, config=config, parallel=Parallel(dp_group=process_group))
     metrics.update(corr.metrics)
+    # the correction is applied here: its weights (the kept tokens' 1s without IS) go to the loss as computed
+    weights = corr.weights if corr.weights is not None else (corr.response_mask != 0).to(torch.float32)
     loss, loss_metrics = compute_policy_loss(
-        log_prob, prox, advantages, corr.response_mask, config=config, rollout_is_weights=corr.weights,
+        log_prob, prox, advantages, corr.response_mask, config=config, rollout_is_weights=weights,
         **loss_kwargs, parallel=Parallel(dp_group=process_group))
     metrics.update(loss_metrics)
     return loss, metrics
