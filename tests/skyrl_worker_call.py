@@ -106,10 +106,10 @@ def main(out: Path) -> None:
     sequences = torch.randint(0, VOCAB, (B, PROMPT + RESPONSE), generator=gen)
     with torch.no_grad():
         current, _ = worker.model(sequences, RESPONSE)
-    rollout = current + torch.randn(B, RESPONSE, generator=gen) * 0.3
-    old = rollout + torch.randn(B, RESPONSE, generator=gen) * 0.3
+    rollout = (current + torch.randn(B, RESPONSE, generator=gen) * 0.3).clamp(max=0.0)  # log-probs are ≤ 0
+    old = (rollout + torch.randn(B, RESPONSE, generator=gen) * 0.3).clamp(max=0.0)  # log-probs are ≤ 0
     old[0, 1] = rollout[0, 1] + 2.0  # ρ = e² > the outlier threshold 2.5: row 0 is vetoed
-    base = current + torch.randn(B, RESPONSE, generator=gen) * 0.1
+    base = (current + torch.randn(B, RESPONSE, generator=gen) * 0.1).clamp(max=0.0)  # log-probs are ≤ 0
     loss_mask = torch.ones(B, RESPONSE)
     loss_mask[1, :2] = 0.0
     loss_mask[3, -1] = 0.0

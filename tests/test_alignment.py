@@ -14,7 +14,7 @@ def _llm_like(B=8, T=40, seed=0, noise=0.02):
     """Token log-probs shaped like a language model's (many near 0, some very negative)."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.empty(B, T).exponential_(1.0, generator=g)
-    rollout = old + noise * torch.randn(B, T, generator=g)
+    rollout = (old + noise * torch.randn(B, T, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     return old, rollout, torch.ones(B, T, dtype=torch.bool)
 
 

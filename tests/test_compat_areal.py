@@ -79,7 +79,7 @@ def _batch(seed: int, packed: bool):
     T = max(lengths)
     scale = rng.choice([0.05, 0.3, 1.0])
     old = -torch.rand(B, T, generator=gen) * 3
-    prox = old + torch.randn(B, T, generator=gen) * scale
+    prox = (old + torch.randn(B, T, generator=gen) * scale).clamp(max=0.0)  # log-probs are ≤ 0
     mask = (torch.rand(B, T, generator=gen) > 0.2) & (torch.arange(T) < torch.tensor(lengths)[:, None])
     if B > 1 and rng.random() < 0.3:
         mask[rng.randrange(B)] = False

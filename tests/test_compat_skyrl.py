@@ -38,7 +38,7 @@ def _batch(rng: random.Random, gen: torch.Generator):
     B, T = rng.randint(1, 6), rng.randint(1, 10)
     scale = rng.choice([0.005, 0.05, 0.3, 1.5])
     rollout = -torch.rand(B, T, generator=gen) * 3
-    old = rollout + torch.randn(B, T, generator=gen) * scale
+    old = (rollout + torch.randn(B, T, generator=gen) * scale).clamp(max=0.0)  # log-probs are ≤ 0
     mask = (torch.rand(B, T, generator=gen) > rng.choice([0.0, 0.3])).float()
     if B > 1 and rng.random() < 0.3:
         mask[rng.randrange(B)] = 0.0  # a row without valid tokens
@@ -114,8 +114,8 @@ def _loss_inputs(seed: int):
     gen = torch.Generator().manual_seed(seed)
     B, T = 4, 7
     rollout = -torch.rand(B, T, generator=gen) * 2
-    old = rollout + torch.randn(B, T, generator=gen) * 0.4
-    log_probs = (old + torch.randn(B, T, generator=gen) * 0.2).requires_grad_()
+    old = (rollout + torch.randn(B, T, generator=gen) * 0.4).clamp(max=0.0)  # log-probs are ≤ 0
+    log_probs = (old + torch.randn(B, T, generator=gen) * 0.2).clamp(max=0.0).requires_grad_()
     mask = (torch.rand(B, T, generator=gen) > 0.2).float()
     advantages = torch.randn(B, 1, generator=gen).expand(B, T).clone()
     return log_probs, old, rollout, mask, advantages

@@ -37,7 +37,7 @@ def _batches(B: int = 6, T: int = 9) -> list[tuple[torch.Tensor, ...]]:
     for seed, spread in ((0, 0.3), (1, 1.0), (2, 0.05)):  # mild, strong (rejections, truncation), tiny mismatch
         g = torch.Generator().manual_seed(seed)
         rollout = -torch.rand(B, T, generator=g) * 3
-        old = rollout + torch.randn(B, T, generator=g) * spread
+        old = (rollout + torch.randn(B, T, generator=g) * spread).clamp(max=0.0)  # log-probs are ≤ 0
         mask = torch.rand(B, T, generator=g) > 0.25
         mask[1] = False                                         # an empty row, garbage in its padding
         old[1, :2] = float("nan")

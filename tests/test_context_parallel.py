@@ -79,7 +79,7 @@ def make_rows(dp_rank: int):
     pad = mask == 0
     old = torch.where(pad & (torch.arange(LENGTH) % 3 == 0), torch.full_like(old, float("nan")), old)
     rollout = torch.where(pad & (torch.arange(LENGTH) % 3 == 1), torch.full_like(old, -float("inf")), rollout)
-    log_prob = old.nan_to_num(-1.0) + 0.25 * torch.randn(ROWS, LENGTH, generator=gen)
+    log_prob = (old.nan_to_num(-1.0) + 0.25 * torch.randn(ROWS, LENGTH, generator=gen)).clamp(max=0.0)
     adv = torch.randn(ROWS, 1, generator=gen).expand(ROWS, LENGTH).contiguous()
     return old, rollout, mask, log_prob, adv
 

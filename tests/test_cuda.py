@@ -75,7 +75,7 @@ def make_batch(B=24, T=300, dtype=torch.float32, mask_dtype=torch.bool, seed=0, 
     an empty row, a full row, a hole, a NaN at a valid position, ±inf and NaN in padding."""
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=gen) * 3
-    rollout = old + noise * torch.randn(B, T, generator=gen)
+    rollout = (old + noise * torch.randn(B, T, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     lengths = torch.randint(T // 4, T + 1, (B,), generator=gen)
     lengths[1], lengths[2] = 0, T
     mask = torch.arange(T)[None, :] < lengths[:, None]
@@ -148,7 +148,7 @@ def test_offpolicy_metrics_match_cpu():
 def loss_inputs(dtype=torch.float32, seed=1):
     old, rollout, mask = make_batch(dtype=dtype, seed=seed)
     gen = torch.Generator().manual_seed(seed + 100)
-    log_prob = (old.float().nan_to_num(-1.0) + 0.1 * torch.randn(old.shape, generator=gen)).to(dtype)
+    log_prob = ((old.float().nan_to_num(-1.0) + 0.1 * torch.randn(old.shape, generator=gen)).to(dtype)).clamp(max=0.0)
     adv = torch.randn(old.shape[0], 1, generator=gen).expand(old.shape).contiguous()
     weights = (torch.rand(old.shape, generator=gen) + 0.5)
     return log_prob, old, rollout, adv, mask, weights

@@ -70,7 +70,7 @@ def test_agreement_within_the_exact_tolerance_recommends_asserting_it():
     assert (rec.case, rec.preset) == ("exact", "disabled") and "expect_zero_atol=1e-06" in rec.reason
     assert 0 < rec.inputs["log_prob_abs_diff_max"] <= 1e-6
     # slime #830's regression: mean |Δ| 4.5e-4 is negligible for the correction but not exact
-    old = roll + 4.5e-4 * torch.sign(torch.randn(roll.shape, generator=torch.Generator().manual_seed(1)))
+    old = (roll + 4.5e-4 * torch.sign(torch.randn(roll.shape, generator=torch.Generator().manual_seed(1)))).clamp(max=0.0)
     rec = diagnose_tensors(old, roll, mask, presets=[]).recommendation
     assert rec.case == "tiny"
 
@@ -129,7 +129,7 @@ def test_veto_fraction_and_positive_log_probs():
 def test_one_token_shift_is_flagged():
     g = torch.Generator().manual_seed(1)
     lp = -torch.rand(64, 41, generator=g) * 3
-    old = lp[:, 1:] + 0.01 * torch.randn(64, 40, generator=g)
+    old = (lp[:, 1:] + 0.01 * torch.randn(64, 40, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     roll = lp[:, :-1]  # the rollout column is one position early
     diag = diagnose_tensors(old, roll, torch.ones(64, 40), presets=[])
     check = [h for h in diag.health if h.name.startswith("alignment")][0]

@@ -75,10 +75,10 @@ def batch() -> dict[str, torch.Tensor]:
     """The ``batch`` fixture (the same tensors on every rank of ``cp2``)."""
     g = torch.Generator().manual_seed(0)
     rollout = -torch.rand(4, 8, generator=g) * 2 - 0.05
-    old = rollout + 0.1 * torch.randn(4, 8, generator=g)
+    old = (rollout + 0.1 * torch.randn(4, 8, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.rand(4, 8, generator=g) > 0.2
     mask[2] = False  # an empty row
-    log_prob = (old + 0.05 * torch.randn(4, 8, generator=g)).requires_grad_(True)
+    log_prob = (old + 0.05 * torch.randn(4, 8, generator=g)).clamp(max=0.0).requires_grad_(True)
     return dict(old_log_prob=old, rollout_log_prob=rollout, response_mask=mask, log_prob=log_prob,
                 advantages=torch.randn(4, 8, generator=g))
 

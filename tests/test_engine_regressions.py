@@ -122,7 +122,7 @@ def test_diagnose_names_the_length_where_sequence_bounds_are_crossed(tmp_path):
     gen = torch.Generator().manual_seed(0)
     for length, noted in ((300, True), (64, False)):
         rollout = -torch.rand(32, length, generator=gen) * 2 - 0.1
-        old = rollout - 0.004 + 0.01 * torch.randn(32, length, generator=gen)  # |kl| ≈ 0.004 < 0.005
+        old = (rollout - 0.004 + 0.01 * torch.randn(32, length, generator=gen)).clamp(max=0.0)  # |kl| ≈ 0.004 < 0.005
         diag = diagnose_tensors(old, rollout, torch.ones(32, length), presets=[])
         notes = summary_dict(diag)["recommendation"]["notes"]
         if not noted:
@@ -140,7 +140,7 @@ def _masked_garbage(value: float):
     """Rows whose masked positions hold ``value`` in the engine's (and the trainer's) log-probs."""
     gen = torch.Generator().manual_seed(3)
     rollout = -torch.rand(3, 7, generator=gen) * 2 - 0.05
-    old = rollout + 0.2 * torch.randn(3, 7, generator=gen)
+    old = (rollout + 0.2 * torch.randn(3, 7, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 1, 0, 1], [0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
     rollout = torch.where(mask, rollout, value)
     old = torch.where(mask, old, value if value != -9999.0 else -math.inf)

@@ -149,7 +149,7 @@ def _batch(seed=0):
         attn[i, P + n:] = 0
         seq[i, P + n:] = 0
     with torch.no_grad():
-        old = (TinyPolicy().token_log_probs(seq, A) + 0.1 * torch.randn(N, A, generator=g)) * mask
+        old = ((TinyPolicy().token_log_probs(seq, A) + 0.1 * torch.randn(N, A, generator=g))).clamp(max=0.0) * mask
     rollout = (old + 0.15 * torch.randn(N, A, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     rollout[2] -= 3.0
     rollout[5] += 3.0

@@ -38,7 +38,7 @@ torch.set_num_threads(1)
 def _log_probs(B=6, T=7, seed=0, scale=0.4):
     g = torch.Generator().manual_seed(seed)
     rollout = -torch.rand(B, T, generator=g) * 2 - 0.05
-    old = rollout + scale * torch.randn(B, T, generator=g)
+    old = (rollout + scale * torch.randn(B, T, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.ones(B, T)
     for i in range(B):
         mask[i, T - i % 4:] = 0

@@ -31,7 +31,7 @@ rc_verl.register(CORE)
 def _tensors(B=6, T=8, seed=0, scale=0.3):
     g = torch.Generator().manual_seed(seed)
     rollout = -torch.rand(B, T, generator=g) * 1.5 - 0.05
-    old = rollout + scale * torch.randn(B, T, generator=g)
+    old = (rollout + scale * torch.randn(B, T, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     log_prob = (old + 0.2 * torch.randn(B, T, generator=g)).clamp(max=0.0).requires_grad_(True)
     adv = torch.randn(B, 1, generator=g).expand(B, T).clone()
     mask = torch.ones(B, T)

@@ -160,7 +160,7 @@ class Rollout:
         prompts = torch.randint(5, 100, (rows, prompt), generator=g) * pm
         responses = torch.randint(5, 100, (rows, width), generator=g) * rm
         old = -torch.rand(rows, width, generator=g) * 2 - 0.05
-        rollout = old + torch.randn(rows, width, generator=g) * noise
+        rollout = (old + torch.randn(rows, width, generator=g) * noise).clamp(max=0.0)  # log-probs are ≤ 0
         for i, sign in zip(far, (1.0, -1.0)):
             rollout[i] = old[i] + sign * 1.2  # far off-policy rows: rejected by seq_mean_k3 ≤ 0.01
         self.mask = rm

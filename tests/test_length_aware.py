@@ -42,7 +42,7 @@ def test_pre_truncation_sequence_weight_statistics_hand_computed():
 def _long(length, sigma, rows=96, seed=0):
     gen = torch.Generator().manual_seed(seed)
     rollout = -0.2 - torch.rand(rows, length, generator=gen)
-    old = rollout - 0.5 * sigma ** 2 + sigma * torch.randn(rows, length, generator=gen)
+    old = (rollout - 0.5 * sigma ** 2 + sigma * torch.randn(rows, length, generator=gen)).clamp(max=0.0)
     return old, rollout, torch.ones(rows, length)
 
 

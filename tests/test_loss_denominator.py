@@ -45,7 +45,7 @@ def test_agg_loss_by_hand(mode):
 def _batch(B=6, T=7, seed=0, scale=0.6):
     g = torch.Generator().manual_seed(seed)
     rollout = -torch.rand(B, T, generator=g) * 2 - 0.05
-    old = rollout + scale * torch.randn(B, T, generator=g)
+    old = (rollout + scale * torch.randn(B, T, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     log_prob = (old + 0.1 * torch.randn(B, T, generator=g)).clamp(max=0.0).requires_grad_(True)
     adv = torch.randn(B, 1, generator=g).expand(B, T).clone()
     mask = torch.ones(B, T)

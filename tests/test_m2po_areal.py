@@ -62,7 +62,7 @@ def our_mask(old_log_prob, rollout_log_prob, mask, tau):
 def _batch(seed, rows, length, scale):
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(rows, length, generator=gen) * 3.0 - 0.01
-    rollout = old + scale * torch.randn(rows, length, generator=gen)
+    rollout = (old + scale * torch.randn(rows, length, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     lengths = torch.randint(1, length + 1, (rows,), generator=gen)
     mask = (torch.arange(length)[None, :] < lengths[:, None]).float()
     return old, rollout, mask

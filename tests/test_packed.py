@@ -15,7 +15,7 @@ def _flat(seed=0):
     g = torch.Generator().manual_seed(seed)
     n = sum(LENGTHS)
     rollout = -torch.rand(n, generator=g) * 3
-    old = rollout + torch.randn(n, generator=g) * 0.4
+    old = (rollout + torch.randn(n, generator=g) * 0.4).clamp(max=0.0)  # log-probs are ≤ 0
     valid = torch.ones(n, dtype=torch.bool)
     valid[4] = False  # one invalid token inside the third sequence
     return old, rollout, valid

@@ -484,7 +484,7 @@ def test_policy_loss_matches_its_definition(batch, cfg, mode_name, agg, seed):
     old, rollout, mask = batch
     B, T = mask.shape
     g = torch.Generator().manual_seed(seed)
-    log_prob = torch.where(mask, old + 0.3 * torch.randn(B, T, generator=g), torch.tensor(float("nan")))
+    log_prob = torch.where(mask, (old + 0.3 * torch.randn(B, T, generator=g)).clamp(max=0.0), torch.tensor(float("nan")))
     adv = torch.where(mask, torch.randn(B, T, generator=g), torch.tensor(float("nan")))
     if mode_name != "decoupled":
         cfg = cfg.replace(bypass_mode=True, loss_type=mode_name.split("_", 1)[1])

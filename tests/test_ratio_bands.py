@@ -96,7 +96,7 @@ ROWS, LENGTH = 6, 10
 def _batch():
     gen = torch.Generator().manual_seed(5)
     rollout = -torch.rand(ROWS, LENGTH, generator=gen) * 3
-    old = rollout + 0.03 * torch.randn(ROWS, LENGTH, generator=gen)  # spread across the three bands
+    old = (rollout + 0.03 * torch.randn(ROWS, LENGTH, generator=gen)).clamp(max=0.0)  # spread across the three bands
     lengths = torch.tensor([10, 3, 7, 1, 9, 5])
     return old, rollout, torch.arange(LENGTH) < lengths[:, None]
 

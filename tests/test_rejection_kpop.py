@@ -189,7 +189,7 @@ def test_seq_logprob_error_matches_nemo_rl_on_random_batches(seed):
     g = torch.Generator().manual_seed(seed)
     B, L = 16, 24
     gen = -torch.rand(B, L, generator=g) * 4
-    prev = gen + torch.randn(B, L, generator=g) * (0.3 + seed * 0.2)
+    prev = (gen + torch.randn(B, L, generator=g) * (0.3 + seed * 0.2)).clamp(max=0.0)  # log-probs are ≤ 0
     mask = torch.rand(B, L, generator=g) < 0.8
     mask[0] = False  # an empty row
     mask[1, 1:] = False  # a one-token row

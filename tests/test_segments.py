@@ -336,7 +336,7 @@ def _losses(old, rollout, mask, ids, cols=None, **kw):
     cols = torch.arange(LENGTH) if cols is None else cols
     for name, cfg in LOSS_CONFIGS.items():
         for mode in ("token-mean", "seq-mean-token-mean"):
-            lp = (old.nan_to_num(-1.0) + 0.2 * torch.randn(ROWS, LENGTH, generator=gen)[:, cols]).requires_grad_(True)
+            lp = (old.nan_to_num(-1.0) + 0.2 * torch.randn(ROWS, LENGTH, generator=gen)[:, cols]).clamp(max=0.0).requires_grad_(True)
             adv = torch.randn(ROWS, LENGTH, generator=gen)[:, cols]
             loss, metrics = compute_policy_loss(
                 lp, old, adv, mask, config=RolloutCorrectionConfig(**cfg), rollout_log_prob=rollout, **kw,

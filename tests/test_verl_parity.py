@@ -87,7 +87,7 @@ def make_batch(batch: int, length: int, scale: float, seed: int, left_pad: bool 
     """Random (B, T) log-probs; every row keeps ≥ 1 valid token; fp32."""
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(batch, length, generator=gen) * 4.0 - 0.01
-    rollout = old + scale * torch.randn(batch, length, generator=gen)
+    rollout = (old + scale * torch.randn(batch, length, generator=gen)).clamp(max=0.0)  # log-probs are ≤ 0
     lengths = torch.randint(1, length + 1, (batch,), generator=gen)
     pos = torch.arange(length)[None, :]
     if left_pad:
@@ -456,7 +456,7 @@ def _loss_inputs(seed, batch=6, length=9):
     log_prob = (old + 0.4 * torch.randn(batch, length, generator=gen)).clamp(max=-1e-3)
     adv = torch.randn(batch, 1, generator=gen).expand(batch, length).contiguous()
     adv[0] = -adv[0].abs() - 1.0  # negative advantages with large ratios exercise the dual clip
-    log_prob[0, :3] = old[0, :3] + 2.0
+    log_prob[0, :3] = (old[0, :3] + 2.0).clamp(max=-1e-3)  # large ratios, log-probs still ≤ 0
     return old, rollout, mask, log_prob, adv
 
 
@@ -511,7 +511,7 @@ def _bypass_inputs(seed, length=12):
     scales = torch.tensor([3e-4, 0.5, 1e-3, 0.3, 5e-4, 0.2, 2e-3, 1.0])
     _, rollout, mask = make_batch(len(scales), length, 0.0, seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    log_prob = rollout + scales[:, None] * torch.randn(len(scales), length, generator=gen)
+    log_prob = (rollout + scales[:, None] * torch.randn(len(scales), length, generator=gen)).clamp(max=0.0)
     adv = torch.randn(len(scales), 1, generator=gen).expand(len(scales), length).contiguous()
     adv[1] = -adv[1].abs() - 1.0
     return rollout, mask, log_prob, adv

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from rollout_correction import (METRIC_PREFIX, RolloutCorrectionConfig, as_config, compute_offpolicy_metrics,
+from rollout_correction import (METRIC_PREFIX, OffPolicyAccumulator, RolloutCorrectionConfig, as_config,
                                 compute_rollout_correction, metrics_to_floats)
 
 __all__ = [
@@ -87,7 +87,8 @@ def _as_config(config: Any) -> RolloutCorrectionConfig:
     if isinstance(config, str):
         raise TypeError(f"config must be a RolloutCorrectionConfig or a mapping of its keys, got the string "
                         f"{config!r}; for a preset write RolloutCorrectionConfig.from_preset({config!r})")
-    return as_config(config)
+    # An SDE step's log-prob is a Gaussian log-density, which can be > 0: no log-probability ceiling.
+    return as_config(config).replace(log_prob_ceiling=None)
 
 
 def config_notes(config: Any, *, window_size: int, path: str) -> list[str]:
@@ -209,7 +210,9 @@ def per_step_metrics(
         for s in range(old.shape[1]):
             prefix = f"{METRIC_PREFIX}step_{s + step_offset}/"
             out[prefix + "logprob_abs_diff"] = step_abs[s]
-            for k, v in compute_offpolicy_metrics(old[:, s : s + 1], ro[:, s : s + 1], ones).items():
+            step = OffPolicyAccumulator(log_prob_ceiling=None)  # log-densities: no ceiling (see _as_config)
+            step.update(old[:, s : s + 1], ro[:, s : s + 1], ones)
+            for k, v in step.compute().items():
                 out[prefix + k.split("/", 1)[1]] = v
             if weights is not None:
                 out[prefix + "weight_mean"] = weights[:, s].float().mean()
