@@ -111,11 +111,11 @@ def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, resp
 def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                 segment_ids: Optional[torch.Tensor], max_segments: Optional[int], config: RolloutCorrectionConfig,
                 advantages: Optional[torch.Tensor] = None):
-    """:func:`_block_pass` on the whole batch with the statistics settled: pure tensor code in and
+    """:func:`_block_pass` on the whole batch with each statistic reduced: pure tensor code in and
     out, so torch.compile can fuse it."""
     weights, keep, stats = _block_pass(old_log_prob, rollout_log_prob, response_mask, config,
                                        segment_ids=segment_ids, max_segments=max_segments, advantages=advantages)
-    return weights, keep, stats.sums, stats.maxes
+    return (weights, keep, *stats.each_reduced())
 
 
 @dataclass

@@ -44,14 +44,9 @@ class _Part:
         self.key = _slot_key(kind, name)
 
 
-_SLOT_KEYS: dict[tuple, tuple] = {}  # a plain dict (torch.compile traces it; it warns on an lru_cache)
-
-
 def _slot_key(kind: str, name: str) -> tuple:
     """The slot of a part: sums, then maxima and minima, as declared (ValueError if undeclared)."""
-    if (kind, name) not in _SLOT_KEYS:
-        _SLOT_KEYS[kind, name] = (kind != "sum", position(name))
-    return _SLOT_KEYS[kind, name]
+    return (kind != "sum", position(name))
 
 
 def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
@@ -81,9 +76,29 @@ def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
     ns = sum(p.kind == "sum" for p in parts)
     ext = stacked[ns:]
     vm = ext.amax(1) if ext.shape[1] else ext.new_full((ext.shape[0],), -math.inf)
-    reduced = torch.cat((stacked[:ns].sum(1), vm)).unbind()
-    slot = dict(zip(order, reduced))
-    return torch.stack([slot[i] for i in range(len(parts))])
+    reduced = torch.cat((stacked[:ns].sum(1), vm))
+    # Back to slot order with one copy: the runs of consecutive slots that sit together in ``reduced``.
+    at = {i: j for j, i in enumerate(order)}
+    pieces: list[list[int]] = []
+    for i in range(len(parts)):
+        if pieces and at[i] == pieces[-1][1]:
+            pieces[-1][1] += 1
+        else:
+            pieces.append([at[i], at[i] + 1])
+    return reduced if len(pieces) == 1 else torch.cat([reduced[a:b] for a, b in pieces])
+
+
+def _reduced_alone(p: _Part) -> torch.Tensor:
+    """One part reduced to a 0-d float64 tensor (a minimum as the maximum of −x), with the arithmetic
+    of :func:`_reduce_shape`."""
+    x = p.value.to(torch.float64)
+    x = x.neg() if p.kind == "min" else x
+    x = x * p.weight if p.weight is not None else x
+    if p.kind == "sum":
+        return (x if p.rows is None else torch.where(p.rows, x, 0.0)).sum()
+    if not x.numel():
+        return torch.full((), -math.inf, dtype=torch.float64, device=x.device)
+    return (x if p.rows is None else torch.where(p.rows, x, -math.inf)).amax()
 
 
 class LayoutMismatchError(ValueError):
@@ -279,6 +294,17 @@ class SufficientStats(_Reading):
             into._accumulate(sums, [p.name for p in g[len(sums):]], vec)
         if into is not self:
             self._accumulate(into._sum_names, into._max_names, into._vec)
+
+    def each_reduced(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(sums, maxima): each statistic recorded so far reduced on its own to a 0-d float64 tensor, by
+        name in slot order (what :meth:`from_values` reads). A compiled pass returns these: the compiler
+        fuses the reductions of one size into one loop, where a stacked vector costs a copy per value."""
+        values: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+        for p in sorted(self._parts, key=lambda p: p.key):
+            into, x = values[p.kind != "sum"], _reduced_alone(p)
+            into[p.name] = x if p.name not in into else (
+                into[p.name] + x if p.kind == "sum" else torch.maximum(into[p.name], x))
+        return values
 
     def packed_vector(self) -> tuple[list[str], list[str], Optional[torch.Tensor]]:
         """(sum names, max names, (K + M,) float64 vector: the sums, then the maxima)."""
