@@ -87,9 +87,8 @@ def add_row_statistics(stats: SufficientStats, sums: RowSums, rows: torch.Tensor
     if not (squares or raw):
         return
     # The per-row values are computed stacked, so each elementwise step is one operation.
-    sum64 = sums.log_ratio.double()
     if not default:  # (∏ρ)² and / or ∏ρ per row
-        e = torch.stack([sum64] * (squares + raw)).clamp_(-SAFETY_BOUND, SAFETY_BOUND)
+        e = torch.stack([sums.log_ratio.double()] * (squares + raw)).clamp_(-SAFETY_BOUND, SAFETY_BOUND)
         if squares:
             e[0].mul_(2.0)
         e.exp_()
@@ -98,7 +97,8 @@ def add_row_statistics(stats: SufficientStats, sums: RowSums, rows: torch.Tensor
         neg = means.neg()  # d = mean log π_rollout − mean log π_train, −mean log π_train
         d, train_nll = neg[0], neg[1]
         rollout_nll = means[0] - means[1]
-        e = torch.stack([train_nll, rollout_nll, d, sum64, sum64][:4 + raw])
+        sum_lr = sums.log_ratio  # float32, promoted exactly to float64 by the stack
+        e = torch.stack([train_nll, rollout_nll, d, sum_lr, sum_lr][:4 + raw])
         e[:2].clamp_(max=_PPL_EXP_MAX)
         e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
         e[3].mul_(2.0)

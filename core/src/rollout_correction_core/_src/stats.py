@@ -51,29 +51,32 @@ def _slot_key(kind: str, name: str) -> tuple:
 
 def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
     """Parts of one shape, in slot order, reduced to (K + M,) float64: the sums, then the maxima (a
-    minimum as the maximum of −x). Computed in runs sharing kind, weight and restriction (by identity)."""
-    runs: list[list[int]] = []
-    for i, p in enumerate(parts):
-        q = next((r for r in runs if parts[r[0]].kind == p.kind and parts[r[0]].rows is p.rows
-                  and parts[r[0]].weight is p.weight), None)
-        if q is None:
-            runs.append([i])
-        else:
-            q.append(i)
-    order = [i for r in runs for i in r]
+    minimum as the maximum of −x). Computed in an order where every negation, weight and restriction
+    (found by identity) applies to one slice: sums (unrestricted, then by restriction and weight),
+    maxima (unrestricted, then by restriction), minima (by restriction in reverse, then unrestricted)."""
+    masks = {id(p.rows): i for i, p in enumerate(parts) if p.rows is not None}
+
+    def rank(p: _Part) -> tuple:
+        r = -1 if p.rows is None else masks[id(p.rows)]
+        if p.kind == "sum":
+            return 0, r, -1 if p.weight is None else id(p.weight)
+        return (1, r) if p.kind == "max" else (2, -r if r >= 0 else -len(parts) - 1)
+
+    order = sorted(range(len(parts)), key=lambda i: rank(parts[i]))
     stacked = torch.stack([parts[i].value for i in order])  # one copy; dtypes promote (bool < float32 < float64)
     stacked = (stacked if stacked.dtype == torch.float64 else stacked.to(torch.float64)).reshape(len(parts), -1)
-    a = 0
-    for r in runs:  # outside ``rows``: 0 in a sum, −inf in a maximum (or negated minimum)
-        p, b = parts[r[0]], a + len(r)
-        if p.kind == "min":
-            stacked[a:b].neg_()
+    ns, nx = (sum(p.kind == k for p in parts) for k in ("sum", "max"))
+    if ns + nx < len(parts):
+        stacked[ns + nx:].neg_()
+    inverse: dict[int, torch.Tensor] = {}
+    for a, b, p in _runs([parts[i] for i in order], lambda p: (p.kind == "sum", id(p.weight), p.weight is None)):
         if p.weight is not None:
             stacked[a:b].mul_(p.weight.reshape(1, -1))
-        if p.rows is not None:
-            stacked[a:b].masked_fill_(~p.rows.reshape(1, -1), 0.0 if p.kind == "sum" else -math.inf)
-        a = b
-    ns = sum(p.kind == "sum" for p in parts)
+    for a, b, p in _runs([parts[i] for i in order], lambda p: (p.kind == "sum", id(p.rows), p.rows is None)):
+        if p.rows is not None:  # outside ``rows``: 0 in a sum, −inf in a maximum (or negated minimum)
+            if id(p.rows) not in inverse:
+                inverse[id(p.rows)] = ~p.rows.reshape(1, -1)
+            stacked[a:b].masked_fill_(inverse[id(p.rows)], 0.0 if p.kind == "sum" else -math.inf)
     ext = stacked[ns:]
     vm = ext.amax(1) if ext.shape[1] else ext.new_full((ext.shape[0],), -math.inf)
     reduced = torch.cat((stacked[:ns].sum(1), vm))
@@ -86,6 +89,17 @@ def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
         else:
             pieces.append([at[i], at[i] + 1])
     return reduced if len(pieces) == 1 else torch.cat([reduced[a:b] for a, b in pieces])
+
+
+def _runs(parts: list[_Part], key) -> list[tuple[int, int, _Part]]:
+    """Maximal runs [a, b) of consecutive parts with equal ``key(part)``, with the run's first part."""
+    out: list[tuple[int, int, _Part]] = []
+    for i, p in enumerate(parts):
+        if out and key(out[-1][2]) == key(p):
+            out[-1] = (out[-1][0], i + 1, out[-1][2])
+        else:
+            out.append((i, i + 1, p))
+    return out
 
 
 def _reduced_alone(p: _Part) -> torch.Tensor:
