@@ -124,6 +124,33 @@ def device_path() -> None:
         correction.BLOCK_TOKENS = correction.DEVICE_BLOCK_TOKENS
 
 
+def markdown(result: dict) -> str:
+    """The two tables of a run (:func:`main`'s rows, as ``--json`` writes them) beside the baseline's figures."""
+    base, lines = result["baseline"], []
+    if result["compiled"]:
+        lines += ["Compiled pass (`compute_rollout_correction(..., compile=True)`, three calls with the same shapes):", "",
+                  f"| configuration | graphs | breaks | Inductor kernels | FX ops | 0.2.0 (`{base['commit']}`): graphs, "
+                  "breaks, kernels, FX ops |", "|---|---|---|---|---|---|"]
+        for name, r in result["compiled"].items():
+            lines.append(f"| {name} | {r['graphs']} | {r['breaks']} | {r['kernels']} | {r['fx_ops']} | "
+                         f"{', '.join(map(str, base['compiled'][name]))} |")
+        lines.append("")
+    eager = result["eager"]
+    lines += ["Eager device path (host reads off, one 16M-token block): ATen operations / host reads per call, "
+              "metrics read as floats:", "",
+              f"| configuration | ours | verl 0.9.1 | verl/ours | 0.2.0 (`{base['commit']}`) | verl/0.2.0 |",
+              "|---|---|---|---|---|---|"]
+    for name, r in eager.items():
+        old = base["eager"][name]
+        lines.append(f"| {name} | {r['ops']} / {r['syncs']} | {r['verl_ops']} / {r['verl_syncs']} | "
+                     f"{r['verl_ops'] / r['ops']:.2f}× | {old} | {r['verl_ops'] / old:.2f}× |")
+    ratios = [r["verl_ops"] / r["ops"] for r in eager.values()]
+    old = [r["verl_ops"] / base["eager"][n] for n, r in eager.items()]
+    lines += ["", f"Geometric mean of verl/ours: {geometric_mean(ratios):.2f}× (lowest {min(ratios):.2f}×); 0.2.0: "
+                  f"{geometric_mean(old):.2f}× (lowest {min(old):.2f}×)."]
+    return "\n".join(lines)
+
+
 def geometric_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
@@ -145,29 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     inputs = _inputs(torch, batch, length)
     print(f"library: {rc.__file__}; torch {torch.__version__}; {batch}x{length} float32, one thread")
     compiled = {} if args.skip_compiled else {c.name: compiled_row(torch, rc, c.settings(), inputs) for c in GPU_CASES}
-    if compiled:
-        print("\ncompiled pass (compute_rollout_correction(..., compile=True), three calls, same shapes)")
-        print(f"| configuration | graphs | breaks | Inductor kernels | FX ops | 0.2.0 ({BASELINE['commit']}): graphs, "
-              "breaks, kernels, FX ops |")
-        print("|---|---|---|---|---|---|")
-        for name, r in compiled.items():
-            base = BASELINE["compiled"][name]
-            print(f"| {name} | {r['graphs']} | {r['breaks']} | {r['kernels']} | {r['fx_ops']} | "
-                  f"{', '.join(map(str, base))} |")
     device_path()
     verl = load_verl_rollout_corr_helper()
     eager = {c.name: eager_row(torch, rc, c.settings(), c.verl_kwargs(), inputs, verl) for c in CASES}
-    print("\neager device path (host reads off, one 16M-token block): ATen ops / host syncs per call, metrics read")
-    print(f"| configuration | ours | verl 0.9.1 | verl/ours | 0.2.0 ({BASELINE['commit']}) | verl/0.2.0 |")
-    print("|---|---|---|---|---|---|")
-    for name, r in eager.items():
-        base = BASELINE["eager"][name]
-        print(f"| {name} | {r['ops']} / {r['syncs']} | {r['verl_ops']} / {r['verl_syncs']} | "
-              f"{r['verl_ops'] / r['ops']:.2f}× | {base} | {r['verl_ops'] / base:.2f}× |")
-    ratios = [r["verl_ops"] / r["ops"] for r in eager.values()]
-    base_ratios = [r["verl_ops"] / BASELINE["eager"][n] for n, r in eager.items()]
-    print(f"\ngeometric mean verl/ours {geometric_mean(ratios):.2f}× (lowest {min(ratios):.2f}×); "
-          f"0.2.0 {geometric_mean(base_ratios):.2f}× (lowest {min(base_ratios):.2f}×)")
+    print(markdown({"compiled": compiled, "eager": eager, "baseline": BASELINE}))
     if args.json:
         from rollout_correction.demo.results import provenance
 

@@ -66,16 +66,13 @@ RS_OPTIONS.update(seq_logprob_error=("seq_mean", "logprob_error"),
 #: needs are recorded whatever is selected: the counts (and ``nonfinite_seq_fraction``), the
 #: batch-normalisation mean, the rows every rejection criterion rejects, expect-zero's maximum.
 METRIC_FAMILIES: dict[str, str] = {
-    "default": "verl 0.9.1's metrics (rollout_is_*, rollout_rs_*, the off-policy metrics) and the ones the "
-               "monitor and diagnose read (veto fractions, rollout_rs_rejected_positive_fraction)",
+    "default": "verl 0.9.1's metrics, and the veto and outcome fractions the monitor reads",
     "raw": "rollout_is_raw_mean, rollout_is_seq_raw_mean: ρ before truncation, masking and rejection",
     "chi2": "chi2_token_sn, chi2_seq_sn: the self-normalised χ²",
-    "mismatch": "the mismatch metrics other engines log (prob_abs_diff_*, *_pearson, js_divergence, "
-                "log_prob_abs_diff_*); also switched on by mismatch_metrics: true",
-    "sentinel": "sentinel_token_fraction: valid tokens holding an engine sentinel",
-    "expect_zero": "max_abs_log_ratio: max |old − rollout| over the valid tokens (always with expect_zero_atol)",
-    "detail": "the IS level's detail beyond verl's: rollout_is_seq_raw_ess, rollout_is_seq_log_mean, "
-              "rollout_is_seq_collapsed_fraction (sequence, geometric and segment levels)",
+    "mismatch": "the mismatch metrics other engines log (also mismatch_metrics: true)",
+    "sentinel": "sentinel_token_fraction: the valid tokens holding an engine sentinel",
+    "expect_zero": "max_abs_log_ratio, the largest gap old − rollout (always with expect_zero_atol)",
+    "detail": "rollout_is_seq_raw_ess, _seq_log_mean, _seq_collapsed_fraction (sequence and segment levels)",
 }
 DEFAULT_FAMILIES = frozenset({"default"})
 
