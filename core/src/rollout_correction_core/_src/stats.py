@@ -41,12 +41,7 @@ class _Part:
                  weight: Optional[torch.Tensor]) -> None:
         self.kind, self.name, self.rows, self.weight = kind, name, rows, weight
         self.value = value.detach() if value.requires_grad else value
-        self.key = _slot_key(kind, name)
-
-
-def _slot_key(kind: str, name: str) -> tuple:
-    """The slot of a part: sums, then maxima and minima, as declared (ValueError if undeclared)."""
-    return (kind != "sum", position(name))
+        self.key = (kind != "sum", position(name))  # its slot: sums, then maxima and minima, as declared
 
 
 def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
