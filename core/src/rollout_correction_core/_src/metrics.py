@@ -87,22 +87,17 @@ def add_row_statistics(stats: SufficientStats, sums: RowSums, rows: torch.Tensor
     if not (squares or raw):
         return
     # The per-row values are computed stacked, so each elementwise step is one operation.
-    if not default:  # (∏ρ)² and / or ∏ρ per row
-        e = torch.stack([sums.log_ratio.double()] * (squares + raw)).clamp_(-SAFETY_BOUND, SAFETY_BOUND)
-        if squares:
-            e[0].mul_(2.0)
-        e.exp_()
-    else:
-        means = row_means64(sums)  # float64 (2, B): mean log ρ, mean log π_train
-        neg = means.neg()  # d = mean log π_rollout − mean log π_train, −mean log π_train
-        d, train_nll = neg[0], neg[1]
-        rollout_nll = means[0] - means[1]
-        sum_lr = sums.log_ratio  # float32, promoted exactly to float64 by the stack
-        e = torch.stack([train_nll, rollout_nll, d, sum_lr, sum_lr][:4 + raw])
-        e[:2].clamp_(max=_PPL_EXP_MAX)
-        e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
-        e[3].mul_(2.0)
-        e.exp_()  # training PPL, rollout PPL, ppl ratio, (∏ρ)², ∏ρ per row
+    means = row_means64(sums)  # float64 (2, B): mean log ρ, mean log π_train
+    neg = means.neg()  # d = mean log π_rollout − mean log π_train, −mean log π_train
+    d, train_nll = neg[0], neg[1]
+    rollout_nll = means[0] - means[1]
+    sum_lr = sums.log_ratio  # float32, promoted exactly to float64 by the stack
+    e = torch.stack([train_nll, rollout_nll, d, sum_lr, sum_lr][:4 + raw])
+    e[:2].clamp_(max=_PPL_EXP_MAX)
+    e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
+    e[3].mul_(2.0)
+    e.exp_()  # training PPL, rollout PPL, ppl ratio, (∏ρ)², ∏ρ per row
+    if default:
         stats.add(OFFPOLICY.train_log_ppl, train_nll, rows=rows)
         stats.add(OFFPOLICY.train_ppl, e[0], rows=rows)
         stats.add(OFFPOLICY.roll_log_ppl, rollout_nll, rows=rows)
@@ -112,11 +107,10 @@ def add_row_statistics(stats: SufficientStats, sums: RowSums, rows: torch.Tensor
         stats.add(OFFPOLICY.d_max, d, rows=rows)
         stats.add(OFFPOLICY.neg_d_max, means[0], rows=rows)  # −d: min d = −max(−d), no negation
         stats.add(OFFPOLICY.ppl_ratio, e[2], rows=rows)
-        e = e[3:]
     if squares:
-        stats.add(OFFPOLICY.rho2_seq, e[0], rows=rows)
+        stats.add(OFFPOLICY.rho2_seq, e[3], rows=rows)
     if raw:
-        stats.add(OFFPOLICY.rho_seq, e[-1], rows=rows)
+        stats.add(OFFPOLICY.rho_seq, e[4], rows=rows)
 
 
 _LOGP_FLOOR = 1e4
