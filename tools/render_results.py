@@ -391,6 +391,7 @@ BLOCKS = {
     "gpu-h200-0.3.0": (gpu_tables, ("gpu-h200-0.3.0.json",)),
     "cpu-0.3.0": (cpu_tables, ("cpu-0.3.0.json", "cpu-0.3.0-bf16.json")),
     "cpu-kernels": (kernel_tables, ("cpu-kernels.json",)),
+    "cpu-fused-loaded": (cpu_tables, ("cpu-fused-loaded.json",)),
 }
 
 PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
