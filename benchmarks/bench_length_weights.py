@@ -43,7 +43,7 @@ def main() -> None:
         old, rollout, mask = batch(length, args.rows, args.sigma, seed=length)
         row = [str(length)]
         for level in ("sequence", "geometric"):
-            cfg = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=2.0)
+            cfg = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=2.0, metrics=["default", "detail"])
             m = compute_rollout_correction(old, rollout, mask, config=cfg).metrics_as_floats()
             row.append(f"{m['rollout_corr/rollout_is_mean']:.3f}")
             if level == "sequence":

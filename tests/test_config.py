@@ -20,8 +20,7 @@ DEFAULTS = {
     "loss_type": "ppo_clip", "on_nonfinite": "reject", "check_alignment": False, "mismatch_metrics": False,
     "rollout_opsm_delta": None, "rollout_m2po_threshold": None, "rollout_token_veto_threshold_high": None,
     "loss_denominator": None, "log_prob_floor": -1000.0, "log_prob_ceiling": 0.0, "rollout_rs_all_rejected": "warn",
-    "expect_zero_atol": None,
-    "expect_zero_action": "raise", "expected_response_length": None,
+    "expect_zero_atol": None, "expect_zero_action": "raise", "expected_response_length": None, "metrics": ["default"],
 }
 
 GEO = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}

@@ -30,7 +30,7 @@ def _sentinel_batch():
 
 def test_sentinel_row_is_dropped_not_truncated():
     old, rollout, mask = _sentinel_batch()
-    cfg = RolloutCorrectionConfig.decoupled_token_is()
+    cfg = RolloutCorrectionConfig.decoupled_token_is().replace(metrics=["default", "sentinel"])
     # Without the floor (the behaviour before it existed): the token keeps weight 2.0 (truncated)
     # and the batch reports a KL of about −1110, which the row's one token makes up.
     off = compute_rollout_correction(old, rollout, mask, config=cfg.replace(log_prob_floor=None))
@@ -50,7 +50,7 @@ def test_sentinel_in_old_log_prob_and_at_padding():
     rollout[0, 2] = old[0, 2] - math.log(1.5)
     old[1, 1] = -1000.0  # at the floor: a sentinel
     rollout[2, 3] = -9999.0  # padding: ignored
-    m = compute_rollout_correction(old, rollout, mask).metrics_as_floats()
+    m = compute_rollout_correction(old, rollout, mask, config={"metrics": ["default", "sentinel"]}).metrics_as_floats()
     assert m[P + "sentinel_token_fraction"] == pytest.approx(1 / 9)
     assert m[P + "nonfinite_seq_fraction"] == pytest.approx(1 / 3)
 
@@ -113,7 +113,7 @@ def test_raw_statistics_are_taken_before_truncation_and_rejection():
     rollout = torch.zeros(2, 2)
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
                                   rollout_rs_threshold="0.25_3.0")
-    out = compute_rollout_correction(old, rollout, torch.ones(2, 2), config=cfg)
+    out = compute_rollout_correction(old, rollout, torch.ones(2, 2), config=cfg.replace(metrics=["default", "raw", "chi2"]))
     m = out.metrics_as_floats()
     assert out.response_mask[0].tolist() == [0.0, 0.0]
     rho, seq = [4.0, 4.0, 1.0, 0.5], [16.0, 0.5]
@@ -127,7 +127,7 @@ def test_raw_statistics_are_taken_before_truncation_and_rejection():
 def test_chi2_sn_is_not_negative_where_e_rho2_minus_1_is():
     # every ρ = 0.5: E[ρ²] − 1 = −0.75 (verl#7242's −0.88 is of this kind); the self-normalised χ² is 0
     old, rollout = torch.full((2, 3), math.log(0.5)), torch.zeros(2, 3)
-    m = compute_rollout_correction(old, rollout, torch.ones(2, 3)).metrics_as_floats()
+    m = compute_rollout_correction(old, rollout, torch.ones(2, 3), config={"metrics": ["default", "chi2"]}).metrics_as_floats()
     assert m[P + "chi2_token"] == pytest.approx(-0.75)
     assert m[P + "chi2_token_sn"] == pytest.approx(0.0, abs=1e-12)
     assert m[P + "chi2_seq_sn"] == pytest.approx(0.0, abs=1e-12)
@@ -140,7 +140,8 @@ def test_chi2_sn_is_never_negative(log_ratios, rows):
     n = (lr.numel() + rows - 1) // rows
     lr = torch.nn.functional.pad(lr, (0, n * rows - lr.numel())).reshape(rows, n)
     mask = torch.ones(rows, n, dtype=torch.bool)
-    m = compute_rollout_correction(lr - 1.0, torch.full_like(lr, -1.0), mask).metrics_as_floats()
+    m = compute_rollout_correction(lr - 1.0, torch.full_like(lr, -1.0), mask,
+                                   config={"metrics": ["chi2"]}).metrics_as_floats()
     assert m[P + "chi2_token_sn"] >= 0.0 and m[P + "chi2_seq_sn"] >= 0.0
 
 

@@ -23,6 +23,7 @@ import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
 import torch
+import torch._dynamo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -485,6 +486,38 @@ def _nightly(fn):
 for _name, _check in PROPERTIES.items():  # test_fuzz_<name> (CI) and test_fuzz_<name>_nightly
     globals()[f"test_fuzz_{_name}"] = _fast(_check)
     globals()[f"test_fuzz_{_name}_nightly"] = _nightly(_check)
+
+
+#: One configuration through every part of the compiled pass (token and sequence statistics, a
+#: chain of three rejection options, the veto, batch normalisation, every metric family).
+COMPILED = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,
+                                   rollout_rs="token_k1,seq_mean_k3,seq_max_k2", rollout_rs_threshold="0.2_5.0,0.05,2.0",
+                                   rollout_token_veto_threshold=1e-3, metrics="all")
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batch=batches())
+def test_compiled_pass_gives_the_eager_results_on_fuzzed_batches(batch):
+    """compile=True on the fuzz suite's batches: the same mask, the weights within 1e-6 relative and
+    the metrics within 1e-5 relative (1e-6 absolute), the compiled loops summing in another order.
+    Every batch is padded to the strategy's largest shape (5, 7) with NaN at masked positions, its
+    mask made bool and float16 / float64 read as float32, so that two graphs serve every example
+    (float32 and bfloat16) instead of one per shape and dtype; both paths get the padded batch."""
+    old, roll, mask = batch
+    dtype = old.dtype if old.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    B, T = mask.shape
+    pad = [torch.full((5, 7), math.nan, dtype=dtype) for _ in range(2)]
+    full_mask = torch.zeros(5, 7, dtype=torch.bool)
+    for x, y in zip(pad, (old, roll)):
+        x[:B, :T] = y.to(dtype)
+    full_mask[:B, :T] = mask != 0
+    with torch._dynamo.config.patch(recompile_limit=64):  # never past the limit to the eager pass
+        fast = compute_rollout_correction(*pad, full_mask, config=COMPILED, compile=True)
+    eager = compute_rollout_correction(*pad, full_mask, config=COMPILED)
+    assert torch.equal(fast.response_mask, eager.response_mask)
+    torch.testing.assert_close(fast.weights, eager.weights, rtol=1e-6, atol=1e-7)
+    assert fast.metrics_as_floats() == pytest.approx(eager.metrics_as_floats(), rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("name", PRESETS)

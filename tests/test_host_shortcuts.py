@@ -51,7 +51,7 @@ def _same_bits(got, expected) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_the_shortcuts_give_the_bits_of_the_arithmetic_path(monkeypatch, name, dtype):
-    cfg = RolloutCorrectionConfig.from_preset(name)
+    cfg = RolloutCorrectionConfig.from_preset(name).replace(metrics="all")
     reads, extremes = [], []
     real = logratio._host_value
 
@@ -83,7 +83,7 @@ def test_a_nonfinite_value_does_not_hide_a_sentinel(odd):
     old = torch.tensor([[-1.0, -2.0, -1.0], [-1.0, -1.0, -1.0]])
     roll = torch.tensor([[-1.0, -5000.0, -1.0], [-1.0, -1.0, -1.0]])
     old[1, 0] = odd
-    m = compute_rollout_correction(old, roll, torch.ones(2, 3)).metrics_as_floats()
+    m = compute_rollout_correction(old, roll, torch.ones(2, 3), config={"metrics": "all"}).metrics_as_floats()
     assert m["rollout_corr/sentinel_token_fraction"] == pytest.approx(1 / 6)
     assert m["rollout_corr/nonfinite_seq_fraction"] == 1.0  # row 0 (sentinel) and row 1 (odd) dropped
 
@@ -91,7 +91,7 @@ def test_a_nonfinite_value_does_not_hide_a_sentinel(odd):
 @pytest.mark.parametrize("name", PRESET_NAMES)
 @pytest.mark.parametrize("block_tokens", [1, 14, 20, 33])
 def test_blocks_give_the_bits_of_one_block(monkeypatch, name, block_tokens):
-    cfg = RolloutCorrectionConfig.from_preset(name)
+    cfg = RolloutCorrectionConfig.from_preset(name).replace(metrics="all")
     for seed in range(5):
         old, roll, mask = _batch(100 + seed, torch.float32)
         whole = compute_rollout_correction(old, roll, mask, config=cfg)

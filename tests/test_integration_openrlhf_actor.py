@@ -44,6 +44,7 @@ from rollout_correction.integrations.openrlhf import (
     RolloutCorrectionPolicyLoss,
     check_openrlhf_version,
     config_from_openrlhf,
+    config_from_openrlhf_args,
 )
 
 torch.set_num_threads(1)
@@ -721,3 +722,38 @@ def test_seq_mean_token_mean_aggregation_counts_accepted_sequences(gate_root, mo
     assert len(grads) == 2
     for got, want in zip(grads, _expected_grads(batch, windows, keep, weight, seq_mean=True)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_metrics_option_reaches_the_actors_correction(root):
+    """``--rollout_correction.metrics default,raw``: the launcher removes it before OpenRLHF parses the
+    command line and the actor subclass holds it; the loss the actor builds from OpenRLHF's args (its
+    mapped correction) then computes those families: each experience's ``rollout_corr/...`` entries
+    hold the raw means and no self-normalised χ²; an unknown family fails before Ray starts."""
+    module, argv = _documented_command()
+    argv = " ".join(argv).replace(" ".join(FLAGS), " ".join(flags(root))).split()
+    argv = [x for a in argv for x in (CLI if a == "..." else [a])]
+    seen = {}
+    with ref.ppo_actor(root), pytest.MonkeyPatch.context() as mp:
+        _launcher_stand_ins(mp, seen)
+        with pytest.raises(_ActorGroupCreated):
+            launcher.main([launcher.METRICS_OPTION, "default,raw", *argv])
+    cls = seen["actor_type"].__ray_actor_class__
+    assert cls.rollout_correction_metrics == ("default", "raw")
+    assert "--rollout_correction.metrics" not in " ".join(map(str, vars(seen["args"]).values()))
+    with pytest.raises(ValueError, match="unknown family 'rw'"):
+        launcher.parse_metrics_option([launcher.METRICS_OPTION, "default,rw", *CLI])
+    args = ref.parse_cli(CLI + flags(root), root)
+    with ref.ppo_actor(root) as ns, pytest.MonkeyPatch.context() as mp:
+        policy = TinyPolicy()
+        optim = torch.optim.SGD(policy.parameters(), lr=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0)
+        mp.setattr(torch.cuda, "current_device", lambda: 0)
+        actor = object.__new__(policy_model_actor(_actor_class(ns, policy, optim, sched), None, None,
+                                                  cls.rollout_correction_metrics))
+        actor.init_model_from_pretrained(CpuStrategy(args, 1), "tiny-policy")
+        loss_fn = actor.trainer.actor_loss_fn
+        assert loss_fn.config == config_from_openrlhf_args(args).replace(metrics=["default", "raw"])
+        experience = _experiences(ns, _batch())[0]
+        actor.append(experience)
+    assert "rollout_corr/rollout_is_raw_mean" in experience.info and "rollout_corr/kl" in experience.info
+    assert not any(k.endswith("_sn") for k in experience.info)

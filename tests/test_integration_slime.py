@@ -618,3 +618,28 @@ def test_expect_zero_mode_through_slimes_arguments():
         tis_function(args, pg_loss=pg_loss, train_log_probs=train, rollout_log_probs=same, loss_masks=masks)
     floor = _args(log_prob_floor=-50.0, expect_zero_atol=None)
     assert config_from_slime_args(floor).log_prob_floor == -50.0
+
+
+def test_the_metric_families_pass_through_slimes_arguments():
+    """``rollout_correction_metrics`` in the ``--custom-config-path`` YAML (slime merges it into its
+    args): the call's ``rollout_corr/...`` metrics are those families, slime's own ``mis_*`` metrics
+    stay; batch normalisation without the default family (its factor feeds ``mis_*_final``) and an
+    unknown family are refused, naming them."""
+    pg_loss, train, rollout, masks = _samples(scale=0.3)
+    lengths = [len(t) for t in train]
+    yaml_text = "use_tis: true\ntis_upper_bound: 1.5\nrollout_correction_metrics: [default, raw]\n"
+    args = slime_args(yaml_text, "--use-tis", "--custom-tis-function-path", FUNCTION_PATH)
+    assert config_from_slime_args(args).metrics == ("default", "raw")
+    _, _, metrics = call_like_slime(args, pg_loss, train, rollout, masks, [n + 7 for n in lengths], lengths)
+    assert "rollout_corr/rollout_is_raw_mean" in metrics and "rollout_corr/rollout_is_mean" in metrics
+    assert "rollout_corr/chi2_token_sn" not in metrics and "mis_tis_weight_after_bound" in metrics
+    args = slime_args("use_tis: true\nrollout_correction_metrics: [chi2]\n", "--use-tis",
+                      "--custom-tis-function-path", FUNCTION_PATH)
+    _, _, metrics = call_like_slime(args, pg_loss, train, rollout, masks, [n + 7 for n in lengths], lengths)
+    assert {k for k in metrics if k.startswith("rollout_corr/")} == {
+        "rollout_corr/chi2_token_sn", "rollout_corr/chi2_seq_sn", "rollout_corr/nonfinite_seq_fraction"}
+    with pytest.raises(ValueError, match="without 'default' under tis_batch_normalize"):
+        config_from_slime_args(slime_args("use_tis: true\ntis_batch_normalize: true\n"
+                                          "rollout_correction_metrics: [raw]\n", "--use-tis"))
+    with pytest.raises(ValueError, match="unknown family 'rw'"):
+        config_from_slime_args(slime_args("rollout_correction_metrics: [rw]\n"))

@@ -363,6 +363,20 @@ def test_disabled_correction_leaves_trls_loss_unchanged(tmp_path):
     assert logged == [False, True]
 
 
+def test_the_metric_families_are_logged_through_trls_logger(tmp_path):
+    """``metrics`` in the trainer's ``rollout_correction`` dict: TRL's log history holds those
+    families' ``rollout_corr/...`` metrics (the raw means, not the self-normalised χ²), the loss is
+    trained on the same accepted tokens as with the default families."""
+    trainer = _train(tmp_path, "grpo", config={**REJECTING, "metrics": ["default", "raw"]})
+    assert trainer.rollout_correction.metrics == ("default", "raw")
+    (batch,), (record,) = trainer.batches, trainer.records
+    torch.testing.assert_close(record["loss"], _expected(trainer, record, batch), rtol=1e-5, atol=1e-8)
+    logged = {k for h in trainer.state.log_history for k in h if k.startswith("rollout_corr/")}
+    assert {"rollout_corr/rollout_is_raw_mean", "rollout_corr/rollout_is_seq_raw_mean",
+            "rollout_corr/rollout_rs_masked_fraction"} <= logged
+    assert not any(k.endswith("_sn") or "sentinel" in k for k in logged)
+
+
 def test_default_maps_trls_own_settings(tmp_path):
     args = trl.GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_mode="token_truncate",
                           vllm_importance_sampling_clip_max=2.5, report_to=[], use_cpu=True)

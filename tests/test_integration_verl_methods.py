@@ -301,3 +301,26 @@ def test_cispo_and_dppo_blocks_equal_verls_own_loss_mode_on_the_same_worker_data
     assert torch.all(g_ours[~keep] == 0) and torch.any(g_ours[keep] != 0)
     ppo = (_ppo_clip(r.log_prob, r.old, r.advantages) * weights * keep).sum() / keep.sum()
     assert not torch.isclose(_total(mine).double(), ppo)
+
+
+# ----------------------------------------------------------------------------- metric families
+
+
+def test_the_metric_families_pass_through_verls_config():
+    """``+algorithm.rollout_correction.metrics=[...]``, composed by Hydra into verl's ppo_trainer.yaml:
+    the entry point's correction step (decoupled) logs those families, and in bypass mode the actor's
+    block carries them to the loss on verl's worker, whose metrics verl logs as actor/..."""
+    r = Rollout(seed=31)
+    config = _compose(_decoupled_lines() + SIZES + ["+algorithm.rollout_correction.metrics=[default,raw]"])
+    assert rc_verl.config_from_verl(config.algorithm.rollout_correction).metrics == ("default", "raw")
+    _, metrics = _correction_step(r.proto(), config)
+    assert "rollout_corr/rollout_is_raw_mean" in metrics and "rollout_corr/rollout_is_mean" in metrics
+    assert "rollout_corr/chi2_token_sn" not in metrics
+    config = _compose(_bypass_lines() + SIZES + ["+algorithm.rollout_correction.metrics=[chi2]"])
+    r = Rollout(seed=32, grad=True)
+    batch = r.proto()
+    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]  # verl's bypass set-up (V1 and legacy)
+    results, _ = _worker_update(batch, config, _worker_actor_config(config), r)
+    for _, m in results:
+        assert {k for k in m if k.startswith("rollout_corr/") and not k.startswith("rollout_corr/backend")} == {
+            "rollout_corr/chi2_token_sn", "rollout_corr/chi2_seq_sn", "rollout_corr/nonfinite_seq_fraction"}

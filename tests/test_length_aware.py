@@ -19,7 +19,9 @@ def test_pre_truncation_sequence_weight_statistics_hand_computed():
                         [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     rollout = torch.zeros(4, 3)
     mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]]).float()
-    m = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.decoupled_seq_is()).metrics_as_floats()
+    full = ["default", "raw", "detail"]
+    m = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.decoupled_seq_is().replace(
+        metrics=full)).metrics_as_floats()
     raw = [4.0, 0.05, 1.0]
     assert m["rollout_corr/rollout_is_seq_raw_mean"] == pytest.approx(sum(raw) / 3)
     assert m["rollout_corr/rollout_is_seq_raw_ess"] == pytest.approx(sum(raw) ** 2 / (3 * sum(w * w for w in raw)))
@@ -28,14 +30,15 @@ def test_pre_truncation_sequence_weight_statistics_hand_computed():
     # The truncated mean the loss uses hides the spread: (2 + 0.05 + 1) / 3 over sequences.
     assert m["rollout_corr/rollout_is_seq_mean"] == pytest.approx((2 + 0.05 + 1) / 3)
     # Geometric level: row log weights ln 2, ln(0.05)/2, 0 (means over the rows' tokens).
-    g = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(rollout_is="geometric")
-                                   ).metrics_as_floats()
+    g = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig(rollout_is="geometric",
+                                                                                      metrics=full)).metrics_as_floats()
     # rollout_is_seq_raw_mean is the mean of ∏_t ρ_t at every level (the raw statistics)
     assert g["rollout_corr/rollout_is_seq_raw_mean"] == pytest.approx(sum(raw) / 3, rel=1e-6)
     assert g["rollout_corr/rollout_is_seq_raw_ess"] == pytest.approx(
         (2 + math.sqrt(0.05) + 1) ** 2 / (3 * (4 + 0.05 + 1)), rel=1e-6)
     assert g["rollout_corr/rollout_is_seq_collapsed_fraction"] == 0.0
-    token = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.decoupled_token_is()).metrics
+    token = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.decoupled_token_is().replace(
+        metrics=full)).metrics
     assert not any("seq_raw_ess" in k or "seq_log_mean" in k for k in token)
 
 
@@ -56,7 +59,8 @@ def test_diagnose_recommends_geometric_weights_for_long_responses():
     assert "collapsed" in rec.reason and "4000" in rec.reason
     short = diagnose_tensors(*_long(100, 0.05), presets=[]).recommendation
     assert short.case in ("seq", "seq+rs")
-    m = compute_rollout_correction(*_long(4000, 0.05), config=RolloutCorrectionConfig.decoupled_seq_is()).metrics_as_floats()
+    m = compute_rollout_correction(*_long(4000, 0.05), config=RolloutCorrectionConfig.decoupled_seq_is().replace(
+        metrics=["default", "detail"])).metrics_as_floats()
     assert m["rollout_corr/rollout_is_seq_collapsed_fraction"] > 0.5
     assert m["rollout_corr/rollout_is_mean"] < 0.4  # the truncated weights the loss would use
     geo = compute_rollout_correction(*_long(4000, 0.05), config=RolloutCorrectionConfig.decoupled_geo_is()).metrics_as_floats()

@@ -104,7 +104,7 @@ def _check(got, expected):
 
 
 def test_all_offpolicy_metrics_by_hand():
-    m = compute_offpolicy_metrics(*_inputs(), mismatch_metrics=True)
+    m = compute_offpolicy_metrics(*_inputs(), metrics="all")
     assert sorted(m) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction", "sentinel_token_fraction"])
     assert all(v.dim() == 0 for v in m.values())
     _check(metrics_to_floats(m), _expected())
@@ -112,16 +112,22 @@ def test_all_offpolicy_metrics_by_hand():
 
 def test_correction_reports_the_same_offpolicy_metrics():
     out = compute_rollout_correction(*_inputs(), config=RolloutCorrectionConfig(
-        rollout_is="token", rollout_is_threshold=2.0, mismatch_metrics=True))
+        rollout_is="token", rollout_is_threshold=2.0, metrics="all"))
     _check(out.metrics_as_floats(), _expected())
 
 
 def test_mismatch_metrics_are_opt_in():
-    """Without ``mismatch_metrics`` neither entry point computes them; the 13 others are unchanged."""
-    mismatch = set(NAMES[NAMES.index("prob_abs_diff_mean"):])
+    """By default neither entry point computes the mismatch metrics, the raw means, the self-normalised
+    χ² or the sentinel share; the 13 others and nonfinite_seq_fraction are unchanged."""
+    opt_in = set(NAMES[NAMES.index("rollout_is_raw_mean"):]) | {"sentinel_token_fraction"}
     plain = metrics_to_floats(compute_offpolicy_metrics(*_inputs()))
-    assert sorted(plain) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction", "sentinel_token_fraction"] if k not in mismatch)
-    _check(plain, {k: v for k, v in _expected().items() if k not in mismatch})
+    assert sorted(plain) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction"] if k not in opt_in)
+    _check(plain, {k: v for k, v in _expected().items() if k not in opt_in})
+    mismatch = set(NAMES[NAMES.index("prob_abs_diff_mean"):])
+    for chosen in ({"mismatch_metrics": True}, {"metrics": ["default", "mismatch"]}):
+        got = metrics_to_floats(compute_offpolicy_metrics(*_inputs(), **chosen))
+        assert sorted(got) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction"] if k not in opt_in - mismatch)
+        _check(got, {k: v for k, v in _expected().items() if k not in opt_in - mismatch})
     out = compute_rollout_correction(*_inputs(), config=RolloutCorrectionConfig.decoupled_token_is())
     assert not {P + k for k in mismatch} & set(out.metrics)
 
@@ -165,7 +171,7 @@ def test_nonfinite_row_is_dropped_and_counted():
     old = torch.cat([old, torch.tensor([[float("nan"), -1.0, -1.0]])])
     roll = torch.cat([roll, torch.tensor([[-1.0, -1.0, -1.0]])])
     mask = torch.cat([mask, torch.tensor([[True, True, False]])])
-    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask, mismatch_metrics=True))
+    got = metrics_to_floats(compute_offpolicy_metrics(old, roll, mask, metrics="all"))
     exp = _expected()
     exp["nonfinite_seq_fraction"] = 1 / 3  # 3 rows with valid tokens in the input, 1 dropped
     _check(got, exp)
@@ -189,5 +195,5 @@ def test_mismatch_metrics_stay_finite_on_log_probs_that_are_no_probabilities():
     assert got[P + "prob_abs_diff_max"] == pytest.approx(math.exp(-1.0) - math.exp(-1.5), rel=1e-6)
     assert got[P + "log_prob_abs_diff_max"] == pytest.approx(1.0)
     # by default −1e20 is an engine's sentinel and a log-prob > 0 no probability: both rows are dropped, counted
-    floored = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.ones(2, 3), mismatch_metrics=True))
+    floored = metrics_to_floats(compute_offpolicy_metrics(old, roll, torch.ones(2, 3), metrics=["mismatch", "sentinel"]))
     assert floored[P + "nonfinite_seq_fraction"] == 1.0 and floored[P + "sentinel_token_fraction"] == pytest.approx(1 / 6)

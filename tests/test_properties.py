@@ -350,7 +350,7 @@ def _direct_mismatch(rows):
 @given(batches())
 def test_offpolicy_metrics_match_a_direct_evaluation(batch):
     old, rollout, mask = batch
-    got = {k.split("/", 1)[1]: float(v) for k, v in compute_offpolicy_metrics(old, rollout, mask, mismatch_metrics=True).items()}
+    got = {k.split("/", 1)[1]: float(v) for k, v in compute_offpolicy_metrics(old, rollout, mask, metrics="all").items()}
     rows = [[(o, r) for o, r, m in zip(orow, rrow, mrow) if m]
             for orow, rrow, mrow in zip(old.tolist(), rollout.tolist(), mask.tolist())]
     rows = [r for r in rows if r]  # sequences with no valid token do not count

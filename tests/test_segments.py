@@ -35,7 +35,7 @@ def _inputs():
 
 def test_segment_weights_and_metrics_by_hand():
     old, rollout = _inputs()
-    cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.25)
+    cfg = RolloutCorrectionConfig(rollout_is="segment", rollout_is_threshold=1.25, metrics=["default", "detail"])
     out = compute_rollout_correction(old, rollout, MASK, config=cfg, segments=Segments(IDS))
     # row 0: segments {0, 1} Σ = 0.3, {2, 3} Σ = 0.2, {4} Σ = 0; row 1: {0, 1} Σ = 0.8 (column 2 is
     # masked: its 9.9 and its id are ignored), {3} Σ = −1.0

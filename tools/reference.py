@@ -13,17 +13,18 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from rollout_correction_core._src.config import RolloutCorrectionConfig
+from rollout_correction_core._src.config import METRIC_FAMILIES, RolloutCorrectionConfig
 from rollout_correction_core._src.presets import PRESETS
 from rollout_correction_core._src.vocab import FIRST_GENERATION_KEYS
 from rollout_correction.presets_cli import PRESET_HEADER, preset_rows
 
-__all__ = ["CONFIG_KEYS", "LEGACY_KEYS", "METRICS", "PRESET_HEADER", "preset_rows", "render_markdown",
+__all__ = ["CONFIG_KEYS", "LEGACY_KEYS", "METRICS", "FAMILY_OF", "PRESET_HEADER", "preset_rows", "render_markdown",
            "render_config_page", "update_readme", "write_config_page"]
 
 
 def _default(f: dataclasses.Field) -> str:
-    text = "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+    text = "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else \
+        ", ".join(f.default) if isinstance(f.default, tuple) else str(f.default)
     return f"{text} ({f.metadata['note']})" if f.metadata["note"] else text
 
 
@@ -124,6 +125,21 @@ METRICS: dict[str, str] = {
 }
 
 
+#: metric (a key of METRICS) -> the family that computes it (the config's ``metrics`` key); every other
+#: metric is the ``default`` family's. "decision": computed whenever the setting named is on.
+FAMILY_OF: dict[str, str] = {
+    "rollout_is_raw_mean": "raw", "rollout_is_seq_raw_mean": "raw", "chi2_token_sn / chi2_seq_sn": "chi2",
+    "rollout_is_seq_raw_ess": "detail", "rollout_is_seq_log_mean": "detail", "rollout_is_seq_collapsed_fraction": "detail",
+    "sentinel_token_fraction": "sentinel", "max_abs_log_ratio": "expect_zero (and with expect_zero_atol)",
+    "nonfinite_seq_fraction": "always",
+    **{k: "mismatch" for k in ("prob_abs_diff_mean / _max / _std", "prob_pearson / log_prob_pearson", "js_divergence",
+                               "log_prob_abs_diff_seq_mean", "log_prob_abs_diff_max", "log_prob_abs_diff_gt1 / _gt2")},
+    **{k: "with its setting" for k in ("alignment_mae / alignment_late_mae / alignment_early_mae", "alignment_pairs",
+                                       "m2po_masked_fraction", "m2po_m2_before / m2po_m2_after", "opsm_masked_fraction",
+                                       "opsm_seq_masked_fraction", "opsm_seq_kl_mean")},
+}
+
+
 def _table(header: list[str], rows: list[tuple[str, ...]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -166,7 +182,20 @@ def render_markdown() -> str:
         "and for a `segment_*` rejection option) every per-sequence statistic below is taken over the "
         "segments (turns) with ≥ 1 valid token instead of the sequences.",
         "",
-        _table(["metric", "meaning"], [(f"`{k}`", v) for k, v in METRICS.items()]),
+        "### Metric families",
+        "",
+        "A call computes the families the config's `metrics` key selects (default: `[default]`; `all`: every "
+        "family; `[]`: only what its decisions need). A family not selected records no statistic: no slot in "
+        "the reduction, no kernel in the compiled pass, no operation in the eager one. Statistics a decision "
+        "needs are recorded whatever is selected: the counts (and `nonfinite_seq_fraction`), the mean batch "
+        "normalisation divides by, the rows every rejection criterion rejects (`rollout_rs_all_rejected`) and "
+        "expect-zero's maximum. Selecting every family gives the numbers of the release before the families, "
+        "bit for bit (`tests/test_metric_families.py`). `mismatch_metrics: true` selects `mismatch`.",
+        "",
+        _table(["family", "what it adds"], [(f"`{k}`", v) for k, v in METRIC_FAMILIES.items()]),
+        "",
+        _table(["metric", "family", "meaning"], [(f"`{k}`", FAMILY_OF.get(k, "default"), v)
+                                                 for k, v in METRICS.items()]),
         "",
     ]
     return "\n".join(parts)

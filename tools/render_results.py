@@ -356,6 +356,20 @@ def cpu_tables(*names: str) -> list[str]:
     return lines
 
 
+def kernel_tables(name: str) -> list[str]:
+    """docs/performance.md's kernel and operation counts: a ``benchmarks/bench_kernels.py --json`` run, as that
+    script renders it beside 0.2.0's figures, with the machine, versions, load and command of the run."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_kernels import markdown
+
+    s = load(name)
+    p = s["provenance"]
+    return markdown(s).split("\n") + [
+        "", f"`docs/results/{name}`: {s['shape']} float32; {p['cpu']} ({p['logical_cpus']} logical CPUs, one thread); "
+            f"torch {p['torch']}, Python {p['python']}; commit `{p['commit'][:7]}`"
+            f"{' (with local changes)' if p['dirty'] else ''}, {p['date']}; `{p['command']}`."]
+
+
 #: block name -> (renderer, its results files)
 BLOCKS = {
     "demo-headline": (demo_headline, ("demo-stale.json", "demo-quantized.json")),
@@ -376,6 +390,8 @@ BLOCKS = {
     "gpu-h200": (gpu_tables, ("gpu-h200.json",)),
     "gpu-h200-0.3.0": (gpu_tables, ("gpu-h200-0.3.0.json",)),
     "cpu-0.3.0": (cpu_tables, ("cpu-0.3.0.json", "cpu-0.3.0-bf16.json")),
+    "cpu-kernels": (kernel_tables, ("cpu-kernels.json",)),
+    "cpu-fused-loaded": (cpu_tables, ("cpu-fused-loaded.json",)),
 }
 
 PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))

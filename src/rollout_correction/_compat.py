@@ -97,11 +97,12 @@ def compute_rollout_correction_packed(old_log_prob, rollout_log_prob, *, config=
 
 
 def compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask, *, parallel=None, on_nonfinite="reject",
-                              mismatch_metrics=False, segments=None, **deprecated):
+                              mismatch_metrics=False, metrics=("default",), segments=None, **deprecated):
     """:func:`rollout_correction_core.compute_offpolicy_metrics` (0.2 keywords: module docstring)."""
     kw = _migrate("compute_offpolicy_metrics", deprecated, {"parallel": parallel}, {"parallel": _TOPOLOGY})
     return core.compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=on_nonfinite,
-                                          mismatch_metrics=mismatch_metrics, segments=segments, **kw)
+                                          mismatch_metrics=mismatch_metrics, metrics=metrics, segments=segments,
+                                          **kw)
 
 
 def compute_policy_loss(log_prob, old_log_prob, advantages, response_mask, *, config=None, rollout_log_prob=None,

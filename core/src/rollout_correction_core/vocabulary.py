@@ -10,10 +10,13 @@ onto :class:`~rollout_correction_core.RolloutCorrectionConfig`.
   ``rollout_correction.compat.skyrl`` (the toolkit).
 * Presets — :data:`PRESETS` (name → :class:`Preset`), :func:`preset`; ``Presets`` and ``Loading``
   are the mixins ``RolloutCorrectionConfig`` is built from.
+* Metric families — :data:`METRIC_FAMILIES`, :data:`DEFAULT_FAMILIES`, :func:`select_families`
+  (the names of the config's ``metrics`` key).
 
 Provisional (docs/api.md): a minor release may change these names without a deprecation release.
 """
 
+from ._src.config import DEFAULT_FAMILIES, METRIC_FAMILIES, select_families
 from ._src.config_io import Loading
 from ._src.presets import PRESETS, Preset, Presets, preset
 from ._src.vocab import (FIRST_GENERATION_KEYS, LEGACY_RS, Band, ConfigError, MissingSettingError, as_float,
@@ -22,5 +25,5 @@ from ._src.vocab import (FIRST_GENERATION_KEYS, LEGACY_RS, Band, ConfigError, Mi
 __all__ = [
     "ConfigError", "MissingSettingError", "Band", "invalid", "as_float", "read_threshold", "threshold_parts", "as_text",
     "FIRST_GENERATION_KEYS", "LEGACY_RS", "canonical",
-    "Loading", "Presets", "Preset", "PRESETS", "preset",
+    "Loading", "Presets", "Preset", "PRESETS", "preset", "METRIC_FAMILIES", "DEFAULT_FAMILIES", "select_families",
 ]

@@ -16,7 +16,9 @@ Options are read from ``args`` under slime's names (the YAML of ``--custom-confi
 merged into ``args``): ``use_tis``, ``tis_mode`` (``truncate`` | ``clip`` | ``mask``),
 ``tis_level`` (``token`` | ``sequence`` | ``geometric``), ``tis_lower_bound`` (default
 1/upper), ``tis_upper_bound``, ``tis_batch_normalize``, ``use_rs``, ``rs_level``,
-``rs_lower_bound`` / ``rs_upper_bound`` (default: the TIS bounds), ``rs_veto_threshold``.
+``rs_lower_bound`` / ``rs_upper_bound`` (default: the TIS bounds), ``rs_veto_threshold``; and this
+library's ``rollout_correction_metrics`` (:data:`METRICS_KEY`, the metric families), ``log_prob_floor``,
+``expect_zero_atol`` and ``expect_zero_action``.
 The older ``mis_level`` / ``mis_mode`` / ``mis_lower_bound`` / ``mis_upper_bound`` /
 ``mis_veto_threshold`` names are read when the ``tis_*`` ones are absent.
 
@@ -92,7 +94,7 @@ from rollout_correction import SAFETY_BOUND
 from rollout_correction.primitives import correction_pass
 from rollout_correction.reductions import RowExchange
 
-__all__ = ["DUMP_KEY", "SlimeOptions", "options_from_args", "config_from_slime_args", "tis_function",
+__all__ = ["DUMP_KEY", "METRICS_KEY", "SlimeOptions", "options_from_args", "config_from_slime_args", "tis_function",
            "make_tis_function"]
 
 _LEVEL_TO_RS_OPTION = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
@@ -152,6 +154,7 @@ def _get(args: Any, name: str, legacy: Optional[str], default: Any) -> Any:
 
 def options_from_args(args: Any) -> SlimeOptions:
     """Read slime's option names from ``args`` (a namespace), with slime's defaults."""
+    metrics = _get(args, METRICS_KEY, None, None)
     return SlimeOptions(
         use_tis=_get(args, "use_tis", None, False),
         tis_mode=_get(args, "tis_mode", "mis_mode", "truncate"),
@@ -165,13 +168,17 @@ def options_from_args(args: Any) -> SlimeOptions:
         rs_upper_bound=_get(args, "rs_upper_bound", None, None),
         rs_veto_threshold=_get(args, "rs_veto_threshold", "mis_veto_threshold", None),
         loss_denominator=_get(args, "loss_denominator", None, None),
-        extra={k: _get(args, k, None, None) for k in PASSED_KEYS},
+        extra={**{k: _get(args, k, None, None) for k in PASSED_KEYS}, **({} if metrics is None else {"metrics": metrics})},
     )
 
 
 #: This library's keys read from slime's arguments under their own names (``--expect-zero-atol 1e-6``
 #: for slime's true on-policy mode: no correction, an error when the engines disagree).
 PASSED_KEYS = ("log_prob_floor", "expect_zero_atol", "expect_zero_action")
+#: The metric families of the ``rollout_corr/...`` metrics (the config's ``metrics`` key), read from
+#: ``args`` under this name: ``rollout_correction_metrics: [default, raw]`` in the YAML of
+#: ``--custom-config-path`` (slime's own ``mis_*`` metrics are computed whatever it selects).
+METRICS_KEY = "rollout_correction_metrics"
 
 
 def config_from_slime_args(args: Any) -> RolloutCorrectionConfig:
@@ -201,7 +208,12 @@ def config_from_slime_args(args: Any) -> RolloutCorrectionConfig:
         data["rollout_rs_threshold"] = ",".join(f"{lo!r}_{hi!r}" for lo, hi in bands.values())
     if opts.use_rs and opts.rs_veto_threshold is not None:
         data["rollout_token_veto_threshold"] = opts.rs_veto_threshold
-    return RolloutCorrectionConfig.from_dict(data)
+    cfg = RolloutCorrectionConfig.from_dict(data)
+    if cfg.rollout_is_batch_normalize and "default" not in cfg.families:
+        raise ValueError(f"{METRICS_KEY}={list(cfg.metrics)} without 'default' under tis_batch_normalize: "
+                         "mis_batch_norm_factor and mis_is_ratio_*_final read the batch-normalisation factor, a "
+                         "metric of the default family; add 'default'")
+    return cfg
 
 
 # ---------------------------------------------------------------------------------- helpers

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union, get_args
 
@@ -19,7 +20,8 @@ from .vocab import (LEGACY_RS, Band, ConfigError, MissingSettingError, as_float,
                     threshold_parts)
 
 __all__ = ["RolloutCorrectionConfig", "ConfigError", "MissingSettingError", "ISSpec", "RSOption", "RS_OPTIONS",
-           "as_config", "IsLevel", "IsMode", "LossType", "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
+           "METRIC_FAMILIES", "DEFAULT_FAMILIES", "select_families", "as_config", "IsLevel", "IsMode", "LossType",
+           "NonFinitePolicy", "RsAggregation", "DivergenceEstimator",
            "LossDenominator", "WarnOrRaise"]
 
 IsLevel = Literal["token", "sequence", "geometric", "segment", "segment_geometric", "prefix_min"]
@@ -61,6 +63,38 @@ RS_OPTIONS.update({f"{agg}_kpop": (agg, "kpop")
                    for agg in ("token", "seq_sum", "seq_mean", "seq_max", "segment_mean", "segment_max")})
 RS_OPTIONS.update(seq_logprob_error=("seq_mean", "logprob_error"),
                   segment_logprob_error=("segment_mean", "logprob_error"))
+
+
+#: The metric families (the config's ``metrics`` key): name → what it adds. Statistics a decision
+#: needs are recorded whatever is selected: the counts (and ``nonfinite_seq_fraction``), the
+#: batch-normalisation mean, the rows every rejection criterion rejects, expect-zero's maximum.
+METRIC_FAMILIES: dict[str, str] = {
+    "default": "verl 0.9.1's metrics, and the veto and outcome fractions the monitor reads",
+    "raw": "rollout_is_raw_mean, rollout_is_seq_raw_mean: ρ before truncation, masking and rejection",
+    "chi2": "chi2_token_sn, chi2_seq_sn: the self-normalised χ²",
+    "mismatch": "the mismatch metrics other engines log (also mismatch_metrics: true)",
+    "ratio_bands": "ratio_band_tight/1pct/5pct_fraction: the shares of tokens with ρ in [0.999, 1.002], ±1 %, ±5 %",
+    "sentinel": "sentinel_token_fraction: the valid tokens holding an engine sentinel",
+    "expect_zero": "max_abs_log_ratio, the largest gap old − rollout (always with expect_zero_atol)",
+    "detail": "rollout_is_seq_raw_ess, _seq_log_mean, _seq_collapsed_fraction (sequence and segment levels)",
+}
+DEFAULT_FAMILIES = frozenset({"default"})
+
+
+def select_families(value: Any) -> tuple[str, ...]:
+    """The family names of the ``metrics`` key: a list (or tuple) of names, or one string of names
+    separated by commas; ``all`` stands for every family. A ConfigError names an unknown one."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+        raise invalid("metrics", value, f"expected a list of family names among {['all', *METRIC_FAMILIES]}")
+    names = tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
+    known = ["all", *METRIC_FAMILIES]
+    for n in names:
+        if n not in known:
+            hint = difflib.get_close_matches(n, known, n=1)
+            raise invalid("metrics", value, f"unknown family {n!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                          + f"; known families: {known}")
+    return tuple(METRIC_FAMILIES) if "all" in names else names
 
 
 @dataclass(frozen=True)
@@ -191,8 +225,14 @@ class RolloutCorrectionConfig(Presets, Loading):
     mismatch_metrics: bool = _key(
         False, "true, false", "also compute the mismatch metrics other engines log: |p_train − p_rollout| "
         "mean/max/std, the Pearson correlation of probabilities and of log-probs, a JS estimate, slime's "
-        "mean |Δ log p|, max |Δ log p|, the share of tokens with |Δ log p| > 1, > 2, and the shares of tokens "
-        "whose ratio lies in [0.999, 1.002], ±1 %, ±5 % (about 20 more per-token passes; no sync).")
+        "mean |Δ log p|, max |Δ log p| and the share of tokens with |Δ log p| > 1, > 2 (about 15 more "
+        "per-token passes; no sync): the same as selecting the metric family mismatch.")
+    metrics: Union[str, tuple[str, ...]] = _key(
+        ("default",), "a list of metric families, or all", "the metric families a call computes: default (verl "
+        "0.9.1's metrics and the health metrics the monitor reads), raw, chi2, mismatch, ratio_bands, sentinel, "
+        "expect_zero, detail (docs/guide.md, 'Metric families'). A family not selected costs no kernel; "
+        "statistics a decision needs (batch normalisation, the all-rejected check, expect-zero) are computed "
+        "anyway.")
     expected_response_length: Optional[int] = _key(
         None, "positive integer or null", "typical response length in tokens: at construction, a UserWarning for "
         "each sequence-level (∏ρ_t) bound or rejection threshold that a mean per-token log-ratio of ±0.005 "
@@ -201,6 +241,8 @@ class RolloutCorrectionConfig(Presets, Loading):
     # Resolved settings, derived in __post_init__.
     is_spec: Optional[ISSpec] = field(init=False, repr=False, compare=False, default=None)
     rs_options: tuple[RSOption, ...] = field(init=False, repr=False, compare=False, default=())
+    #: The selected families (``metrics``, and mismatch with ``mismatch_metrics``).
+    families: frozenset = field(init=False, repr=False, compare=False, default=DEFAULT_FAMILIES)
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -252,8 +294,11 @@ class RolloutCorrectionConfig(Presets, Loading):
                           "rollout_m2po_threshold", "rollout_opsm_delta") if getattr(self, k) is not None]
         if atol is not None and on:
             raise invalid("expect_zero_atol", atol, f"expect-zero mode applies no correction; unset {', '.join(on)}")
+        metrics = select_families(self.metrics)
+        families = frozenset(metrics) | ({"mismatch"} if self.mismatch_metrics else set())
         for name, value in (("rollout_is_threshold", is_threshold), ("rollout_rs_threshold", rs_threshold),
-                            ("is_spec", is_spec), ("rs_options", rs_options)):
+                            ("is_spec", is_spec), ("rs_options", rs_options), ("metrics", metrics),
+                            ("families", families)):
             object.__setattr__(self, name, value)
         length = self.expected_response_length
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
@@ -371,6 +416,10 @@ class RolloutCorrectionConfig(Presets, Loading):
         option = RSOption(name, *RS_OPTIONS[name], -math.log(upper), -math.log(lower) if lower else math.inf,
                           legacy=mode)
         return (None if given is None else upper), (option,)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every key (``metrics`` as a list of family names), as :meth:`Loading.to_dict`."""
+        return {**super().to_dict(), "metrics": list(self.metrics)}
 
     def length_limits(self, drift: Optional[float] = None) -> list[tuple[str, int, str]]:
         """(setting, L, what it does) for each sequence-level product setting that a mean per-token

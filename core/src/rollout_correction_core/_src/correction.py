@@ -66,23 +66,25 @@ class CorrectionOutput:
 
 def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig, stats: SufficientStats,
                      advantages: Optional[torch.Tensor] = None, per_row=True) -> tuple[Optional[ISWeights], RejectionResult]:
-    """Weights (before batch normalisation), keep masks, and every local statistic for ``config`` (``advantages``
-    (B, T) or (B,): for ``rollout_rs_rejected_positive_fraction``; ``per_row``: :func:`add_offpolicy_statistics`')."""
-    isw = None
+    """Weights (before batch normalisation), keep masks, and the local statistics of ``config``'s metric
+    families and of its decisions (``advantages`` (B, T) or (B,): for
+    ``rollout_rs_rejected_positive_fraction``; ``per_row``: :func:`add_offpolicy_statistics`')."""
+    isw, families = None, config.families
     if config.is_spec is not None:
         isw = importance_weights(batch, config.is_spec)
-        add_is_statistics(stats, batch, config.is_spec, isw)
-    rej = rejection_keep(batch, config.rs_options, config.rollout_token_veto_threshold, stats,
-                         config.rollout_token_veto_threshold_high)
-    add_offpolicy_statistics(stats, batch, config.mismatch_metrics, per_row)
+        add_is_statistics(stats, batch, config.is_spec, isw, families)
+    rej = rejection_keep(batch, config.rs_options, config.rollout_token_veto_threshold,
+                         stats if "default" in families else None, config.rollout_token_veto_threshold_high)
+    add_offpolicy_statistics(stats, batch, per_row=per_row, families=families)
     if config.rs_enabled or advantages is not None:  # rows every criterion rejects in full, and their outcome
         full = (rej.kept_per_row(batch) == 0) & batch.row_valid
         stats.add(RS.rejected_rows, full)
-        if advantages is not None:
+        if advantages is not None and "default" in families:
             adv = advantages if advantages.dim() == 1 else batch.row_total(
                 torch.where(batch.valid, advantages.float(), 0.0)) / batch.n_row.clamp_min(1.0)
             stats.add(RS.rejected_positive, full & (adv > 0))
-    if config.expect_zero_atol is not None:  # max |old − rollout| over valid input tokens, non-finite as 1e30
+    if config.expect_zero_atol is not None or "expect_zero" in families:
+        # max |old − rollout| over valid input tokens, non-finite as 1e30
         gap = torch.sub(batch.old_log_prob.float(), batch.rollout_log_prob.float()).abs_()
         gap = gap.nan_to_num_(nan=1e30, posinf=1e30).mul_(batch.input_mask)
         stats.add(EXPECT_ZERO.max_abs, batch.reduce_max(gap.amax(-1) if gap.shape[-1] else gap.sum(-1)))
@@ -102,7 +104,7 @@ def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, resp
                             row_offset=row_offset, segment_ids=segment_ids, max_segments=max_segments,
                             log_prob_floor=config.log_prob_floor, log_prob_ceiling=config.log_prob_ceiling)
     stats = SufficientStats()
-    batch.add_counts(stats)
+    batch.add_counts(stats, config.families)
     isw, rej = local_correction(batch, config, stats, advantages, per_row=rows is None)
     if rows is not None:
         rows.append((*batch.sums, batch.row_valid))
@@ -112,11 +114,11 @@ def _block_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, resp
 def _local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                 segment_ids: Optional[torch.Tensor], max_segments: Optional[int], config: RolloutCorrectionConfig,
                 advantages: Optional[torch.Tensor] = None):
-    """:func:`_block_pass` on the whole batch with the statistics settled: pure tensor code in and
+    """:func:`_block_pass` on the whole batch with each statistic reduced: pure tensor code in and
     out, so torch.compile can fuse it."""
     weights, keep, stats = _block_pass(old_log_prob, rollout_log_prob, response_mask, config,
                                        segment_ids=segment_ids, max_segments=max_segments, advantages=advantages)
-    return weights, keep, stats.sums, stats.maxes
+    return (weights, keep, *stats.each_reduced())
 
 
 @dataclass
@@ -168,7 +170,7 @@ def correction_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
                             segment_ids=segment_ids, max_segments=max_segments, log_prob_floor=config.log_prob_floor,
                             log_prob_ceiling=config.log_prob_ceiling)
     stats = SufficientStats()
-    batch.add_counts(stats)
+    batch.add_counts(stats, config.families)
     isw, rej = local_correction(batch, config, stats, advantages)
     weights = isw.weights if isw is not None else None
     keep = rej.keep_mask(batch)
@@ -234,7 +236,7 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
             weights[block] = w
         blocks.append(local)
     stats, per_row = SufficientStats.joined(blocks), [torch.cat(x) for x in zip(*row_parts)]
-    add_row_statistics(stats, RowSums(*per_row[:-1]), per_row[-1])
+    add_row_statistics(stats, RowSums(*per_row[:-1]), per_row[-1], config.families)
     return weights, keep, stats  # reduced once, over all rows
 
 
@@ -289,19 +291,20 @@ def _what(config: RolloutCorrectionConfig, advantages: Optional[torch.Tensor]) -
 
 
 def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Value]:
-    """Every metric of ``config`` from reduced statistics (unprefixed names): 0-d tensors from a
-    :class:`SufficientStats`, Python floats from a :class:`~rollout_correction_core._src.stats.HostStats`."""
+    """Every metric of ``config``'s families from reduced statistics (unprefixed names): 0-d tensors
+    from a :class:`SufficientStats`, Python floats from a :class:`~rollout_correction_core._src.stats.HostStats`."""
     m: dict[str, Value] = {}
+    families = config.families
     if config.is_spec is not None:
-        m.update(is_metrics(stats, config.is_spec))
-    m.update(rs_metrics(stats, config.rs_options))
+        m.update(is_metrics(stats, config.is_spec, families))
     low, high = config.rollout_token_veto_threshold is not None, config.rollout_token_veto_threshold_high is not None
-    if low or high:
-        m.update(veto_metrics(stats, low, high))
-    m.update(offpolicy_metrics(stats))
+    if "default" in families:
+        m.update(rs_metrics(stats, config.rs_options))
+        m.update(veto_metrics(stats, low, high) if low or high else {})
+    m.update(offpolicy_metrics(stats, families))
     m.update(nonfinite_metrics(stats))
     m.update(_outcome_metrics(stats, config))
-    if config.expect_zero_atol is not None:
+    if stats.has(EXPECT_ZERO.max_abs):
         m["max_abs_log_ratio"] = maximum(stats.max(EXPECT_ZERO.max_abs), 0.0)
     if config.check_alignment:
         m.update(alignment_metrics(stats, prefix=""))
@@ -451,7 +454,8 @@ class CorrectionAccumulator(Accumulator):
                  on_batch: Optional[BatchHook] = None) -> None:
         self.config = as_config(config)
         self.on_batch = on_batch
-        super().__init__(self.config.on_nonfinite, self.config.log_prob_floor, self.config.log_prob_ceiling)
+        super().__init__(self.config.on_nonfinite, self.config.log_prob_floor, self.config.families,
+                         self.config.log_prob_ceiling)
 
     def record(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
         isw, rej = local_correction(batch, self.config, stats)

@@ -3,7 +3,11 @@
 
 A :class:`Stat` is a slot of the packed vector of :mod:`.stats`; a :class:`Family` declares the
 statistics of one family. The declaration fixes the slot order (:func:`position`): families in
-declaration order (each rejection option's after :data:`RS`, by option name), then a family's own.
+declaration order (each rejection option's after :data:`RS`, by option name: :mod:`.rejection`
+declares them), then a family's own. Everything is declared at import: nothing here changes
+afterwards (a compiled pass reads it).
+Which statistics a call records is the config's selection of metric families
+(:data:`~.config.METRIC_FAMILIES`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ __all__ = ["Stat", "Family"]  # the library's own families below are internal
 
 _RANKS = itertools.count()
 _POSITIONS: dict[str, tuple] = {}
-_RS_OPTIONS: dict[str, "Family"] = {}  # a plain dict: torch.compile traces it (it warns on an lru_cache)
 
 
 class Stat(NamedTuple):
@@ -62,14 +65,6 @@ ALIGN = Family("align.", "n d0 late early")
 OPSM = Family("opsm.", "n_tok n_rows masked seq_masked div_rows div_sum")
 #: ``actor/*`` of :func:`compute_policy_loss`: per-token sums, the tokens in the loss, input and bad rows.
 ACTOR = Family("", "ppo_kl pg_clipfrac pg_clipfrac_lower n input_rows bad_rows")
-
-
-def rs_option(name: str) -> Family:
-    """The statistics of the rejection option ``name`` (``rollout_rs_<name>_*``), declared at first use."""
-    if name not in _RS_OPTIONS:
-        _RS_OPTIONS[name] = Family(f"rs.{name}.", "units sum c_sum c_sum2 high low masked seq_masked seq_sum seq_sum2 "
-                                   "seq_high seq_low", "max seq_max", "min seq_min", rank=RS.rank + (name,))
-    return _RS_OPTIONS[name]
 
 
 def position(name: str) -> tuple:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
+from .config import DEFAULT_FAMILIES
 from .constants import LOG_PROB_FLOOR, SAFETY_BOUND, warn_deprecated
 from .packing import packable
 from .segments import Segments, segment_sums
@@ -263,14 +264,14 @@ class LogRatioBatch:
         """Broadcast a per-segment (B, S) value over each segment's tokens used, 0 elsewhere; (B, T)."""
         return x.to(torch.float32).gather(1, self._segment_index()) * self.mask
 
-    def add_counts(self, stats: SufficientStats) -> None:
+    def add_counts(self, stats: SufficientStats, families: frozenset = DEFAULT_FAMILIES) -> None:
         """The counts every statistic family divides by (recorded once per call): valid tokens used,
-        rows with a token used, rows with a valid input token; with a ``log_prob_floor``, the valid
-        input tokens holding an engine sentinel and all valid input tokens."""
+        rows with a token used, rows with a valid input token; with a ``log_prob_floor`` and the family
+        ``sentinel``, the valid input tokens holding an engine sentinel and all valid input tokens."""
         stats.add(COUNTS.n_tok, self.sums.n)
         stats.add(COUNTS.n_rows, self.row_valid)
         stats.add(COUNTS.n_rows_input, self.input_rows)
-        if self.sentinel_row is not None:
+        if self.sentinel_row is not None and "sentinel" in families:
             stats.add(COUNTS.n_sentinel, self.sentinel_row)
             stats.add(COUNTS.n_tok_input, self.sums.n_input)
 

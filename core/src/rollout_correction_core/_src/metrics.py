@@ -39,12 +39,12 @@ p_t = π_rollout(y_t), the log-probs bounded to [−1e4, 0] first: a value above
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Callable, Optional, Union, get_args
 
 import torch
 
-from .config import NonFinitePolicy
+from .config import DEFAULT_FAMILIES, NonFinitePolicy, select_families
 from .constants import LOG_PROB_FLOOR, METRIC_PREFIX, SAFETY_BOUND
 from .declared import COUNTS, MISMATCH, OFFPOLICY, RATIO_BANDS, Stat
 from .logratio import LogRatioBatch, RowSums, log_ratio_batch, nonfinite_positions, row_means64
@@ -64,43 +64,60 @@ __all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_m
 _PPL_EXP_MAX = 700.0  # exp(700) is finite in float64
 
 
-def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, mismatch: bool = False, per_row=True) -> None:
-    """Record the sufficient statistics of the off-policy metrics (without ``per_row``, all but those
-    of :func:`add_row_statistics`, which a blocked pass records once, from its blocks' row sums)."""
+def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, mismatch: bool = False, per_row=True,
+                             families: frozenset = DEFAULT_FAMILIES) -> None:
+    """Record the sufficient statistics of the off-policy metrics of ``families`` (the mismatch metrics
+    also with ``mismatch``; without ``per_row``, all but those of :func:`add_row_statistics`, which a
+    blocked pass records once, from its blocks' row sums)."""
     if per_row:
-        add_row_statistics(stats, batch.sums, batch.row_valid)
-    if mismatch:
+        add_row_statistics(stats, batch.sums, batch.row_valid, families)
+    if mismatch or "mismatch" in families:
         _add_mismatch_statistics(stats, batch)
+    if "ratio_bands" in families:
+        _add_ratio_band_statistics(stats, batch)
 
 
-def add_row_statistics(stats: SufficientStats, sums: RowSums, rows: torch.Tensor) -> None:
-    """The off-policy statistics that are functions of the per-row ``sums``; ``rows``: rows with a token used."""
-    stats.add(OFFPOLICY.sum_lr, sums.log_ratio)
-    stats.add(OFFPOLICY.sum_k3, sums.k3)  # Σ_t k3 and Σ_t ρ² per row, from the batch's one reduction
-    stats.add(OFFPOLICY.sum_rho2, sums.ratio2)
+def add_row_statistics(stats: SufficientStats, sums: RowSums, rows: torch.Tensor,
+                       families: frozenset = DEFAULT_FAMILIES) -> None:
+    """The off-policy statistics of ``families`` that are functions of the per-row ``sums``; ``rows``:
+    rows with a token used. ``default``: the 13 off-policy metrics; ``raw``: the raw means Σρ and ∏ρ;
+    ``chi2``: both (the self-normalised χ² divides the squares by the raw means)."""
+    default, raw = "default" in families, bool({"raw", "chi2"} & families)
+    squares = default or "chi2" in families
+    if default:
+        stats.add(OFFPOLICY.sum_lr, sums.log_ratio)
+        stats.add(OFFPOLICY.sum_k3, sums.k3)  # Σ_t k3 and Σ_t ρ² per row, from the batch's one reduction
+    if squares:
+        stats.add(OFFPOLICY.sum_rho2, sums.ratio2)
+    if raw:
+        stats.add(OFFPOLICY.sum_rho, sums.ratio)
+    if not (squares or raw):
+        return
     # The per-row values are computed stacked, so each elementwise step is one operation.
     means = row_means64(sums)  # float64 (2, B): mean log ρ, mean log π_train
     neg = means.neg()  # d = mean log π_rollout − mean log π_train, −mean log π_train
     d, train_nll = neg[0], neg[1]
     rollout_nll = means[0] - means[1]
-    sum64 = sums.log_ratio.double()
-    e = torch.stack([train_nll, rollout_nll, d, sum64, sum64])
+    sum_lr = sums.log_ratio  # float32, promoted exactly to float64 by the stack
+    e = torch.stack([train_nll, rollout_nll, d, sum_lr, sum_lr][:4 + raw])
     e[:2].clamp_(max=_PPL_EXP_MAX)
     e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     e[3].mul_(2.0)
     e.exp_()  # training PPL, rollout PPL, ppl ratio, (∏ρ)², ∏ρ per row
-    stats.add(OFFPOLICY.train_log_ppl, train_nll, rows=rows)
-    stats.add(OFFPOLICY.train_ppl, e[0], rows=rows)
-    stats.add(OFFPOLICY.roll_log_ppl, rollout_nll, rows=rows)
-    stats.add(OFFPOLICY.roll_ppl, e[1], rows=rows)
-    stats.add(OFFPOLICY.d, d, rows=rows)
-    stats.add(OFFPOLICY.abs_d, d.abs(), rows=rows)
-    stats.add(OFFPOLICY.d_max, d, rows=rows)
-    stats.add(OFFPOLICY.neg_d_max, means[0], rows=rows)  # −d: min d = −max(−d), no negation
-    stats.add(OFFPOLICY.ppl_ratio, e[2], rows=rows)
-    stats.add(OFFPOLICY.rho2_seq, e[3], rows=rows)
-    stats.add(OFFPOLICY.sum_rho, sums.ratio)
-    stats.add(OFFPOLICY.rho_seq, e[4], rows=rows)
+    if default:
+        stats.add(OFFPOLICY.train_log_ppl, train_nll, rows=rows)
+        stats.add(OFFPOLICY.train_ppl, e[0], rows=rows)
+        stats.add(OFFPOLICY.roll_log_ppl, rollout_nll, rows=rows)
+        stats.add(OFFPOLICY.roll_ppl, e[1], rows=rows)
+        stats.add(OFFPOLICY.d, d, rows=rows)
+        stats.add(OFFPOLICY.abs_d, d.abs(), rows=rows)
+        stats.add(OFFPOLICY.d_max, d, rows=rows)
+        stats.add(OFFPOLICY.neg_d_max, means[0], rows=rows)  # −d: min d = −max(−d), no negation
+        stats.add(OFFPOLICY.ppl_ratio, e[2], rows=rows)
+    if squares:
+        stats.add(OFFPOLICY.rho2_seq, e[3], rows=rows)
+    if raw:
+        stats.add(OFFPOLICY.rho_seq, e[4], rows=rows)
 
 
 _LOGP_FLOOR = 1e4
@@ -126,7 +143,6 @@ def _add_mismatch_statistics(stats: SufficientStats, batch: LogRatioBatch) -> No
     stats.add(MISMATCH.a_seq, a_row, rows=batch.row_valid)
     for stat, x in ((MISMATCH.d_max, d), (MISMATCH.a_max, a)):  # ≥ 0 and 0 where unused (no column: 0)
         stats.add(stat, batch.reduce_max(x.amax(-1) if x.shape[-1] else x.sum(-1)), rows=batch.row_valid)
-    _add_ratio_band_statistics(stats, batch)
 
 
 #: The ratio bands (lower, upper) of the ``ratio_band_*_fraction`` metrics, in RATIO_BANDS's order.
@@ -206,15 +222,28 @@ def _chi2_sn(s1: Value, s2: Value, n: Value) -> Value:
     return clamp(safe_div(n * s2, s1 * s1) - 1.0, 0.0)
 
 
-def offpolicy_metrics(stats) -> dict[str, Value]:
-    """The 13 off-policy metrics, and the 10 mismatch metrics when their statistics were recorded
-    (module docstring), from reduced statistics of either kind; 0 when empty."""
+def offpolicy_metrics(stats, families: frozenset = DEFAULT_FAMILIES) -> dict[str, Value]:
+    """The off-policy metrics of ``families`` (the 13 of ``default``, the raw means, the self-normalised
+    χ²), and the 10 mismatch metrics when their statistics were recorded (module docstring), from
+    reduced statistics of either kind; 0 when empty."""
     n_tok, n_rows = stats.sum(COUNTS.n_tok), stats.sum(COUNTS.n_rows)
 
     def seq_mean(k: Stat) -> Value:
         return safe_div(stats.sum(k), n_rows)
 
     has_rows = n_rows > 0
+    m = {**(_default_offpolicy(stats, n_tok, n_rows, seq_mean, has_rows) if "default" in families else {})}
+    if "raw" in families:
+        m["rollout_is_raw_mean"] = safe_div(stats.sum(OFFPOLICY.sum_rho), n_tok)
+        m["rollout_is_seq_raw_mean"] = seq_mean(OFFPOLICY.rho_seq)
+    if "chi2" in families:
+        m["chi2_token_sn"] = _chi2_sn(stats.sum(OFFPOLICY.sum_rho), stats.sum(OFFPOLICY.sum_rho2), n_tok)
+        m["chi2_seq_sn"] = _chi2_sn(stats.sum(OFFPOLICY.rho_seq), stats.sum(OFFPOLICY.rho2_seq), n_rows)
+    return {**m, **(mismatch_metrics(stats) if stats.has(MISMATCH.q) else {}),
+            **(ratio_band_metrics(stats) if stats.has(RATIO_BANDS.tight) else {})}
+
+
+def _default_offpolicy(stats, n_tok: Value, n_rows: Value, seq_mean: Callable, has_rows) -> dict[str, Value]:
     return {
         "training_ppl": seq_mean(OFFPOLICY.train_ppl),
         "training_log_ppl": seq_mean(OFFPOLICY.train_log_ppl),
@@ -229,12 +258,6 @@ def offpolicy_metrics(stats) -> dict[str, Value]:
         "ppl_ratio": seq_mean(OFFPOLICY.ppl_ratio),
         "chi2_token": where(n_tok > 0, safe_div(stats.sum(OFFPOLICY.sum_rho2), n_tok) - 1.0, 0.0),
         "chi2_seq": where(has_rows, seq_mean(OFFPOLICY.rho2_seq) - 1.0, 0.0),
-        "rollout_is_raw_mean": safe_div(stats.sum(OFFPOLICY.sum_rho), n_tok),
-        "rollout_is_seq_raw_mean": seq_mean(OFFPOLICY.rho_seq),
-        "chi2_token_sn": _chi2_sn(stats.sum(OFFPOLICY.sum_rho), stats.sum(OFFPOLICY.sum_rho2), n_tok),
-        "chi2_seq_sn": _chi2_sn(stats.sum(OFFPOLICY.rho_seq), stats.sum(OFFPOLICY.rho2_seq), n_rows),
-        **(mismatch_metrics(stats) if stats.has(MISMATCH.q) else {}),
-        **(ratio_band_metrics(stats) if stats.has(RATIO_BANDS.tight) else {}),
     }
 
 
@@ -398,6 +421,7 @@ def metrics_to_floats(metrics: Mapping[str, Union[torch.Tensor, float]]) -> dict
 def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                               response_mask: torch.Tensor, *, parallel: Optional[Parallel] = None,
                               on_nonfinite: str = "reject", mismatch_metrics: bool = False,
+                              metrics: Sequence[str] = ("default",),
                               segments: Optional[Segments] = None) -> dict[str, torch.Tensor]:
     """Off-policy diagnostics of π_train vs π_rollout, keys ``rollout_corr/<name>``.
 
@@ -409,7 +433,10 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
             (metrics of the whole batch); every sequence is split across ``cp_group`` (context
             parallelism), as in :func:`rollout_correction_core.compute_rollout_correction`.
         mismatch_metrics: also the 10 mismatch metrics (|p_train − p_rollout|, Pearson, JS, |Δ log p|
-            tails; module docstring), about 15 more per-token passes.
+            tails; module docstring), about 15 more per-token passes (the family ``mismatch``).
+        metrics: the metric families, as the config's ``metrics`` key (``default``: the 13 off-policy
+            metrics; ``raw``, ``chi2``, ``mismatch``, ``ratio_bands``, ``sentinel``; ``"all"``);
+            ``nonfinite_seq_fraction`` is always there.
         segments: :class:`~rollout_correction_core.Segments` with ``cu_seqlens`` for packed (1, N) / (N,)
             inputs (the turns are not used here).
     Returns:
@@ -428,15 +455,15 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
         rows = RowExchange(sequence_group, describe("compute_offpolicy_metrics", on_nonfinite=on_nonfinite,
-                                                    mismatch_metrics=mismatch_metrics))
+                                                    mismatch_metrics=mismatch_metrics, metrics=metrics))
         for _ in rows.passes():
             batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=on_nonfinite, rows=rows)
-            acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite, mismatch_metrics=mismatch_metrics)
+            acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite, mismatch_metrics=mismatch_metrics, metrics=metrics)
             acc.update_batch(batch)
         if on_nonfinite == "raise":
             raise_nonfinite(batch.bad_rows)
         return prefixed(acc.finalize(reduce_owned(acc.stats, process_group, owner)))
-    acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite, mismatch_metrics=mismatch_metrics)
+    acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite, mismatch_metrics=mismatch_metrics, metrics=metrics)
     acc.update(old_log_prob, rollout_log_prob, response_mask)
     return acc.compute(Parallel(dp_group=process_group))
 
@@ -444,15 +471,17 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
 class Accumulator:
     """Streaming version of a statistic family: ``update`` per chunk of whole rows, then ``compute``
     gives exactly what one call on the concatenated batch would give. A subclass defines
-    ``record(stats, batch)`` (a chunk's statistics) and ``finalize(stats)`` (unprefixed metrics)."""
+    ``record(stats, batch)`` (a chunk's statistics) and ``finalize(stats)`` (unprefixed metrics) of the
+    metric ``families`` selected."""
 
     def __init__(self, on_nonfinite: str = "reject", log_prob_floor: Optional[float] = LOG_PROB_FLOOR,
-                 log_prob_ceiling: Optional[float] = 0.0) -> None:
+                 families: frozenset = DEFAULT_FAMILIES, log_prob_ceiling: Optional[float] = 0.0) -> None:
         if on_nonfinite not in get_args(NonFinitePolicy):
             raise ValueError(f"{type(self).__name__}: on_nonfinite={on_nonfinite!r} is invalid; allowed: "
                              f"{list(get_args(NonFinitePolicy))}")
         self.stats = SufficientStats()
-        self.on_nonfinite, self.log_prob_floor, self.log_prob_ceiling = on_nonfinite, log_prob_floor, log_prob_ceiling
+        self.on_nonfinite, self.log_prob_floor, self.families = on_nonfinite, log_prob_floor, families
+        self.log_prob_ceiling = log_prob_ceiling
 
     def update(self, old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                response_mask: torch.Tensor) -> None:
@@ -464,7 +493,7 @@ class Accumulator:
     def update_batch(self, batch: LogRatioBatch) -> None:
         """Add a chunk already wrapped in a :class:`LogRatioBatch` (several accumulators may share one)."""
         local = SufficientStats()
-        batch.add_counts(local)
+        batch.add_counts(local, self.families)
         self.record(local, batch)
         self.stats.merge(local)
 
@@ -493,15 +522,18 @@ class Accumulator:
 
 
 class OffPolicyAccumulator(Accumulator):
-    """Streaming :func:`compute_offpolicy_metrics` (with the mismatch metrics if ``mismatch_metrics``)."""
+    """Streaming :func:`compute_offpolicy_metrics` (with the mismatch metrics if ``mismatch_metrics``; the
+    families ``metrics``, as the config's key)."""
 
     def __init__(self, on_nonfinite: str = "reject", mismatch_metrics: bool = False,
-                 log_prob_floor: Optional[float] = LOG_PROB_FLOOR, log_prob_ceiling: Optional[float] = 0.0) -> None:
-        super().__init__(on_nonfinite, log_prob_floor, log_prob_ceiling)
+                 log_prob_floor: Optional[float] = LOG_PROB_FLOOR, metrics: Sequence[str] = ("default",),
+                 log_prob_ceiling: Optional[float] = 0.0) -> None:
+        families = frozenset(select_families(metrics)) | ({"mismatch"} if mismatch_metrics else set())
+        super().__init__(on_nonfinite, log_prob_floor, families, log_prob_ceiling)
         self.mismatch_metrics = mismatch_metrics
 
     def record(self, stats: SufficientStats, batch: LogRatioBatch) -> None:
-        add_offpolicy_statistics(stats, batch, mismatch=self.mismatch_metrics)
+        add_offpolicy_statistics(stats, batch, families=self.families)
 
     def finalize(self, stats: SufficientStats) -> dict[str, torch.Tensor]:
-        return {**offpolicy_metrics(stats), **nonfinite_metrics(stats)}
+        return {**offpolicy_metrics(stats, self.families), **nonfinite_metrics(stats)}

@@ -36,7 +36,7 @@ from typing import Optional, Union
 import torch
 
 from .config import RS_OPTIONS, RolloutCorrectionConfig, RSOption
-from .declared import COUNTS, RS, VETO, VETO_HIGH, rs_option
+from .declared import COUNTS, RS, VETO, VETO_HIGH, Family
 from .logratio import LogRatioBatch, segmented_batch
 from .packing import packable
 from .segments import Segments
@@ -49,6 +49,17 @@ __all__ = ["token_divergence", "PROB_CLAMP", "RejectionResult", "option_keep", "
 
 #: Probabilities enter the probability-space divergences clamped to [PROB_CLAMP, 1 − PROB_CLAMP].
 PROB_CLAMP = 1e-6
+
+#: The statistics of each rejection option (``rollout_rs_<name>_*``), declared at import, their slots
+#: after :data:`RS`'s, by option name.
+_OPTION_STATS = {name: Family(f"rs.{name}.", "units sum c_sum c_sum2 high low masked seq_masked seq_sum seq_sum2 "
+                              "seq_high seq_low", "max seq_max", "min seq_min", rank=RS.rank + (name,))
+                 for name in sorted(RS_OPTIONS)}
+
+
+def rs_option(name: str) -> Family:
+    """The statistics of the rejection option ``name``."""
+    return _OPTION_STATS[name]
 
 
 def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:

@@ -43,49 +43,73 @@ class _Part:
                  weight: Optional[torch.Tensor]) -> None:
         self.kind, self.name, self.rows, self.weight = kind, name, rows, weight
         self.value = value.detach() if value.requires_grad else value
-        self.key = _slot_key(kind, name)
-
-
-_SLOT_KEYS: dict[tuple, tuple] = {}  # a plain dict (torch.compile traces it; it warns on an lru_cache)
-
-
-def _slot_key(kind: str, name: str) -> tuple:
-    """The slot of a part: sums, then maxima and minima, as declared (ValueError if undeclared)."""
-    if (kind, name) not in _SLOT_KEYS:
-        _SLOT_KEYS[kind, name] = (kind != "sum", position(name))
-    return _SLOT_KEYS[kind, name]
+        self.key = (kind != "sum", position(name))  # its slot: sums, then maxima and minima, as declared
 
 
 def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
     """Parts of one shape, in slot order, reduced to (K + M,) float64: the sums, then the maxima (a
-    minimum as the maximum of −x). Computed in runs sharing kind, weight and restriction (by identity)."""
-    runs: list[list[int]] = []
-    for i, p in enumerate(parts):
-        q = next((r for r in runs if parts[r[0]].kind == p.kind and parts[r[0]].rows is p.rows
-                  and parts[r[0]].weight is p.weight), None)
-        if q is None:
-            runs.append([i])
-        else:
-            q.append(i)
-    order = [i for r in runs for i in r]
+    minimum as the maximum of −x). Computed in an order where every negation, weight and restriction
+    (found by identity) applies to one slice: sums (unrestricted, then by restriction and weight),
+    maxima (unrestricted, then by restriction), minima (by restriction in reverse, then unrestricted)."""
+    masks = {id(p.rows): i for i, p in enumerate(parts) if p.rows is not None}
+
+    def rank(p: _Part) -> tuple:
+        r = -1 if p.rows is None else masks[id(p.rows)]
+        if p.kind == "sum":
+            return 0, r, -1 if p.weight is None else id(p.weight)
+        return (1, r) if p.kind == "max" else (2, -r if r >= 0 else -len(parts) - 1)
+
+    order = sorted(range(len(parts)), key=lambda i: rank(parts[i]))
     stacked = torch.stack([parts[i].value for i in order])  # one copy; dtypes promote (bool < float32 < float64)
     stacked = (stacked if stacked.dtype == torch.float64 else stacked.to(torch.float64)).reshape(len(parts), -1)
-    a = 0
-    for r in runs:  # outside ``rows``: 0 in a sum, −inf in a maximum (or negated minimum)
-        p, b = parts[r[0]], a + len(r)
-        if p.kind == "min":
-            stacked[a:b].neg_()
+    ns, nx = (sum(p.kind == k for p in parts) for k in ("sum", "max"))
+    if ns + nx < len(parts):
+        stacked[ns + nx:].neg_()
+    inverse: dict[int, torch.Tensor] = {}
+    for a, b, p in _runs([parts[i] for i in order], lambda p: (p.kind == "sum", id(p.weight), p.weight is None)):
         if p.weight is not None:
             stacked[a:b].mul_(p.weight.reshape(1, -1))
-        if p.rows is not None:
-            stacked[a:b].masked_fill_(~p.rows.reshape(1, -1), 0.0 if p.kind == "sum" else -math.inf)
-        a = b
-    ns = sum(p.kind == "sum" for p in parts)
+    for a, b, p in _runs([parts[i] for i in order], lambda p: (p.kind == "sum", id(p.rows), p.rows is None)):
+        if p.rows is not None:  # outside ``rows``: 0 in a sum, −inf in a maximum (or negated minimum)
+            if id(p.rows) not in inverse:
+                inverse[id(p.rows)] = ~p.rows.reshape(1, -1)
+            stacked[a:b].masked_fill_(inverse[id(p.rows)], 0.0 if p.kind == "sum" else -math.inf)
     ext = stacked[ns:]
     vm = ext.amax(1) if ext.shape[1] else ext.new_full((ext.shape[0],), -math.inf)
-    reduced = torch.cat((stacked[:ns].sum(1), vm)).unbind()
-    slot = dict(zip(order, reduced))
-    return torch.stack([slot[i] for i in range(len(parts))])
+    reduced = torch.cat((stacked[:ns].sum(1), vm))
+    # Back to slot order with one copy: the runs of consecutive slots that sit together in ``reduced``.
+    at = {i: j for j, i in enumerate(order)}
+    pieces: list[list[int]] = []
+    for i in range(len(parts)):
+        if pieces and at[i] == pieces[-1][1]:
+            pieces[-1][1] += 1
+        else:
+            pieces.append([at[i], at[i] + 1])
+    return reduced if len(pieces) == 1 else torch.cat([reduced[a:b] for a, b in pieces])
+
+
+def _runs(parts: list[_Part], key) -> list[tuple[int, int, _Part]]:
+    """Maximal runs [a, b) of consecutive parts with equal ``key(part)``, with the run's first part."""
+    out: list[tuple[int, int, _Part]] = []
+    for i, p in enumerate(parts):
+        if out and key(out[-1][2]) == key(p):
+            out[-1] = (out[-1][0], i + 1, out[-1][2])
+        else:
+            out.append((i, i + 1, p))
+    return out
+
+
+def _reduced_alone(p: _Part) -> torch.Tensor:
+    """One part reduced to a 0-d float64 tensor (a minimum as the maximum of −x), with the arithmetic
+    of :func:`_reduce_shape`."""
+    x = p.value.to(torch.float64)
+    x = x.neg() if p.kind == "min" else x
+    x = x * p.weight if p.weight is not None else x
+    if p.kind == "sum":
+        return (x if p.rows is None else torch.where(p.rows, x, 0.0)).sum()
+    if not x.numel():
+        return torch.full((), -math.inf, dtype=torch.float64, device=x.device)
+    return (x if p.rows is None else torch.where(p.rows, x, -math.inf)).amax()
 
 
 def check_layout(sum_names: list, max_names: list, device: Optional[torch.device], process_group) -> None:
@@ -292,6 +316,17 @@ class SufficientStats(_Reading):
             into._accumulate(sums, [p.name for p in g[len(sums):]], vec)
         if into is not self:
             self._accumulate(into._sum_names, into._max_names, into._vec)
+
+    def each_reduced(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(sums, maxima): each statistic recorded so far reduced on its own to a 0-d float64 tensor, by
+        name in slot order (what :meth:`from_values` reads). A compiled pass returns these: the compiler
+        fuses the reductions of one size into one loop, where a stacked vector costs a copy per value."""
+        values: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+        for p in sorted(self._parts, key=lambda p: p.key):
+            into, x = values[p.kind != "sum"], _reduced_alone(p)
+            into[p.name] = x if p.name not in into else (
+                into[p.name] + x if p.kind == "sum" else torch.maximum(into[p.name], x))
+        return values
 
     def packed_vector(self) -> tuple[list[str], list[str], Optional[torch.Tensor]]:
         """(sum names, max names, (K + M,) float64 vector: the sums, then the maxima)."""

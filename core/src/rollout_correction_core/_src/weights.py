@@ -34,7 +34,7 @@ from typing import Optional, get_args
 
 import torch
 
-from .config import SEGMENT_IS_LEVELS, ConfigError, IsLevel, IsMode, ISSpec, RolloutCorrectionConfig
+from .config import DEFAULT_FAMILIES, SEGMENT_IS_LEVELS, ConfigError, IsLevel, IsMode, ISSpec, RolloutCorrectionConfig
 from .constants import SAFETY_BOUND
 from .declared import COUNTS, IS
 from .logratio import LogRatioBatch, segmented_batch
@@ -134,9 +134,25 @@ def _log(x: float) -> float:
     return math.log(x) if x > 0 else -math.inf
 
 
-def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec, isw: ISWeights) -> None:
-    """Record the sufficient statistics of every ``rollout_is_*`` metric."""
+def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec, isw: ISWeights,
+                      families: frozenset = DEFAULT_FAMILIES) -> None:
+    """Record the sufficient statistics of the ``rollout_is_*`` metrics of ``families`` (``default``:
+    verl's; ``detail``: the row weights before truncation), or without ``default`` the batch mean
+    that batch normalisation divides by (:func:`batch_norm_factor`) alone."""
     U, L = spec.upper, spec.metric_lower
+    if "default" not in families:
+        if spec.level in TOKEN_WEIGHT_LEVELS:
+            if spec.batch_normalize:
+                stats.add(IS.sum_w, batch.token_moments(isw.weights)[0])
+            return
+        rw, rows = _units_weights(batch, spec, isw)
+        if spec.level in SEGMENT_IS_LEVELS and (spec.batch_normalize or "detail" in families):
+            stats.add(IS.units, rows)
+        if spec.batch_normalize:
+            stats.add(IS.seq_sum, rw, rows=rows)
+        if "detail" in families:
+            _add_detail(stats, isw, rows)
+        return
     if spec.level in TOKEN_WEIGHT_LEVELS:
         w, raw = isw.weights, isw.raw
         sum_w, sum_w2 = batch.token_moments(w)
@@ -159,11 +175,10 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         rows = batch.row_valid
     else:
         rlog, rraw = isw.row_log, isw.row_raw
+        rw, rows = _units_weights(batch, spec, isw)
+        n = isw.unit_n if spec.level in SEGMENT_IS_LEVELS else batch.n_row
         if spec.level in SEGMENT_IS_LEVELS:  # one unit per segment: the "seq" statistics are per segment
-            rw, rows, n = isw.unit_weight, isw.unit_valid, isw.unit_n
             stats.add(IS.units, rows)
-        else:
-            rw, rows, n = isw.row_weight, batch.row_valid, batch.n_row
         rw64 = rw.double()
         stats.add(IS.sum_w, rw64, rows=rows, weight=n)
         stats.add(IS.sum_w2, rw64 * rw64, rows=rows, weight=n)
@@ -172,12 +187,8 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
         stats.add(IS.max_log, rlog, rows=rows)
         stats.add(IS.min_log, rlog, rows=rows)
         seq_w, seq_raw = rw, rraw
-        # Pre-truncation (length-aware) statistics of the row weights, one value per sequence.
-        raw = rraw.double()
-        stats.add(IS.raw_sum, raw, rows=rows)
-        stats.add(IS.raw_sum2, raw * raw, rows=rows)
-        stats.add(IS.log_sum, rlog, rows=rows)
-        stats.add(IS.collapsed, rlog < COLLAPSED_LOG_WEIGHT, rows=rows)
+        if "detail" in families:
+            _add_detail(stats, isw, rows)
         if spec.mode == "mask":
             stats.add(IS.oob, (rraw < spec.lower) | (rraw > U), rows=rows, weight=n)
     seq_w64 = seq_w.double()
@@ -187,6 +198,22 @@ def add_is_statistics(stats: SufficientStats, batch: LogRatioBatch, spec: ISSpec
     stats.add(IS.seq_min, seq_w, rows=rows)
     stats.add(IS.seq_high, seq_raw > U, rows=rows)
     stats.add(IS.seq_low, seq_raw < L, rows=rows)
+
+
+def _units_weights(batch: LogRatioBatch, spec: ISSpec, isw: ISWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence and segment levels: (the bounded weight, whether it is valid) of each unit."""
+    if spec.level in SEGMENT_IS_LEVELS:
+        return isw.unit_weight, isw.unit_valid
+    return isw.row_weight, batch.row_valid
+
+
+def _add_detail(stats: SufficientStats, isw: ISWeights, rows: torch.Tensor) -> None:
+    """The family ``detail``: pre-truncation (length-aware) statistics of the row weights, one value per unit."""
+    raw = isw.row_raw.double()
+    stats.add(IS.raw_sum, raw, rows=rows)
+    stats.add(IS.raw_sum2, raw * raw, rows=rows)
+    stats.add(IS.log_sum, isw.row_log, rows=rows)
+    stats.add(IS.collapsed, isw.row_log < COLLAPSED_LOG_WEIGHT, rows=rows)
 
 
 def batch_norm_factor(stats, spec: ISSpec) -> Value:
@@ -203,8 +230,8 @@ def _units(stats, spec: ISSpec) -> Value:
     return stats.sum(IS.units) if spec.level in SEGMENT_IS_LEVELS else stats.sum(COUNTS.n_rows)
 
 
-def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
-    """``rollout_is_*`` metrics from reduced statistics (values before batch normalisation).
+def is_metrics(stats, spec: ISSpec, families: frozenset = DEFAULT_FAMILIES) -> dict[str, Value]:
+    """``rollout_is_*`` metrics of ``families`` from reduced statistics (values before batch normalisation).
 
     mean / std / ESS are token-weighted over valid tokens (every level): std = sqrt(E[w²] − E[w]²),
     ESS = min(1, 1 / E[(w / (E[w] + 1e-8))²]) = min(1, (E[w] + 1e-8)² / E[w²]) (0 when every weight
@@ -215,11 +242,21 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
     token; seq_fraction_* use the raw per-row mean. Sequence / geometric levels also report the row
     weights before truncation, where a long response drives log ∏ρ_t far from 0 even at a small
     per-token gap: seq_raw_ess = (Σw)² / (n·Σw²) (Kish), seq_log_mean (mean log weight,
-    unclamped) and seq_collapsed_fraction (share of rows with raw weight < 0.1). At the segment levels
-    every seq_* metric, max / min and fraction_high / low are taken over segments (turns) with ≥ 1
-    valid token instead of sequences.
+    unclamped) and seq_collapsed_fraction (share of rows with raw weight < 0.1): the family ``detail``.
+    At the segment levels every seq_* metric, max / min and fraction_high / low are taken over
+    segments (turns) with ≥ 1 valid token instead of sequences.
     """
-    n_tok, n_rows = stats.sum(COUNTS.n_tok), _units(stats, spec)
+    m = _verl_is_metrics(stats, spec, _units(stats, spec)) if "default" in families else {}
+    if "detail" in families and spec.level not in TOKEN_WEIGHT_LEVELS:
+        n_rows, raw_sum, raw_sum2 = _units(stats, spec), stats.sum(IS.raw_sum), stats.sum(IS.raw_sum2)
+        m["rollout_is_seq_raw_ess"] = clamp(safe_div(raw_sum * raw_sum, n_rows * raw_sum2), hi=1.0)
+        m["rollout_is_seq_log_mean"] = safe_div(stats.sum(IS.log_sum), n_rows)
+        m["rollout_is_seq_collapsed_fraction"] = safe_div(stats.sum(IS.collapsed), n_rows)
+    return m
+
+
+def _verl_is_metrics(stats, spec: ISSpec, n_rows: Value) -> dict[str, Value]:
+    n_tok = stats.sum(COUNTS.n_tok)
     mean = safe_div(stats.sum(IS.sum_w), n_tok)
     ew2 = safe_div(stats.sum(IS.sum_w2), n_tok)
     std = where(n_tok > 1, sqrt0(ew2 - mean * mean), 0.0)
@@ -243,11 +280,6 @@ def is_metrics(stats, spec: ISSpec) -> dict[str, Value]:
         m[f"rollout_is_seq_{k}"] = v
     m["rollout_is_seq_fraction_high"] = safe_div(stats.sum(IS.seq_high), n_rows)
     m["rollout_is_seq_fraction_low"] = safe_div(stats.sum(IS.seq_low), n_rows)
-    if spec.level not in TOKEN_WEIGHT_LEVELS:
-        raw_sum, raw_sum2 = stats.sum(IS.raw_sum), stats.sum(IS.raw_sum2)
-        m["rollout_is_seq_raw_ess"] = clamp(safe_div(raw_sum * raw_sum, n_rows * raw_sum2), hi=1.0)
-        m["rollout_is_seq_log_mean"] = safe_div(stats.sum(IS.log_sum), n_rows)
-        m["rollout_is_seq_collapsed_fraction"] = safe_div(stats.sum(IS.collapsed), n_rows)
     if spec.mode == "mask":
         # the band is [metric_lower, upper] in mask mode: at token level the tokens outside it
         out_of_bounds = stats.sum(IS.out if spec.level in TOKEN_WEIGHT_LEVELS else IS.oob)

@@ -436,6 +436,7 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         config: Any = None,
         *,
         policy_loss_cls: Any = None,
+        metrics: Optional[Sequence[str]] = None,
     ) -> "RolloutCorrectionPolicyLoss":
         """Build from OpenRLHF's parsed args exactly as ``ppo_actor.py`` builds its ``PolicyLoss``.
 
@@ -443,7 +444,8 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         supported release. ``config`` (a config, preset name or mapping) replaces the mapping of
         OpenRLHF's correction options by any correction of this library, e.g. a token-level
         rejection (the correction must still be on, for the log-probs).
-        ``policy_loss_cls`` defaults to ``openrlhf.models.PolicyLoss``.
+        ``policy_loss_cls`` defaults to ``openrlhf.models.PolicyLoss``; ``metrics`` (metric family
+        names, as the config's ``metrics`` key) replaces the families of either config.
         """
         check_openrlhf_version()
         mapped = config_from_openrlhf_args(args)
@@ -464,7 +466,8 @@ class RolloutCorrectionPolicyLoss(torch.nn.Module):
         if config is None and args.actor.policy_loss_type == "gspo":
             # OpenRLHF's --actor.policy_loss_type gspo selects the loss; the mapped correction weights it.
             mapped = dataclasses.replace(mapped, loss_type="gspo")
-        return cls(policy_loss_cls(**kwargs), mapped if config is None else as_config(config),
+        chosen = mapped if config is None else as_config(config)
+        return cls(policy_loss_cls(**kwargs), chosen if metrics is None else chosen.replace(metrics=list(metrics)),
                    micro_batch_size=args.train.micro_batch_size,
                    filter_level=_gate_level(args) if config is None else "token")
 

@@ -35,9 +35,11 @@ class RolloutCorrectionActorMixin:
     ``rollout_correction_config`` (class attribute): None maps OpenRLHF's own correction flags
     (``from_args(args)``); a preset name, a mapping or a config replaces them
     (``from_args(args, config)``; the flags must still turn the correction on, for the log-probs).
+    ``rollout_correction_metrics``: the metric families (None: the config's).
     """
 
     rollout_correction_config: Any = None
+    rollout_correction_metrics: Optional[tuple[str, ...]] = None
     rollout_correction_dump_dir: Optional[str] = None
     trainer: Any
     _dump: Any = None
@@ -47,8 +49,8 @@ class RolloutCorrectionActorMixin:
         from . import RolloutCorrectionPolicyLoss
 
         result = super().init_model_from_pretrained(*args, **kwargs)
-        self.trainer.actor_loss_fn = RolloutCorrectionPolicyLoss.from_args(self.trainer.args,
-                                                                           self.rollout_correction_config)
+        self.trainer.actor_loss_fn = RolloutCorrectionPolicyLoss.from_args(
+            self.trainer.args, self.rollout_correction_config, metrics=self.rollout_correction_metrics)
         return result
 
     def append(self, experience: Any) -> Any:
@@ -68,16 +70,18 @@ class RolloutCorrectionActorMixin:
         return super().fit(*args, **kwargs)
 
 
-def policy_model_actor(base: Any, config: Any = None, dump_dir: Optional[str] = None) -> type:
+def policy_model_actor(base: Any, config: Any = None, dump_dir: Optional[str] = None,
+                       metrics: Optional[tuple[str, ...]] = None) -> type:
     """The subclass of OpenRLHF's ``PolicyModelActor`` with this library's correction.
 
     ``base`` is OpenRLHF's class or its Ray actor class (``@ray.remote``; its class is taken);
     ``config`` is stored as ``rollout_correction_config``, ``dump_dir`` as
-    ``rollout_correction_dump_dir``. Returns a plain class: wrap it with ``ray.remote(num_gpus=1)`` as
-    OpenRLHF does its own.
+    ``rollout_correction_dump_dir``, ``metrics`` as ``rollout_correction_metrics``. Returns a plain
+    class: wrap it with ``ray.remote(num_gpus=1)`` as OpenRLHF does its own.
     """
     base = getattr(base, "__ray_actor_class__", base)
     return type(f"RolloutCorrection{base.__name__}", (RolloutCorrectionActorMixin, base), {
         "__module__": __name__, "rollout_correction_config": config, "rollout_correction_dump_dir": dump_dir,
+        "rollout_correction_metrics": metrics,
         "__doc__": f"OpenRLHF's {base.__name__} with this library's rollout correction.",
     })

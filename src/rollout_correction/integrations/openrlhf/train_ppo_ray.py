@@ -17,7 +17,9 @@ keys, replaces the mapping of OpenRLHF's correction flags (``RolloutCorrectionPo
 CONFIG)``); OpenRLHF's flags must still turn the correction on, for the sampling log-probs.
 ``--rollout_correction.dump_dir DIR`` (off by default) makes each policy actor write its training
 step's π_old and π_rollout log-probs and action masks to ``DIR`` once per step, for
-``rollout-correction diagnose DIR`` (:mod:`.actor`).
+``rollout-correction diagnose DIR`` (:mod:`.actor`). ``--rollout_correction.metrics default,raw``
+selects the metric families of the ``rollout_corr/...`` metrics (the config's ``metrics`` key), of the
+mapped flags' correction or of ``--rollout_correction.config``'s.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import runpy
 import sys
 from typing import Any, Optional, Sequence
 
-__all__ = ["CONFIG_OPTION", "DUMP_OPTION", "OPENRLHF_MAIN", "main", "parse_config_option", "parse_dump_option"]
+__all__ = ["CONFIG_OPTION", "DUMP_OPTION", "METRICS_OPTION", "OPENRLHF_MAIN", "main", "parse_config_option",
+           "parse_dump_option", "parse_metrics_option"]
 
 CONFIG_OPTION = "--rollout_correction.config"
 DUMP_OPTION = "--rollout_correction.dump_dir"
+METRICS_OPTION = "--rollout_correction.metrics"
 OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
 
 
@@ -59,6 +63,16 @@ def parse_dump_option(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
     return _pop_option(argv, DUMP_OPTION, "a directory")
 
 
+def parse_metrics_option(argv: Sequence[str]) -> tuple[Optional[tuple[str, ...]], list[str]]:
+    """(the metric families given with :data:`METRICS_OPTION`, comma-separated, or None; the other arguments)."""
+    value, rest = _pop_option(argv, METRICS_OPTION, "metric families, e.g. default,raw")
+    if value is None:
+        return None, rest
+    from rollout_correction import RolloutCorrectionConfig
+
+    return RolloutCorrectionConfig(metrics=value).metrics, rest  # an unknown family fails here, naming it
+
+
 def parse_config_option(argv: Sequence[str]) -> tuple[Any, list[str]]:
     """(the config given with :data:`CONFIG_OPTION` or None, the remaining arguments for OpenRLHF)."""
     value, rest = _pop_option(argv, CONFIG_OPTION, "a preset name or a JSON mapping")
@@ -78,12 +92,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .actor import policy_model_actor
 
     dump_dir, rest = parse_dump_option(sys.argv[1:] if argv is None else argv)
+    metrics, rest = parse_metrics_option(rest)
     config, rest = parse_config_option(rest)
     check_openrlhf_version()
     from openrlhf.trainer.ray import ppo_actor
 
     openrlhf_actor = ppo_actor.PolicyModelActor
-    ppo_actor.PolicyModelActor = ray.remote(num_gpus=1)(policy_model_actor(openrlhf_actor, config, dump_dir))
+    ppo_actor.PolicyModelActor = ray.remote(num_gpus=1)(policy_model_actor(openrlhf_actor, config, dump_dir, metrics))
     saved_argv = sys.argv
     sys.argv = [OPENRLHF_MAIN, *rest]
     try:

@@ -201,8 +201,9 @@ def policy_loss(
 
 def _decoupled_loss_config(rc: Optional[RolloutCorrectionConfig],
                            rollout_is_weights: Optional[torch.Tensor]) -> RolloutCorrectionConfig:
-    """What the loss itself does in decoupled mode: the block's ``loss_type``, ``rollout_opsm_delta``
-    and ``on_nonfinite``; IS, rejection and M2PO are the driver's correction step's (already applied).
+    """What the loss itself does in decoupled mode: the block's ``loss_type``, ``rollout_opsm_delta``,
+    ``on_nonfinite`` and metric families; IS, rejection and M2PO are the driver's correction step's
+    (already applied).
 
     verl's loss call (``ppo_loss``) passes no rollout log-probs, so OPSM compares π_old with π_θ here
     (:func:`~rollout_correction.compute_policy_loss`: π_rollout when given, otherwise π_old). A block
@@ -218,7 +219,8 @@ def _decoupled_loss_config(rc: Optional[RolloutCorrectionConfig],
             "block: '+actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}'), "
             "or bypass_mode=true to compute the correction in the loss")
     return RolloutCorrectionConfig(loss_type=rc.loss_type, rollout_opsm_delta=rc.rollout_opsm_delta,
-                                   on_nonfinite=rc.on_nonfinite)
+                                   on_nonfinite=rc.on_nonfinite, metrics=rc.metrics,
+                                   mismatch_metrics=rc.mismatch_metrics)
 
 
 def _actor_block(config: Any) -> Optional[RolloutCorrectionConfig]:
