@@ -38,13 +38,15 @@ OPT_IN = {
     "expect_zero": ({"max_abs_log_ratio"}, {"ez.max_abs"}),
     "detail": ({"rollout_is_seq_raw_ess", "rollout_is_seq_log_mean", "rollout_is_seq_collapsed_fraction"},
                {"is.raw_sum", "is.raw_sum2", "is.log_sum", "is.collapsed"}),
+    "ratio_bands": ({"ratio_band_tight_fraction", "ratio_band_1pct_fraction", "ratio_band_5pct_fraction"},
+                    {"band.tight", "band.pct1", "band.pct5"}),
 }
 #: Metrics of a decision: reported whatever is selected.
 ALWAYS = {"nonfinite_seq_fraction"}
 
 
 def test_the_reference_cases_cover_every_preset_and_family():
-    assert len(REFERENCE["cases"]) == len(rcs.CASES) * len(rcs.SEEDS) == 432
+    assert len(REFERENCE["cases"]) == len(rcs.CASES) * len(rcs.SEEDS) == 448
     assert {name for name, _, _ in rcs.CASES} >= set(RolloutCorrectionConfig.preset_names())
     names = set().union(*REFERENCE["metrics"].values())
     for family, (metrics, _) in OPT_IN.items():  # today's numbers of every opt-in family are recorded

@@ -1,6 +1,6 @@
 """Ratio-band shares (MaxText #5231): ``ratio_band_tight_fraction`` (ρ ∈ [0.999, 1.002]),
 ``ratio_band_1pct_fraction`` (|ρ − 1| ≤ 0.01) and ``ratio_band_5pct_fraction`` (|ρ − 1| ≤ 0.05), ρ =
-π_train/π_rollout, as shares of the valid tokens; recorded with ``mismatch_metrics=True`` only.
+π_train/π_rollout, as shares of the valid tokens; the metric family ``ratio_bands`` (not in the default set).
 
 The bands are tested on the float32 log-ratio log ρ = old − rollout against the logarithms of the
 bounds (rounded to float32 by the comparison), so a token's membership depends on its log-ratio only,
@@ -24,7 +24,7 @@ from rollout_correction_core import Parallel, RolloutCorrectionConfig, compute_r
 P = "rollout_corr/"
 BANDS = {"tight": (0.999, 1.002), "1pct": (0.99, 1.01), "5pct": (0.95, 1.05)}
 NAMES = [f"{P}ratio_band_{b}_fraction" for b in BANDS]
-CONFIG = RolloutCorrectionConfig(mismatch_metrics=True)
+CONFIG = RolloutCorrectionConfig(metrics=["default", "ratio_bands"])
 
 
 def _pair(log_ratio: float) -> tuple[float, float]:

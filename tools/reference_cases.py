@@ -54,9 +54,11 @@ CASES: list[tuple[str, dict, bool]] = (
 
 
 def config_of(keys: dict, **extra) -> RolloutCorrectionConfig:
+    """The case's config. Without the log-prob ceiling, which the recorded commit did not have: the batches
+    hold log-probs > 0 among their odd values, and the recording is what the families must reproduce."""
     keys = dict(keys)
     cfg = RolloutCorrectionConfig.from_preset(keys.pop("preset")) if "preset" in keys else RolloutCorrectionConfig()
-    return cfg.replace(**keys, mismatch_metrics=True, **extra)
+    return cfg.replace(**keys, mismatch_metrics=True, **{"log_prob_ceiling": None, **extra})
 
 
 def case_batch(seed: int):

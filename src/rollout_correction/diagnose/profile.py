@@ -198,7 +198,7 @@ class MismatchProfile:
 
     def __init__(self, presets: list[str] | None = None, track_tokens: bool = True,
                  max_block_elements: int = 4_000_000, log_prob_floor: float | None = DEFAULT_LOG_PROB_FLOOR):
-        self._offpolicy = OffPolicyAccumulator(mismatch_metrics=True)
+        self._offpolicy = OffPolicyAccumulator(mismatch_metrics=True, metrics=("default", "ratio_bands"))
         names = list(RolloutCorrectionConfig.preset_names()) if presets is None else list(presets)
         # Presets that differ only in the loss (bypass vs decoupled, PPO vs REINFORCE) have the same
         # weights and masks: compute each distinct correction once.
