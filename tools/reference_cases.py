@@ -7,9 +7,9 @@ and every metric's float64 bits (with the names of the metrics digested) into FI
 torch version and CPU capability it ran on; ``tests/test_metric_families.py`` recomputes the cases
 with every metric family selected and compares bit for bit. The first recording (432 cases) was made
 at commit a50a7b9, before the families existed, and selecting every family gave that commit's numbers
-(commit da626b9). ``tests/reference_cases.json`` was recorded again at 07eaa4a, which adds the
+(commit da626b9). ``tests/reference_cases.json`` was recorded again at c701005, which adds the
 presets ``prime_rl_ipo`` / ``prime_rl_icepop`` and clamps the effective sample sizes to at most 1 (16
-cases of a50a7b9 had an ESS of 1 + 2e-8 from rounding; with that clamp lifted, 07eaa4a reproduces all
+cases of a50a7b9 had an ESS of 1 + 2e-8 from rounding; with that clamp lifted, c701005 reproduces all
 432 of a50a7b9's digests).
 """
 
