@@ -285,7 +285,7 @@ def test_skyrl_off_policy_correction_block_is_read_with_its_defaults():
     # Row 0: one token at ρ = 5 > 4 (vetoed); row 1: ρ = 3 > 2 masks that token, and ∏ρ = 3·0.8 > 2
     # drops the row; row 2: ρ = 1.5 and 1 kept (∏ρ = 1.5).
     lr = torch.log(torch.tensor([[5.0, 1.0], [3.0, 0.8], [1.5, 1.0]]))
-    out = compute_rollout_correction(lr, torch.zeros(3, 2), torch.ones(3, 2), config=cfg)
+    out = compute_rollout_correction(lr - 3.0, torch.full((3, 2), -3.0), torch.ones(3, 2), config=cfg)
     assert out.response_mask.tolist() == [[0, 0], [0, 0], [1, 1]]
     with pytest.raises(ConfigError, match="sequence_mask_metric='harmonic'"):
         from_skyrl({"sequence_mask_metric": "harmonic"})

@@ -382,8 +382,12 @@ def run_grid(cp: int, dp: int, names: list[str], losses: list[str], tmp_path, th
             counts = Counter((name, group) for name, group, _ in calls)
             gathers = counts[("all_gather_single", "sequence_group")] + counts[("all_gather_into_tensor", "sequence_group")]
             assert gathers == 1, (key, calls)
-            assert sum(v for (name, group), v in counts.items() if group == "sequence_group") == 1, (key, calls)
+            # and, before it, the agreement of the sequence group at every call (2 int64 fingerprints)
+            assert counts[("all_reduce", "sequence_group")] == 1, (key, calls)
+            assert sum(v for (name, group), v in counts.items() if group == "sequence_group") == 2, (key, calls)
             for name, group, numel in calls:
+                if (name, group, numel) == ("all_reduce", "sequence_group", 2):
+                    continue
                 if group == "sequence_group":
                     # (cp·B, k) gathered, k per-row scalars (33 with the mismatch metrics' moments)
                     assert numel % ROWS == 0 and numel // ROWS <= 128, (key, numel)

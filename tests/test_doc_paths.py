@@ -56,6 +56,7 @@ OTHER_FILES = {
     "examples/train_infer_mismatch_helper/mis.py": "slime",
     "examples/math/gsm8k_kpop.yaml": "ROLL",
     "src/prime_rl/trainer/rl/loss.py": "prime-rl",
+    "src/prime_rl/trainer/rl/train.py": "prime-rl",
     "tests/test_rejection_sampling.py": "AReaL",
     "tests/trainer/ppo/test_rollout_corr.py": "verl",
     "tests/trainer/ppo/test_rollout_corr_integration.py": "verl",

@@ -109,8 +109,8 @@ def test_a_sentinel_row_never_changes_another_rows_weights(rows, data):
 
 def test_raw_statistics_are_taken_before_truncation_and_rejection():
     # log ρ: row 0 [ln 4, ln 4], row 1 [0, ln 0.5]; TIS at 2 and a token band reject the ln 4 tokens.
-    old = torch.tensor([[math.log(4.0), math.log(4.0)], [0.0, math.log(0.5)]])
-    rollout = torch.zeros(2, 2)
+    old = torch.tensor([[math.log(4.0), math.log(4.0)], [0.0, math.log(0.5)]]) - 3.0  # log-probs ≤ 0
+    rollout = torch.full((2, 2), -3.0)
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
                                   rollout_rs_threshold="0.25_3.0")
     out = compute_rollout_correction(old, rollout, torch.ones(2, 2), config=cfg.replace(metrics=["default", "raw", "chi2"]))

@@ -99,9 +99,11 @@ def test_the_functional_pieces_compose_to_the_config_path_on_every_preset(name):
 
 def test_log_ratio_is_the_clamped_difference_on_valid_tokens():
     old, rollout, mask = _inputs()
-    old[0, 0] = 40.0  # clamped to +20
+    old[0, 0], rollout[0, 0] = -1.0, -41.0  # a log-ratio of 40: clamped to +20
     expected = torch.where(mask, (old - rollout).clamp(-20, 20), 0.0)
     assert torch.equal(log_ratio(old, rollout, mask), expected)
+    old[1, 0] = 0.5  # no probability: its row is 0, as a non-finite one's
+    assert torch.equal(log_ratio(old, rollout, mask)[1], torch.zeros_like(old[1]))
     with pytest.raises(ValueError, match="shape"):
         log_ratio(old, rollout[:, :4], mask)
 

@@ -153,11 +153,11 @@ def _batch(seed=0):
         old = ((TinyPolicy().token_log_probs(seq, A) + 0.1 * torch.randn(N, A, generator=g))).clamp(max=0.0) * mask
     rollout = (old + 0.15 * torch.randn(N, A, generator=g)).clamp(max=0.0)  # log-probs are ≤ 0
     rollout[2] -= 3.0
-    rollout[5] += 3.0
+    old[5] -= 3.0  # ρ = e⁻³ with both log-probs ≤ 0
     rollout[0, 1] -= 1.5
-    rollout[3, 0] += 1.5
+    old[3, 0] -= 1.5
     rollout[6, 2] -= 1.5
-    rollout = rollout * mask
+    rollout, old = rollout * mask, old * mask
     adv = (torch.randn(N, 1, generator=g) * mask).float()
     return seq, attn, mask, old, rollout, adv
 

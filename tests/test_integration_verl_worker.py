@@ -162,11 +162,12 @@ class Rollout:
         old = -torch.rand(rows, width, generator=g) * 2 - 0.05
         rollout = (old + torch.randn(rows, width, generator=g) * noise).clamp(max=0.0)  # log-probs are ≤ 0
         for i, sign in zip(far, (1.0, -1.0)):
+            old[i] -= 1.2 if sign > 0 else 0.0  # room below 0 for the rollout's log-probs
             rollout[i] = old[i] + sign * 1.2  # far off-policy rows: rejected by seq_mean_k3 ≤ 0.01
         self.mask = rm
         self.old, self.rollout = old * rm, rollout * rm
         self.advantages = torch.randn(rows, width, generator=g) * rm
-        self.log_prob = (old + torch.randn(rows, width, generator=g) * 0.15) * rm  # π_θ during the update
+        self.log_prob = (old + torch.randn(rows, width, generator=g) * 0.15).clamp(max=0.0) * rm  # π_θ, ≤ 0
         self.log_prob.requires_grad_(grad)
         self.tensors = dict(prompts=prompts, responses=responses, input_ids=torch.cat([prompts, responses], 1),
                             attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp_min(0),

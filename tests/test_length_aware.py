@@ -16,8 +16,8 @@ from rollout_correction.diagnose import diagnose_tensors
 def test_pre_truncation_sequence_weight_statistics_hand_computed():
     # Row log weights Σ log ρ_t: [ln 4, ln 0.05, 0 (one token), −] — the last row is empty.
     old = torch.tensor([[math.log(2.0), math.log(2.0), 0.0], [math.log(0.05), 0.0, 0.0],
-                        [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    rollout = torch.zeros(4, 3)
+                        [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]) - 3.0  # log-probs ≤ 0, the same ratios
+    rollout = torch.full((4, 3), -3.0)
     mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]]).float()
     full = ["default", "raw", "detail"]
     m = compute_rollout_correction(old, rollout, mask, config=RolloutCorrectionConfig.decoupled_seq_is().replace(

@@ -126,8 +126,9 @@ def test_the_cpu_reads_only_its_two_values_per_block(monkeypatch):
     rc.compute_rollout_correction(old, rollout, mask, config=cfg)
     with watched() as call:
         rc.compute_rollout_correction(old, rollout, mask, config=cfg)
-    # per block: the smallest log-prob (engine sentinels) and the largest |log ρ|
-    assert call.syncs == ["_local_scalar_dense"] * 12 and call.dynamic == []
+    # per block: the smallest and the largest log-prob (engine sentinels; no probability above 0), read
+    # together, and the largest |log ρ|
+    assert call.syncs == ["tolist", "_local_scalar_dense"] * 6 and call.dynamic == []
 
 
 @pytest.fixture(params=[False, True], ids=["one block", "blocked"])

@@ -119,11 +119,11 @@ def test_correction_reports_the_same_offpolicy_metrics():
 def test_mismatch_metrics_are_opt_in():
     """By default neither entry point computes the mismatch metrics, the raw means, the self-normalised
     χ² or the sentinel share; the 13 others and nonfinite_seq_fraction are unchanged."""
-    opt_in = set(NAMES[NAMES.index("rollout_is_raw_mean"):]) | {"sentinel_token_fraction"}
+    opt_in = set(NAMES[NAMES.index("rollout_is_raw_mean"):]) | {"sentinel_token_fraction"}  # ratio bands too
     plain = metrics_to_floats(compute_offpolicy_metrics(*_inputs()))
     assert sorted(plain) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction"] if k not in opt_in)
     _check(plain, {k: v for k, v in _expected().items() if k not in opt_in})
-    mismatch = set(NAMES[NAMES.index("prob_abs_diff_mean"):])
+    mismatch = set(NAMES[NAMES.index("prob_abs_diff_mean"):NAMES.index("ratio_band_tight_fraction")])
     for chosen in ({"mismatch_metrics": True}, {"metrics": ["default", "mismatch"]}):
         got = metrics_to_floats(compute_offpolicy_metrics(*_inputs(), **chosen))
         assert sorted(got) == sorted(P + k for k in NAMES + ["nonfinite_seq_fraction"] if k not in opt_in - mismatch)

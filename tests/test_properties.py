@@ -43,6 +43,7 @@ def batches(draw, max_b=5, max_t=6, min_b=1):
     lr = torch.tensor(draw(st.lists(log_ratio_values, min_size=B * T, max_size=B * T))).view(B, T)
     logp = st.floats(-6.0, 0.0, width=32)
     rollout = torch.tensor(draw(st.lists(logp, min_size=B * T, max_size=B * T))).view(B, T)
+    rollout = rollout - lr.clamp_min(0.0).amax()  # both log-probs ≤ 0, whatever the log-ratio
     mask = torch.tensor(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T))).view(B, T)
     old = torch.where(mask, rollout + lr, torch.tensor(float("nan")))  # NaN at padding must never matter
     return old, rollout, mask

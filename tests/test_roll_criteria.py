@@ -173,7 +173,7 @@ def test_runs_of_the_mask_as_segments():
     cfg = RolloutCorrectionConfig(rollout_is="segment_geometric", rollout_is_threshold=10.0)
     rho = torch.tensor([[2.0, 0.5, 9.0, 3.0], [4.0, 9.0, 1.0, 0.25]])
     out = compute_rollout_correction(
-        rho.log(), torch.zeros(2, 4), mask, config=cfg, segments=Segments(ids, count=max_runs(4)))
+        rho.log() - 3.0, torch.full((2, 4), -3.0), mask, config=cfg, segments=Segments(ids, count=max_runs(4)))
     torch.testing.assert_close(out.weights, torch.tensor([[1.0, 1.0, 0.0, 3.0], [4.0, 0.0, 0.5, 0.5]]))
     assert segment_ids_from_mask(torch.zeros(3, 0)).shape == (3, 0) and max_runs(0) == 1
     with pytest.raises(ValueError, match="batch, response_length"):

@@ -25,6 +25,10 @@ correct use on a device:
   Collectives that follow the statistics (M2PO, OPSM) run as the recorded settings say, so that a
   rank that changed still takes part in the others' collectives until the error.
 
+Each kind of exchange (the first line of its description: the call, and whether the correction holds
+advantages) keeps its own record, so that kinds can alternate on a group at no cost; the ranks of a
+group must make the same kinds of call in the same order, which the record of a kind cannot check.
+
 ``verify="once"`` agrees on each (group, fingerprint) the first time it is seen and trusts it after:
 faster, and unsafe under configurations that change between calls. The setting travels with the
 call (:func:`verifying`, a context variable), never in module state.

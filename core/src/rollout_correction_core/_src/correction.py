@@ -286,8 +286,10 @@ def _finish(stats: SufficientStats, weights: Optional[torch.Tensor], keep: torch
 
 
 def _what(config: RolloutCorrectionConfig, advantages: Optional[torch.Tensor]) -> list[str]:
-    """What the ranks of a call's reduction agree on: the call, every configuration key, the advantages."""
-    return describe("compute_rollout_correction", config, advantages=advantages is not None)
+    """What the ranks of a call's reduction agree on: the kind of call (with advantages, as the loss
+    makes it, or without: each kind keeps its own agreement, so that the two can alternate on a group),
+    and every configuration key."""
+    return describe("compute_rollout_correction" + (" with advantages" if advantages is not None else ""), config)
 
 
 def correction_metrics(stats, config: RolloutCorrectionConfig) -> dict[str, Value]:
