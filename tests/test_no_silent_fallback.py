@@ -148,3 +148,50 @@ def test_every_preset_is_valid():
     for name in RolloutCorrectionConfig.preset_names():
         cfg = RolloutCorrectionConfig.from_preset(name)
         assert cfg.loss_type not in BYPASS_ONLY or cfg.bypass_mode, name
+
+
+# ------------------------------------------------- every entry point's optional inputs, walked
+ASKS = {  # a config asking for something that needs the rollout log-probs, one per kind of request
+    "IS": dict(rollout_is="token", rollout_is_threshold=2.0),
+    "RS": dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.05),
+    "veto": dict(rollout_token_veto_threshold=1e-4),
+    "M2PO": dict(rollout_m2po_threshold=0.04),
+    "expect-zero": dict(expect_zero_atol=1e-6, expect_zero_action="warn"),
+    "alignment": dict(check_alignment=True),
+    "mismatch metrics": dict(mismatch_metrics=True),
+}
+
+
+@pytest.mark.parametrize("ask", sorted(ASKS))
+@pytest.mark.parametrize("given", ["rollout", "weights", "both", "neither"])
+def test_the_loss_runs_what_its_inputs_allow_or_refuses(batch, ask, given):
+    """Decoupled ``compute_policy_loss`` with each kind of request and each combination of its optional
+    inputs: with ``rollout_log_prob`` the correction is computed here (its metrics are returned); with
+    ``rollout_is_weights`` alone they weight the loss as given (the mask passed is the corrected one);
+    with neither, a request that needs the rollout log-probs is a ConfigError naming both inputs,
+    never plain PPO."""
+    log_prob, old, rollout, adv, mask, _ = batch
+    cfg = RolloutCorrectionConfig(**ASKS[ask])
+    weights = torch.rand(old.shape, generator=torch.Generator().manual_seed(1)) + 0.5
+    kwargs = {"rollout_log_prob": rollout if given in ("rollout", "both") else None,
+              "rollout_is_weights": weights if given in ("weights", "both") else None}
+    if given == "neither":
+        with pytest.raises(ConfigError, match="neither rollout_log_prob nor rollout_is_weights.*" + list(
+                ASKS[ask])[0]):
+            compute_policy_loss(log_prob, old, adv, mask, config=cfg, **kwargs)
+        return
+    loss, metrics = compute_policy_loss(log_prob, old, adv, mask, config=cfg, loss=LOSS, **kwargs)
+    assert torch.isfinite(loss)
+    corrected_here = kwargs["rollout_is_weights"] is None
+    assert any(k.startswith("rollout_corr/") for k in metrics) == corrected_here, sorted(metrics)
+    if not corrected_here:  # the weights as given, on the mask as given
+        expected = agg_loss(ppo_clip_loss(log_prob, old, adv, LOSS.clip)[0] * weights, mask, Aggregation("token-mean"))
+        torch.testing.assert_close(loss, expected)
+
+
+def test_a_plain_config_without_rollout_inputs_is_plain_ppo(batch):
+    """A config that asks for no correction and no diagnostic needs no rollout input: plain PPO."""
+    log_prob, old, _, adv, mask, _ = batch
+    loss, _ = compute_policy_loss(log_prob, old, adv, mask, config=RolloutCorrectionConfig(), loss=LOSS)
+    expected = agg_loss(ppo_clip_loss(log_prob, old, adv, LOSS.clip)[0], mask, Aggregation("token-mean"))
+    torch.testing.assert_close(loss, expected)
