@@ -23,13 +23,13 @@ from ._src.parallel import Parallel, Verify
 from ._src.sequence_group import (RowExchange, check_sequence_group, group_ranks, raise_nonfinite,
                                   raise_nonfinite_on_any_rank, reduce_owned,
                                   stats_owner)
-from ._src.stats import (HostStats, LayoutMismatchError, SufficientStats, Value, check_layout, clamp, exp, maximum,
-                         safe_div, seq_summary, sqrt0, where)
+from ._src.stats import (HostStats, LayoutMismatchError, SufficientStats, Value, clamp, exp, maximum, safe_div,
+                         seq_summary, sqrt0, where)
 from ._src.validation import ShapeMismatchError, check_pair, check_same, check_segment_ids, first_nonfinite
 
 __all__ = [
     "SufficientStats", "HostStats", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum",
-    "Stat", "Family", "LayoutMismatchError", "check_layout", "Parallel", "Verify",
+    "Stat", "Family", "LayoutMismatchError", "Parallel", "Verify",
     "RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
     "raise_nonfinite_on_any_rank",
     "ShapeMismatchError", "check_pair", "check_same", "check_segment_ids", "first_nonfinite",

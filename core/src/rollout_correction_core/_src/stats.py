@@ -31,7 +31,7 @@ from .agreement import (LayoutMismatchError, Record, Verdict, agree, check_pendi
 from .constants import warn_deprecated
 from .declared import Family, Stat, position
 
-__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "check_layout", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
+__all__ = ["SufficientStats", "HostStats", "LayoutMismatchError", "Value", "safe_div", "seq_summary", "where", "sqrt0", "exp", "clamp", "maximum"]
 
 Value = Union[torch.Tensor, float]
 
@@ -110,12 +110,6 @@ def _reduced_alone(p: _Part) -> torch.Tensor:
     if not x.numel():
         return torch.full((), -math.inf, dtype=torch.float64, device=x.device)
     return (x if p.rows is None else torch.where(p.rows, x, -math.inf)).amax()
-
-
-def check_layout(sum_names: list, max_names: list, device: Optional[torch.device], process_group) -> None:
-    """Confirm that every rank of ``process_group`` packs the same declared slots (:func:`agree` on
-    ``sum <name>``, ``max <name>``, ``min <name>`` in slot order)."""
-    agree(process_group, _slot_lines(sum_names, max_names), "dp_group", device)
 
 
 def _slot_lines(sum_names, max_names) -> list[str]:
