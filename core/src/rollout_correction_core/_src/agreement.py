@@ -86,8 +86,15 @@ def _dist():
     return dist
 
 
-def _ranks(group: object) -> list[int]:
+def group_ranks(group: object) -> list[int]:
+    """Global ranks of ``group`` (no communication)."""
     return list(_dist().get_process_group_ranks(group))
+
+
+def group_device(group: object) -> torch.device:
+    """The device of a collective on ``group``: this process's CUDA device under NCCL, else the CPU."""
+    nccl = "nccl" in str(_dist().get_backend(group))
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def _per_group(table: "weakref.WeakKeyDictionary", group: object, default):
@@ -115,8 +122,7 @@ def agree(group: object, lines: list[str], name: str, device: Optional[torch.dev
     if once and fp in seen:
         return
     if device is None or device.type == "meta":
-        nccl = "nccl" in str(dist.get_backend(group))
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        device = group_device(group)
     both = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # (max, −min) of the fingerprints
     high, neg_low = both.tolist()
@@ -131,7 +137,7 @@ def mismatch_message(group: object, name: str, lines: Sequence[str], gather: boo
     """The error of a mismatch on ``group``: with ``gather`` (every rank is in this call) the lines of
     every rank are gathered and the first differing one named with who holds what; otherwise the
     lines at ``differing`` (indices of ``lines``) are named as this rank holds them."""
-    ranks = _ranks(group)
+    ranks = group_ranks(group)
     head = f"the ranks of {name} {ranks} are about to exchange different things: "
     tail = (". A collective pairs the ranks' values position by position, so every rank must call with the same "
             "configuration (and max_segments), and every rank of a cp_group with the same rows in the same order")

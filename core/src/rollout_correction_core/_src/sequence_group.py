@@ -24,22 +24,11 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from .agreement import agree
+from .agreement import _dist, agree, group_ranks
 from .stats import SufficientStats
 
 __all__ = ["RowExchange", "group_ranks", "stats_owner", "check_sequence_group", "reduce_owned", "raise_nonfinite",
            "raise_nonfinite_on_any_rank"]
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist
-
-
-def group_ranks(group: object) -> list[int]:
-    """Global ranks of ``group`` (no communication)."""
-    return list(_dist().get_process_group_ranks(group))
 
 
 def describe(call: str, config: object = None, **settings: object) -> list[str]:

@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .agreement import (LayoutMismatchError, Record, Verdict, agree, check_pending, defer, fingerprint, forget,
-                        mismatch_message, record, recorded, verify_setting)
+                        group_device, mismatch_message, record, recorded, verify_setting)
 from .constants import warn_deprecated
 from .declared import Family, Stat, position
 
@@ -362,7 +362,7 @@ class SufficientStats(_Reading):
             return self
         self._settle()
         check_pending(process_group)
-        device = self._vec.device if self._vec is not None else _group_device(process_group)
+        device = self._vec.device if self._vec is not None else group_device(process_group)
         what = list(what)
         lines = what + _slot_lines(self._sum_names, self._max_names)
         fp, kind = fingerprint(lines), what[0]
@@ -399,13 +399,6 @@ class SufficientStats(_Reading):
         defer(verdict)  # a mismatch not yet known here: the outputs are zeroed by it, and it is raised later
         self.verdict = verdict
         return self
-
-
-def _group_device(group: object) -> torch.device:
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
-        else torch.device("cpu")
 
 
 class HostStats(_Reading):
