@@ -109,17 +109,15 @@ def _per_group(table: "weakref.WeakKeyDictionary", group: object, default):
 _SEEN: "weakref.WeakKeyDictionary[object, set[int]]" = weakref.WeakKeyDictionary()
 
 
-def agree(group: object, lines: list[str], name: str, device: Optional[torch.device] = None,
-          once: Optional[bool] = None) -> None:
+def agree(group: object, lines: list[str], name: str, device: Optional[torch.device] = None) -> None:
     """Confirm that every rank of ``group`` (``name`` in errors) is about to exchange the same ``lines``:
     one all-reduce (MAX of a fingerprint and its negation), read on the host, at every call (under
     ``verify="once"``: the first time a (group, lines) is seen). On a mismatch every rank raises
     :class:`LayoutMismatchError` naming the group's ranks, the first differing line and who holds what."""
     dist = _dist()
     fp = fingerprint(lines)
-    once = verify_setting() == "once" if once is None else once
     seen = _per_group(_SEEN, group, set)
-    if once and fp in seen:
+    if verify_setting() == "once" and fp in seen:
         return
     if device is None or device.type == "meta":
         device = group_device(group)

@@ -1,4 +1,4 @@
-"""Every statistic the library reduces, declared once with its reduction and size, as torchmetrics'
+"""Every statistic the library reduces, declared once with its reduction, as torchmetrics'
 ``add_state(..., dist_reduce_fx=)``: recorders and readers pass these objects, never a name.
 
 A :class:`Stat` is a slot of the packed vector of :mod:`.stats`; a :class:`Family` declares the
@@ -22,11 +22,10 @@ _POSITIONS: dict[str, tuple] = {}
 
 
 class Stat(NamedTuple):
-    """One declared statistic: its slot ``name``, its ``reduce`` (sum, max or min) and its ``size``."""
+    """One declared statistic: its slot ``name`` and its ``reduce`` (sum, max or min)."""
 
     name: str
     reduce: str
-    size: int = 1
 
 
 class Family:

@@ -158,7 +158,6 @@ class RowExchange:
         self._values: list[torch.Tensor] = []
         self._next = 0
         self.dropped: Optional[torch.Tensor] = None
-        self.collectives = 0
 
     @property
     def final(self) -> bool:
@@ -229,7 +228,6 @@ class RowExchange:
         out = torch.empty((world * B, packed.shape[1]), dtype=packed.dtype, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
         gather(out, packed.contiguous(), group=self.group)
-        self.collectives += 1
         out = out.view(world, B, packed.shape[1])
         # Both reductions are taken whole and sliced per column (a host-built mask would sync).
         ops = {op for op, _ in self._parts}
