@@ -406,14 +406,10 @@ class Metrics(MutableMapping):
 
 def metrics_to_floats(metrics: Mapping[str, Union[torch.Tensor, float]]) -> dict[str, float]:
     """Metrics (0-d tensors, floats, or a :class:`Metrics`) as Python floats, with one device sync."""
-    if isinstance(metrics, Metrics):
-        return metrics.as_floats()
-    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
-    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
-    if keys:
-        values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys]).tolist()
-        out.update(zip(keys, values))
-    return {k: out[k] for k in metrics}
+    if not isinstance(metrics, Metrics):
+        plain, metrics = metrics, Metrics()
+        metrics.update(plain)  # values set directly: read as they are, in their order
+    return metrics.as_floats()
 
 
 @verified
