@@ -73,9 +73,9 @@ ASYNC_MODES: dict[str, AsyncMode] = {m.name: m for m in (
 DEFAULT_ASYNC_MODES = tuple(ASYNC_MODES)
 QUICK_ASYNC_MODES = ("sync_on_policy", "async_naive", "async_opsm")
 #: The comparison's own defaults where the synchronous demo's differ (its budget and evaluation
-#: grid: 32 prompts × 8 samples per step, an evaluation every 25 steps, three seeds); a flag given
+#: grid: 32 prompts × 8 samples per step, 500 steps, an evaluation every 25 steps, three seeds); a flag given
 #: explicitly still wins.
-ASYNC_DEFAULTS = {"prompts": 32, "eval_every": 25, "seeds": (0, 1, 2)}
+ASYNC_DEFAULTS = {"prompts": 32, "eval_every": 25, "seeds": (0, 1, 2), "steps": 500}
 
 
 @dataclass
