@@ -395,7 +395,8 @@ def time_table(*names: str) -> list[str]:
             total = s["seconds"]["total"]
             shape = f"{p['workers']} × {p['threads']}"
         cpu = [r["cpu_seconds"] for r in s["runs"]]
-        commit = f"`{(p['commit'] or '?')[:7]}`" + (" (older: not the headline files' commit)" if older_mark(s) else "")
+        commit = (f"`{(p['commit'] or '?')[:7]}`" + (" (older: not the headline files' commit)" if older_mark(s) else "")
+                  + (" (measured with settings the script no longer runs)" if design_diffs(name, s) else ""))
         lines.append(f"| `{p['command']}` | {s['config'].get('scenario', '?')} | {commit} | {len(cpu)} | "
                      f"{int(total // 60)} min {int(total % 60):02d} s | "
                      f"{statistics.fmean(cpu):.1f} ({min(cpu):.0f}–{max(cpu):.0f}) | {shape} |")
