@@ -38,7 +38,6 @@ import rollout_correction.demo.engine as engine
 import rollout_correction.demo.trainer as trainer
 from rollout_correction.demo.config import METHODS, SCENARIOS, DemoConfig
 from rollout_correction.demo.model import build_model
-from rollout_correction.demo.task import Task
 
 SETTINGS = {  # name -> (prompts per step, evaluation every k steps (None: the scenario's), direct sampler,
     #                 prefix sharing, fused Adam)
@@ -111,7 +110,7 @@ def measure(scenario: str, reps: int) -> dict:
     method = METHODS["token_tis"]
     rc_cfg = trainer.correction_config(method)
     base = DemoConfig(**SCENARIOS[scenario])
-    task = Task(base.task, base.digits, base.reward)
+    task = base.make_task()
     eval_digits = task.sample_digits(base.eval_prompts, torch.Generator().manual_seed(trainer.EVAL_SEED))
     weights, _ = trainer.sft(base.replace(sft_steps=5), 0, task)
     state = {}

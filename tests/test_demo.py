@@ -33,6 +33,45 @@ def test_task_prompts_answers_and_reward():
         Task("add", 4)
 
 
+def test_a_long_response_is_the_answer_then_an_unscored_bigram_continuation():
+    from rollout_correction.demo.task import BIGRAM
+
+    task = Task("sort", 4, "partial", tail=5)
+    digits = torch.tensor([[3, 1, 2, 0], [9, 9, 0, 5]])
+    assert (task.answer_len, task.response_len, task.seq_len) == (4, 9, 15)
+    # the reward reads the answer only: the same answers with other continuations score the same
+    a = torch.tensor([[0, 1, 3, 3, 7, 7, 7, 7, 7], [0, 5, 9, 9, 1, 2, 3, 4, 5]])
+    b = torch.cat([a[:, :4], torch.zeros(2, 5, dtype=torch.long)], dim=1)
+    assert task.reward(a, digits).tolist() == task.reward(b, digits).tolist() == [0.75, 1.0]
+    with pytest.raises(ValueError, match=r"responses must have shape \(2, 9\)"):
+        task.reward(a[:, :6], digits)
+    demo = task.demonstrations(digits, torch.Generator().manual_seed(0))
+    assert demo.shape == (2, 9) and demo[:, :4].tolist() == task.answers(digits).tolist()
+    # the continuation follows the bigram: each row a distribution, transition frequencies close to it
+    assert torch.allclose(BIGRAM.sum(dim=1), torch.ones(10)) and (BIGRAM > 0).all()
+    long = Task("sort", 2, tail=4000).continuation(torch.arange(10).repeat(10), torch.Generator().manual_seed(1))
+    pairs = torch.stack([long[:, :-1].reshape(-1), long[:, 1:].reshape(-1)])
+    counts = torch.zeros(10, 10).index_put_((pairs[0], pairs[1]), torch.ones(pairs.shape[1]), accumulate=True)
+    assert torch.allclose(counts / counts.sum(dim=1, keepdim=True), BIGRAM, atol=0.02)
+    # entropy of the rows: about 2.2 nats per token (Dirichlet(3)), not deterministic, not uniform
+    entropy = -(BIGRAM * BIGRAM.log()).sum(dim=1).mean().item()
+    assert 1.9 < entropy < 2.25 and Task("sort", 4).demonstrations(digits, torch.Generator()).shape == (2, 4)
+    with pytest.raises(ValueError, match="tail must be in"):
+        Task("sort", 4, tail=-1)
+
+
+def test_by_length_figures_are_kept_on_a_grid_of_lengths():
+    from rollout_correction.demo.trainer import length_grid, weight_ess_by_length
+
+    assert length_grid(6) == [1, 2, 3, 4, 5, 6]
+    grid = length_grid(600)   # every length to 16, then every 18th, and 600
+    assert grid[:16] == list(range(1, 17)) and grid[-1] == 600 and 18 * 33 in grid and len(grid) <= 50
+    assert all(b > a for a, b in zip(grid, grid[1:]))
+    ess = weight_ess_by_length(torch.zeros(4, 600), torch.full((4, 600), -0.01))
+    assert sorted(ess) == sorted([f"ess_seq@{L}" for L in grid] + [f"ess_geo@{L}" for L in grid])
+    assert ess["ess_seq@600"] == pytest.approx(1.0)   # equal weights: ESS / N = 1
+
+
 def test_group_advantages_by_hand():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     adv = group_advantages(rewards, 4)
@@ -138,6 +177,30 @@ def test_dense_sampling_path_equals_the_models_own_forward_bit_for_bit(dtype, mo
             m.setattr(engine, "is_dense_llama", lambda model: False)
             own = sample(model, prompts, task.response_len, generator=torch.Generator().manual_seed(3), **kw)
         assert torch.equal(fast[0], own[0]) and torch.equal(fast[1], own[1]), kw
+
+
+def test_growing_cache_holds_the_concatenated_caches_values_and_gives_the_same_logits():
+    """The sampler's in-place cache: after every step the same keys and values as concatenating,
+    and the same logits bit for bit; a full buffer refuses more positions."""
+    from rollout_correction.demo.model import GrowingCache, dense_forward
+
+    task, model, prompts = _model_and_prompts(8)
+    model.eval()
+    ids = torch.randint(0, 10, (8, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, cat_cache = dense_forward(model, prompts)
+        grow = GrowingCache(cat_cache, prompts.shape[1] + ids.shape[1])
+        for t in range(ids.shape[1]):
+            a, cat_cache = dense_forward(model, ids[:, t:t + 1], cat_cache)
+            b, grow = dense_forward(model, ids[:, t:t + 1], grow)
+            assert torch.equal(a, b), t
+            assert grow.length == cat_cache[0][0].shape[2] == prompts.shape[1] + t + 1
+            for (k, v), (kb, vb) in zip(cat_cache, grow):
+                assert torch.equal(k, kb[:, :, :grow.length]) and torch.equal(v, vb[:, :, :grow.length])
+        with pytest.raises(ValueError, match="the cache holds 18 positions, 19 requested"):
+            dense_forward(model, ids[:, :1], grow)
+    with pytest.raises(ValueError, match="capacity \\(3\\) must hold the cache's 6 positions"):
+        GrowingCache(dense_forward(model, prompts)[1], 3)
 
 
 def _grouped_batch(prompts_n=4, group=3, seed=0):
@@ -341,23 +404,33 @@ def test_quick_end_to_end(tmp_path):
 
 
 def test_quick_long_scenario_reports_weights_and_results_against_length(tmp_path):
-    """``--quick --scenario long``: a tiny long-response run with the ESS of the sequence weight and
-    the final prefix exact match for every response length, and the plot of both."""
+    """``--quick --scenario long``: a tiny long-response run with the ESS of the sequence weight
+    against response length, the final prefix exact match against answer length, and the plot of both."""
     from rollout_correction.cli import main
-    from rollout_correction.demo.trainer import ess_fraction
+    from rollout_correction.demo.trainer import ess_fraction, length_grid
 
     out = tmp_path / "long"
     assert main(["demo", "--quick", "--scenario", "long", "--out", str(out), "--workers", "1", "--no-progress"]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["quant"] == "int2" and summary["config"]["recommended"] == "geo_is"
+    c = summary["config"]
+    assert (c["quant"], c["recommended"], c["tail"]) == ("int2", "token_tis", 40)
     assert (out / "by_length.png").stat().st_size > 0
-    T = summary["config"]["digits"]
+    n, T = c["digits"], c["digits"] + c["tail"]
     for r in summary["runs"]:
         prefix = r["final_by_length"]
-        assert len(prefix) == T and all(a >= b for a, b in zip(prefix, prefix[1:]))  # a longer prefix is harder
+        assert r["answer_lengths"] == list(range(1, n + 1)) and len(prefix) == n
+        assert all(a >= b for a, b in zip(prefix, prefix[1:]))  # a longer prefix is harder
         assert prefix[-1] == r["final_reward"]
-        assert len(r["ess_seq_by_length"]) == len(r["ess_geo_by_length"]) == T
+        assert r["ess_lengths"] == length_grid(T) and len(r["ess_seq_by_length"]) == len(r["ess_geo_by_length"]) == \
+            len(length_grid(T))
         assert all(0 < x <= 1 + 1e-9 for x in r["ess_seq_by_length"] + r["ess_geo_by_length"])
+    m = summary["methods"]["naive"]
+    assert m["initial_length_x_kl"] == pytest.approx(T * m["initial_mismatch_kl"])
+    # the scenario's own claims: one seed judges nothing, and seq IS did not run in --quick
+    rows = summary["claims"]["claims"]
+    assert [(r["method"], r["minus"], r["evaluated"]) for r in rows] == [("token_tis", "naive", False),
+                                                                         ("token_tis", "seq_is", False)]
+    assert rows[1]["reason"] == "needs the token_tis and seq_is methods in the run"
     # ESS / N by hand: weights 1, 1, 2 → (4)² / (3 · 6) = 0.8889; equal weights → 1
     assert ess_fraction(torch.tensor([0.0, 0.0, math.log(2.0)])).item() == pytest.approx(16 / 18)
     assert ess_fraction(torch.full((5,), 700.0, dtype=torch.float64)).item() == pytest.approx(1.0)  # no overflow
@@ -453,6 +526,33 @@ def _summary(finals: dict, recommended: str | None) -> dict:
                    "initial_mismatch_kl": 0.01, "final_mismatch_kl": 0.06, "kl_growth": 6.0, "collapsed": 0,
                    "runs": len(f), "seconds": interval([45.0] * len(f))} for m, f in finals.items()}
     return {"methods": methods, "runs": runs, "config": {"recommended": recommended}}
+
+
+def test_a_scenario_declares_its_own_claims_and_each_is_judged_on_its_pair():
+    """``claims`` in a scenario's config: (method, minus) pairs, judged like the default two."""
+    from rollout_correction.demo.config import SCENARIOS
+    from rollout_correction.demo.report import claims, claims_text
+
+    s = _summary({"naive": {0: 0.50, 1: 0.40, 2: 0.45}, "token_tis": {0: 0.60, 1: 0.55, 2: 0.50},
+                  "seq_is": {0: 0.30, 1: 0.31, 2: 0.32}}, "token_tis")
+    s["config"]["claims"] = [["token_tis", "naive"], ["token_tis", "seq_is"]]
+    first, second = claims(s)["claims"]
+    # token TIS − naive = 0.10, 0.15, 0.05: mean 0.10, s_d 0.05, half 4.3027 · 0.05 / √3 = 0.12421: tied
+    assert (first["claim"], first["holds"]) == ("recommended_beats_naive", False)
+    assert first["difference"]["ci"] == pytest.approx([0.10 - 0.12421, 0.10 + 0.12421], abs=1e-4)
+    # token TIS − seq TIS = 0.30, 0.24, 0.18: mean 0.24, s_d 0.06, half 0.14905: above 0
+    assert (second["claim"], second["minus"], second["holds"]) == ("recommended_beats_seq_is", "seq_is", True)
+    assert second["difference"]["ci"] == pytest.approx([0.24 - 0.14905, 0.24 + 0.14905], abs=1e-4)
+    text = claims_text(s)
+    assert "decoupled token TIS − decoupled seq TIS > 0: holds — paired difference +0.24 [+0.09, +0.39]" in text[2]
+    assert "3 of 3 seeds above decoupled seq TIS (above)" in text[2]
+    # the long scenario declares its two; a claim names two different known methods
+    assert DemoConfig(scenario="long", **SCENARIOS["long"]).declared_claims() == (
+        ("token_tis", "naive"), ("token_tis", "seq_is"))
+    assert DemoConfig(recommended="bypass_ppo").declared_claims() == (("on_policy", "naive"), ("bypass_ppo", "naive"))
+    for bad in ((("naive", "naive"),), (("magic", "naive"),), (("naive",),)):
+        with pytest.raises(ValueError, match="a claim is a pair of two different method names"):
+            DemoConfig(claims=bad)
 
 
 def test_claims_are_declared_and_judged_on_paired_intervals():

@@ -51,7 +51,7 @@ def test_each_setting_takes_its_own_path_and_restores_the_code(monkeypatch):
 def test_json_holds_every_setting_with_its_provenance(tmp_path, monkeypatch, capsys):
     out = tmp_path / "cost.json"
     monkeypatch.setattr(sys, "argv", ["demo_step_cost.py", "1", "--scenarios", "long", "--json", str(out)])
-    tiny = {**B.SCENARIOS["long"], "digits": 4, "steps": 20, "eval_prompts": 16}
+    tiny = {**B.SCENARIOS["long"], "tail": 8, "steps": 20, "eval_prompts": 16}
     monkeypatch.setitem(B.SCENARIOS, "long", tiny)
     monkeypatch.setattr(B.trainer, "setup_torch", lambda threads: None)  # keep this process's torch settings
     timed = [getattr(owner, name) for pairs in B.PHASES.values() for owner, name in pairs]
@@ -62,7 +62,7 @@ def test_json_holds_every_setting_with_its_provenance(tmp_path, monkeypatch, cap
     r = doc["scenarios"]["long"]
     assert r["steps"] == 20 and set(r["settings"]) == {"former", "direct", "current"}
     for name, f in r["settings"].items():
-        n_eval = 20 // (B.SETTINGS[name][1] or 25) + 1
+        n_eval = 20 // (B.SETTINGS[name][1] or tiny["eval_every"]) + 1
         assert f["evaluations"] == n_eval
         assert f["run_cpu_s"] == pytest.approx(20 * f["step_s"][0] + 2 * n_eval * f["eval_s"][0])
         phases = f["phase_s_per_step"]

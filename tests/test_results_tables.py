@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rollout_correction.demo.config import SCENARIOS
+from rollout_correction.demo.headline import HEADLINES
 from rollout_correction.demo.results import PROVENANCE_FIELDS, interval, paired_difference, tied_with_best
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,8 +174,9 @@ def test_gpu_results_file_names_its_device_commit_and_command():
 @pytest.mark.parametrize("args,message", [
     (["OUT"], "usage: tools/run_demo_results.sh OUT WORKERS"),
     (["OUT", "0"], "WORKERS must be a positive integer, got '0'"),
-    (["OUT", "1", "--only", "stale,foo"], "--only: unknown scenario 'foo' (stale, quantized, long)"),
-    (["OUT", "1", "--only"], "--only needs a comma-separated list of scenarios"),
+    (["OUT", "1", "--only", "stale,foo"],
+     "--only: unknown results file 'foo' (default, stale, stale-seeds5-9, quantized, long)"),
+    (["OUT", "1", "--only"], "--only needs a comma-separated list of results files"),
     (["OUT", "1", "--fast"], "unknown option '--fast'"),
 ])
 def test_run_demo_results_refuses_bad_arguments_in_one_line(tmp_path, args, message):
@@ -216,3 +219,132 @@ def test_demo_step_cost_file_names_its_commit_and_recomputes():
             phases = f["phase_s_per_step"]
             assert min(v for k, v in phases.items() if k != "other") > 0
             assert sum(phases.values()) == pytest.approx(statistics.fmean(f["step_s"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The headline files: measured together at one commit, each as demo/headline.py says, and their
+# claims are what their runs give.
+
+
+def _headline(name: str) -> dict:
+    return json.loads((ROOT / "docs" / "results" / name).read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("name", list(HEADLINES))
+def test_headline_file_claims_recompute_from_its_runs_and_its_tables_say_what_it_was_measured_with(name):
+    """Each headline file's claims section is the recomputation from its own per-seed runs, and the
+    words say "holds" exactly there. A file measured with other settings than the script runs at
+    this commit (a scenario changed since) is marked so in the page; a file not yet measured is named
+    as such."""
+    from rollout_correction.demo.report import _finite_or_null, claims, claims_text
+
+    page = (ROOT / "docs" / "demo.md").read_text(encoding="utf-8")
+    if not (ROOT / "docs" / "results" / name).is_file():
+        assert R.not_measured(name)[0] in page
+        return
+    s, h = _headline(name), HEADLINES[name]
+    assert s["config"]["scenario"] == h.scenario
+    recomputed = _finite_or_null(claims(s))
+    assert s["claims"] == recomputed
+    for row in recomputed["claims"]:
+        d = row["difference"]
+        a = {r["seed"]: r["final_reward"] for r in s["runs"] if r["method"] == row["method"]}
+        b = {r["seed"]: r["final_reward"] for r in s["runs"] if r["method"] == row["minus"]}
+        assert d["mean"] == pytest.approx(statistics.fmean(a[k] - b[k] for k in s["config"]["seeds"]))
+        assert row["evaluated"] and row["holds"] == (d["ci"][0] > 0)
+    said = [line for line in claims_text(s) if line.startswith("- ")]
+    assert [(": holds —" in line) for line in said] == [r["holds"] for r in recomputed["claims"]]
+    # measured as the script measures it now, or marked in the page
+    c = s["config"]
+    if R.design_diffs(name, s):
+        assert R.design_mark(name, s) in page
+    else:
+        assert (tuple(c["methods"]), tuple(c["seeds"])) == (h.methods, h.seeds)
+        assert sorted((r["method"], r["seed"]) for r in s["runs"]) == sorted((m, x) for m in h.methods
+                                                                             for x in h.seeds)
+
+
+def test_headline_files_come_from_one_commit_and_one_invocation_of_the_script():
+    files = [(n, _headline(n)) for n in HEADLINES if (ROOT / "docs" / "results" / n).is_file()]
+    R.one_commit(files)   # refuses files of different commits, and a file of mixed runs
+    commands = {s["provenance"]["command"] for n, s in files if not HEADLINES[n].default_command}
+    assert len(commands) == 1 and next(iter(commands)).startswith("tools/run_demo_results.sh ")
+    # the default command's runs are the stale file's, bit for bit (same commit, machine and seeds)
+    default, stale = _headline("demo-default.json"), _headline("demo-stale.json")
+    for r in default["runs"]:
+        twin = next(x for x in stale["runs"] if (x["method"], x["seed"]) == (r["method"], r["seed"]))
+        assert (r["final_reward"], r["best_reward"], r["final_mismatch_kl"]) == \
+            (twin["final_reward"], twin["best_reward"], twin["final_mismatch_kl"])
+
+
+def test_a_headline_file_measured_with_other_settings_is_named_with_the_settings_that_differ():
+    s = _headline("demo-stale.json")
+    same = {**s, "config": {**s["config"], "steps": SCENARIOS["stale"]["steps"]}}
+    assert R.design_diffs("demo-stale.json", same) == []
+    older = {**s, "config": {**s["config"], "steps": 123, "lag": 2}}
+    assert R.design_diffs("demo-stale.json", older) == ["lag 2 (now 4)", "steps 123 (now 750)"]
+    assert R.design_mark("demo-stale.json", older).startswith(
+        "measured with other settings than `tools/run_demo_results.sh` runs at this commit (lag 2 (now 4); ")
+    assert R.design_diffs("not-a-headline.json", older) == []
+
+
+def test_a_claim_whose_method_did_not_run_is_not_evaluated_and_never_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    # the recommended token TIS did not run: its claim is "not evaluated", the other one is judged
+    _summary_file(tmp_path, "a", "1" * 40, {"on_policy": [0.9, 0.8, 0.85], "naive": [0.5, 0.6, 0.4]})
+    lines = R.demo_claims("a.json")
+    (judged,) = [x for x in lines if "on-policy reference − naive PPO" in x]
+    (unjudged,) = [x for x in lines if "decoupled token TIS − naive PPO" in x]
+    assert ": holds —" in judged
+    assert "not evaluated (needs the token_tis and naive methods in the run)" in unjudged and "holds" not in unjudged
+    assert "Both claims hold." not in "\n".join(lines)
+
+
+def test_renderer_refuses_a_results_file_whose_runs_come_from_different_commits(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    _summary_file(tmp_path, "a", "1" * 40, {"naive": [0.5, 0.6, 0.4], "token_tis": [0.7, 0.7, 0.6]})
+    s = json.loads((tmp_path / "a.json").read_text())
+    s["run_provenance"] = [{**s["run_provenance"][0], "runs": 3},
+                           {**s["run_provenance"][0], "commit": "2" * 40, "runs": 3}]
+    s["mixed_provenance"] = True
+    (tmp_path / "a.json").write_text(json.dumps(s))
+    for render in (R.demo_table, R.demo_claims, R.demo_headline, R.time_table):
+        with pytest.raises(SystemExit, match="a.json holds runs of different commits.*111111111111.*222222222222"):
+            render("a.json")
+
+
+def test_a_file_measured_at_another_commit_than_the_headline_files_says_so_in_every_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    finals = {"naive": [0.5, 0.6, 0.4], "token_tis": [0.7, 0.7, 0.6]}
+    _summary_file(tmp_path, "demo-stale", "1" * 40, finals)
+    _summary_file(tmp_path, "old", "2" * 40, finals)
+    for name in ("demo-stale.json", "old.json"):   # the time table reads the invocation's seconds
+        s = json.loads((tmp_path / name).read_text())
+        s["seconds"] = {"total": 125.0}
+        (tmp_path / name).write_text(json.dumps(s))
+    table = R.demo_table("old.json")
+    assert any(x.startswith("**Measured at an older commit, `2222222`, not at the headline files' `1111111`.**")
+               for x in table)
+    assert not any("older commit" in x for x in R.demo_table("demo-stale.json"))
+    rows = [x for x in R.time_table("demo-stale.json", "old.json") if x.startswith("| `demo`")]
+    assert [("(older: not the headline files' commit)" in x) for x in rows] == [False, True]
+
+
+def test_run_demo_results_writes_the_headline_files_and_plots_at_one_commit(tmp_path):
+    """``--quick`` end to end (tiny runs, not results) for the default command and one pooled file:
+    the files the renderer reads, the plots docs/demo.md shows, one commit, the script's methods."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": ""}
+    done = subprocess.run(["bash", str(ROOT / "tools" / "run_demo_results.sh"), str(tmp_path), "1", "--quick", "--only",
+                           "default,long"], capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "default -> " in done.stdout and "long: " in done.stdout
+    default, long = (json.loads((tmp_path / n).read_text()) for n in ("demo-default.json", "demo-long.json"))
+    assert default["provenance"]["command"].startswith("rollout-correction demo --quick --no-progress")
+    assert long["provenance"]["command"] == f"tools/run_demo_results.sh {tmp_path} 1 --quick --only default,long"
+    assert default["provenance"]["commit"] == long["provenance"]["commit"]
+    assert long["config"]["methods"] == list(HEADLINES["demo-long.json"].methods) and long["config"]["tail"] == 24
+    assert sorted(p.name for p in (tmp_path / "img").iterdir()) == ["demo-long-by-length.png"]
+    assert not (tmp_path / "demo-stale.json").exists()

@@ -38,7 +38,7 @@ RESULTS = ROOT / "docs" / "results"
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "core" / "src")]  # the toolkit and the core, from this checkout
 
 from rollout_correction.demo.report import (  # noqa: E402
-    TABLE_HEADER, _ci, _kl, _tie, claims_text, diff_text, finals, fixed, paired, provenance_line, signs_text,
+    TABLE_HEADER, _ci, _kl, _tie, claims, claims_text, diff_text, finals, fixed, paired, provenance_line, signs_text,
     table_rows)
 
 BEGIN = re.compile(r"^<!-- results: ([\w.-]+) -->$")
@@ -57,13 +57,93 @@ def not_measured(name: str) -> list[str]:
     return [f"`docs/results/{name}` has not been measured yet: `tools/run_demo_results.sh` writes it."]
 
 
+def commits_of(s: dict) -> set[tuple[str | None, bool | None]]:
+    """The (commit, dirty) pairs of a results file: its invocation's and every run's."""
+    runs = {(g.get("commit"), g.get("dirty")) for g in s.get("run_provenance") or []}
+    return {(s["provenance"]["commit"], s["provenance"].get("dirty"))} | runs
+
+
 def one_commit(files: list[tuple[str, dict]]) -> None:
-    """Refuse results files of different commits (or with uncommitted changes) in one block."""
+    """Refuse a results file whose runs come from different commits (runs resumed from another
+    invocation) and results files of different commits (or with uncommitted changes) in one block."""
+    for n, s in files:
+        if len(commits_of(s)) > 1 or s.get("mixed_provenance"):
+            seen = ", ".join(f"{(c or '?')[:12]}{' (dirty)' if d else ''}" for c, d in sorted(commits_of(s), key=str))
+            raise SystemExit(f"{n} holds runs of different commits or machines ({seen}) — re-run it in one "
+                             "invocation (tools/run_demo_results.sh)")
     commits = {(s["provenance"]["commit"], s["provenance"].get("dirty")) for _, s in files}
     if len(commits) > 1:
         raise SystemExit("results files from different commits in one block: " + "; ".join(
             f"{n} at {(s['provenance']['commit'] or '?')[:12]}{' (dirty)' if s['provenance'].get('dirty') else ''}"
             for n, s in files) + " — re-run them together (tools/run_demo_results.sh)")
+
+
+def load_one(name: str) -> dict:
+    """A results file, refused when its runs come from different commits (:func:`one_commit`)."""
+    s = load(name)
+    one_commit([(name, s)])
+    return s
+
+
+#: The headline results files, measured together at one commit by ``tools/run_demo_results.sh``.
+HEADLINE = ("demo-default.json", "demo-stale.json", "demo-stale-seeds5-9.json", "demo-quantized.json",
+            "demo-long.json")
+
+
+def headline_commit() -> str | None:
+    """The commit of the headline results files (None before they are measured)."""
+    return load(HEADLINE[1])["provenance"]["commit"] if measured(HEADLINE[1]) else None
+
+
+#: The settings that decide a run's result, compared by :func:`design_mark`.
+_DESIGN = ("task", "digits", "tail", "reward", "model", "precision", "quant", "granularity", "lag", "sft_steps",
+           "sft_batch", "sft_lr", "steps", "prompts", "samples", "lr", "minibatches", "clip_eps", "max_grad_norm",
+           "eval_every", "eval_prompts", "methods", "seeds", "recommended", "claims")
+
+
+def design_mark(name: str, s: dict) -> str | None:
+    """For a headline file measured with other settings than ``tools/run_demo_results.sh`` runs at
+    this commit (a scenario changed since): the words that say so and which settings differ."""
+    diff = design_diffs(name, s)
+    if not diff:
+        return None
+    return ("measured with other settings than `tools/run_demo_results.sh` runs at this commit ("
+            + "; ".join(diff) + "): re-run it to measure this scenario as it stands")
+
+
+def design_diffs(name: str, s: dict) -> list[str]:
+    """The settings of a headline file that differ from those the script runs at this commit, as
+    "name then (now value)"; empty when none does or the file is no headline file."""
+    import argparse
+
+    from rollout_correction.demo.cli import add_arguments, config_from_args
+    from rollout_correction.demo.config import declared_claims
+    from rollout_correction.demo.headline import HEADLINES
+
+    h = HEADLINES.get(name)
+    if h is None:
+        return []
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    now = config_from_args(parser.parse_args(["--scenario", h.scenario, "--methods", ",".join(h.methods), "--seeds",
+                                              ",".join(map(str, h.seeds))])).to_dict()
+    then = s["config"]
+    defaults = {"tail": 0, "claims": None}
+
+    def value(cfg: dict, key: str):
+        if key == "claims":
+            return [list(pair) for pair in declared_claims(cfg)]
+        return list(cfg[key]) if isinstance(cfg.get(key), (list, tuple)) else cfg.get(key, defaults.get(key))
+
+    return [f"{k} {value(then, k)} (now {value(now, k)})" for k in _DESIGN if value(then, k) != value(now, k)]
+
+
+def older_mark(s: dict) -> str | None:
+    """For a file measured at another commit than the headline files: the words that say so."""
+    head, own = headline_commit(), s["provenance"]["commit"]
+    if head is None or own == head:
+        return None
+    return f"measured at an older commit, `{(own or '?')[:7]}`, not at the headline files' `{head[:7]}`"
 
 
 def aliases(s: dict) -> dict[str, list[str]]:
@@ -103,7 +183,9 @@ def measured_with(summaries: list[tuple[str, dict]]) -> list[str]:
     and a warning where the runs behind the table differ in commit, machine or threads."""
     lines = []
     for name, s in summaries:
-        lines.append(f"`docs/results/{name}`: " + provenance_line(s["provenance"]))
+        marks = [m for m in (older_mark(s), design_mark(name, s)) if m]
+        lines.append("".join(f"**{m[0].upper() + m[1:]}.** " for m in marks)
+                     + f"`docs/results/{name}`: " + provenance_line(s["provenance"]))
     kinds = {tuple(p.get(k) for k in _MACHINE) for _, s in summaries for p in s["run_provenance"]}
     if len(kinds) > 1:
         lines.append("**These rows come from more than one commit, machine or thread count** (see `run_provenance` "
@@ -128,7 +210,7 @@ def demo_table(name: str) -> list[str]:
     methods folded into one row), the trainer's final exact match per seed, provenance."""
     if not measured(name):
         return not_measured(name)
-    s = load(name)
+    s = load_one(name)
     folded = aliases(s)
     header = TABLE_HEADER[:-1] + ["CPU s / run"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -182,8 +264,15 @@ def demo_claims(*names: str) -> list[str]:
     lines = []
     for n, s in files:
         c = s["config"]
-        lines.append(f"- **{c['scenario']}** ({c['task']} {c['digits']} digits, engine {c['precision']}/{c['quant']}/"
-                     f"lag {c['lag']}, {len(c['seeds'])} seeds, `docs/results/{n}`):")
+        seeds = c["seeds"]
+        span = (f"seeds {seeds[0]}–{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) and len(seeds) > 2
+                else "seeds " + ", ".join(map(str, seeds)))
+        mark = design_mark(n, s)
+        tail = f" + {c['tail']} unscored tokens" if c.get("tail") else ""
+        lines.append(f"- **{c['scenario']}** ({c['task']} {c['digits']} digits{tail}, engine {c['precision']}/"
+                     f"{c['quant']}/lag {c['lag']}, " + (f"{c['steps']} GRPO steps, " if c.get("steps") else "")
+                     + f"{span}, `docs/results/{n}`)"
+                     + (f" — **{mark}**:" if mark else ":"))
         lines += ["  " + x for x in claims_text(s)]
     for n in names:
         if not measured(n):
@@ -195,23 +284,87 @@ def demo_claims(*names: str) -> list[str]:
     return lines
 
 
-def long_table(name: str) -> list[str]:
-    """Scenario ``long``: the demo table, length × per-token KL per method and the plot against
-    response length (``docs/img/demo-long-by-length.png``, written with the results file)."""
+def _names(s: dict, methods: list[str]) -> str:
+    labels = [s["methods"][m]["label"] for m in methods]
+    return ", ".join(labels[:-1]) + " and " + labels[-1] if len(labels) > 1 else (labels[0] if labels else "none")
+
+
+def findings(name: str) -> list[str]:
+    """What one scenario's results file shows, in words, every statement recomputed from its runs:
+    the claims, naive's mismatch growth, the highest mean and the methods tied with it, each method
+    against naive on its paired interval, and the collapses."""
     if not measured(name):
         return not_measured(name)
-    s = load(name)
+    s = load_one(name)
+    c, pairs, folded = claims(s), paired(s).get("vs_naive", {}), aliases(s)
+    shown = [m for m in s["methods"] if m in folded]
+    n = len(s["config"]["seeds"])
+    out = []
+    for r in c["claims"]:
+        a, b = s["methods"].get(r["method"], {}).get("label", r["method"]), s["methods"].get(r["minus"], {}).get(
+            "label", r["minus"])
+        if not r["evaluated"]:
+            out.append(f"{a} − {b}: not evaluated ({r['reason']}).")
+            continue
+        d = r["difference"]
+        out.append(f"{a} − {b} {'holds' if r['holds'] else 'does not hold'}: {diff_text(d)}, "
+                   f"{d['above']} of {d['n']} seeds above, {d['below']} below.")
+    nv = s["methods"].get("naive")
+    if nv and nv.get("kl_growth") is not None:
+        word = "rises" if nv["kl_growth"] > 1 else "falls"
+        out.append(f"Naive PPO's mismatch KL {word} from {_kl(nv['initial_mismatch_kl'])} to "
+                   f"{_kl(nv['final_mismatch_kl'])} per token (×{nv['kl_growth']:.1f}, first to last tenth).")
+    means = {m: s["methods"][m]["final_reward"]["mean"] for m in shown}
+    best = max(means, key=means.get)
+    tied = [m for m in shown if m != best and _tie(s, m) == "yes"]
+    out.append(f"Highest mean: {s['methods'][best]['label']} ({fixed(means[best])}); "
+               + (f"tied with it on the paired intervals: {_names(s, tied)}." if tied
+                  else "no other method ties with it."))
+    for verdict, words in (("above", "Above naive on the paired interval"), ("tied", "Tied with naive"),
+                           ("below", "Below naive")):
+        ms = [m for m in shown if m in pairs and pairs[m]["verdict"] == verdict]
+        if ms:
+            out.append(f"{words}: " + ", ".join(f"{s['methods'][m]['label']} {diff_text(pairs[m])}" for m in ms) + ".")
+    every = [m for m in shown if s["methods"][m]["collapsed"] == n]
+    some = [m for m in shown if 0 < s["methods"][m]["collapsed"] < n]
+    out.append("Collapsed on every seed: " + (_names(s, every) if every else "none") + "; on some seeds: "
+               + (", ".join(f"{s['methods'][m]['label']} ({s['methods'][m]['collapsed']} of {n})" for m in some)
+                  if some else "none") + ".")
+    mark = design_mark(name, s)
+    commit = (s["provenance"]["commit"] or "?")[:7]
+    return [f"- {x}" for x in out] + ["", (f"**{mark[0].upper() + mark[1:]}.** " if mark else "")
+                                      + f"From `docs/results/{name}` (commit {commit}), recomputed from its runs."]
+
+
+def long_table(name: str) -> list[str]:
+    """Scenario ``long``: the demo table, the per-token KL and length × per-token KL per method, the
+    ESS of the sequence weight over the whole response, and the plot against response length
+    (``docs/img/demo-long-by-length.png``, written with the results file)."""
+    if not measured(name):
+        return not_measured(name)
+    s = load_one(name)
     lines = demo_table(name)
-    n = s["config"]["digits"]  # on-policy's KL is 0 up to rounding: ``fixed`` prints no "-0.0"
-    lxk = [f"{x['label']} {fixed(n * x['initial_mismatch_kl'], 1)} → {fixed(x['length_x_kl'], 1)}"
-           for x in s["methods"].values()
-           if x.get("length_x_kl") is not None and x.get("initial_mismatch_kl") is not None]
-    if lxk:
-        lines += ["", f"Response length × per-token mismatch KL, first → last tenth of training ({n} tokens): "
-                  + ", ".join(lxk) + "."]
+    c = s["config"]
+    n = c["digits"] + (c.get("tail") or 0)  # on-policy's KL is 0 up to rounding: ``fixed`` prints no "-0.0"
+    shown = [x for x in s["methods"].values() if x.get("initial_mismatch_kl") is not None]
+    if shown:
+        kls = [f"{x['label']} {_kl(x['initial_mismatch_kl'])} → {_kl(x['final_mismatch_kl'])} (× {n}: "
+               f"{fixed(n * x['initial_mismatch_kl'], 1)} → {fixed(n * x['final_mismatch_kl'], 1)})" for x in shown]
+        lines += ["", "Per-token mismatch KL, first → last tenth of training, and response length × per-token KL "
+                      f"({n} tokens): " + ", ".join(kls) + "."]
+    ess = []
+    for m, x in s["methods"].items():
+        rs = [r for r in s["runs"] if r["method"] == m and r.get("ess_seq_by_length")]
+        if rs:
+            seq = statistics.fmean(r["ess_seq_by_length"][-1] for r in rs)
+            geo = statistics.fmean(r["ess_geo_by_length"][-1] for r in rs)
+            ess.append(f"{x['label']} {seq:.3f} / {geo:.3f}")
+    if ess:
+        lines += ["", "ESS / N of the untruncated sequence weight ∏ρₜ / of its geometric mean over the whole "
+                      f"response ({n} tokens), last tenth of training, mean over seeds: " + ", ".join(ess) + "."]
     if (ROOT / "docs" / "img" / "demo-long-by-length.png").is_file():
-        lines += ["", "![ESS of the sequence weight and final exact match against response length]"
-                      "(img/demo-long-by-length.png)"]
+        lines += ["", "![ESS of the sequence weight against response length, and final exact match against answer "
+                      "length](img/demo-long-by-length.png)"]
     return lines
 
 
@@ -220,7 +373,7 @@ def moe_table(name: str) -> list[str]:
     step and seed)."""
     from rollout_correction.demo.report import routing_lines
 
-    routing = routing_lines(load(name).get("routing", {}))
+    routing = routing_lines(load_one(name).get("routing", {}))
     header = next(i for i, line in enumerate(routing) if line.startswith("| method"))
     return demo_table(name) + ["", "Routing agreement and what the other corrections would do with each step's "
                                    "gap (means over every GRPO step and seed):", ""] + routing[header:]
@@ -228,10 +381,12 @@ def moe_table(name: str) -> list[str]:
 
 def time_table(*names: str) -> list[str]:
     """Wall and CPU time of each demo invocation behind the tables (from its results file)."""
-    lines = ["| invocation | scenario | runs | wall time (whole invocation) | CPU s per run: mean (min–max) "
-             "| workers × threads |", "|---|---|---|---|---|---|"]
+    lines = ["| invocation | scenario | commit | runs | wall time (whole invocation) | CPU s per run: mean (min–max) "
+             "| workers × threads |", "|---|---|---|---|---|---|---|"]
     for name in names:
-        s, total = load(name), None
+        if not measured(name):
+            continue
+        s, total = load_one(name), None
         p = s["provenance"]
         if "modes" in s:  # --async: one run at a time
             total = s["seconds"] if isinstance(s["seconds"], (int, float)) else s["seconds"].get("total")
@@ -240,7 +395,9 @@ def time_table(*names: str) -> list[str]:
             total = s["seconds"]["total"]
             shape = f"{p['workers']} × {p['threads']}"
         cpu = [r["cpu_seconds"] for r in s["runs"]]
-        lines.append(f"| `{p['command']}` | {s['config'].get('scenario', '?')} | {len(cpu)} | "
+        commit = (f"`{(p['commit'] or '?')[:7]}`" + (" (older: not the headline files' commit)" if older_mark(s) else "")
+                  + (" (measured with settings the script no longer runs)" if design_diffs(name, s) else ""))
+        lines.append(f"| `{p['command']}` | {s['config'].get('scenario', '?')} | {commit} | {len(cpu)} | "
                      f"{int(total // 60)} min {int(total % 60):02d} s | "
                      f"{statistics.fmean(cpu):.1f} ({min(cpu):.0f}–{max(cpu):.0f}) | {shape} |")
     return lines + ["", "Measured on " + f"{load(names[0])['provenance']['cpu']} ({load(names[0])['provenance']['logical_cpus']} "
@@ -249,12 +406,14 @@ def time_table(*names: str) -> list[str]:
 
 def default_time(name: str) -> list[str]:
     """The README's time bullet: the wall time of the default ``rollout-correction demo`` (its results file)."""
-    s = load(name)
+    s = load_one(name)
     p, c, total = s["provenance"], s["config"], s["seconds"]["total"]
+    diffs = design_diffs(name, s)
     return [f"- **Time.** The default run ({len(c['methods'])} methods × {len(c['seeds'])} seeds × {c['steps']} GRPO steps) "
             f"took {int(total // 60)} min {int(total % 60):02d} s",
             f"  on two free CPU cores ({p['cpu']}, commit `{p['commit'][:7]}`, `docs/results/{name}`); longer on a busy",
-            "  machine. `rollout-correction demo --quick` takes under a minute."]
+            "  machine. `rollout-correction demo --quick` takes under a minute."
+            + (f" **Not re-timed since the default changed ({'; '.join(diffs)}).**" if diffs else "")]
 
 
 def step_cost_table(name: str) -> list[str]:
@@ -300,7 +459,8 @@ def async_table(name: str) -> list[str]:
     return lines + ["", f"Target {s['target']:.2f} exact match; load average (1 / 5 / 15 min) "
                         f"{' / '.join(f'{x:.2f}' for x in load_avg['before'])} before, "
                         f"{' / '.join(f'{x:.2f}' for x in load_avg['after'])} after, on {s['cpu_count']} cores.",
-                    f"`docs/results/{name}`: " + provenance_line(s["provenance"]).replace(
+                    (f"**{older_mark(s)[0].upper() + older_mark(s)[1:]}.** " if older_mark(s) else "")
+                    + f"`docs/results/{name}`: " + provenance_line(s["provenance"]).replace(
                         "1 worker(s) × 1 thread(s)", "one run at a time, one torch thread per process "
                                                      "(synchronous on-policy: 2)")]
 
@@ -373,13 +533,18 @@ def kernel_tables(name: str) -> list[str]:
 #: block name -> (renderer, its results files)
 BLOCKS = {
     "demo-headline": (demo_headline, ("demo-stale.json", "demo-quantized.json")),
-    "demo-claims": (demo_claims, ("demo-stale.json", "demo-quantized.json", "demo-long.json")),
+    "demo-claims": (demo_claims, ("demo-stale.json", "demo-stale-seeds5-9.json", "demo-quantized.json",
+                                  "demo-long.json")),
+    "demo-findings-stale": (findings, ("demo-stale.json",)),
+    "demo-findings-quantized": (findings, ("demo-quantized.json",)),
+    "demo-findings-long": (findings, ("demo-long.json",)),
     "demo-stale": (demo_table, ("demo-stale.json",)),
     "demo-long": (long_table, ("demo-long.json",)),
     "demo-quantized": (demo_table, ("demo-quantized.json",)),
     "demo-minibatches": (demo_table, ("demo-minibatches.json",)),
-    "demo-time": (time_table, ("demo-stale.json", "demo-quantized.json", "demo-long.json", "demo-minibatches.json",
-                               "demo-moe.json", "demo-async.json")),
+    "demo-time": (time_table, ("demo-default.json", "demo-stale.json", "demo-stale-seeds5-9.json",
+                               "demo-quantized.json", "demo-long.json", "demo-minibatches.json", "demo-moe.json",
+                               "demo-async.json")),
     "demo-async": (async_table, ("demo-async.json",)),
     "demo-default-time": (default_time, ("demo-default.json",)),
     "demo-step-cost": (step_cost_table, ("cpu-demo-step-cost.json",)),

@@ -127,7 +127,7 @@ class BatchSource:
     seed: int
 
     def task(self) -> Task:
-        return Task(self.cfg.task, self.cfg.digits, self.cfg.reward)
+        return self.cfg.make_task()
 
     def engine(self) -> RolloutEngine:
         """The engine's own model (same layout as the trainer's), at the configured numerics."""

@@ -40,7 +40,6 @@ from rollout_correction.demo.async_rollout import AsyncRollout, Batch, BatchSour
 from rollout_correction.demo.config import METHODS, DemoConfig
 from rollout_correction.demo.engine import RolloutEngine
 from rollout_correction.demo.model import build_model
-from rollout_correction.demo.task import Task
 from rollout_correction.demo.trainer import (EVAL_SEED, correction_config, exact_match, policy_loss, setup_torch,
                                              sft, update_policy)
 
@@ -73,9 +72,9 @@ ASYNC_MODES: dict[str, AsyncMode] = {m.name: m for m in (
 DEFAULT_ASYNC_MODES = tuple(ASYNC_MODES)
 QUICK_ASYNC_MODES = ("sync_on_policy", "async_naive", "async_opsm")
 #: The comparison's own defaults where the synchronous demo's differ (its budget and evaluation
-#: grid: 32 prompts × 8 samples per step, an evaluation every 25 steps, three seeds); a flag given
+#: grid: 32 prompts × 8 samples per step, 500 steps, an evaluation every 25 steps, three seeds); a flag given
 #: explicitly still wins.
-ASYNC_DEFAULTS = {"prompts": 32, "eval_every": 25, "seeds": (0, 1, 2)}
+ASYNC_DEFAULTS = {"prompts": 32, "eval_every": 25, "seeds": (0, 1, 2), "steps": 500}
 
 
 @dataclass
@@ -156,7 +155,7 @@ def train_mode(cfg: DemoConfig, acfg: AsyncConfig, mode_name: str, seed: int, sf
     mode = ASYNC_MODES[mode_name]
     method = METHODS[mode.method]
     setup_torch(acfg.sync_threads if mode_name == "sync_on_policy" else 1)
-    task = Task(cfg.task, cfg.digits, cfg.reward)
+    task = cfg.make_task()
     torch.manual_seed(seed)
     model = build_model(cfg.model, max_len=task.seq_len + 1)
     model.load_state_dict(sft_state)
@@ -240,7 +239,7 @@ def run_comparison(cfg: DemoConfig, acfg: AsyncConfig, show_progress: bool = Tru
     t0 = time.perf_counter()
     load_before = os.getloadavg()
     setup_torch(acfg.sync_threads)
-    task = Task(cfg.task, cfg.digits, cfg.reward)
+    task = cfg.make_task()
     sft_out = {seed: sft(cfg, seed, task) for seed in cfg.seeds}
     t_sft = time.perf_counter() - t0
     results = []

@@ -20,7 +20,8 @@ REPORT_MARKERS = ("report.md", "summary.json", "async-report.md", "async-summary
 # flag -> (type, help); the default of every flag comes from the scenario (then --quick).
 _FLAGS: dict[str, tuple[type, str]] = {
     "task": (str, f"synthetic task: {', '.join(TASKS)}"),
-    "digits": (int, "digits per prompt (= response length)"),
+    "digits": (int, "digits per prompt (= answer length)"),
+    "tail": (int, "unscored continuation tokens after the answer (long responses; the long scenario)"),
     "reward": (str, "training reward: exact (all digits right) or partial (fraction of digits right)"),
     "model": (str, f"model size: {', '.join(MODEL_SIZES)}"),
     "precision": (str, f"rollout engine precision: {', '.join(PRECISIONS)}"),

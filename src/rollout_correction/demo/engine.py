@@ -31,7 +31,7 @@ from collections import deque
 
 import torch
 
-from rollout_correction.demo.model import dense_forward, expand_cache, group_prompts, is_dense_llama
+from rollout_correction.demo.model import GrowingCache, dense_forward, expand_cache, group_prompts, is_dense_llama
 from rollout_correction.supports import sampling_support_mask
 
 __all__ = ["PRECISIONS", "QUANTS", "GRANULARITIES", "fake_quantize", "sample", "RolloutEngine"]
@@ -111,6 +111,8 @@ def sample(
             logits, cache = logits.repeat_interleave(group_size, dim=0), expand_cache(cache, group_size)
         else:
             logits, cache = forward(model, prompts, None)
+        if forward is dense_forward:  # keys and values written in place, not concatenated per token
+            cache = GrowingCache(cache, prompts.shape[1] + max_new_tokens)
         tokens, log_probs = [], []
         for t in range(max_new_tokens):
             logp = torch.log_softmax(logits.float(), dim=-1)

@@ -77,13 +77,15 @@ def dense_forward(model: LlamaForCausalLM, ids: torch.Tensor, cache: list | None
     dominates at the demo's sizes; differentiable.
 
     ``cache``: a (key, value) pair per layer for the positions before ``ids`` (every row the same
-    length), or None. Returns the logits of the last position (``last_only``) or of every position
-    of ``ids``, and the cache extended by ``ids``. Without a cache, or for one new position, the
-    logits equal the model's own forward bit for bit (tests/test_demo.py).
+    length), a :class:`GrowingCache` (extended in place and returned), or None. Returns the logits
+    of the last position (``last_only``) or of every position of ``ids``, and the cache extended by
+    ``ids``. Without a cache, or for one new position, the logits equal the model's own forward bit
+    for bit (tests/test_demo.py).
     """
     inner = model.model
     b, s = ids.shape
-    past = 0 if cache is None else cache[0][0].shape[2]
+    grow = isinstance(cache, GrowingCache)
+    past = 0 if cache is None else cache.length if grow else cache[0][0].shape[2]
     x = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(x, torch.arange(past, past + s).unsqueeze(0))
     # Causal attention over the cache and the new positions: position past + i sees keys ≤ past + i.
@@ -96,14 +98,46 @@ def dense_forward(model: LlamaForCausalLM, ids: torch.Tensor, cache: list | None
         q, k = apply_rotary_pos_emb(attn.q_proj(h).view(shape).transpose(1, 2),
                                     attn.k_proj(h).view(shape).transpose(1, 2), cos, sin)
         v = attn.v_proj(h).view(shape).transpose(1, 2)
-        if cache is not None:
+        if grow:
+            k, v = cache.extend(i, k, v)
+        elif cache is not None:
             k, v = torch.cat([cache[i][0], k], dim=2), torch.cat([cache[i][1], v], dim=2)
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                              is_causal=not past and s > 1, scale=attn.scaling)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         new.append((k, v))
+    if grow:
+        cache.length += s
+        new = cache
     return model.lm_head(inner.norm(x[:, -1] if last_only else x)), new
+
+
+class GrowingCache(list):
+    """A KV cache that a sampling loop extends one position at a time: each layer's keys and values
+    live in a buffer of fixed capacity and are written in place, instead of concatenating the whole
+    cache again for every generated token (quadratic in the response length). :func:`dense_forward`
+    reads the first ``length`` positions, the same values a concatenated cache holds."""
+
+    def __init__(self, cache: list, capacity: int):
+        length = cache[0][0].shape[2]
+        if capacity < length:
+            raise ValueError(f"capacity ({capacity}) must hold the cache's {length} positions")
+        super().__init__()
+        for k, v in cache:
+            kb, vb = (t.new_empty(t.shape[:2] + (capacity,) + t.shape[3:]) for t in (k, v))
+            kb[:, :, :length], vb[:, :, :length] = k, v
+            self.append((kb, vb))
+        self.length = length
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer ``layer``'s new keys and values after the cached ones; the keys and values so far."""
+        end = self.length + k.shape[2]
+        kb, vb = self[layer]
+        if end > kb.shape[2]:
+            raise ValueError(f"the cache holds {kb.shape[2]} positions, {end} requested")
+        kb[:, :, self.length:end], vb[:, :, self.length:end] = k, v
+        return kb[:, :, :end], vb[:, :, :end]
 
 
 def group_prompts(prompts: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import json
 import math
 from pathlib import Path
 
-from rollout_correction.demo.config import METHODS, DemoConfig
+from rollout_correction.demo.config import METHODS, DemoConfig, declared_claims
 from rollout_correction.demo.results import interval, paired_difference, provenance, tied_with_best
 
 COLLAPSE_FRACTION = 0.5
@@ -96,10 +96,14 @@ def run_health(r: dict, **monitor_options) -> dict:
     }
 
 
+def _lengths(hist: dict, prefix: str = "ess_seq") -> list[int]:
+    """The response lengths L of a run's ``<prefix>@L`` history keys, in order."""
+    return sorted(int(k.split("@")[1]) for k in hist if k.startswith(prefix + "@"))
+
+
 def _by_length(hist: dict, prefix: str) -> list[float] | None:
-    """The last tenth's mean of ``<prefix>@1`` … ``<prefix>@T`` (None for runs without them)."""
-    keys = sorted((k for k in hist if k.startswith(prefix + "@")), key=lambda k: int(k.split("@")[1]))
-    return [_tenth(hist[k], last=True) for k in keys] or None
+    """The last tenth's mean of ``<prefix>@L`` for every recorded L (None for runs without them)."""
+    return [_tenth(hist[f"{prefix}@{L}"], last=True) for L in _lengths(hist, prefix)] or None
 
 
 def summarize_run(r: dict, sft_reward: float) -> dict:
@@ -122,6 +126,9 @@ def summarize_run(r: dict, sft_reward: float) -> dict:
         # against response length L: the final prefix exact match and the last tenth's ESS / N of the
         # untruncated sequence weight ∏_{t≤L} ρₜ and of its geometric mean (trainer.weight_ess_by_length)
         "final_by_length": r["evals"].get("trainer_by_length"),
+        "answer_lengths": r["evals"].get("lengths") or (list(range(1, len(r["evals"]["trainer_by_length"]) + 1))
+                                                        if r["evals"].get("trainer_by_length") else None),
+        "ess_lengths": _lengths(r["history"]) or None,
         "ess_seq_by_length": _by_length(r["history"], "ess_seq"),
         "ess_geo_by_length": _by_length(r["history"], "ess_geo"),
         "seconds": r["seconds"],
@@ -164,8 +171,9 @@ def summarize(cfg: DemoConfig, raw: dict, command: str = "", prov: dict | None =
             "kl_growth": kl1 / kl0 if kl0 > 0 else float("nan"),
             "collapsed": sum(r["collapsed"] for r in rs),
             "runs": len(rs),
-            # response length × per-token KL over the last tenth (the long scenario's ≥ 20 rule)
-            "length_x_kl": cfg.digits * kl1,
+            # response length × per-token KL over the first and the last tenth (the long scenario's ≥ 20 rule)
+            "initial_length_x_kl": cfg.make_task().response_len * kl0,
+            "length_x_kl": cfg.make_task().response_len * kl1,
             "seconds": _stats([r["seconds"] for r in rs]),
         }
     measured = run_provenance(raw)
@@ -209,21 +217,23 @@ def paired(summary: dict) -> dict:
 
 
 def claims(summary: dict) -> dict:
-    """The pre-declared claims (module docstring), each judged on its paired interval: it *holds*
-    when the interval of (a − naive) lies above 0; with one seed it is not judged (``holds``
-    None)."""
+    """The pre-declared claims (``config.declared_claims``: by default on-policy − naive and
+    recommended − naive), each judged on its paired interval: it *holds* when the interval of
+    (method − minus) lies above 0. A claim whose methods did not both run, or that has one seed, is
+    not evaluated (``evaluated`` False, ``holds`` None) and never counts as holding."""
     cfg = summary["config"]
     recommended = cfg.get("recommended")
     methods = summary["methods"]
     rows = []
-    for name, a in (("on_policy_beats_naive", "on_policy"), ("recommended_beats_naive", recommended)):
-        row = {"claim": name, "method": a, "minus": "naive"}
+    for a, b in declared_claims(cfg):
+        name = ("recommended" if a == recommended and a != "on_policy" else a) + "_beats_" + b
+        row = {"claim": name, "method": a, "minus": b}
         if a is None:
-            row.update(evaluated=False, reason="the scenario recommends no correction")
-        elif a not in methods or "naive" not in methods:
-            row.update(evaluated=False, reason=f"needs the {a} and naive methods in the run")
+            row.update(evaluated=False, holds=None, reason="the scenario recommends no correction")
+        elif a not in methods or b not in methods:
+            row.update(evaluated=False, holds=None, reason=f"needs the {a} and {b} methods in the run")
         else:
-            d = paired_difference(finals(summary["runs"], a), finals(summary["runs"], "naive"))
+            d = paired_difference(finals(summary["runs"], a), finals(summary["runs"], b))
             row.update(evaluated=d["verdict"] is not None, difference=d,
                        holds=None if d["verdict"] is None else d["verdict"] == "above",
                        reason=None if d["verdict"] is not None else "one seed: no paired interval")
@@ -341,11 +351,12 @@ def plot_by_length(cfg: DemoConfig, summary: dict, path: Path) -> bool:
         for key, ls, tag in (("ess_seq_by_length", "-", "∏ρ"), ("ess_geo_by_length", "--", "geo")):
             ys = [r[key] for r in rs if r.get(key)]
             if ys:
-                a1.plot(range(1, len(ys[0]) + 1), [_mean(c) for c in zip(*ys)], color=color, ls=ls,
-                        label=f"{METHODS[m].label} ({tag})", lw=1.4)
+                x = rs[0].get("ess_lengths") or range(1, len(ys[0]) + 1)
+                a1.plot(x, [_mean(c) for c in zip(*ys)], color=color, ls=ls, label=f"{METHODS[m].label} ({tag})",
+                        lw=1.4)
         ys = [r["final_by_length"] for r in rs if r.get("final_by_length")]
         if ys:
-            x = range(1, len(ys[0]) + 1)
+            x = rs[0].get("answer_lengths") or range(1, len(ys[0]) + 1)
             stats = [interval(c) for c in zip(*ys)]
             a2.plot(x, [st["mean"] for st in stats], color=color, ls=style, label=METHODS[m].label, lw=1.6)
             if all(st["ci"] for st in stats):
@@ -353,7 +364,7 @@ def plot_by_length(cfg: DemoConfig, summary: dict, path: Path) -> bool:
                                 alpha=0.15, lw=0)
     a1.set(title="ESS / N of the sequence weight, last tenth of training", xlabel="response length L (tokens)",
            ylabel="ESS / N", yscale="log")
-    a2.set(title="final exact match of the first L tokens (95 % interval)", xlabel="response length L (tokens)",
+    a2.set(title="final exact match of the first L answer tokens (95 % interval)", xlabel="answer tokens L",
            ylabel="exact match", ylim=(0, 1))
     for ax in (a1, a2):
         ax.grid(alpha=0.3)
@@ -397,7 +408,8 @@ def plot_comparison(cfg: DemoConfig, summary: dict, path: Path) -> None:
 
 
 def _scenario_line(cfg: DemoConfig) -> str:
-    return (f"scenario {cfg.scenario}: {cfg.task} {cfg.digits} digits, model {cfg.model}, engine "
+    tail = f" + {cfg.tail} unscored tokens" if cfg.tail else ""
+    return (f"scenario {cfg.scenario}: {cfg.task} {cfg.digits} digits{tail}, model {cfg.model}, engine "
             f"{cfg.precision}/{cfg.quant}/lag {cfg.lag}; {cfg.steps} steps × {cfg.prompts}×{cfg.samples}; "
             f"seeds {list(cfg.seeds)}")
 
@@ -490,21 +502,23 @@ def claims_text(summary: dict) -> list[str]:
     lines = [f"Recommended before running: {label.get(c['recommended'], c['recommended']) or 'nothing'}"
              + (f" (`{c['recommended']}`)." if c["recommended"] else ".")]
     for r in c["claims"]:
-        name = label.get(r["method"], r["method"] or "recommended")
-        if not r["evaluated"]:
+        name = label.get(r["method"]) or (METHODS[r["method"]].label if r["method"] in METHODS else "recommended")
+        minus = label.get(r["minus"]) or METHODS[r["minus"]].label
+        if not r["evaluated"]:  # a claim is judged only on two runs of the same seeds, never taken as holding
             d = r.get("difference")
-            lines.append(f"- {name} − naive PPO > 0: not judged ({r['reason']})"
+            lines.append(f"- {name} − {minus} > 0: not evaluated ({r['reason']})"
                          + (f"; per-seed difference {diff_text(d)}." if d else "."))
             continue
         d = r["difference"]
         word = "holds" if r["holds"] else "**does not hold**"
-        lines.append(f"- {name} − naive PPO > 0: {word} — paired difference {diff_text(d)} over {d['n']} seeds, "
-                     f"{d['above']} of {d['n']} seeds above naive ({d['verdict']}).")
+        short = "naive" if r["minus"] == "naive" else minus
+        lines.append(f"- {name} − {minus} > 0: {word} — paired difference {diff_text(d)} over {d['n']} seeds, "
+                     f"{d['above']} of {d['n']} seeds above {short} ({d['verdict']}).")
     if c["naive_kl_growth"] is not None and c["naive_kl_growth"] == c["naive_kl_growth"]:
         lines.append(f"Naive PPO's mismatch KL {kl_trend(c['naive_kl_growth'])} from the first to the last tenth "
                      "of training.")
     judged = [r for r in c["claims"] if r["evaluated"]]
-    lines.append("Both claims hold." if c["all_hold"] else
+    lines.append(("Both claims hold." if len(c["claims"]) == 2 else "Every claim holds.") if c["all_hold"] else
                  "**Not every claim holds in this run; see above.**" if judged else
                  "The claims need two or more seeds and both methods in the run.")
     return lines

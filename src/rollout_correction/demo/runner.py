@@ -17,7 +17,6 @@ from pathlib import Path
 
 from rollout_correction.console import ProgressLines
 from rollout_correction.demo.config import METHODS, DemoConfig
-from rollout_correction.demo.task import Task
 from rollout_correction.demo.trainer import setup_torch, sft, train
 
 
@@ -45,7 +44,7 @@ def _init_worker(threads: int) -> None:
 
 
 def _sft_job(cfg: DemoConfig, seed: int):
-    return seed, sft(cfg, seed, Task(cfg.task, cfg.digits, cfg.reward))
+    return seed, sft(cfg, seed, cfg.make_task())
 
 
 def _train_job(cfg: DemoConfig, method: str, seed: int, sft_state, q) -> dict:
@@ -56,7 +55,7 @@ def _train_job(cfg: DemoConfig, method: str, seed: int, sft_state, q) -> dict:
 
 
 # Settings that do not change a run's result (they may differ when resuming).
-_NOT_RESULT = ("scenario", "methods", "seeds", "workers", "threads", "out")
+_NOT_RESULT = ("scenario", "methods", "seeds", "workers", "threads", "out", "claims")
 
 
 def _run_key(cfg: DemoConfig) -> dict:
@@ -121,7 +120,7 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = F
             setup_torch(cfg.threads)
             sft_out = {}
             for seed in cfg.seeds:
-                sft_out[seed] = sft(cfg, seed, Task(cfg.task, cfg.digits, cfg.reward))
+                sft_out[seed] = sft(cfg, seed, cfg.make_task())
                 bars.advance(sft_bar)
                 finished(f"SFT warm start · seed {seed}")
             t_sft = time.perf_counter() - t0
@@ -195,7 +194,7 @@ def run_many(cfgs: list[DemoConfig], workers: int, provenance: dict | None = Non
         t_sft = time.perf_counter() - t0
         for (i, s), (_, reward) in sft_out.items():
             raws[i]["sft_reward"][s] = reward
-        order = sorted(range(len(cfgs)), key=lambda i: -cfgs[i].steps * (cfgs[i].digits * 2 + 2))
+        order = sorted(range(len(cfgs)), key=lambda i: -cfgs[i].steps * (cfgs[i].digits * 2 + cfgs[i].tail + 2))
         jobs = [(i, m, s) for i in order for s in cfgs[i].seeds for m in cfgs[i].methods]
         futs = [pool.submit(_many_train_job, i, cfgs[i], m, s, sft_out[(i, s)][0]) for i, m, s in jobs]
         from concurrent.futures import as_completed

@@ -87,15 +87,16 @@ def accepted_mask(rc_cfg, old_log_prob: torch.Tensor, rollout_log_prob: torch.Te
 @torch.no_grad()
 def exact_match(model: torch.nn.Module, task: Task, digits: torch.Tensor, batch: int = 512,
                 by_length: bool = False) -> float | list[float]:
-    """Greedy exact-match accuracy of ``model`` on the given digit strings; with ``by_length``, the
-    list over L = 1 … T of the share whose first L answer tokens are right (its last entry is the
-    exact match)."""
+    """Greedy exact-match accuracy of ``model``'s answers on the given digit strings; with
+    ``by_length``, the list over L = 1 … T (T = ``task.answer_len``) of the share whose first L answer
+    tokens are right (its last entry is the exact match)."""
     was_training = model.training
     model.eval()
-    hits = torch.zeros(task.response_len, dtype=torch.float64)
+    hits = torch.zeros(task.answer_len, dtype=torch.float64)
     for i in range(0, digits.shape[0], batch):
         d = digits[i:i + batch]
-        responses, _ = sample(model, task.prompts(d), task.response_len, greedy=True)
+        # the answer is the start of the response: its greedy tokens need no continuation
+        responses, _ = sample(model, task.prompts(d), task.answer_len, greedy=True)
         right = (responses == task.answers(d)).long().cumprod(dim=1)   # (b, T): first L tokens right
         hits += right.sum(dim=0).double()
     model.train(was_training)
@@ -104,7 +105,9 @@ def exact_match(model: torch.nn.Module, task: Task, digits: torch.Tensor, batch:
 
 
 def sft(cfg: DemoConfig, seed: int, task: Task) -> tuple[dict[str, torch.Tensor], float]:
-    """Supervised warm start: cross-entropy on correct responses for ``cfg.sft_steps`` steps.
+    """Supervised warm start: cross-entropy on correct responses for ``cfg.sft_steps`` steps (with a
+    continuation, ``task.tail``: the answer's mean and the continuation's mean weigh the same, so the
+    six answer tokens are not drowned by hundreds of others).
 
     Returns the state dict and the greedy exact match on the evaluation prompts.
     """
@@ -113,8 +116,10 @@ def sft(cfg: DemoConfig, seed: int, task: Task) -> tuple[dict[str, torch.Tensor]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     for _ in range(cfg.sft_steps):
         d = task.sample_digits(cfg.sft_batch, gen)
-        tokens = torch.cat([task.prompts(d), task.answers(d)], dim=1)
-        loss = -response_log_probs(model, tokens, task.prompt_len).mean()
+        tokens = torch.cat([task.prompts(d), task.demonstrations(d, gen)], dim=1)
+        log_prob = response_log_probs(model, tokens, task.prompt_len)
+        n = task.answer_len
+        loss = -(log_prob[:, :n].mean() + log_prob[:, n:].mean()) if task.tail else -log_prob.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -180,7 +185,7 @@ def train(cfg: DemoConfig, method_name: str, seed: int, sft_state: dict[str, tor
     """GRPO from the SFT weights with ``method_name``; ``progress(n)`` is called once per step."""
     t0, c0 = time.perf_counter(), time.process_time()
     method = METHODS[method_name]
-    task = Task(cfg.task, cfg.digits, cfg.reward)
+    task = cfg.make_task()
     torch.manual_seed(seed)
     model = build_model(cfg.model, max_len=task.seq_len + 1)
     model.load_state_dict(sft_state)
@@ -206,8 +211,10 @@ def train(cfg: DemoConfig, method_name: str, seed: int, sft_state: dict[str, tor
         if step % cfg.eval_every == 0 or step == cfg.steps:
             log(evals, "step", step)
             if step == cfg.steps:  # the final result against response length (prefix exact match)
-                evals["trainer_by_length"] = exact_match(model, task, eval_digits, by_length=True)
-                log(evals, "trainer", evals["trainer_by_length"][-1])
+                shares = exact_match(model, task, eval_digits, by_length=True)
+                evals["lengths"] = length_grid(task.answer_len)
+                evals["trainer_by_length"] = [shares[L - 1] for L in evals["lengths"]]
+                log(evals, "trainer", shares[-1])
             else:
                 log(evals, "trainer", exact_match(model, task, eval_digits))
             log(evals, "engine", exact_match(engine.model, task, eval_digits))
@@ -310,17 +317,25 @@ def ess_fraction(log_w: torch.Tensor) -> torch.Tensor:
     return torch.exp(2 * torch.logsumexp(log_w, 0) - torch.logsumexp(2 * log_w, 0) - math.log(n))
 
 
+def length_grid(T: int) -> list[int]:
+    """The response lengths L at which the by-length figures are kept: every L up to 16, then every
+    T // 32-th and T itself (at most about 50 lengths however long the answer)."""
+    every = max(1, T // 32)
+    return sorted({*range(1, min(T, 16) + 1), *range(every, T + 1, every), T})
+
+
 def weight_ess_by_length(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> dict[str, float]:
-    """The untruncated sequence weights of the batch's first L response tokens, for every L:
-    ``ess_seq@L`` is the ESS / N of ∏_{t≤L} ρₜ, ``ess_geo@L`` of the geometric mean
-    exp(mean_{t≤L} log ρₜ), ρₜ = π_old/π_rollout. They show how the sequence weight degenerates
+    """The untruncated sequence weights of the batch's first L response tokens, for every L of
+    :func:`length_grid`: ``ess_seq@L`` is the ESS / N of ∏_{t≤L} ρₜ, ``ess_geo@L`` of the geometric
+    mean exp(mean_{t≤L} log ρₜ), ρₜ = π_old/π_rollout. They show how the sequence weight degenerates
     with length while the geometric one does not."""
     log_rho = (old_log_prob - rollout_log_prob).detach().double()
     prefix = log_rho.cumsum(dim=1)                                 # (B, T): log ∏_{t≤L} ρₜ
     lengths = torch.arange(1, log_rho.shape[1] + 1, dtype=prefix.dtype)
     seq, geo = ess_fraction(prefix), ess_fraction(prefix / lengths)
-    out = {f"ess_seq@{L}": float(seq[L - 1]) for L in range(1, log_rho.shape[1] + 1)}
-    out.update({f"ess_geo@{L}": float(geo[L - 1]) for L in range(1, log_rho.shape[1] + 1)})
+    grid = length_grid(log_rho.shape[1])
+    out = {f"ess_seq@{L}": float(seq[L - 1]) for L in grid}
+    out.update({f"ess_geo@{L}": float(geo[L - 1]) for L in grid})
     return out
 
 
