@@ -19,6 +19,7 @@ helpers), which is what makes context-parallel results exact.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
@@ -372,9 +373,10 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     if floor is not None and old is not None:  # engine sentinels: made non-finite, counted per row
         if low is not None and low > floor:  # every log-prob above the floor (a NaN minimum: unknown)
             sentinel = torch.zeros(B, dtype=torch.float32, device=lr.device)
-        else:  # a finite value at or below the floor (−inf is non-finite, not a sentinel)
-            sentinel = (((old <= floor) & (old != -torch.inf)) | ((rollout <= floor) & (rollout != -torch.inf))) \
-                & (input_mask > 0)
+        else:  # a finite value at or below the floor (NaN and −inf are non-finite, not sentinels)
+            sentinel = torch.minimum(old.nan_to_num(math.inf, neginf=math.inf),
+                                     rollout.nan_to_num(math.inf, neginf=math.inf)) <= floor
+            sentinel = torch.logical_and(sentinel, input_mask)
             lr.masked_fill_(sentinel, NONFINITE_SENTINEL)
             sentinel = sentinel.sum(-1, dtype=torch.float32)
         sentinel = sentinel if rows is None else rows.sum(sentinel)
