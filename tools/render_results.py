@@ -530,6 +530,23 @@ def kernel_tables(name: str) -> list[str]:
             f"{' (with local changes)' if p['dirty'] else ''}, {p['date']}; `{p['command']}`."]
 
 
+def agreement_table(name: str) -> list[str]:
+    """docs/context-parallel.md's cost of the agreement: a ``benchmarks/bench_agreement.py --json`` run,
+    per group kind, verify setting and path, with the machine, versions and command of the run."""
+    s = load(name)
+    p = s["provenance"]
+    lines = ["| group | verify | path | host reads / call | collectives / call | ms / call (median) | "
+             "paired ratio to `once` |", "|---|---|---|---|---|---|---|"]
+    for key, r in s["rows"].items():
+        group, verify, path = key.split(" ")
+        lines.append(f"| {group} | {verify.removeprefix('verify=')} | {path} | {r['reads']} | {r['collectives']} | "
+                     f"{r['ms']:.1f} | {r['ratio_to_once']:.2f}× |")
+    return lines + ["", f"`docs/results/{name}`: {s['shape']} float32, 2 gloo ranks; {p['cpu']} "
+                        f"({p['logical_cpus']} logical CPUs, one thread per rank); torch {p['torch']}, Python "
+                        f"{p['python']}; commit `{p['commit'][:7]}`{' (with local changes)' if p['dirty'] else ''}, "
+                        f"{p['date']}; `{p['command']}`."]
+
+
 #: block name -> (renderer, its results files)
 BLOCKS = {
     "demo-headline": (demo_headline, ("demo-stale.json", "demo-quantized.json")),
@@ -556,6 +573,7 @@ BLOCKS = {
     "gpu-h200-0.3.0": (gpu_tables, ("gpu-h200-0.3.0.json",)),
     "cpu-0.3.0": (cpu_tables, ("cpu-0.3.0.json", "cpu-0.3.0-bf16.json")),
     "cpu-kernels": (kernel_tables, ("cpu-kernels.json",)),
+    "cpu-agreement": (agreement_table, ("cpu-agreement.json",)),
     "cpu-fused-loaded": (cpu_tables, ("cpu-fused-loaded.json",)),
 }
 
