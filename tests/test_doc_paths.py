@@ -77,13 +77,15 @@ _FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
 def _files() -> list[str]:
     """The repository's files, less hidden folders (.git, the environments .ci/run makes under .ci/),
-    caches and build outputs."""
+    virtual environments (a folder holding ``pyvenv.cfg``, e.g. one made inside the clone), caches and
+    build outputs."""
     skip = {"__pycache__", "build", "dist", "node_modules"}
     out = []
     for folder, dirs, files in os.walk(ROOT):
         top = Path(folder) == ROOT
         dirs[:] = [d for d in dirs if d not in skip and not d.endswith(".egg-info")
-                   and (not d.startswith(".") or (top and d == ".ci"))]
+                   and (not d.startswith(".") or (top and d == ".ci"))
+                   and not (Path(folder) / d / "pyvenv.cfg").exists()]
         out += [(Path(folder) / f).relative_to(ROOT).as_posix() for f in files]
     return out
 
