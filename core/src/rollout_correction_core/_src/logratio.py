@@ -18,7 +18,6 @@ helpers), which is what makes context-parallel results exact.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
@@ -313,12 +312,9 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
         lr = old_log_prob.to(torch.float32, copy=True).sub_(rollout_log_prob)
     else:
         lr = slots[2].copy_(old_log_prob).sub_(rollout_log_prob)
-    batch = _build(lr, response_mask, on_nonfinite, row_offset, old_log_prob, rollout_log_prob, rows, slots=slots,
-                   floor=log_prob_floor, ceiling=log_prob_ceiling)
-    if segments is None:
-        return batch
-    ids, S = segments
-    return dataclasses.replace(batch, segment_ids=ids, num_segments=S)
+    # the segments go in at construction: dataclasses.replace breaks torch.compile's graph on torch 2.4
+    return _build(lr, response_mask, on_nonfinite, row_offset, old_log_prob, rollout_log_prob, rows, slots=slots,
+                  floor=log_prob_floor, ceiling=log_prob_ceiling, segments=segments)
 
 
 @packable("old_log_prob", "rollout_log_prob", "response_mask")
@@ -357,10 +353,11 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
            old: Optional[torch.Tensor] = None, rollout: Optional[torch.Tensor] = None,
            rows: Optional["RowExchange"] = None, source: Optional[torch.Tensor] = None,
            slots: Optional[torch.Tensor] = None, floor: Optional[float] = None,
-           ceiling: Optional[float] = None) -> LogRatioBatch:
+           ceiling: Optional[float] = None, segments: Optional[tuple[torch.Tensor, int]] = None) -> LogRatioBatch:
     """The batch from a float32 log-ratio ``lr`` that this function may overwrite (``source``: the
     caller's log-ratio, for messages), held in slot 2 of ``slots`` (:func:`_slots`) when given:
-    input mask, mask, log ρ, [masked log π_train,] k3, ρ, the order of :class:`RowSums`."""
+    input mask, mask, log ρ, [masked log π_train,] k3, ρ, the order of :class:`RowSums`. ``segments``:
+    (ids, count) from :func:`check_segment_ids`, None for one segment per row."""
     B, T = response_mask.shape
     last = 0 if slots is None else slots.shape[0]  # k3 and ρ in the last two slots
     input_mask = float_mask(response_mask, out=_slot(slots, 0))
@@ -423,8 +420,9 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         rows.drop(bad)
     parts, counted = stacked.unbind(), (stacked[:2] > 0).unbind()
     sums = RowSums(*parts[:3], parts[3] if old is not None else None, *parts[-2:], sum2)
+    ids, S = segments if segments is not None else (None, 1)
     return LogRatioBatch(response_mask, input_mask, mask, lr, lrc, ratio, k3, bad, sums, counted[1], counted[0],
-                         old, rollout, rows, sentinel_row=sentinel)
+                         old, rollout, rows, sentinel_row=sentinel, segment_ids=ids, num_segments=S)
 
 
 def row_means64(sums: RowSums) -> torch.Tensor:

@@ -316,7 +316,9 @@ class SufficientStats(_Reading):
         name in slot order (what :meth:`from_values` reads). A compiled pass returns these: the compiler
         fuses the reductions of one size into one loop, where a stacked vector costs a copy per value."""
         values: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
-        for p in sorted(self._parts, key=lambda p: p.key):
+        # sorted (key, index) pairs, not a key function: torch 2.4's compiler fails on one in a resumed frame
+        for _, i in sorted((p.key, i) for i, p in enumerate(self._parts)):
+            p = self._parts[i]
             into, x = values[p.kind != "sum"], _reduced_alone(p)
             into[p.name] = x if p.name not in into else (
                 into[p.name] + x if p.kind == "sum" else torch.maximum(into[p.name], x))
