@@ -181,6 +181,12 @@ def test_progress_lines_weigh_units_by_their_expected_cost():
     t = iter([0.0, 3.0])
     p = ProgressLines(3, done=1, total_cost=19.0, done_cost=9.0, stream=out, now=lambda: next(t))
     assert p.finished("warm start", cost=1.0) == "[2/3] warm start  elapsed 3s  ETA 27s"  # 3 s / 1 × 9 left
+    # worker processes took 5 s to start before any unit: elapsed counts them, the rate does not
+    t = iter([0.0, 5.0, 6.0, 7.0])
+    p = ProgressLines(3, stream=out, now=lambda: next(t), total_cost=12.0)
+    p.units_start()
+    assert p.finished("warm start 0", cost=1.0).endswith("elapsed 6s  ETA 11s")   # 1 s / 1 × 11 left
+    assert p.finished("warm start 1", cost=1.0).endswith("elapsed 7s  ETA 10s")   # 2 s / 2 × 10 left
 
 
 def test_quick_demo_prints_a_line_per_finished_unit_through_a_pipe(tmp_path):

@@ -75,6 +75,7 @@ class ProgressLines:
     of them; by default 1 each, i.e. units count alike), so that a few cheap units first (a warm
     start) do not make the long ones after them look short. Units already done when it started
     (e.g. resumed runs, ``done`` of them costing ``done_cost``) count as done but not in the rate.
+    Work that is no unit (starting worker processes) is left out of the rate by :meth:`units_start`.
     """
 
     def __init__(self, total: int, done: int = 0, stream: TextIO | None = None,
@@ -85,14 +86,20 @@ class ProgressLines:
         self.done_cost = float(done if done_cost is None else done_cost)
         self._start_cost = self.done_cost
         self._stream, self._now = stream, now
-        self._t0 = now()
+        self._t0 = self._rate_t0 = now()
+
+    def units_start(self) -> None:
+        """The units start now: the ETA's rate counts time from here; ``elapsed`` still counts from
+        the start (e.g. once the worker processes are up: their start-up is no unit's cost)."""
+        self._rate_t0 = self._now()
 
     def finished(self, label: str, detail: str = "", cost: float = 1.0) -> str:
         """Count one finished unit of expected ``cost`` and print its line; returns the line."""
         self.done += 1
         self.done_cost += cost
-        elapsed = self._now() - self._t0
-        rate = elapsed / max(self.done_cost - self._start_cost, 1e-12)
+        now = self._now()
+        elapsed = now - self._t0
+        rate = (now - self._rate_t0) / max(self.done_cost - self._start_cost, 1e-12)
         left = self.total - self.done
         eta = f"ETA {clock(rate * max(self.total_cost - self.done_cost, 0.0))}" if left > 0 else "done"
         width = len(str(self.total))

@@ -43,6 +43,10 @@ def _init_worker(threads: int) -> None:
     setup_torch(threads)
 
 
+def _worker_ready() -> None:
+    """A job that does nothing: waiting for it waits until a worker has started."""
+
+
 def _sft_job(cfg: DemoConfig, seed: int):
     return seed, sft(cfg, seed, cfg.make_task())
 
@@ -135,6 +139,12 @@ def run_experiment(cfg: DemoConfig, show_progress: bool = True, resume: bool = F
             with ctx.Manager() as manager, ProcessPoolExecutor(
                 max_workers=cfg.workers, mp_context=ctx, initializer=_init_worker, initargs=(cfg.threads,)
             ) as pool:
+                # The workers start (spawn, import torch: seconds) before any unit, so that the ETA's
+                # rate is that of the units; counted in, it made the first lines' ETA several times too long.
+                for fut in [pool.submit(_worker_ready) for _ in range(cfg.workers)]:
+                    fut.result()
+                if log is not None:
+                    log.units_start()
                 sft_out = {}
                 for fut in [pool.submit(_sft_job, cfg, s) for s in cfg.seeds]:
                     seed, out = fut.result()
