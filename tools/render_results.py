@@ -510,10 +510,14 @@ def cpu_tables(*names: str) -> list[str]:
         (start, end) = p["load_average"]
         lines += ([""] if lines else []) + markdown_tables(s["rows"]).rstrip("\n").split("\n") + [
             "", f"`docs/results/{name}`: {p['cpu']} ({p['logical_cpus']} logical CPUs, one thread); torch {p['torch']}, "
-                f"Python {p['python']}; verl {p['verl']}; commit `{p['commit'][:7]}`"
-                f"{' (with local changes)' if p['dirty'] else ''}, {p['date']}; load average {start[0]:.1f} at the start "
+                f"Python {p['python']}; verl {p['verl']}; {commit_date(p)}; load average {start[0]:.1f} at the start "
                 f"(the benchmark itself holds one core), {end[0]:.1f} at the end; `{p['command']}`."]
     return lines
+
+
+def commit_date(p: dict) -> str:
+    """A benchmark provenance's commit (marked when the tree had local changes) and date."""
+    return f"commit `{p['commit'][:7]}`{' (with local changes)' if p['dirty'] else ''}, {p['date']}"
 
 
 def kernel_tables(name: str) -> list[str]:
@@ -526,8 +530,7 @@ def kernel_tables(name: str) -> list[str]:
     p = s["provenance"]
     return markdown(s).split("\n") + [
         "", f"`docs/results/{name}`: {s['shape']} float32; {p['cpu']} ({p['logical_cpus']} logical CPUs, one thread); "
-            f"torch {p['torch']}, Python {p['python']}; commit `{p['commit'][:7]}`"
-            f"{' (with local changes)' if p['dirty'] else ''}, {p['date']}; `{p['command']}`."]
+            f"torch {p['torch']}, Python {p['python']}; {commit_date(p)}; `{p['command']}`."]
 
 
 def agreement_table(name: str) -> list[str]:
@@ -543,8 +546,7 @@ def agreement_table(name: str) -> list[str]:
                      f"{r['ms']:.1f} | {r['ratio_to_once']:.2f}× |")
     return lines + ["", f"`docs/results/{name}`: {s['shape']} float32, 2 gloo ranks; {p['cpu']} "
                         f"({p['logical_cpus']} logical CPUs, one thread per rank); torch {p['torch']}, Python "
-                        f"{p['python']}; commit `{p['commit'][:7]}`{' (with local changes)' if p['dirty'] else ''}, "
-                        f"{p['date']}; `{p['command']}`."]
+                        f"{p['python']}; {commit_date(p)}; `{p['command']}`."]
 
 
 #: block name -> (renderer, its results files)
