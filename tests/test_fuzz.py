@@ -146,8 +146,8 @@ def _bad_rows(old, roll, mask, floor=-1000.0, ceiling=0.0):
     """Rows with a non-finite input (or an overflowing difference), a sentinel, or a log-prob above the
     ceiling (no probability) at a valid position."""
     bad = _nonfinite(old.float() - roll.float()) | _sentinel(old, floor) | _sentinel(roll, floor)
-    if ceiling is not None:
-        bad |= (old.float() > ceiling) | (roll.float() > ceiling)
+    if ceiling is not None:  # compared in the input's dtype, as the floor is (3e-230 in float64 is above 0)
+        bad |= (old > ceiling) | (roll > ceiling)
     return ((mask != 0) & bad).any(-1)
 
 

@@ -577,6 +577,7 @@ BLOCKS = {
     "cpu-kernels": (kernel_tables, ("cpu-kernels.json",)),
     "cpu-agreement": (agreement_table, ("cpu-agreement.json",)),
     "cpu-fused-loaded": (cpu_tables, ("cpu-fused-loaded.json",)),
+    "cpu-fused-idle": (cpu_tables, ("cpu-fused-idle.json",)),
 }
 
 PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))

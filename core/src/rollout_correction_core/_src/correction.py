@@ -19,7 +19,7 @@ import torch
 from .alignment import MisalignmentWarning, alignment_metrics, alignment_report, alignment_statistics
 from .config import RolloutCorrectionConfig, as_config
 from .declared import ALIGN, COUNTS, EXPECT_ZERO, RS
-from .logratio import LogRatioBatch, RowSums, float_mask, log_ratio_batch, nonfinite_positions
+from .logratio import LogRatioBatch, RowSums, bounds_log_probs, float_mask, log_ratio_batch, nonfinite_positions
 from .m2po import m2po_keep, second_moment
 from .packing import packable
 from .parallel import Parallel, as_parallel, verified
@@ -236,7 +236,8 @@ def _blocked_local_pass(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
             weights[block] = w
         blocks.append(local)
     stats, per_row = SufficientStats.joined(blocks), [torch.cat(x) for x in zip(*row_parts)]
-    add_row_statistics(stats, RowSums(*per_row[:-1]), per_row[-1], config.families)
+    add_row_statistics(stats, RowSums(*per_row[:-1]), per_row[-1], config.families,
+                       bounds_log_probs(config.log_prob_floor, config.log_prob_ceiling))
     return weights, keep, stats  # reduced once, over all rows
 
 

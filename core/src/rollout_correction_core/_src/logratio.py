@@ -4,12 +4,13 @@
 and returns a :class:`LogRatioBatch`: per token (B, T) float32, exactly 0 at every position not
 used, and per row (B,) sums taken with one reduction.
 
-Non-finite input. NaN / ±inf are replaced by ±1e30 and multiplied by the 0/1 mask, so nothing in
-padding reaches a sum; a valid position holding a non-finite value (or |log ρ| ≥ 1e30) makes its
-row *bad*: the row is dropped (mask 0, every sum 0) or, with ``on_nonfinite="raise"``, a
-ValueError names it. A log-prob ≤ ``log_prob_floor`` (old or rollout) is an engine's sentinel
-and counts as non-finite; so does a log-prob > ``log_prob_ceiling`` (0: no probability has one). Rows are dropped arithmetically, never by a data-dependent branch, so
-the pass does not wait for the device.
+Non-finite input. Every value outside the positions used is replaced by 0 (selected, never
+multiplied, so a NaN in padding reaches no sum); a valid position holding a non-finite value (or
+|log ρ| ≥ 1e30) makes its row *bad*: the row is dropped (mask 0, every sum 0) or, with
+``on_nonfinite="raise"``, a ValueError names it. A log-prob ≤ ``log_prob_floor`` (old or rollout)
+is an engine's sentinel and counts as non-finite; so does a log-prob > ``log_prob_ceiling`` (0: no
+probability has one). Rows are dropped arithmetically, never by a data-dependent branch, so the
+pass does not wait for the device.
 
 Split rows. With ``rows`` (a :class:`~rollout_correction_core._src.sequence_group.RowExchange`) each rank
 holds part of every row; every per-row reduction then spans the group (the batch's ``reduce_*``
@@ -28,7 +29,7 @@ from .config import DEFAULT_FAMILIES
 from .constants import LOG_PROB_FLOOR, SAFETY_BOUND, warn_deprecated
 from .packing import packable
 from .segments import Segments, segment_sums
-from .stats import SufficientStats
+from .stats import SufficientStats, device_constant
 from .declared import COUNTS
 from .validation import check_pair, check_same, check_segment_ids
 
@@ -98,8 +99,8 @@ class LogRatioBatch:
         rows: the row exchange when the rows are split across a group, else None.
         segment_ids, num_segments: (B, T) int64 segment (turn) of each token, 0 at unused positions,
             ids in [0, num_segments); None: every row is one segment (``num_segments`` 1).
-        sentinel_row: (B,) float32 count of valid positions holding a log-prob ≤ the floor; None
-            without log-probs or floor.
+        bounded: the log-probs used are bounded (:func:`bounds_log_probs`): every row mean is finite.
+        log_prob_floor: the floor the batch was built with (None: none, or no log-probs).
     """
 
     response_mask: torch.Tensor
@@ -118,7 +119,8 @@ class LogRatioBatch:
     rows: Optional["RowExchange"] = None
     segment_ids: Optional[torch.Tensor] = None
     num_segments: int = 1
-    sentinel_row: Optional[torch.Tensor] = None
+    bounded: bool = False
+    log_prob_floor: Optional[float] = None
 
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str = "reject",
@@ -139,6 +141,18 @@ class LogRatioBatch:
         return cls.from_log_ratio(zeros, response_mask)
 
     # -- named per-row values ------------------------------------------------------------
+    @property
+    def sentinel_row(self) -> Optional[torch.Tensor]:
+        """(B,) float32 count of the valid positions holding a finite log-prob ≤ the floor (an engine's
+        sentinel; NaN and −inf are non-finite, not sentinels), counted when read (only the ``sentinel``
+        family reads it); None without log-probs or floor."""
+        if self.log_prob_floor is None or self.old_log_prob is None:
+            return None
+        low = torch.minimum(self.old_log_prob.nan_to_num(math.inf, neginf=math.inf),
+                            self.rollout_log_prob.nan_to_num(math.inf, neginf=math.inf))
+        count = torch.logical_and(low <= self.log_prob_floor, self.input_mask).sum(-1, dtype=torch.float32)
+        return count if self.rows is None else self.rows.sum(count, dropped_too=True)  # (its rows are dropped)
+
     @property
     def n_row(self) -> torch.Tensor:
         """(B,) float32 count of the tokens used per row."""
@@ -161,7 +175,7 @@ class LogRatioBatch:
     def train_means64(self) -> torch.Tensor:
         """(2, B) float64 mean_t log ρ_t and mean_t log π_train per row (0 for empty rows, bounded at
         ±1e30 per token), or a ValueError that says how to build a batch that has them."""
-        return row_means64(self.sums)
+        return row_means64(self.sums, self.bounded)
 
     # 0.2's fields, deprecated since 0.3 and removed in 0.4
     @property
@@ -174,7 +188,7 @@ class LogRatioBatch:
     def row_means64(self) -> Optional[torch.Tensor]:
         """Deprecated (removed in 0.4): :meth:`train_means64`, None for a batch built from a log-ratio alone."""
         warn_deprecated("LogRatioBatch.row_means64", "LogRatioBatch.train_means64()")
-        return None if self.sums.train is None else row_means64(self.sums)
+        return None if self.sums.train is None else row_means64(self.sums, self.bounded)
 
     def log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) float32 log π_train and log π_rollout at the tokens used, 0 elsewhere (whatever the
@@ -271,7 +285,7 @@ class LogRatioBatch:
         stats.add(COUNTS.n_tok, self.sums.n)
         stats.add(COUNTS.n_rows, self.row_valid)
         stats.add(COUNTS.n_rows_input, self.input_rows)
-        if self.sentinel_row is not None and "sentinel" in families:
+        if self.log_prob_floor is not None and self.old_log_prob is not None and "sentinel" in families:
             stats.add(COUNTS.n_sentinel, self.sentinel_row)
             stats.add(COUNTS.n_tok_input, self.sums.n_input)
 
@@ -335,18 +349,27 @@ def segmented_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
                            max_segments=segments.count)
 
 
-def _sanitised(x: torch.Tensor, nan: float = NONFINITE_SENTINEL) -> torch.Tensor:
-    """NaN → ``nan`` and ±inf → ±1e30, in place on ``x`` (a temporary of the pass). Compiled, the
-    same with ``x != x``: the compiler's ``nan_to_num`` tests NaN one lane at a time."""
-    if torch.compiler.is_compiling():
-        return torch.where(x != x, nan, x.clamp(-NONFINITE_SENTINEL, NONFINITE_SENTINEL))
-    return x.nan_to_num_(nan=nan, posinf=NONFINITE_SENTINEL, neginf=-NONFINITE_SENTINEL)
-
-
 def _host_value(x: torch.Tensor, read: Callable[[], Any]) -> Optional[Any]:
     """``read()`` where a read costs nothing (eager, ``x`` on the CPU), else None. The pass skips work
     whose result the value fixes; on a device and under torch.compile it does that work arithmetically."""
     return None if torch.compiler.is_compiling() or x.device.type != "cpu" else read()
+
+
+def _usable(lr: torch.Tensor, old: Optional[torch.Tensor], rollout: Optional[torch.Tensor], floor: Optional[float],
+            ceiling: Optional[float]) -> torch.Tensor:
+    """(B, T) bool: the positions whose values a row may use: log-probs in (``floor``, ``ceiling``] and
+    |log ρ| < 1e30. NaN fails every test (torch.maximum and torch.minimum propagate it). Two bounds
+    closer than 1e30 bound |log ρ| and exclude ±inf themselves, so the log-ratio is then not tested."""
+    ok = None
+    if old is not None and ceiling is not None:
+        ok = torch.maximum(old, rollout) <= ceiling
+    if old is not None and floor is not None:
+        above = torch.minimum(old, rollout) > floor
+        ok = above if ok is None else ok.logical_and_(above)
+    if ok is None or not bounds_log_probs(floor, ceiling):
+        finite = lr.abs() < NONFINITE_SENTINEL
+        ok = finite if ok is None else ok.logical_and_(finite)
+    return ok
 
 
 def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row_offset: int,
@@ -361,47 +384,40 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     B, T = response_mask.shape
     last = 0 if slots is None else slots.shape[0]  # k3 and ρ in the last two slots
     input_mask = float_mask(response_mask, out=_slot(slots, 0))
-    sentinel, low, high = None, None, None
-    if old is not None:  # the least and largest log-prob of either side, where reading them is free
-        low, high = (_host_value(lr, lambda: torch.stack([torch.minimum(old.amin(), rollout.amin()), torch.maximum(
-            old.amax(), rollout.amax())]).tolist()) or (None, None)) if old.numel() else (0.0, 0.0)
-        if ceiling is not None and not (high is not None and high <= ceiling):  # no probability: non-finite
-            lr.masked_fill_(torch.maximum(old, rollout) > ceiling, NONFINITE_SENTINEL)
-    if floor is not None and old is not None:  # engine sentinels: made non-finite, counted per row
-        if low is not None and low > floor:  # every log-prob above the floor (a NaN minimum: unknown)
-            sentinel = torch.zeros(B, dtype=torch.float32, device=lr.device)
-        else:  # a finite value at or below the floor (NaN and −inf are non-finite, not sentinels)
-            sentinel = torch.minimum(old.nan_to_num(math.inf, neginf=math.inf),
-                                     rollout.nan_to_num(math.inf, neginf=math.inf)) <= floor
-            sentinel = torch.logical_and(sentinel, input_mask)
-            lr.masked_fill_(sentinel, NONFINITE_SENTINEL)
-            sentinel = sentinel.sum(-1, dtype=torch.float32)
-        sentinel = sentinel if rows is None else rows.sum(sentinel)
-    # The largest |log ρ| (NaN if any), where reading it is free: below the sentinel, nothing is to be
-    # sanitised, no row is bad, and log π_train is finite wherever the mask multiplies it.
+    floor, ceiling = (floor, ceiling) if old is not None else (None, None)
+    # Where reading is free: the least and largest log-prob of either side and the largest |log ρ|.
+    # All finite and in range: nothing is to be tested, no row is bad, and log π_train is finite.
+    low, high = (_host_value(lr, lambda: torch.stack([torch.minimum(old.amin(), rollout.amin()), torch.maximum(
+        old.amax(), rollout.amax())]).tolist()) or (None, None)) if old is not None and old.numel() else (0.0, 0.0)
     peak = _host_value(lr, lambda: float(lr.abs().amax())) if lr.numel() else None
-    finite = peak is not None and peak < NONFINITE_SENTINEL
-    lr = lr.mul_(input_mask) if finite else _sanitised(lr).mul_(input_mask)
-    bad = lr.abs().amax(-1) >= NONFINITE_SENTINEL if T > 0 and not finite else torch.zeros(B, dtype=torch.bool,
-                                                                                         device=lr.device)
+    clean = (peak is not None and peak < NONFINITE_SENTINEL and (ceiling is None or high <= ceiling)
+             and (floor is None or low > floor))  # (a NaN bound compares False)
+    failed = None if clean or T == 0 else input_mask > _usable(lr, old, rollout, floor, ceiling)  # valid, unusable
+    bad = torch.zeros(B, dtype=torch.bool, device=lr.device) if failed is None else failed.any(-1)
     if rows is not None:  # split rows: the group decides; the caller raises for on_nonfinite="raise"
         bad = rows.max(bad)
     elif on_nonfinite == "raise" and bool(bad.any()):
-        raise _nonfinite_error(lr, input_mask, bad, row_offset, old, rollout, source)
+        raise _nonfinite_error(failed, bad, row_offset, old, rollout, source)
     # Rows are dropped arithmetically whether or not any is bad (no data-dependent branch on a device).
-    if finite and rows is None:
-        mask = input_mask  # nothing to drop: the mask used is the input mask (its row sums too, below)
-    else:
-        drop = bad.unsqueeze(-1)
-        mask = torch.mul(input_mask, drop.logical_not(), out=_slot(slots, 1))
-        lr.masked_fill_(drop, 0.0)
+    if clean and rows is None:  # nothing to drop: the mask used is the input mask (its row sums too, below)
+        mask = input_mask
+        lr = lr.mul_(input_mask)
+        train = [] if old is None else [torch.mul(old, mask, out=_slot(slots, 3))]
+    else:  # the values at the positions used, 0 elsewhere (whatever a dropped row or padding holds)
+        used = input_mask > bad.unsqueeze(-1)
+        if slots is None:
+            mask = used.to(torch.float32)
+            lr = torch.where(used, lr, 0.0)
+            train = [] if old is None else [torch.where(used, old.to(torch.float32), 0.0)]
+        else:  # where ``used`` is False the mask is 0: it is the other operand
+            mask = torch.gt(input_mask, bad.unsqueeze(-1), out=slots[1])
+            lr = torch.where(used, lr, mask, out=lr)
+            src = old if old is None or old.dtype in _FLOATS[:3] else old.to(torch.float32)  # (out= takes no float64)
+            train = [] if old is None else [torch.where(used, src, mask, out=slots[3])]
     # Clamped to ±20 (an alias of log ρ where the host knows that no |log ρ| exceeds 20)
     lrc = lr if peak is not None and peak <= SAFETY_BOUND else lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     ratio = torch.exp(lrc, out=_slot(slots, last - 1)).mul_(mask)
     k3 = torch.sub(ratio, mask, out=_slot(slots, last - 2)).sub_(lrc).clamp_min_(0.0)
-    # log π_train at the positions used (finite there); NaN·0 and ±inf·0 in padding → 0
-    train = [] if old is None else [torch.mul(old, mask, out=_slot(slots, 3))]
-    train = [_sanitised(x, nan=0.0) for x in train] if not finite else train
     # One reduction for all rows' sums (each value summed on its own under torch.compile),
     # spanning the group when the rows are split. Σρ² is reduced on its own: ρ² is needed for
     # nothing else, and a slot of the buffer would hold it until the batch is freed.
@@ -422,17 +438,39 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     sums = RowSums(*parts[:3], parts[3] if old is not None else None, *parts[-2:], sum2)
     ids, S = segments if segments is not None else (None, 1)
     return LogRatioBatch(response_mask, input_mask, mask, lr, lrc, ratio, k3, bad, sums, counted[1], counted[0],
-                         old, rollout, rows, sentinel_row=sentinel, segment_ids=ids, num_segments=S)
+                         old, rollout, rows, segment_ids=ids, num_segments=S,
+                         bounded=bounds_log_probs(floor, ceiling), log_prob_floor=floor)
 
 
-def row_means64(sums: RowSums) -> torch.Tensor:
-    """(2, B) float64 mean log ρ and mean log π_train per row of ``sums`` (0 for empty rows)."""
+def row_means64(sums: RowSums, bounded: bool = False) -> torch.Tensor:
+    """(2, B) float64 mean log ρ and mean log π_train per row of ``sums`` (0 for empty rows), finite
+    and within ±1e30. ``bounded``: the sums come from a batch whose log-probs are bounded
+    (:func:`bounds_log_probs`), where every mean is within the bounds already."""
     if sums.train is None:
         raise ValueError("this LogRatioBatch was built from a log-ratio alone (LogRatioBatch.from_log_ratio); the perplexity "
                          "metrics need the log-probs: log_ratio_batch(old_log_prob, rollout_log_prob, response_mask)")
-    sums64 = torch.stack((sums.n, sums.log_ratio, sums.train)).double()
-    means64 = (sums64[1:] / sums64[0].clamp_min(1.0)).nan_to_num_(nan=0.0)
-    return means64.clamp_(-NONFINITE_SENTINEL, NONFINITE_SENTINEL)  # bounding the mean bounds the sum per token
+    # max(n, 1) in float64 (a (1,) float64 operand promotes), so the division is taken in float64
+    n = torch.maximum(sums.n, device_constant((1.0,), sums.n.device))
+    means64 = _stacked(sums.log_ratio, sums.train) / n
+    if bounded:
+        return means64
+    return means64.nan_to_num_(nan=0.0).clamp_(-NONFINITE_SENTINEL, NONFINITE_SENTINEL)  # bounds the sum per token
+
+
+def bounds_log_probs(floor: Optional[float], ceiling: Optional[float]) -> bool:
+    """Whether a log-prob floor and ceiling leave every log-prob used finite and every |log ρ| < 1e30."""
+    return floor is not None and ceiling is not None and ceiling - floor < NONFINITE_SENTINEL
+
+
+def _stacked(*xs: torch.Tensor) -> torch.Tensor:
+    """``torch.stack(xs)``, a view without a copy where the xs are consecutive rows of one (k, B)
+    tensor (the row sums of one reduction, unbound)."""
+    base, x0 = xs[0]._base, xs[0]
+    step = None if torch.compiler.is_compiling() or base is None or base.dim() != 2 else base.stride(0)
+    if step is None or any(x._base is not base or x.storage_offset() != x0.storage_offset() + i * step
+                           for i, x in enumerate(xs)):
+        return torch.stack(xs)
+    return base.as_strided((len(xs), *x0.shape), (step, *x0.stride()), x0.storage_offset())
 
 
 def nonfinite_positions(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
@@ -450,11 +488,11 @@ def nonfinite_positions(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     return (response_mask != 0) & bad
 
 
-def _nonfinite_error(lr: torch.Tensor, input_mask: torch.Tensor, bad_rows: torch.Tensor, row_offset: int,
-                     old: Optional[torch.Tensor], rollout: Optional[torch.Tensor],
-                     source: Optional[torch.Tensor]) -> ValueError:
+def _nonfinite_error(failed: torch.Tensor, bad_rows: torch.Tensor, row_offset: int, old: Optional[torch.Tensor],
+                     rollout: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> ValueError:
+    """The error naming the first valid position that failed (``failed``, (B, T)) the tests of :func:`_usable`."""
     b = int(bad_rows.nonzero()[0, 0])
-    t = int(((input_mask[b] > 0) & ~(lr[b].abs() < NONFINITE_SENTINEL)).nonzero()[0, 0])
+    t = int(failed[b].nonzero()[0, 0])
     if old is not None:
         values = f"old_log_prob={old[b, t].item()}, rollout_log_prob={rollout[b, t].item()}"
     else:

@@ -55,7 +55,7 @@ from .validation import check_pair
 from .sequence_group import (RowExchange, check_sequence_group, describe, raise_nonfinite, raise_nonfinite_on_any_rank,
                              reduce_owned, stats_owner)
 from .agreement import LayoutMismatchError
-from .stats import HostStats, SufficientStats, Value, clamp, safe_div, sqrt0, where
+from .stats import HostStats, SufficientStats, Value, clamp, device_constant, safe_div, sqrt0, where
 
 __all__ = ["compute_offpolicy_metrics", "add_offpolicy_statistics", "offpolicy_metrics", "mismatch_metrics",
            "ENGINE_METRIC_NAMES", "engine_metrics",
@@ -70,18 +70,25 @@ def add_offpolicy_statistics(stats: SufficientStats, batch: LogRatioBatch, misma
     also with ``mismatch``; without ``per_row``, all but those of :func:`add_row_statistics`, which a
     blocked pass records once, from its blocks' row sums)."""
     if per_row:
-        add_row_statistics(stats, batch.sums, batch.row_valid, families)
+        add_row_statistics(stats, batch.sums, batch.row_valid, families, batch.bounded)
     if mismatch or "mismatch" in families:
         _add_mismatch_statistics(stats, batch)
     if "ratio_bands" in families:
         _add_ratio_band_statistics(stats, batch)
 
 
+#: Per row, the bounds of each exponent's argument: −mean log π_train, −mean log π_rollout, d, Σ log ρ
+#: (doubled after the clamp), Σ log ρ.
+_EXP_BOUNDS = ((-math.inf, _PPL_EXP_MAX), (-math.inf, _PPL_EXP_MAX), (-SAFETY_BOUND, SAFETY_BOUND),
+               (-SAFETY_BOUND, SAFETY_BOUND), (-SAFETY_BOUND, SAFETY_BOUND))
+
+
 def add_row_statistics(stats: SufficientStats, sums: RowSums, rows: torch.Tensor,
-                       families: frozenset = DEFAULT_FAMILIES) -> None:
+                       families: frozenset = DEFAULT_FAMILIES, bounded: bool = False) -> None:
     """The off-policy statistics of ``families`` that are functions of the per-row ``sums``; ``rows``:
     rows with a token used. ``default``: the 13 off-policy metrics; ``raw``: the raw means Σρ and ∏ρ;
-    ``chi2``: both (the self-normalised χ² divides the squares by the raw means)."""
+    ``chi2``: both (the self-normalised χ² divides the squares by the raw means). ``bounded``: the
+    sums' batch had bounded log-probs (:func:`~.logratio.row_means64`)."""
     default, raw = "default" in families, bool({"raw", "chi2"} & families)
     squares = default or "chi2" in families
     if default:
@@ -94,14 +101,14 @@ def add_row_statistics(stats: SufficientStats, sums: RowSums, rows: torch.Tensor
     if not (squares or raw):
         return
     # The per-row values are computed stacked, so each elementwise step is one operation.
-    means = row_means64(sums)  # float64 (2, B): mean log ρ, mean log π_train
+    means = row_means64(sums, bounded)  # float64 (2, B): mean log ρ, mean log π_train
     neg = means.neg()  # d = mean log π_rollout − mean log π_train, −mean log π_train
     d, train_nll = neg[0], neg[1]
     rollout_nll = means[0] - means[1]
     sum_lr = sums.log_ratio  # float32, promoted exactly to float64 by the stack
     e = torch.stack([train_nll, rollout_nll, d, sum_lr, sum_lr][:4 + raw])
-    e[:2].clamp_(max=_PPL_EXP_MAX)
-    e[2:].clamp_(-SAFETY_BOUND, SAFETY_BOUND)
+    bounds = device_constant(_EXP_BOUNDS[:4 + raw], e.device)
+    e.clamp_(bounds[:, :1], bounds[:, 1:])
     e[3].mul_(2.0)
     e.exp_()  # training PPL, rollout PPL, ppl ratio, (∏ρ)², ∏ρ per row
     if default:
@@ -483,8 +490,7 @@ class Accumulator:
                response_mask: torch.Tensor) -> None:
         """Add a chunk of whole rows."""
         self.update_batch(log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=self.on_nonfinite,
-                                          log_prob_floor=self.log_prob_floor,
-                                          log_prob_ceiling=self.log_prob_ceiling))
+                                          log_prob_floor=self.log_prob_floor, log_prob_ceiling=self.log_prob_ceiling))
 
     def update_batch(self, batch: LogRatioBatch) -> None:
         """Add a chunk already wrapped in a :class:`LogRatioBatch` (several accumulators may share one)."""

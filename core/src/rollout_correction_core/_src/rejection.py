@@ -62,6 +62,10 @@ def rs_option(name: str) -> Family:
     return _OPTION_STATS[name]
 
 
+#: The largest log-prob whose probability the dp estimator takes as it is (exp(88) < float32's max).
+_EXP_ARG_MAX = 88.0
+
+
 def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
     """Per-token k1 / k2 / k3 / tv / binary_kl / kpop / logprob_error / dp (see module docstring); 0 at
     invalid positions. Shape (B, T)."""
@@ -70,7 +74,8 @@ def token_divergence(batch: LogRatioBatch, estimator: str) -> torch.Tensor:
         return -x
     if estimator == "dp":
         train, rollout = batch.log_probs()  # 0 at invalid positions: exp(0) − exp(0) = 0 there
-        return train.exp().sub_(rollout.exp())
+        # without a log_prob_ceiling a log-prob may exceed 88, whose exp overflows float32 (inf − inf is NaN)
+        return train.clamp_(max=_EXP_ARG_MAX).exp_().sub_(rollout.clamp_(max=_EXP_ARG_MAX).exp_())
     if estimator in ("tv", "binary_kl", "kpop"):
         train, rollout = batch.log_probs()
         q = train.exp().clamp_(PROB_CLAMP, 1 - PROB_CLAMP)

@@ -46,6 +46,20 @@ class _Part:
         self.key = (kind != "sum", position(name))  # its slot: sums, then maxima and minima, as declared
 
 
+_CONSTANTS: dict = {}
+
+
+def device_constant(values: tuple, device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A small constant tensor on ``device``, made once per device in eager mode (a copy from the
+    host waits for the device) and inside the graph under torch.compile. Never written to."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=dtype, device=device)
+    key = (values, device, dtype)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device)
+    return _CONSTANTS[key]
+
+
 def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
     """Parts of one shape, in slot order, reduced to (K + M,) float64: the sums, then the maxima (a
     minimum as the maximum of −x). Computed in an order where every negation, weight and restriction
@@ -65,15 +79,14 @@ def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
     ns, nx = (sum(p.kind == k for p in parts) for k in ("sum", "max"))
     if ns + nx < len(parts):
         stacked[ns + nx:].neg_()
-    inverse: dict[int, torch.Tensor] = {}
     for a, b, p in _runs([parts[i] for i in order], lambda p: (p.kind == "sum", id(p.weight), p.weight is None)):
         if p.weight is not None:
             stacked[a:b].mul_(p.weight.reshape(1, -1))
-    for a, b, p in _runs([parts[i] for i in order], lambda p: (p.kind == "sum", id(p.rows), p.rows is None)):
+    ordered = [parts[i] for i in order]
+    for a, b, p in _runs(ordered, lambda p: (id(p.rows), p.rows is None)):
         if p.rows is not None:  # outside ``rows``: 0 in a sum, −inf in a maximum (or negated minimum)
-            if id(p.rows) not in inverse:
-                inverse[id(p.rows)] = ~p.rows.reshape(1, -1)
-            stacked[a:b].masked_fill_(inverse[id(p.rows)], 0.0 if p.kind == "sum" else -math.inf)
+            fill = device_constant(tuple(0.0 if q.kind == "sum" else -math.inf for q in ordered[a:b]), stacked.device)
+            torch.where(p.rows.reshape(1, -1), stacked[a:b], fill.reshape(-1, 1), out=stacked[a:b])
     ext = stacked[ns:]
     vm = ext.amax(1) if ext.shape[1] else ext.new_full((ext.shape[0],), -math.inf)
     reduced = torch.cat((stacked[:ns].sum(1), vm))
