@@ -180,9 +180,9 @@ class RowExchange:
         the group's sum for the dropped rows as well (a count of why a row was dropped)."""
         return self._op("sum", partial, dropped_too)
 
-    def max(self, partial: torch.Tensor) -> torch.Tensor:
-        """Group maximum of a per-row partial maximum (B,) (bool: "any")."""
-        return self._op("max", partial)
+    def max(self, partial: torch.Tensor, dropped_too: bool = False) -> torch.Tensor:
+        """Group maximum of a per-row partial maximum (B,) (bool: "any"); ``dropped_too`` as in :meth:`sum`."""
+        return self._op("max", partial, dropped_too)
 
     def min(self, partial: torch.Tensor) -> torch.Tensor:
         """Group minimum of a per-row partial minimum (B,)."""
