@@ -63,7 +63,7 @@ def _inputs(torch, batch: int, length: int):
     """The inputs of bench_vs_verl.py: log-probs in [−3, 0], an engine off by N(0, 0.05²), right padding."""
     gen = torch.Generator().manual_seed(0)
     old = -torch.rand(batch, length, generator=gen) * 3.0
-    rollout = old + 0.05 * torch.randn(batch, length, generator=gen)
+    rollout = (old + 0.05 * torch.randn(batch, length, generator=gen)).clamp_(max=0.0)
     lengths = torch.randint(length // 4, length + 1, (batch,), generator=gen)
     mask = (torch.arange(length)[None, :] < lengths[:, None]).to(torch.float32)
     return old, rollout, mask

@@ -102,10 +102,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def make_inputs(batch: int, length: int, dtype: torch.dtype, seed: int = 0):
-    """Log-probs of a plausible policy, a rollout engine off by ~0.05 nats, right padding."""
+    """Log-probs of a plausible policy, a rollout engine off by ~0.05 nats (at most 0, as every
+    log-prob: a positive one drops its row under the default log_prob_ceiling), right padding."""
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(batch, length, generator=gen) * 3.0
-    rollout = old + 0.05 * torch.randn(batch, length, generator=gen)
+    rollout = (old + 0.05 * torch.randn(batch, length, generator=gen)).clamp_(max=0.0)
     lengths = torch.randint(length // 4, length + 1, (batch,), generator=gen)
     mask = (torch.arange(length)[None, :] < lengths[:, None]).to(torch.float32)
     return old.to(dtype), rollout.to(dtype), mask

@@ -55,7 +55,7 @@ def inputs():
     """The inputs of benchmarks/bench_vs_verl.py at 256×4096 float32."""
     gen = torch.Generator().manual_seed(0)
     old = -torch.rand(256, 4096, generator=gen) * 3.0
-    rollout = old + 0.05 * torch.randn(256, 4096, generator=gen)
+    rollout = (old + 0.05 * torch.randn(256, 4096, generator=gen)).clamp_(max=0.0)
     lengths = torch.randint(1024, 4097, (256,), generator=gen)
     return old, rollout, (torch.arange(4096)[None, :] < lengths[:, None]).to(torch.float32)
 
@@ -130,7 +130,8 @@ def test_the_eager_device_path_runs_far_fewer_operations_than_verl(monkeypatch):
     verl = load_verl_rollout_corr_helper()
     gen = torch.Generator().manual_seed(0)
     old = -torch.rand(16, 64, generator=gen) * 3.0
-    batch = (old, old + 0.05 * torch.randn(16, 64, generator=gen), (torch.rand(16, 64, generator=gen) < 0.9).float())
+    rollout = (old + 0.05 * torch.randn(16, 64, generator=gen)).clamp_(max=0.0)
+    batch = (old, rollout, (torch.rand(16, 64, generator=gen) < 0.9).float())
     ratios = {}
     for case in CASES:
         config = RolloutCorrectionConfig.from_dict(case.settings())

@@ -356,19 +356,19 @@ def _host_value(x: torch.Tensor, read: Callable[[], Any]) -> Optional[Any]:
 
 
 def _usable(lr: torch.Tensor, old: Optional[torch.Tensor], rollout: Optional[torch.Tensor], floor: Optional[float],
-            ceiling: Optional[float]) -> torch.Tensor:
-    """(B, T) bool: the positions whose values a row may use: log-probs in (``floor``, ``ceiling``] and
-    |log ρ| < 1e30. NaN fails every test (torch.maximum and torch.minimum propagate it). Two bounds
-    closer than 1e30 bound |log ρ| and exclude ±inf themselves, so the log-ratio is then not tested."""
+            ceiling: Optional[float], finite: bool) -> Optional[torch.Tensor]:
+    """(B, T) bool: the positions whose values a row may use: log-probs in (``floor``, ``ceiling``] (a
+    None bound is not tested) and, unless ``finite`` says it holds already, |log ρ| < 1e30; None when
+    nothing is to be tested. NaN fails every test (torch.maximum and torch.minimum propagate it)."""
     ok = None
-    if old is not None and ceiling is not None:
+    if ceiling is not None:
         ok = torch.maximum(old, rollout) <= ceiling
-    if old is not None and floor is not None:
+    if floor is not None:
         above = torch.minimum(old, rollout) > floor
         ok = above if ok is None else ok.logical_and_(above)
-    if ok is None or not bounds_log_probs(floor, ceiling):
-        finite = lr.abs() < NONFINITE_SENTINEL
-        ok = finite if ok is None else ok.logical_and_(finite)
+    if not finite:
+        below = lr.abs() < NONFINITE_SENTINEL
+        ok = below if ok is None else ok.logical_and_(below)
     return ok
 
 
@@ -390,9 +390,14 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     low, high = (_host_value(lr, lambda: torch.stack([torch.minimum(old.amin(), rollout.amin()), torch.maximum(
         old.amax(), rollout.amax())]).tolist()) or (None, None)) if old is not None and old.numel() else (0.0, 0.0)
     peak = _host_value(lr, lambda: float(lr.abs().amax())) if lr.numel() else None
-    clean = (peak is not None and peak < NONFINITE_SENTINEL and (ceiling is None or high <= ceiling)
-             and (floor is None or low > floor))  # (a NaN bound compares False)
-    failed = None if clean or T == 0 else input_mask > _usable(lr, old, rollout, floor, ceiling)  # valid, unusable
+    # The tests whose result the host does not know already (a NaN bound compares False). Two bounds
+    # closer than 1e30 bound |log ρ| and exclude NaN and ±inf, so the log-ratio needs no test then.
+    ok = None if T == 0 else _usable(
+        lr, old, rollout, None if floor is None or (low is not None and low > floor) else floor,
+        None if ceiling is None or (high is not None and high <= ceiling) else ceiling,
+        bounds_log_probs(floor, ceiling) or (peak is not None and peak < NONFINITE_SENTINEL))
+    clean = ok is None  # every value finite and in range
+    failed = None if clean else input_mask.masked_fill(ok, 0.0)  # 1 at the valid positions not usable
     bad = torch.zeros(B, dtype=torch.bool, device=lr.device) if failed is None else failed.any(-1)
     if rows is not None:  # split rows: the group decides; the caller raises for on_nonfinite="raise"
         bad = rows.max(bad)
