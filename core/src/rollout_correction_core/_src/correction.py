@@ -87,8 +87,7 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig, stat
         # max |old − rollout| over valid input tokens, non-finite as 1e30
         gap = torch.sub(batch.old_log_prob.float(), batch.rollout_log_prob.float()).abs_()
         gap = gap.nan_to_num_(nan=1e30, posinf=1e30).mul_(batch.input_mask)
-        gap = gap.amax(-1) if gap.shape[-1] else gap.sum(-1)  # (the rows dropped for that gap too)
-        stats.add(EXPECT_ZERO.max_abs, gap if batch.rows is None else batch.rows.max(gap, dropped_too=True))
+        stats.add(EXPECT_ZERO.max_abs, batch.reduce_max(gap.amax(-1) if gap.shape[-1] else gap.sum(-1)))
     if config.check_alignment:
         sums = alignment_statistics(batch.old_log_prob, batch.rollout_log_prob, batch.response_mask)
         for stat, value in zip(ALIGN, sums.unbind()):

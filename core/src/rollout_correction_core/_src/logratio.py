@@ -101,6 +101,7 @@ class LogRatioBatch:
             ids in [0, num_segments); None: every row is one segment (``num_segments`` 1).
         bounded: the log-probs used are bounded (:func:`bounds_log_probs`): every row mean is finite.
         log_prob_floor: the floor the batch was built with (None: none, or no log-probs).
+        split_sentinel_row: with split rows, :attr:`sentinel_row` as the group counted it.
     """
 
     response_mask: torch.Tensor
@@ -121,6 +122,7 @@ class LogRatioBatch:
     num_segments: int = 1
     bounded: bool = False
     log_prob_floor: Optional[float] = None
+    split_sentinel_row: Optional[torch.Tensor] = None
 
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str = "reject",
@@ -144,14 +146,12 @@ class LogRatioBatch:
     @property
     def sentinel_row(self) -> Optional[torch.Tensor]:
         """(B,) float32 count of the valid positions holding a finite log-prob ≤ the floor (an engine's
-        sentinel; NaN and −inf are non-finite, not sentinels), counted when read (only the ``sentinel``
-        family reads it); None without log-probs or floor."""
-        if self.log_prob_floor is None or self.old_log_prob is None:
-            return None
-        low = torch.minimum(self.old_log_prob.nan_to_num(math.inf, neginf=math.inf),
-                            self.rollout_log_prob.nan_to_num(math.inf, neginf=math.inf))
-        count = torch.logical_and(low <= self.log_prob_floor, self.input_mask).sum(-1, dtype=torch.float32)
-        return count if self.rows is None else self.rows.sum(count, dropped_too=True)  # (its rows are dropped)
+        sentinel; NaN and −inf are non-finite, not sentinels); None without log-probs or floor. Whole
+        rows: counted when read (only the ``sentinel`` family reads it); split rows: counted across the
+        group as the batch is built, before its rows are dropped (a dropped row's reductions are local)."""
+        if self.log_prob_floor is None or self.old_log_prob is None or self.rows is not None:
+            return self.split_sentinel_row
+        return _sentinels(self.old_log_prob, self.rollout_log_prob, self.input_mask, self.log_prob_floor)
 
     @property
     def n_row(self) -> torch.Tensor:
@@ -285,8 +285,9 @@ class LogRatioBatch:
         stats.add(COUNTS.n_tok, self.sums.n)
         stats.add(COUNTS.n_rows, self.row_valid)
         stats.add(COUNTS.n_rows_input, self.input_rows)
-        if self.log_prob_floor is not None and self.old_log_prob is not None and "sentinel" in families:
-            stats.add(COUNTS.n_sentinel, self.sentinel_row)
+        sentinel = self.sentinel_row if "sentinel" in families else None
+        if sentinel is not None:
+            stats.add(COUNTS.n_sentinel, sentinel)
             stats.add(COUNTS.n_tok_input, self.sums.n_input)
 
 
@@ -397,6 +398,7 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         None if ceiling is None or (high is not None and high <= ceiling) else ceiling,
         bounds_log_probs(floor, ceiling) or (peak is not None and peak < NONFINITE_SENTINEL))
     clean = ok is None  # every value finite and in range
+    split_sentinels = None if rows is None or floor is None else rows.sum(_sentinels(old, rollout, input_mask, floor))
     failed = None if clean else input_mask.masked_fill(ok, 0.0)  # 1 at the valid positions not usable
     bad = torch.zeros(B, dtype=torch.bool, device=lr.device) if failed is None else failed.any(-1)
     if rows is not None:  # split rows: the group decides; the caller raises for on_nonfinite="raise"
@@ -417,8 +419,8 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         else:  # where ``used`` is False the mask is 0: it is the other operand
             mask = torch.gt(input_mask, bad.unsqueeze(-1), out=slots[1])
             lr = torch.where(used, lr, mask, out=lr)
-            src = old if old is None or old.dtype in _FLOATS[:3] else old.to(torch.float32)  # (out= takes no float64)
-            train = [] if old is None else [torch.where(used, src, mask, out=slots[3])]
+            train = [] if old is None else [torch.where(  # (out= takes no float64 operand)
+                used, old if old.dtype in _FLOATS[:3] else old.to(torch.float32), mask, out=slots[3])]
     # Clamped to ±20 (an alias of log ρ where the host knows that no |log ρ| exceeds 20)
     lrc = lr if peak is not None and peak <= SAFETY_BOUND else lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     ratio = torch.exp(lrc, out=_slot(slots, last - 1)).mul_(mask)
@@ -444,7 +446,14 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     ids, S = segments if segments is not None else (None, 1)
     return LogRatioBatch(response_mask, input_mask, mask, lr, lrc, ratio, k3, bad, sums, counted[1], counted[0],
                          old, rollout, rows, segment_ids=ids, num_segments=S,
-                         bounded=bounds_log_probs(floor, ceiling), log_prob_floor=floor)
+                         bounded=bounds_log_probs(floor, ceiling), log_prob_floor=floor,
+                         split_sentinel_row=split_sentinels)
+
+
+def _sentinels(old: torch.Tensor, rollout: torch.Tensor, input_mask: torch.Tensor, floor: float) -> torch.Tensor:
+    """(B,) float32 count per row of the valid positions holding a finite log-prob ≤ ``floor``."""
+    low = torch.minimum(old.nan_to_num(math.inf, neginf=math.inf), rollout.nan_to_num(math.inf, neginf=math.inf))
+    return torch.logical_and(low <= floor, input_mask).sum(-1, dtype=torch.float32)
 
 
 def row_means64(sums: RowSums, bounded: bool = False) -> torch.Tensor:

@@ -175,14 +175,13 @@ class RowExchange:
         if self._next != len(self._values):
             raise RuntimeError("sequence-group replay made fewer reductions than the collect pass")
 
-    def sum(self, partial: torch.Tensor, dropped_too: bool = False) -> torch.Tensor:
-        """Group sum of a per-row partial sum (B,), or of k of them stacked (k, B); ``dropped_too``:
-        the group's sum for the dropped rows as well (a count of why a row was dropped)."""
-        return self._op("sum", partial, dropped_too)
+    def sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """Group sum of a per-row partial sum (B,), or of k of them stacked (k, B)."""
+        return self._op("sum", partial)
 
-    def max(self, partial: torch.Tensor, dropped_too: bool = False) -> torch.Tensor:
-        """Group maximum of a per-row partial maximum (B,) (bool: "any"); ``dropped_too`` as in :meth:`sum`."""
-        return self._op("max", partial, dropped_too)
+    def max(self, partial: torch.Tensor) -> torch.Tensor:
+        """Group maximum of a per-row partial maximum (B,) (bool: "any")."""
+        return self._op("max", partial)
 
     def min(self, partial: torch.Tensor) -> torch.Tensor:
         """Group minimum of a per-row partial minimum (B,)."""
@@ -193,7 +192,7 @@ class RowExchange:
         if self.mode == "replay":
             self.dropped = rows if self.dropped is None else self.dropped | rows
 
-    def _op(self, op: str, partial: torch.Tensor, dropped_too: bool = False) -> torch.Tensor:
+    def _op(self, op: str, partial: torch.Tensor) -> torch.Tensor:
         if self.mode == "local":
             return partial
         if self.mode == "collect":
@@ -207,7 +206,7 @@ class RowExchange:
             raise RuntimeError("sequence-group replay does not match the collect pass "
                                f"({op0} {tuple(value.shape)} recorded, {op} {tuple(partial.shape)} asked)")
         out = value.to(partial.dtype)
-        if self.dropped is not None and not dropped_too:
+        if self.dropped is not None:
             out = torch.where(self.dropped, partial, out)
         return out
 
