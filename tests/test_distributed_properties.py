@@ -512,7 +512,20 @@ ISSUE_LAYOUT = dict(topology=("dp", 3, 1), config=dict(rollout_is="segment", rol
                     garbage=math.nan, seed=5, holes=False, per_token_adv=False, with_adv=True)
 
 
+#: Expect-zero mode with a row split over two ranks and a NaN in the part one rank holds: the row is
+#: dropped, and its largest gap (1e30) must be the group's on every rank, not the rank's own.
+EXPECT_ZERO_SPLIT = dict(
+    ISSUE_LAYOUT, topology=("cp", 1, 2),
+    config=dict(expect_zero_atol=0.5, expect_zero_action="warn", mismatch_metrics=False, on_nonfinite="reject"),
+    loss_config=dict(expect_zero_atol=0.5, expect_zero_action="warn", mismatch_metrics=False, on_nonfinite="reject",
+                     loss_type="ppo_clip", bypass_mode=False, loss_denominator="kept"),
+    rows=[3], widths=[8], all_masked=[1], segments=False, max_segments=None, nonfinite=(0, "old", math.nan),
+    layouts=["contiguous"], cuts=[[4]], seed=11, with_adv=False)
+
+
 @FAST
+@example(case=EXPECT_ZERO_SPLIT)
+@example(case=dict(EXPECT_ZERO_SPLIT, nonfinite=(0, "rollout", -math.inf), layouts=["zigzag"], seed=3))
 @example(case=ISSUE_LAYOUT)
 @example(case=dict(ISSUE_LAYOUT, one_segment_rank=1))
 @example(case=dict(ISSUE_LAYOUT, config=dict(ISSUE_LAYOUT["config"], rollout_is_batch_normalize=True,

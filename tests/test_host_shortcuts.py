@@ -1,5 +1,5 @@
-"""On the CPU the eager pass reads two facts about each block where a read costs nothing (no log-prob
-at or below the floor; the largest |log ρ|) and skips the work whose result they fix: counting
+"""On the CPU the eager pass reads facts about each block where a read costs nothing (the least and
+largest log-prob of either side; the largest |log ρ|) and skips the work whose result they fix: counting
 sentinels, sanitising, dropping rows, clamping to ±20. On a device and under
 torch.compile it never reads a value and does that work arithmetically. Both must give the same
 bits, whatever the input holds and where; and the blocks' statistics, joined and reduced once, must
@@ -52,12 +52,17 @@ def _same_bits(got, expected) -> None:
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_the_shortcuts_give_the_bits_of_the_arithmetic_path(monkeypatch, name, dtype):
     cfg = RolloutCorrectionConfig.from_preset(name).replace(metrics="all")
-    reads, extremes = [], []
+    reads, extremes = [], []  # the largest |log ρ|; the (least, largest) log-prob of either side
     real = logratio._host_value
 
     def spy(x, read):
-        value = real(x, read)
-        (extremes if isinstance(value, list) else reads).append(value)
+        value = real(x, read)  # (min, max) of log ρ, old, rollout
+        if any(math.isnan(v) for v in value[:2]):
+            reads.append(math.nan)
+        else:
+            reads.append(max(-value[0], value[1]))
+        if not any(math.isnan(v) for v in value[2:]):
+            extremes.append((min(value[2], value[4]), max(value[3], value[5])))
         return value
 
     for seed in range(40):

@@ -166,3 +166,29 @@ def test_no_family_leaves_the_decisions():
         bare = compute_rollout_correction(old, rollout, mask, config=cfg.replace(metrics=[]))
         assert torch.equal(bare.weights, full.weights) and torch.equal(bare.response_mask, full.response_mask)
         assert set(bare.metrics_as_floats()) == {P + "nonfinite_seq_fraction"}
+
+
+def test_split_rows_reduce_only_the_selected_families_values_of_dropped_rows():
+    """With rows split across a group, a batch reduces what a dropped row keeps (the sentinel count, the
+    largest gap) before dropping its rows, and only for the families read from the rows: with none
+    selected, no partial is exchanged for them and no operation computes them."""
+    from rollout_correction_core.primitives import log_ratio_batch
+    from rollout_correction_core.reductions import RowExchange
+
+    nan = float("nan")
+    old = torch.tensor([[-1.0, -5000.0, -1.0], [-0.5, nan, -2.0]])
+    rollout = torch.tensor([[-1.5, -1.0, -1.0], [-0.5, -1.0, -2.25]])
+    mask = torch.ones(2, 3)
+
+    def collected(families):
+        rows = RowExchange(object(), families=families)  # the collect pass: partials recorded, nothing sent
+        return rows, log_ratio_batch(old, rollout, mask, rows=rows)
+
+    rows_none, none = collected(())
+    rows_both, both = collected(("sentinel", "expect_zero"))
+    assert len(rows_both._parts) == len(rows_none._parts) + 2
+    assert none.sentinel_row is None and none.gap_row is None
+    # row 0: one sentinel (−5000 ≤ the floor), largest gap |−5000 − (−1)|; row 1: a NaN, no sentinel, gap 1e30
+    assert both.sentinel_row.tolist() == [1.0, 0.0]
+    assert both.gap_row.tolist() == [4999.0, float(torch.tensor(1e30))]  # 1e30 in float32
+    assert both.bad_rows.tolist() == [True, True]  # both rows dropped, their values kept

@@ -241,7 +241,7 @@ class RolloutCorrectionConfig(Presets, Loading):
     # Resolved settings, derived in __post_init__.
     is_spec: Optional[ISSpec] = field(init=False, repr=False, compare=False, default=None)
     rs_options: tuple[RSOption, ...] = field(init=False, repr=False, compare=False, default=())
-    #: The selected families (``metrics``, and mismatch with ``mismatch_metrics``).
+    #: The selected families (``metrics``; mismatch with ``mismatch_metrics``, expect_zero with its mode).
     families: frozenset = field(init=False, repr=False, compare=False, default=DEFAULT_FAMILIES)
 
     # ------------------------------------------------------------------ validation
@@ -295,7 +295,8 @@ class RolloutCorrectionConfig(Presets, Loading):
         if atol is not None and on:
             raise invalid("expect_zero_atol", atol, f"expect-zero mode applies no correction; unset {', '.join(on)}")
         metrics = select_families(self.metrics)
-        families = frozenset(metrics) | ({"mismatch"} if self.mismatch_metrics else set())
+        families = frozenset(metrics) | ({"mismatch"} if self.mismatch_metrics else set()) | (
+            {"expect_zero"} if atol is not None else set())
         for name, value in (("rollout_is_threshold", is_threshold), ("rollout_rs_threshold", rs_threshold),
                             ("is_spec", is_spec), ("rs_options", rs_options), ("metrics", metrics),
                             ("families", families)):

@@ -83,11 +83,8 @@ def local_correction(batch: LogRatioBatch, config: RolloutCorrectionConfig, stat
             adv = advantages if advantages.dim() == 1 else batch.row_total(
                 torch.where(batch.valid, advantages.float(), 0.0)) / batch.n_row.clamp_min(1.0)
             stats.add(RS.rejected_positive, full & (adv > 0))
-    if config.expect_zero_atol is not None or "expect_zero" in families:
-        # max |old − rollout| over valid input tokens, non-finite as 1e30
-        gap = torch.sub(batch.old_log_prob.float(), batch.rollout_log_prob.float()).abs_()
-        gap = gap.nan_to_num_(nan=1e30, posinf=1e30).mul_(batch.input_mask)
-        stats.add(EXPECT_ZERO.max_abs, batch.reduce_max(gap.amax(-1) if gap.shape[-1] else gap.sum(-1)))
+    if "expect_zero" in families:  # max |old − rollout| over valid input tokens, non-finite as 1e30
+        stats.add(EXPECT_ZERO.max_abs, batch.gap_row)
     if config.check_alignment:
         sums = alignment_statistics(batch.old_log_prob, batch.rollout_log_prob, batch.response_mask)
         for stat, value in zip(ALIGN, sums.unbind()):
@@ -416,7 +413,8 @@ def compute_rollout_correction(
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
         check_pair(old_log_prob, rollout_log_prob, response_mask)
-        rows = RowExchange(sequence_group, describe("compute_rollout_correction", config, max_segments=max_segments))
+        rows = RowExchange(sequence_group, describe("compute_rollout_correction", config, max_segments=max_segments),
+                           config.families)
         with torch.no_grad():
             for _ in rows.passes():
                 out, _values = correction_pass(old_log_prob, rollout_log_prob, response_mask, config,

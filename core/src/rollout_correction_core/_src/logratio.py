@@ -102,6 +102,7 @@ class LogRatioBatch:
         bounded: the log-probs used are bounded (:func:`bounds_log_probs`): every row mean is finite.
         log_prob_floor: the floor the batch was built with (None: none, or no log-probs).
         split_sentinel_row: with split rows, :attr:`sentinel_row` as the group counted it.
+        split_gap_row: with split rows, :attr:`gap_row` as the group took it (None unless asked for).
     """
 
     response_mask: torch.Tensor
@@ -123,6 +124,7 @@ class LogRatioBatch:
     bounded: bool = False
     log_prob_floor: Optional[float] = None
     split_sentinel_row: Optional[torch.Tensor] = None
+    split_gap_row: Optional[torch.Tensor] = None
 
     @classmethod
     def from_log_ratio(cls, log_ratio: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str = "reject",
@@ -139,8 +141,7 @@ class LogRatioBatch:
     def from_mask(cls, response_mask: torch.Tensor) -> "LogRatioBatch":
         """A batch that carries a (B, T) response mask only — valid positions, rows and counts —
         for statistics of weights or of a rejection statistic the caller computed itself."""
-        zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-        return cls.from_log_ratio(zeros, response_mask)
+        return cls.from_log_ratio(torch.zeros_like(response_mask, dtype=torch.float32), response_mask)
 
     # -- named per-row values ------------------------------------------------------------
     @property
@@ -152,6 +153,15 @@ class LogRatioBatch:
         if self.log_prob_floor is None or self.old_log_prob is None or self.rows is not None:
             return self.split_sentinel_row
         return _sentinels(self.old_log_prob, self.rollout_log_prob, self.input_mask, self.log_prob_floor)
+
+    @property
+    def gap_row(self) -> torch.Tensor:
+        """(B,) float32 largest |log π_train − log π_rollout| over each row's valid input tokens, dropped
+        rows too (NaN and ±inf as 1e30): expect-zero's measure. Split rows: taken by the group as the
+        batch is built, before its rows are dropped (None unless ``rows.families`` has expect_zero)."""
+        if self.rows is not None or self.old_log_prob is None:
+            return self.split_gap_row
+        return _gaps(self.old_log_prob, self.rollout_log_prob, self.input_mask)
 
     @property
     def n_row(self) -> torch.Tensor:
@@ -320,16 +330,17 @@ def log_ratio_batch(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, 
     check_pair(old_log_prob, rollout_log_prob, response_mask)
     segments = check_segment_ids(segment_ids, response_mask, max_segments, row_offset)
     old_log_prob, rollout_log_prob = old_log_prob.detach(), rollout_log_prob.detach()  # statistics only
-    slots = _slots(response_mask, 6)
+    slots, old32 = _slots(response_mask, 6), None
     if _FLOAT32_SUB.get((old_log_prob.dtype, rollout_log_prob.dtype)):  # (torch.result_type breaks a graph)
         lr = torch.sub(old_log_prob, rollout_log_prob, out=_slot(slots, 2))  # upcasts inside the subtraction
     elif slots is None:  # e.g. both bf16: a subtraction in bf16 would round
         lr = old_log_prob.to(torch.float32, copy=True).sub_(rollout_log_prob)
-    else:
-        lr = slots[2].copy_(old_log_prob).sub_(rollout_log_prob)
+    else:  # log π_train in float32 once, in slot 3 (where its masked values go), and log ρ from it
+        old32 = slots[3].copy_(old_log_prob)
+        lr = torch.sub(old32, rollout_log_prob, out=slots[2])
     # the segments go in at construction: dataclasses.replace breaks torch.compile's graph on torch 2.4
     return _build(lr, response_mask, on_nonfinite, row_offset, old_log_prob, rollout_log_prob, rows, slots=slots,
-                  floor=log_prob_floor, ceiling=log_prob_ceiling, segments=segments)
+                  floor=log_prob_floor, ceiling=log_prob_ceiling, segments=segments, old32=old32)
 
 
 @packable("old_log_prob", "rollout_log_prob", "response_mask")
@@ -377,30 +388,37 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
            old: Optional[torch.Tensor] = None, rollout: Optional[torch.Tensor] = None,
            rows: Optional["RowExchange"] = None, source: Optional[torch.Tensor] = None,
            slots: Optional[torch.Tensor] = None, floor: Optional[float] = None,
-           ceiling: Optional[float] = None, segments: Optional[tuple[torch.Tensor, int]] = None) -> LogRatioBatch:
+           ceiling: Optional[float] = None, segments: Optional[tuple[torch.Tensor, int]] = None,
+           old32: Optional[torch.Tensor] = None) -> LogRatioBatch:
     """The batch from a float32 log-ratio ``lr`` that this function may overwrite (``source``: the
     caller's log-ratio, for messages), held in slot 2 of ``slots`` (:func:`_slots`) when given:
     input mask, mask, log ρ, [masked log π_train,] k3, ρ, the order of :class:`RowSums`. ``segments``:
-    (ids, count) from :func:`check_segment_ids`, None for one segment per row."""
+    (ids, count) from :func:`check_segment_ids`, None for one segment per row. ``old32``: slot 3
+    holding ``old`` in float32 already."""
     B, T = response_mask.shape
     last = 0 if slots is None else slots.shape[0]  # k3 and ρ in the last two slots
     input_mask = float_mask(response_mask, out=_slot(slots, 0))
     floor, ceiling = (floor, ceiling) if old is not None else (None, None)
-    # Where reading is free: the least and largest log-prob of either side and the largest |log ρ|.
-    # All finite and in range: nothing is to be tested, no row is bad, and log π_train is finite.
-    low, high = (_host_value(lr, lambda: torch.stack([torch.minimum(old.amin(), rollout.amin()), torch.maximum(
-        old.amax(), rollout.amax())]).tolist()) or (None, None)) if old is not None and old.numel() else (0.0, 0.0)
-    peak = _host_value(lr, lambda: float(lr.abs().amax())) if lr.numel() else None
-    # The tests whose result the host does not know already (a NaN bound compares False). Two bounds
+    # Where reading is free, one read: (min, max) of log ρ[, old, rollout], one pass each (a NaN makes
+    # both NaN). All finite and in range: nothing is to be tested, no row is bad, log π_train is finite.
+    e = _host_value(lr, lambda: torch.stack([m for x in (lr, old, rollout) if x is not None
+                                             for m in torch.aminmax(x)]).tolist()) if lr.numel() else [0.0] * 6
+    peak = None if e is None else max(-e[0], e[1])  # the largest |log ρ|
+    # The tests whose result the host does not know already (a NaN fails every comparison). Two bounds
     # closer than 1e30 bound |log ρ| and exclude NaN and ±inf, so the log-ratio needs no test then.
     ok = None if T == 0 else _usable(
-        lr, old, rollout, None if floor is None or (low is not None and low > floor) else floor,
-        None if ceiling is None or (high is not None and high <= ceiling) else ceiling,
+        lr, old, rollout, None if floor is None or (e is not None and all(v > floor for v in e[2::2])) else floor,
+        None if ceiling is None or (e is not None and all(v <= ceiling for v in e[3::2])) else ceiling,
         bounds_log_probs(floor, ceiling) or (peak is not None and peak < NONFINITE_SENTINEL))
     clean = ok is None  # every value finite and in range
-    split_sentinels = None if rows is None or floor is None else rows.sum(_sentinels(old, rollout, input_mask, floor))
-    failed = None if clean else input_mask.masked_fill(ok, 0.0)  # 1 at the valid positions not usable
-    bad = torch.zeros(B, dtype=torch.bool, device=lr.device) if failed is None else failed.any(-1)
+    # Split rows: what a dropped row keeps for the families read (later, its reductions are its own)
+    keep = () if rows is None or old is None else rows.families
+    split_sentinels = rows.sum(_sentinels(old, rollout, input_mask, floor)) if "sentinel" in keep and floor is not None else None
+    split_gaps = rows.max(_gaps(old, rollout, input_mask)) if "expect_zero" in keep else None
+    # True at the valid positions not usable; a row is bad if one is. (amax, not any: Inductor's CPU
+    # code for any() converts each lane to int64, several times slower.)
+    failed = None if clean else torch.lt(ok, input_mask)
+    bad = torch.zeros(B, dtype=torch.bool, device=lr.device) if failed is None else failed.amax(-1)
     if rows is not None:  # split rows: the group decides; the caller raises for on_nonfinite="raise"
         bad = rows.max(bad)
     elif on_nonfinite == "raise" and bool(bad.any()):
@@ -409,7 +427,8 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     if clean and rows is None:  # nothing to drop: the mask used is the input mask (its row sums too, below)
         mask = input_mask
         lr = lr.mul_(input_mask)
-        train = [] if old is None else [torch.mul(old, mask, out=_slot(slots, 3))]
+        train = [] if old is None else [
+            old32.mul_(mask) if old32 is not None else torch.mul(old, mask, out=_slot(slots, 3))]
     else:  # the values at the positions used, 0 elsewhere (whatever a dropped row or padding holds)
         used = input_mask > bad.unsqueeze(-1)
         if slots is None:
@@ -420,7 +439,8 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
             mask = torch.gt(input_mask, bad.unsqueeze(-1), out=slots[1])
             lr = torch.where(used, lr, mask, out=lr)
             train = [] if old is None else [torch.where(  # (out= takes no float64 operand)
-                used, old if old.dtype in _FLOATS[:3] else old.to(torch.float32), mask, out=slots[3])]
+                used, old32 if old32 is not None else old if old.dtype in _FLOATS[:3] else old.to(torch.float32),
+                mask, out=slots[3])]
     # Clamped to ±20 (an alias of log ρ where the host knows that no |log ρ| exceeds 20)
     lrc = lr if peak is not None and peak <= SAFETY_BOUND else lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     ratio = torch.exp(lrc, out=_slot(slots, last - 1)).mul_(mask)
@@ -447,13 +467,20 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     return LogRatioBatch(response_mask, input_mask, mask, lr, lrc, ratio, k3, bad, sums, counted[1], counted[0],
                          old, rollout, rows, segment_ids=ids, num_segments=S,
                          bounded=bounds_log_probs(floor, ceiling), log_prob_floor=floor,
-                         split_sentinel_row=split_sentinels)
+                         split_sentinel_row=split_sentinels, split_gap_row=split_gaps)
 
 
 def _sentinels(old: torch.Tensor, rollout: torch.Tensor, input_mask: torch.Tensor, floor: float) -> torch.Tensor:
     """(B,) float32 count per row of the valid positions holding a finite log-prob ≤ ``floor``."""
     low = torch.minimum(old.nan_to_num(math.inf, neginf=math.inf), rollout.nan_to_num(math.inf, neginf=math.inf))
     return torch.logical_and(low <= floor, input_mask).sum(-1, dtype=torch.float32)
+
+
+def _gaps(old: torch.Tensor, rollout: torch.Tensor, input_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) float32 largest |old − rollout| per row over the valid positions, NaN and ±inf as 1e30."""
+    gap = torch.sub(old.float(), rollout.float()).abs_()
+    gap = gap.nan_to_num_(nan=NONFINITE_SENTINEL, posinf=NONFINITE_SENTINEL).mul_(input_mask)
+    return gap.amax(-1) if gap.shape[-1] else gap.sum(-1)
 
 
 def row_means64(sums: RowSums, bounded: bool = False) -> torch.Tensor:
@@ -493,13 +520,8 @@ def nonfinite_positions(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tens
     """(B, T) bool: valid positions whose log-ratio is NaN or has |log-ratio| ≥ 1e30, or holding a
     log-prob > ``log_prob_ceiling`` or ≤ ``log_prob_floor`` (the positions that drop a row, or raise with
     ``on_nonfinite="raise"``)."""
-    lr = old_log_prob.float() - rollout_log_prob.float()
-    bad = ~(lr.abs() < NONFINITE_SENTINEL)
-    if log_prob_ceiling is not None:
-        bad |= torch.maximum(old_log_prob, rollout_log_prob) > log_prob_ceiling
-    if log_prob_floor is not None:
-        bad |= (old_log_prob <= log_prob_floor) | (rollout_log_prob <= log_prob_floor)
-    return (response_mask != 0) & bad
+    lr = old_log_prob.float() - rollout_log_prob.float()  # the usability test of the pass, negated
+    return (response_mask != 0) & ~_usable(lr, old_log_prob, rollout_log_prob, log_prob_floor, log_prob_ceiling, False)
 
 
 def _nonfinite_error(failed: torch.Tensor, bad_rows: torch.Tensor, row_offset: int, old: Optional[torch.Tensor],

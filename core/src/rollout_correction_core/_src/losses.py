@@ -417,7 +417,8 @@ def compute_policy_loss(
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
     rows = RowExchange(sequence_group, describe("compute_policy_loss", config, loss_agg_mode=loss.aggregation.mode,
-                                                max_segments=None if segments is None else segments.count))
+                                                max_segments=None if segments is None else segments.count),
+                       config.families)
     for _ in rows.passes():  # one pass for whole rows; collect and replay for split rows
         result = _policy_loss_pass(log_prob, prox, rollout, advantages, response_mask, rollout_is_weights, config,
                                    loss, parallel, rows, owner, segments)

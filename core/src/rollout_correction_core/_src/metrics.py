@@ -458,7 +458,8 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
         check_sequence_group(sequence_group)
         owner = stats_owner(sequence_group, process_group)
         rows = RowExchange(sequence_group, describe("compute_offpolicy_metrics", on_nonfinite=on_nonfinite,
-                                                    mismatch_metrics=mismatch_metrics, metrics=metrics))
+                                                    mismatch_metrics=mismatch_metrics, metrics=metrics),
+                           select_families(metrics))
         for _ in rows.passes():
             batch = log_ratio_batch(old_log_prob, rollout_log_prob, response_mask, on_nonfinite=on_nonfinite, rows=rows)
             acc = OffPolicyAccumulator(on_nonfinite=on_nonfinite, mismatch_metrics=mismatch_metrics, metrics=metrics)

@@ -20,7 +20,7 @@ by exactly one rank, and every rank must hold the same B sequences in the same o
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional, Sequence
+from typing import Collection, Iterator, Optional, Sequence
 
 import torch
 
@@ -149,10 +149,13 @@ class RowExchange:
     ``group`` None makes every reduction the identity (a single pass, no communication). Before the
     all_gather the ranks agree (:func:`~rollout_correction_core._src.stats.agree`) on ``what`` (the
     call and its configuration), the row count and the partials; a rank without rows takes part too.
+    ``families``: the statistic families read from these rows; a log-ratio batch over them takes what a
+    dropped row keeps (``sentinel``'s count, ``expect_zero``'s gap; both by default) before dropping it.
     """
 
-    def __init__(self, group: Optional[object], what: Sequence[str] = ()) -> None:
-        self.group, self.what = group, list(what)
+    def __init__(self, group: Optional[object], what: Sequence[str] = (),
+                 families: Collection[str] = ("sentinel", "expect_zero")) -> None:
+        self.group, self.what, self.families = group, list(what), families
         self.mode = "local" if group is None else "collect"
         self._parts: list[tuple[str, torch.Tensor]] = []
         self._values: list[torch.Tensor] = []
