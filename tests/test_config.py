@@ -294,6 +294,19 @@ def test_from_omegaconf_resolves_interpolations():
 
 
 # ---------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("rs", ["segment_mean_dp,token_k1", "token_k1,segment_mean_dp", "seq_mean_dp,seq_mean_k3"])
+def test_a_shared_threshold_with_a_signed_option_round_trips(rs):
+    """One threshold x shared by a signed option (dp: the band [−x, x]) and a ratio option (k1: [1/x, x];
+    k3: the upper bound x) is held as given: it was held as the signed option's band "-2.0_2.0", which the
+    ratio option refuses, so ``to_dict`` / ``replace`` raised."""
+    cfg = C.from_dict({"rollout_rs": rs, "rollout_rs_threshold": 2.0})
+    assert cfg.to_dict()["rollout_rs_threshold"] == 2.0
+    again = cfg.replace(metrics="all")
+    assert again.rs_options == cfg.rs_options
+    dp = next(o for o in cfg.rs_options if o.estimator == "dp")
+    assert (dp.stat_lower, dp.stat_upper) == (-2.0, 2.0)
+
+
 @pytest.mark.parametrize("name", C.preset_names())
 def test_to_dict_round_trip_for_every_preset(name):
     import yaml

@@ -399,7 +399,9 @@ class RolloutCorrectionConfig(Presets, Loading):
             else:
                 options.append(RSOption(name, agg, est, None, value))
             values.append(value)
-        return (values[0] if len(parts) == 1 else tuple(values)), tuple(options)
+        # one shared threshold is held as a ratio option reads it (a signed option turns x into [−x, x])
+        shared = next((v for v, o in zip(values, options) if o.estimator not in SIGNED_ESTIMATORS), values[0])
+        return (shared if len(parts) == 1 else tuple(values)), tuple(options)
 
     def _legacy_option(self, mode: str) -> tuple[Optional[float], tuple[RSOption, ...]]:
         """A first-generation mode: the ratio band [lower, upper] on ρ_t, ∏ρ_t or exp(mean log ρ_t)."""

@@ -415,8 +415,7 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
     keep = () if rows is None or old is None else rows.families
     split_sentinels = rows.sum(_sentinels(old, rollout, input_mask, floor)) if "sentinel" in keep and floor is not None else None
     split_gaps = rows.max(_gaps(old, rollout, input_mask)) if "expect_zero" in keep else None
-    # True at the valid positions not usable; a row is bad if one is. (amax, not any: Inductor's CPU
-    # code for any() converts each lane to int64, several times slower.)
+    # a row with a valid position not usable is bad (amax: Inductor's CPU code for any() is slow)
     failed = None if clean else torch.lt(ok, input_mask)
     bad = torch.zeros(B, dtype=torch.bool, device=lr.device) if failed is None else failed.amax(-1)
     if rows is not None:  # split rows: the group decides; the caller raises for on_nonfinite="raise"
