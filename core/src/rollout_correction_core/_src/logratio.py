@@ -149,7 +149,7 @@ class LogRatioBatch:
         """(B,) float32 count of the valid positions holding a finite log-prob ≤ the floor (an engine's
         sentinel; NaN and −inf are non-finite, not sentinels); None without log-probs or floor. Whole
         rows: counted when read (only the ``sentinel`` family reads it); split rows: counted across the
-        group as the batch is built, before its rows are dropped (a dropped row's reductions are local)."""
+        group as the batch is built, before its rows are dropped (None unless ``rows.families`` has it)."""
         if self.log_prob_floor is None or self.old_log_prob is None or self.rows is not None:
             return self.split_sentinel_row
         return _sentinels(self.old_log_prob, self.rollout_log_prob, self.input_mask, self.log_prob_floor)
@@ -437,9 +437,8 @@ def _build(lr: torch.Tensor, response_mask: torch.Tensor, on_nonfinite: str, row
         else:  # where ``used`` is False the mask is 0: it is the other operand
             mask = torch.gt(input_mask, bad.unsqueeze(-1), out=slots[1])
             lr = torch.where(used, lr, mask, out=lr)
-            train = [] if old is None else [torch.where(  # (out= takes no float64 operand)
-                used, old32 if old32 is not None else old if old.dtype in _FLOATS[:3] else old.to(torch.float32),
-                mask, out=slots[3])]
+            # (a float64 log π_train, which out= does not take, is in float32 in slot 3 already)
+            train = [] if old is None else [torch.where(used, old if old32 is None else old32, mask, out=slots[3])]
     # Clamped to ±20 (an alias of log ρ where the host knows that no |log ρ| exceeds 20)
     lrc = lr if peak is not None and peak <= SAFETY_BOUND else lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     ratio = torch.exp(lrc, out=_slot(slots, last - 1)).mul_(mask)

@@ -74,15 +74,15 @@ def _reduce_shape(parts: list[_Part]) -> torch.Tensor:
         return (1, r) if p.kind == "max" else (2, -r if r >= 0 else -len(parts) - 1)
 
     order = sorted(range(len(parts)), key=lambda i: rank(parts[i]))
-    stacked = torch.stack([parts[i].value for i in order])  # one copy; dtypes promote (bool < float32 < float64)
+    ordered = [parts[i] for i in order]
+    stacked = torch.stack([p.value for p in ordered])  # one copy; dtypes promote (bool < float32 < float64)
     stacked = (stacked if stacked.dtype == torch.float64 else stacked.to(torch.float64)).reshape(len(parts), -1)
     ns, nx = (sum(p.kind == k for p in parts) for k in ("sum", "max"))
     if ns + nx < len(parts):
         stacked[ns + nx:].neg_()
-    for a, b, p in _runs([parts[i] for i in order], lambda p: (p.kind == "sum", id(p.weight), p.weight is None)):
+    for a, b, p in _runs(ordered, lambda p: (p.kind == "sum", id(p.weight), p.weight is None)):
         if p.weight is not None:
             stacked[a:b].mul_(p.weight.reshape(1, -1))
-    ordered = [parts[i] for i in order]
     for a, b, p in _runs(ordered, lambda p: (id(p.rows), p.rows is None)):
         if p.rows is not None:  # outside ``rows``: 0 in a sum, −inf in a maximum (or negated minimum)
             fill = device_constant(tuple(0.0 if q.kind == "sum" else -math.inf for q in ordered[a:b]), stacked.device)
